@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine (README.md):
+#   make demo   -- create .venv, install, run the main job
+#   make test   -- create .venv, install with [dev], run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch 2.13.0 is pinned first so that pip never resolves to a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m demos.main
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,46 @@
+"""Test configuration shared by every test module.
+
+- JAX runs strict: dtype promotion "strict" (no silent widening in numerics code), and four
+  simulated CPU devices so sharding code paths are exercised without a GPU.
+- ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA device is visible.
+- Hypothesis: no per-example deadline (XLA compiles on first call), a bounded example count.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# JAX must not grab most of the GPU in a process where Torch allocates too (DESIGN.md 6).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=60,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("thorough", deadline=None, max_examples=600)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def _cuda_available() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); none is visible to JAX here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,72 @@
+"""Framework-free oracle of the MXFP8 recipe (numpy + ml_dtypes), written from DESIGN.md 3.
+
+Deliberately slow and obvious: numpy float32 arithmetic is IEEE (it keeps subnormals), so the
+contract's steps are written exactly as stated. Every implementation in the repo must match
+these bytes. Nothing here imports jax or torch.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BLOCK = 32
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+def e8m0_from_s(s: np.ndarray) -> np.ndarray:
+    """Step 3: E8M0 byte of fp32 s with the exponent rounded up (RCEIL)."""
+    bits = np.asarray(s, np.float32).view(np.uint32).astype(np.int64)
+    e = (bits >> 23) & 0xFF
+    m = bits & 0x7FFFFF
+    up = (m > 0) & (e != 0xFE) & ~((e == 0) & (m <= 0x400000))
+    out = e + up
+    out = np.where(np.isposinf(s), 0xFE, out)
+    out = np.where(np.isnan(s), 0xFF, out)
+    out = np.where(s == 0, 0x00, out)
+    return out.astype(np.uint8)
+
+
+def scale_bytes(amax: np.ndarray) -> np.ndarray:
+    """Steps 2-3: s = fp32_rn(amax * fp32(1/448)), then RCEIL."""
+    amax = np.asarray(amax, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = amax * (np.float32(1.0) / np.float32(448.0))
+    return e8m0_from_s(s)
+
+
+def cast_elements(x32: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Step 4: uint8 e4m3 bytes of e4m3_rn_satfinite(fp32(x) * 2^(127 - E)), elementwise."""
+    factor = np.ldexp(np.float32(1.0), 127 - scale.astype(np.int32)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = x32 * factor
+    y = np.where(np.isnan(x32), x32, np.clip(y, -448.0, 448.0)).astype(np.float32)
+    return y.astype(E4M3).view(np.uint8)
+
+
+def _block_amax(x32: np.ndarray, axis: int) -> np.ndarray:
+    return np.max(np.where(np.isnan(x32), np.float32(0), np.abs(x32)), axis=axis)
+
+
+def quantize(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Both planes of a 2-D (M, K) bf16/fp32 array as uint8 arrays (data (M, K), scales)."""
+    x32 = np.asarray(x).astype(np.float32)
+    m, k = x32.shape
+    assert m % BLOCK == 0 and k % BLOCK == 0
+    row_amax = _block_amax(x32.reshape(m, k // BLOCK, BLOCK), axis=2)  # (M, K/32)
+    col_amax = _block_amax(x32.reshape(m // BLOCK, BLOCK, k), axis=1)  # (M/32, K)
+    rs, cs = scale_bytes(row_amax), scale_bytes(col_amax)
+    return {
+        "rowwise_data": cast_elements(x32, np.repeat(rs, BLOCK, axis=1)),
+        "rowwise_scale": rs,
+        "colwise_data": cast_elements(x32, np.repeat(cs, BLOCK, axis=0)),
+        "colwise_scale": cs,
+    }
+
+
+def dequantize(data_u8: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
+    """Step 5: fp32 e4m3(y) * 2^(E - 127), scales already expanded to data's shape."""
+    y = data_u8.view(E4M3).astype(np.float64)
+    e = scale_u8.astype(np.int32) - 127
+    out = np.ldexp(y, e).astype(np.float32)  # exact: few significant bits, fp64 range
+    return np.where(scale_u8 == 0xFF, np.float32(np.nan), out)

@@ -1,0 +1,1 @@
+"""Torch side: FSDP buffers, communication and training (DESIGN.md 5)."""
