@@ -13,13 +13,29 @@ from bridge.dlpack import (
     to_jax,
     to_torch,
 )
+from bridge.linear import LinearMode, MXFP8Linear, mxfp8_linear
+from bridge.linear_reference import mxfp8_linear_reference
+from bridge.mxfp8_tensor import (
+    MXFP8WeightPlanes,
+    TorchMXFP8Tensor,
+    to_jax_mxfp8,
+    to_torch_mxfp8,
+)
 
 __all__ = [
     "DlpackSupport",
     "Fp8Transport",
+    "LinearMode",
+    "MXFP8Linear",
+    "MXFP8WeightPlanes",
+    "TorchMXFP8Tensor",
     "ZeroCopyError",
     "dlpack_support",
+    "mxfp8_linear",
+    "mxfp8_linear_reference",
     "required_alignment",
     "to_jax",
+    "to_jax_mxfp8",
     "to_torch",
+    "to_torch_mxfp8",
 ]

@@ -6,31 +6,33 @@ Names: the *Torch buffer* is the storage behind a ``torch.Tensor``; the *JAX vie
 ``jax.Array`` that ``to_jax`` returns over it (same data pointer). Likewise ``to_torch`` returns a
 *Torch view* over a *JAX buffer*.
 
-1. Zero-copy or refuse. ``to_jax`` / ``to_torch`` return an object with the same data pointer as the
-   input, or raise ``ZeroCopyError`` naming the tensor (shape, dtype, strides, offset, device) and the
-   fix. ``copy=True`` is the one explicit way to accept a copy; it always copies (the result never
-   aliases the input).
-2. Lifetime. The DLPack capsule holds a reference to the producer's buffer, so a JAX view keeps its
-   Torch buffer allocated while the JAX view is alive (and vice versa). This does *not* cover
-   asynchronous reads: JAX dispatches work asynchronously (on CPU too), so the Torch buffer must not be
-   **overwritten or freed** until every JAX computation that reads it is done. A computation is done
-   for Torch once one of its results has been brought back with ``to_torch`` (which orders Torch's
-   current stream after it, see 3) or after ``jax.block_until_ready`` on a result. Until then keep a
-   Torch reference to the buffer and do not write to it. ``mxfp8_linear`` follows this rule: it
-   converts its JAX results with ``to_torch`` before dropping its JAX views of Torch inputs.
+1. Zero-copy or refuse. ``to_jax`` / ``to_torch`` return an object with the same data pointer
+   as the input, or raise ``ZeroCopyError`` naming the tensor (shape, dtype, strides, offset,
+   device) and the fix. ``copy=True`` is the one explicit way to accept a copy; it always copies
+   (the result never aliases the input).
+2. Lifetime. The DLPack capsule holds a reference to the producer's buffer, so a JAX view keeps
+   its Torch buffer allocated while the JAX view is alive (and vice versa). This does *not* cover
+   asynchronous reads: JAX dispatches work asynchronously (on CPU too), so the Torch buffer must
+   not be **overwritten or freed** until every JAX computation that reads it is done. A
+   computation is done for Torch once one of its results has been brought back with ``to_torch``
+   (which orders Torch's current stream after it, see 3) or after ``jax.block_until_ready`` on a
+   result. Until then keep a Torch reference to the buffer and do not write to it.
+   ``mxfp8_linear`` follows this rule: it converts its JAX results with ``to_torch`` before it
+   drops its JAX views of Torch inputs.
 3. CUDA ordering (producer before consumer) goes through the DLPack ``stream`` argument:
-   ``to_jax`` lets ``jax.dlpack.from_dlpack`` pass JAX's stream to ``torch.Tensor.__dlpack__``, which
-   makes that stream wait on an event recorded on Torch's current stream *of the tensor's device*
-   (the bridge enters ``torch.cuda.device(t.device)`` so "current" means that device).
+   ``to_jax`` lets ``jax.dlpack.from_dlpack`` pass JAX's stream to ``torch.Tensor.__dlpack__``,
+   which makes that stream wait on an event recorded on Torch's current stream *of the tensor's
+   device* (the bridge enters ``torch.cuda.device(t.device)``, so "current" means that device).
    ``to_torch`` passes Torch's current stream of the array's device to ``jax.Array.__dlpack__``,
    which makes it wait until the JAX buffer is ready. The result lives on the same device index
    as the input in both directions.
-4. Mutation. JAX arrays are immutable by contract. Writing through a Torch view of a JAX buffer, or
-   into a Torch buffer while a JAX view of it is alive and in use, is undefined behaviour for JAX.
-   Buffers that Torch writes (FSDP buckets) must be created by Torch and lent to JAX, not the reverse.
+4. Mutation. JAX arrays are immutable by contract. Writing through a Torch view of a JAX buffer,
+   or into a Torch buffer while a JAX view of it is alive and in use, is undefined behaviour for
+   JAX. Buffers that Torch writes (FSDP buckets) are created by Torch and lent to JAX, not the
+   reverse.
 5. GPU memory. JAX must not preallocate most of the GPU in a process where Torch allocates too:
-   importing ``bridge`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the caller set it (it only
-   takes effect if JAX's GPU backend has not started yet, so import ``bridge`` early).
+   importing ``bridge`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the caller set it
+   (it only takes effect if JAX's GPU backend has not started yet, so import ``bridge`` early).
 
 Alignment: JAX on CPU only aliases buffers aligned to 64 bytes (it copies silently otherwise);
 XLA GPU kernels assume entry parameters are 16-byte aligned. The bridge checks both itself.
@@ -73,7 +75,10 @@ class ZeroCopyError(BufferError):
 
 
 class Fp8Transport(enum.Enum):
-    """How a 1-byte float crosses DLPack: as itself, or as uint8 bytes relabeled for the consumer."""
+    """How a 1-byte float crosses DLPack: as itself, or as uint8 bytes relabeled for the consumer.
+
+    Both are zero-copy (``bridge.capsule``); NATIVE needs both libraries to know the float8 code.
+    """
 
     NATIVE = "native"
     UINT8 = "uint8"

@@ -1,0 +1,207 @@
+"""``TorchMXFP8Tensor``: the Torch-side mirror of ``jax_side.mxfp8.MXFP8Tensor``, and its transfer.
+
+Layout (DESIGN.md 4) for a logical (M, K) tensor, identical on both sides:
+- rowwise plane: data (M, K), blocks 1x32 along K; scale (M, K // 32).
+- colwise plane: data (M, K), same *not transposed* layout, blocks 32x1 along M; scale (M // 32, K).
+
+Torch side: data is float8_e4m3fn **or uint8** (FSDP buffers are uint8), scales are float8_e8m0fnu
+**or uint8**; any plane may be ``None``. JAX side: float8_e4m3fn / float8_e8m0fnu. A uint8 plane is
+reinterpreted with ``Tensor.view(dtype)`` (same bytes, same pointer) before it crosses DLPack, so
+``to_jax_mxfp8`` / ``to_torch_mxfp8`` are zero-copy for every plane (ownership note:
+``bridge/dlpack.py``).
+
+``MXFP8WeightPlanes`` is the protocol ``mxfp8_linear`` takes weights through, so that FSDP can hand
+over planes lazily: the op calls ``rowwise()`` in forward and ``colwise()`` only in backward, and
+holds no reference to the returned tensors after the call that uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from bridge.dlpack import Fp8Transport, to_jax, to_torch
+from jax_side.mxfp8 import BLOCK_SIZE, MXFP8Tensor, Plane
+
+__all__ = [
+    "MXFP8WeightPlanes",
+    "TorchMXFP8Tensor",
+    "planes_to_jax",
+    "to_jax_mxfp8",
+    "to_torch_mxfp8",
+]
+
+_DATA_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+_HP_DTYPES = {torch.float32: np.dtype(jnp.float32), torch.bfloat16: np.dtype(jnp.bfloat16)}
+
+
+@runtime_checkable
+class MXFP8WeightPlanes(Protocol):
+    """Lazy provider of a weight's MXFP8 planes (Torch tensors, uint8 or native float8).
+
+    ``shape`` is the logical (N, K). ``rowwise()`` -> (data (N, K), scale (N, K/32));
+    ``colwise()`` -> (data (N, K), scale (N/32, K)). Each call may all-gather; callers must not
+    keep the returned tensors beyond the computation that reads them.
+    """
+
+    shape: tuple[int, int]
+
+    def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def colwise(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _plane_shapes(shape: tuple[int, int], plane: Plane) -> tuple[tuple[int, int], tuple[int, int]]:
+    m, k = shape
+    if plane is Plane.ROWWISE:
+        return (m, k), (m, k // BLOCK_SIZE)
+    return (m, k), (m // BLOCK_SIZE, k)
+
+
+def check_plane(
+    owner: str, shape: tuple[int, int], plane: Plane, data: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Raise a clear error unless (data, scale) is a valid ``plane`` of a logical ``shape``."""
+    want_data, want_scale = _plane_shapes(shape, plane)
+    for what, t, want, dtypes in (
+        ("data", data, want_data, _DATA_DTYPES),
+        ("scale", scale, want_scale, _SCALE_DTYPES),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{owner}: {plane.value} {what} must be a torch.Tensor, got {type(t).__name__}"
+            )
+        if tuple(t.shape) != want or t.dtype not in dtypes:
+            raise ValueError(
+                f"{owner}: {plane.value} {what} of a logical {shape} MXFP8 tensor must have shape "
+                f"{want} and dtype in {[str(d) for d in dtypes]}, got shape {tuple(t.shape)} dtype "
+                f"{t.dtype} (DESIGN.md 4: planes are (M, K), not transposed; scales compact)"
+            )
+    if data.device != scale.device:
+        raise ValueError(
+            f"{owner}: {plane.value} data is on {data.device} but its scale is on {scale.device}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchMXFP8Tensor:
+    """MXFP8 planes of a logical (M, K) tensor held by Torch; see the module docstring."""
+
+    rowwise_data: torch.Tensor | None
+    rowwise_scale: torch.Tensor | None
+    colwise_data: torch.Tensor | None
+    colwise_scale: torch.Tensor | None
+    shape: tuple[int, int]
+    dtype: torch.dtype  # dtype of the high-precision tensor that was quantized
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        m, k = self.shape
+        if m % BLOCK_SIZE or k % BLOCK_SIZE:
+            raise ValueError(
+                f"TorchMXFP8Tensor: shape (M, K) = {self.shape} must have M % 32 == 0 and "
+                f"K % 32 == 0 (DESIGN.md 4)"
+            )
+        if self.dtype not in _HP_DTYPES:
+            raise ValueError(
+                f"TorchMXFP8Tensor: dtype (of the quantized source) must be torch.float32 or "
+                f"torch.bfloat16, got {self.dtype}"
+            )
+        for plane, data, scale in (
+            (Plane.ROWWISE, self.rowwise_data, self.rowwise_scale),
+            (Plane.COLWISE, self.colwise_data, self.colwise_scale),
+        ):
+            if (data is None) != (scale is None):
+                raise ValueError(
+                    f"TorchMXFP8Tensor{self.shape}: {plane.value} data and scale must both be "
+                    f"given or both be None"
+                )
+            if data is not None:
+                check_plane("TorchMXFP8Tensor", self.shape, plane, data, scale)
+
+    def has_plane(self, plane: Plane | str) -> bool:
+        plane = Plane.parse(plane)
+        return (self.rowwise_data if plane is Plane.ROWWISE else self.colwise_data) is not None
+
+    def plane(self, plane: Plane | str) -> tuple[torch.Tensor, torch.Tensor]:
+        plane = Plane.parse(plane)
+        if not self.has_plane(plane):
+            raise ValueError(
+                f"this TorchMXFP8Tensor of shape {self.shape} has no {plane.value} plane"
+            )
+        if plane is Plane.ROWWISE:
+            return self.rowwise_data, self.rowwise_scale
+        return self.colwise_data, self.colwise_scale
+
+    def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plane(Plane.ROWWISE)
+
+    def colwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plane(Plane.COLWISE)
+
+
+def _as_native(t: torch.Tensor, native: torch.dtype) -> torch.Tensor:
+    return t.view(native) if t.dtype == torch.uint8 else t  # same bytes, same pointer
+
+
+def _plane_to_jax(data, scale, transport):
+    if data is None:
+        return None, None
+    return (
+        to_jax(_as_native(data, torch.float8_e4m3fn), transport=transport),
+        to_jax(_as_native(scale, torch.float8_e8m0fnu), transport=transport),
+    )
+
+
+def planes_to_jax(
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    rowwise: tuple[torch.Tensor, torch.Tensor] | None = None,
+    colwise: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    transport: Fp8Transport | str | None = None,
+) -> MXFP8Tensor:
+    """Zero-copy ``MXFP8Tensor`` over Torch planes (each (data, scale) or None), validated."""
+    return to_jax_mxfp8(
+        TorchMXFP8Tensor(*(rowwise or (None, None)), *(colwise or (None, None)), shape, dtype),
+        transport=transport,
+    )
+
+
+def to_jax_mxfp8(
+    tt: TorchMXFP8Tensor, *, transport: Fp8Transport | str | None = None
+) -> MXFP8Tensor:
+    """Zero-copy: every present plane of ``tt`` as a JAX float8 array at the same address."""
+    if not isinstance(tt, TorchMXFP8Tensor):
+        raise TypeError(f"to_jax_mxfp8: expected a TorchMXFP8Tensor, got {type(tt).__name__}")
+    rd, rs = _plane_to_jax(tt.rowwise_data, tt.rowwise_scale, transport)
+    cd, cs = _plane_to_jax(tt.colwise_data, tt.colwise_scale, transport)
+    return MXFP8Tensor(rd, rs, cd, cs, tt.shape, _HP_DTYPES[tt.dtype])
+
+
+def _torch_hp_dtype(dtype) -> torch.dtype:
+    for td, nd in _HP_DTYPES.items():
+        if np.dtype(dtype) == nd:
+            return td
+    raise ValueError(f"to_torch_mxfp8: source dtype {dtype} is not float32 or bfloat16")
+
+
+def to_torch_mxfp8(
+    t: MXFP8Tensor, *, transport: Fp8Transport | str | None = None
+) -> TorchMXFP8Tensor:
+    """Zero-copy: every present plane of ``t`` as a native-float8 Torch tensor at the same address.
+
+    Use ``.view(torch.uint8)`` on a plane for the byte view FSDP buffers use.
+    """
+    if not isinstance(t, MXFP8Tensor):
+        raise TypeError(f"to_torch_mxfp8: expected an MXFP8Tensor, got {type(t).__name__}")
+    planes = [
+        None if p is None else to_torch(p, transport=transport)
+        for p in (t.rowwise_data, t.rowwise_scale, t.colwise_data, t.colwise_scale)
+    ]
+    return TorchMXFP8Tensor(*planes, shape=t.shape, dtype=_torch_hp_dtype(t.dtype))
