@@ -314,8 +314,10 @@ def to_jax(
     _check_shareable(t)
     t = _canonical(t)
     mode = _transport(spec, transport, "torch_to_jax")
-    src = t if mode in (None, Fp8Transport.NATIVE) else _RelabeledTorch(
-        t.view(torch.uint8), spec.byte_code
+    src = (
+        t
+        if mode in (None, Fp8Transport.NATIVE)
+        else _RelabeledTorch(t.view(torch.uint8), spec.byte_code)
     )
     with _device_ctx(t.device):
         a = jax.dlpack.from_dlpack(src, copy=False)

@@ -135,9 +135,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
-            out = K.hp_backward(
-                dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw
-            )
+            out = K.hp_backward(dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw)
         else:
             w_col = None
             if need_dx:
@@ -201,11 +199,13 @@ class MXFP8Linear(torch.nn.Module):
     ):
         super().__init__()
         self.in_features, self.out_features, self.mode = in_features, out_features, LinearMode(mode)
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device,
-                                                     dtype=dtype))
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
         self.bias = (
             torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
-            if bias else None
+            if bias
+            else None
         )
         bound = 1.0 / math.sqrt(in_features)
         torch.nn.init.uniform_(self.weight, -bound, bound)
@@ -221,4 +221,3 @@ class MXFP8Linear(torch.nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, mode={self.mode.value}"
         )
-

@@ -90,9 +90,7 @@ def only_colwise(q: MXFP8Tensor) -> MXFP8Tensor:
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "keep_x_colwise"))
-def mxfp8_forward(
-    x2d: jax.Array, w: MXFP8Tensor, *, out_dtype, keep_x_colwise: bool
-) -> ForwardOut:
+def mxfp8_forward(x2d: jax.Array, w: MXFP8Tensor, *, out_dtype, keep_x_colwise: bool) -> ForwardOut:
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype."""
     xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise)
     y = matmul(xq, w, GemmRole.FORWARD, out_dtype=out_dtype)[: x2d.shape[0]]
