@@ -1,12 +1,19 @@
 """Kernel backend choice for ``jax_side.mxfp8`` (DESIGN.md 7): explicit, reported, never silent.
 
 - ``xla``: the project's pure-JAX implementation; bit-exact to the contract on every platform.
-- ``te``: Transformer Engine for JAX, only where it is importable (GPU machines with the ``[te]``
-  extra). Its MXFP8 custom calls are only valid on compute capability >= 10; elsewhere the adapter
-  must not route MXFP8 to them (see ``te_backend``).
+- ``te``: Transformer Engine for JAX (``te_backend``), only where it is importable (GPU machines
+  with the ``[te]`` extra). It runs one of two TE paths (:class:`TEPath`): TE's MXFP8 CUDA custom
+  calls where TE itself reports MXFP8 support on a compute capability 10.x device, and TE's own
+  pure-JAX quantizer and GEMM (custom calls off for exactly those primitives, for the duration of
+  the call) everywhere else. On an H200 (9.0) TE's custom-call quantize returned wrong bytes
+  without raising and its GEMM failed in cuBLAS, so nothing here ever routes there.
 
-``backend=None`` resolves to the automatic default, which is ``xla`` unless the environment
-variable ``MXFP8_BACKEND`` names another; ``backend_report()`` says what was chosen and why.
+The decision is a pure function, :func:`decide_backend`, of the request and a :class:`TEProbe`
+(TE importable?, TE's own MXFP8 support answer, compute capability), so it is tested on CPU
+without TE. ``backend=None`` resolves to the automatic default: the environment variable
+``MXFP8_BACKEND`` if set, else TE's kernels where they are supported, else ``xla``. It never
+picks TE's pure-JAX path (slower than ``xla`` and not the contract on its own).
+``backend_report()`` says what was chosen and why.
 """
 
 from __future__ import annotations
@@ -15,9 +22,21 @@ import enum
 import os
 from typing import NamedTuple
 
-__all__ = ["Backend", "BackendChoice", "backend_report", "resolve_backend"]
+__all__ = [
+    "Backend",
+    "BackendChoice",
+    "TEPath",
+    "TEProbe",
+    "backend_report",
+    "decide_backend",
+    "resolve_backend",
+]
 
 ENV_VAR = "MXFP8_BACKEND"
+
+# Compute-capability majors on which TE's MXFP8 custom calls are used (DESIGN.md 7: native MXFP8
+# is 10.x). TE reports support from 9.9 upward; 12.x is left on the pure-JAX path until verified.
+TE_KERNEL_CC_MAJORS = (10,)
 
 
 class Backend(enum.Enum):
@@ -37,9 +56,106 @@ class Backend(enum.Enum):
             ) from None
 
 
+class TEPath(enum.Enum):
+    """Which part of TE-JAX the ``te`` backend runs."""
+
+    KERNELS = "kernels"  # TE's MXFP8 CUDA custom calls (quantize, cuBLAS GEMM)
+    PURE_JAX = "pure_jax"  # TE's pure-JAX quantizer and GEMM, custom calls off for those calls
+
+
+class TEProbe(NamedTuple):
+    """Facts about TE-JAX on this process (gathered by ``te_backend.probe``)."""
+
+    importable: bool
+    detail: str  # the import error, or TE's own reason when it reports MXFP8 unsupported
+    mxfp8_supported: bool  # TE's is_scaling_mode_supported(MXFP8_1D_SCALING)
+    compute_capability: int | None  # e.g. 90, 100 (TE's encoding); None: no CUDA GPU in JAX
+
+
 class BackendChoice(NamedTuple):
     backend: Backend
     reason: str
+    te_path: TEPath | None = None  # set iff backend is TE
+
+
+NO_TE = TEProbe(False, "not probed", False, None)
+
+
+def _cc_text(cc: int | None) -> str:
+    return "no CUDA GPU" if cc is None else f"compute capability {cc // 10}.{cc % 10}"
+
+
+def _kernels_ok(probe: TEProbe) -> bool:
+    return (
+        probe.importable
+        and probe.mxfp8_supported
+        and probe.compute_capability is not None
+        and probe.compute_capability // 10 in TE_KERNEL_CC_MAJORS
+    )
+
+
+def _why_no_kernels(probe: TEProbe) -> str:
+    if not probe.importable:
+        return f"TE-JAX is not importable ({probe.detail})"
+    if probe.compute_capability is None:
+        return "no CUDA GPU"
+    if probe.mxfp8_supported:
+        return f"TE reports MXFP8 support, but {_cc_text(probe.compute_capability)} is not 10.x"
+    detail = f" ({probe.detail})" if probe.detail else ""
+    return f"TE reports MXFP8 unsupported on {_cc_text(probe.compute_capability)}{detail}"
+
+
+def _te_path_reason(probe: TEProbe) -> str:
+    if _kernels_ok(probe):
+        return f"TE reports MXFP8 support on {_cc_text(probe.compute_capability)}: TE kernels"
+    return (
+        _why_no_kernels(probe)
+        + ": TE's pure-JAX quantizer and GEMM, custom calls off for those calls"
+    )
+
+
+def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendChoice:
+    """The backend that runs for ``requested`` given ``probe``; pure, raises if unusable.
+
+    requested None is the automatic default (the environment variable is handled by
+    :func:`resolve_backend`, not here).
+    """
+    if requested is None:
+        if _kernels_ok(probe):
+            return BackendChoice(
+                Backend.TE, "automatic default; " + _te_path_reason(probe), TEPath.KERNELS
+            )
+        return BackendChoice(
+            Backend.XLA,
+            f"automatic default: project pure-JAX path ({_why_no_kernels(probe)}; "
+            "TE kernels not used)",
+        )
+    requested = Backend.parse(requested)
+    if requested is Backend.XLA:
+        return BackendChoice(Backend.XLA, "requested explicitly")
+    if not probe.importable:
+        raise RuntimeError(
+            "MXFP8 backend 'te' was requested but Transformer Engine for JAX "
+            f"(transformer_engine.jax) is not importable here ({probe.detail}). Install it on a "
+            "GPU machine with `pip install .[te]` (see docs/te_backend.md), or use backend='xla' "
+            "(the default), the project's bit-exact pure-JAX path"
+        )
+    if probe.compute_capability is None:
+        raise RuntimeError(
+            "MXFP8 backend 'te' was requested but JAX sees no CUDA GPU; TE-JAX runs on NVIDIA "
+            "GPUs only. Use backend='xla' (the default) on this platform"
+        )
+    path = TEPath.KERNELS if _kernels_ok(probe) else TEPath.PURE_JAX
+    return BackendChoice(Backend.TE, "requested explicitly; " + _te_path_reason(probe), path)
+
+
+def _probe_for(requested: Backend | str | None) -> TEProbe:
+    """Probe TE only when it can matter: 'te' requested, or the automatic default on a GPU."""
+    if requested is not None and Backend.parse(requested) is Backend.XLA:
+        return NO_TE
+    from jax_side.mxfp8 import te_backend  # imports TE lazily, and only on a GPU
+
+    return te_backend.probe()
 
 
 def resolve_backend(backend: Backend | str | None = None) -> BackendChoice:
@@ -48,17 +164,8 @@ def resolve_backend(backend: Backend | str | None = None) -> BackendChoice:
         env = os.environ.get(ENV_VAR)
         if env:
             choice = resolve_backend(env)
-            return BackendChoice(choice.backend, f"{ENV_VAR}={env!r}; {choice.reason}")
-        return BackendChoice(
-            Backend.XLA, "automatic default: project pure-JAX path (bit-exact on every device)"
-        )
-    requested = Backend.parse(backend)
-    if requested is Backend.XLA:
-        return BackendChoice(Backend.XLA, "requested explicitly")
-    from jax_side.mxfp8 import te_backend
-
-    te_backend.require_available()
-    return BackendChoice(Backend.TE, "requested explicitly; " + te_backend.describe())
+            return choice._replace(reason=f"{ENV_VAR}={env!r}; {choice.reason}")
+    return decide_backend(backend, _probe_for(backend))
 
 
 def backend_report(backend: Backend | str | None = None) -> dict[str, str]:
@@ -67,9 +174,18 @@ def backend_report(backend: Backend | str | None = None) -> dict[str, str]:
 
     choice = resolve_backend(backend)
     devices = jax.devices()
+    probed = backend is None or Backend.parse(backend) is Backend.TE
+    probe = _probe_for(None) if probed else None
     return {
         "backend": choice.backend.value,
         "reason": choice.reason,
+        "te_path": "" if choice.te_path is None else choice.te_path.value,
+        "te_importable": "not probed" if probe is None else str(probe.importable),
+        "te_detail": "" if probe is None else probe.detail,
+        "te_mxfp8_supported": "not probed" if probe is None else str(probe.mxfp8_supported),
+        "compute_capability": (
+            "not probed" if probe is None else _cc_text(probe.compute_capability)
+        ),
         "jax_platform": devices[0].platform,
         "jax_device": str(devices[0]),
     }

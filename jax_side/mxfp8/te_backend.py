@@ -1,41 +1,356 @@
-"""Adapter boundary to Transformer Engine for JAX (the ``te`` backend).
+"""Adapter to Transformer Engine for JAX: the ``te`` backend of ``jax_side.mxfp8``.
 
-This module is imported only when the ``te`` backend is requested. TE-JAX is an optional
-dependency (``pip install .[te]`` on a GPU machine); it does not import on a CPU-only machine.
+Imported only when TE can matter (``te`` requested, or the automatic default on a GPU), and it
+imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU: TE-JAX does not import
+on a CPU-only machine. Which TE path runs is decided by ``backends.decide_backend`` from
+:func:`probe`; every public function here re-derives it, so a caller cannot mix paths.
+
+Paths (``backends.TEPath``):
+
+- ``KERNELS`` (TE reports MXFP8 support and compute capability is 10.x): ``tex.quantize`` with a
+  ``BlockScaleQuantizer`` and ``tex.gemm`` -- TE's MXFP8 CUDA custom calls and cuBLAS.
+- ``PURE_JAX`` (every other GPU, e.g. the H200, 9.0): ``BlockScaleQuantizer.quantize`` -- TE's
+  pure-JAX quantizer, which never binds the quantize custom call -- and ``tex.gemm`` with TE's
+  ``GemmPrimitive`` disabled while our call traces (:func:`_gemm_custom_call`), so TE runs its
+  pure-JAX GEMM (``jax.nn.scaled_matmul``). The previous enable state is restored afterwards;
+  nothing process-wide is left changed (NVTE_JAX_CUSTOM_CALLS is read, never written).
+
+Contract fix (DESIGN.md 3; ``ContractFix``): TE's pure-JAX quantizer computes in floats. It
+propagates NaN into the block amax and maps an Inf amax to scale byte 0xFF (the contract: NaN
+ignored, Inf -> 0xFE), so a block holding NaN or Inf comes out all NaN; and it divides by the
+scale 2**(E-127), which is subnormal for E == 0, so wherever subnormals are flushed (XLA:CPU) an
+all-zero block becomes NaN. Both only touch "edge blocks": a non-finite value, or a block amax
+below 2**-100 (below that, scales and quotients come near the subnormal range; above it, a
+flushed subnormal input would have rounded to e4m3 zero anyway). ``SPLICE_EDGE_BLOCKS`` (the
+default on the pure-JAX path) takes exactly those blocks, scale and elements, from the ``xla``
+path -- behind a ``lax.cond``, so a tensor without edge blocks pays one extra read of x -- and
+everything else is TE's bytes. ``ContractFix.NONE`` returns TE's bytes untouched; the GPU tests
+pin where those differ. docs/te_backend.md lists the cases.
+
+Layout: TE's MXFP8 planes are the contract's (DESIGN.md 4): colwise data not transposed,
+compact unswizzled scales of shapes (M, K/32) and (M/32, K); the ``MXFP8Tensor`` holds TE's
+arrays themselves (a dtype bitcast at most, no copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 import importlib.util
+from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["describe", "is_available", "require_available"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_side.mxfp8 import xla_impl
+from jax_side.mxfp8.backends import Backend, TEPath, TEProbe, decide_backend
+from jax_side.mxfp8.formats import BLOCK_SIZE
+from jax_side.mxfp8.gemm import GemmRole
+from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
+
+__all__ = [
+    "ContractFix",
+    "EDGE_AMAX",
+    "TESTED_TE_VERSION",
+    "dequantize",
+    "describe",
+    "edge_blocks",
+    "is_available",
+    "matmul",
+    "probe",
+    "quantize",
+    "require_available",
+    "te_path",
+]
+
+TESTED_TE_VERSION = "2.20.2"
+EDGE_AMAX = 2.0**-100  # blocks with a smaller amax are "edge blocks" (module docstring)
+_EDGE_AMAX_BITS = 0x0D800000  # fp32 bits of 2**-100
+_ABS = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_BS = BLOCK_SIZE
+assert np.float32(EDGE_AMAX).view(np.uint32) == _EDGE_AMAX_BITS
+
+
+class ContractFix(enum.Enum):
+    """What the adapter does where TE's pure-JAX quantizer leaves the contract."""
+
+    NONE = "none"  # TE's bytes as they come
+    SPLICE_EDGE_BLOCKS = "splice_edge_blocks"  # edge blocks taken from the xla path
+
+
+_DEFAULT_FIX = {TEPath.KERNELS: ContractFix.NONE, TEPath.PURE_JAX: ContractFix.SPLICE_EDGE_BLOCKS}
+
+
+class _RoleOperands(NamedTuple):
+    a_plane: Plane
+    b_plane: Plane
+    a_contract: int
+    b_contract: int
+
+
+# Same roles as gemm.py (DESIGN.md 4); the contracted axis is the blocked axis of each plane.
+_ROLES = {
+    GemmRole.FORWARD: _RoleOperands(Plane.ROWWISE, Plane.ROWWISE, 1, 1),
+    GemmRole.DGRAD: _RoleOperands(Plane.ROWWISE, Plane.COLWISE, 1, 0),
+    GemmRole.WGRAD: _RoleOperands(Plane.COLWISE, Plane.COLWISE, 0, 0),
+}
+
+
+# ---------------------------------------------------------------- availability and dispatch
 
 
 def is_available() -> bool:
-    """True when ``transformer_engine.jax`` can be found (it is not imported here)."""
+    """True when ``transformer_engine.jax`` is installed (found on disk; nothing is imported)."""
     try:
-        return importlib.util.find_spec("transformer_engine.jax") is not None
+        spec = importlib.util.find_spec("transformer_engine")
     except (ImportError, ValueError):
         return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(p) / "jax" / "__init__.py").is_file() for p in spec.submodule_search_locations)
+
+
+def _jax_compute_capability() -> int | None:
+    """Compute capability of JAX's first device as TE encodes it (9.0 -> 90); None if not GPU."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> TEProbe:
+    """TE facts for ``backends.decide_backend``. Imports TE only when JAX shows a CUDA GPU."""
+    cc = _jax_compute_capability()
+    if not is_available():
+        return TEProbe(False, "transformer_engine.jax is not installed", False, cc)
+    if cc is None:
+        return TEProbe(False, "not imported: JAX sees no CUDA GPU (TE-JAX needs one)", False, None)
+    try:
+        te = _te()
+    except Exception as e:  # noqa: BLE001 -- any import failure means "not importable"; say which
+        return TEProbe(False, f"import failed: {type(e).__name__}: {e}", False, cc)
+    supported, why = te.q.is_scaling_mode_supported(te.q.ScalingMode.MXFP8_1D_SCALING)
+    return TEProbe(True, str(why), bool(supported), int(te.q.get_device_compute_capability(0)))
+
+
+def te_path() -> TEPath:
+    """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
+    return decide_backend(Backend.TE, probe()).te_path
 
 
 def require_available() -> None:
-    if not is_available():
-        raise RuntimeError(
-            "MXFP8 backend 'te' was requested but Transformer Engine for JAX "
-            "(transformer_engine.jax) is not installed. Install it on a GPU machine with "
-            "`pip install .[te]` (see docs/te_backend.md), or use backend='xla' (the default), "
-            "the project's bit-exact pure-JAX path"
-        )
-    raise NotImplementedError(
-        "MXFP8 backend 'te': transformer_engine.jax is installed, but this version of the "
-        "project does not route MXFP8 to it yet; use backend='xla'"
-    )
+    """Raise the dispatcher's clear error where the ``te`` backend cannot run."""
+    te_path()
 
 
 def describe() -> str:
-    return "Transformer Engine for JAX"
+    return "Transformer Engine for JAX; " + decide_backend(Backend.TE, probe()).reason
 
 
-def quantize(x, *, rowwise: bool, colwise: bool):
-    require_available()
+class _TE(NamedTuple):
+    version: str
+    q: object  # transformer_engine.jax.quantize
+    tex: object  # transformer_engine.jax.cpp_extensions
+
+
+@functools.lru_cache(maxsize=1)
+def _te() -> _TE:
+    from importlib import metadata
+
+    import transformer_engine.jax  # noqa: F401 -- loads the framework extension
+    import transformer_engine.jax.cpp_extensions as tex
+    import transformer_engine.jax.quantize as q
+
+    return _TE(metadata.version("transformer_engine"), q, tex)
+
+
+@contextlib.contextmanager
+def _gemm_custom_call(path: TEPath):
+    """On the pure-JAX path, TE's GemmPrimitive custom call is off while the body traces."""
+    if path is TEPath.KERNELS:
+        yield
+        return
+    import importlib
+
+    prim = importlib.import_module("transformer_engine.jax.cpp_extensions.gemm").GemmPrimitive
+    saved = prim.__dict__.get("_is_enabled")
+    prim.set_enabled(False)
+    try:
+        if prim.enabled():
+            raise RuntimeError(
+                "te backend (pure-JAX path): TE's GemmPrimitive custom call stays enabled because "
+                "the environment variable NVTE_JAX_CUSTOM_CALLS forces it on; on this GPU TE's "
+                "MXFP8 GEMM custom call is not supported. Unset NVTE_JAX_CUSTOM_CALLS or set it "
+                "to 'GemmPrimitive=false', or use backend='xla'"
+            )
+        yield
+    finally:
+        if saved is None:
+            delattr(prim, "_is_enabled")  # back to the inherited class default
+        else:
+            prim.set_enabled(saved)
+
+
+# ---------------------------------------------------------------- quantize
+
+
+class EdgeBlocks(NamedTuple):
+    """bool masks of edge blocks: rowwise (M, K/32), colwise (M/32, K); None if not asked."""
+
+    rowwise: jax.Array | None
+    colwise: jax.Array | None
+
+
+def edge_blocks(x: jax.Array, *, rowwise: bool, colwise: bool) -> EdgeBlocks:
+    """Blocks of a 2-D (M, K) bf16/fp32 x holding NaN/Inf or with amax < 2**-100."""
+    bits = xla_impl.fp32_bits(x) & jnp.uint32(_ABS)  # uint32 (M, K); NaN > Inf > finite
+    m, k = x.shape
+
+    def edge(block_max):
+        return (block_max >= jnp.uint32(_INF_BITS)) | (block_max < jnp.uint32(_EDGE_AMAX_BITS))
+
+    row = edge(jnp.max(bits.reshape(m, k // _BS, _BS), axis=2)) if rowwise else None
+    col = edge(jnp.max(bits.reshape(m // _BS, _BS, k), axis=1)) if colwise else None
+    return EdgeBlocks(row, col)
+
+
+def _as_e8m0(scale: jax.Array) -> jax.Array:
+    return scale if scale.dtype == jnp.float8_e8m0fnu else lax.bitcast_convert_type(
+        scale.astype(jnp.uint8), jnp.float8_e8m0fnu)
+
+
+def _plane_of(scaled, plane: Plane, shape: tuple[int, int]):
+    """(data, scale) of TE's ScaledTensor1x, checked against the contract layout."""
+    m, k = shape
+    expected = (m, k // _BS) if plane is Plane.ROWWISE else (m // _BS, k)
+    data, scale = scaled.data, _as_e8m0(scaled.scale_inv)
+    if tuple(data.shape) != (m, k) or tuple(scale.shape) != expected:
+        raise RuntimeError(
+            f"te backend: TE-JAX {_te().version} returned a {plane.value} plane with data "
+            f"{tuple(data.shape)} and scales {tuple(scale.shape)} for x of shape {shape}; "
+            f"expected data {(m, k)} and compact scales {expected} (adapter written against "
+            f"TE {TESTED_TE_VERSION}); use backend='xla'"
+        )
+    if data.dtype != jnp.float8_e4m3fn:
+        data = lax.bitcast_convert_type(data.astype(jnp.uint8), jnp.float8_e4m3fn)
+    return data, scale
+
+
+def _te_quantize(x: jax.Array, rowwise: bool, colwise: bool, path: TEPath) -> MXFP8Tensor:
+    te = _te()
+    layout = {
+        (True, True): te.q.QuantizeLayout.ROWWISE_COLWISE,
+        (True, False): te.q.QuantizeLayout.ROWWISE,
+        (False, True): te.q.QuantizeLayout.COLWISE,
+    }[(rowwise, colwise)]
+    quantizer = te.q.QuantizerFactory.create(
+        scaling_mode=te.q.ScalingMode.MXFP8_1D_SCALING, q_dtype=jnp.float8_e4m3fn, q_layout=layout
+    )
+    # TE's quantizer mixes bf16 and fp32 operands; the repo runs JAX with strict promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        if path is TEPath.KERNELS:
+            out = te.tex.quantize(x, quantizer)
+        else:
+            out = quantizer.quantize(x, is_rowwise=rowwise, is_colwise=colwise)
+    parts = {Plane.ROWWISE: None, Plane.COLWISE: None}
+    for one in (out.rowwise_tensor, out.colwise_tensor) if rowwise and colwise else (out,):
+        plane = Plane.COLWISE if one.is_colwise else Plane.ROWWISE
+        parts[plane] = _plane_of(one, plane, x.shape)
+    row, col = parts[Plane.ROWWISE] or (None, None), parts[Plane.COLWISE] or (None, None)
+    return MXFP8Tensor(row[0], row[1], col[0], col[1], tuple(x.shape), np.dtype(x.dtype))
+
+
+def _splice(te_t: MXFP8Tensor, ref: MXFP8Tensor, edge: EdgeBlocks) -> MXFP8Tensor:
+    """te_t with its edge blocks (data and scale) replaced by ref's."""
+
+    def pick(mask, expand, a, b):
+        if a is None:
+            return None
+        if a.ndim == 2 and a.shape != mask.shape:
+            mask = expand(mask)
+        return jnp.where(mask, b, a)
+
+    row = functools.partial(pick, edge.rowwise, lambda m: jnp.repeat(m, _BS, axis=1))
+    col = functools.partial(pick, edge.colwise, lambda m: jnp.repeat(m, _BS, axis=0))
+    return MXFP8Tensor(
+        row(te_t.rowwise_data, ref.rowwise_data),
+        row(te_t.rowwise_scale, ref.rowwise_scale),
+        col(te_t.colwise_data, ref.colwise_data),
+        col(te_t.colwise_scale, ref.colwise_scale),
+        te_t.shape,
+        te_t.dtype,
+    )
+
+
+def quantize(
+    x: jax.Array, *, rowwise: bool, colwise: bool, fix: ContractFix | None = None
+) -> MXFP8Tensor:
+    """MXFP8-quantize a validated 2-D (M, K) bf16/fp32 x with TE-JAX (layout of DESIGN.md 4).
+
+    rowwise: blocks 1x32 along K; colwise: blocks 32x1 along M (data not transposed). fix: None
+    for the path's default (``_DEFAULT_FIX``), or a ``ContractFix`` to choose explicitly.
+    Called by ``jax_side.mxfp8.quantize(..., backend="te")``, which validates x.
+    """
+    path = te_path()
+    fix = _DEFAULT_FIX[path] if fix is None else ContractFix(fix)
+    te_t = _te_quantize(x, rowwise, colwise, path)
+    if fix is ContractFix.NONE:
+        return te_t
+    from jax_side.mxfp8.quantize import quantize as quantize_any  # cycle-free at call time
+
+    edge = edge_blocks(x, rowwise=rowwise, colwise=colwise)
+    masks = [mk for mk in edge if mk is not None]
+    any_edge = functools.reduce(jnp.logical_or, [jnp.any(mk) for mk in masks])
+
+    def spliced(_):
+        ref = quantize_any(x, rowwise=rowwise, colwise=colwise, backend=Backend.XLA)
+        return _splice(te_t, ref, edge)
+
+    return lax.cond(any_edge, spliced, lambda _: te_t, None)
+
+
+# ---------------------------------------------------------------- dequantize and GEMM
+
+
+def _scaled_1x(t: MXFP8Tensor, plane: Plane):
+    """One plane of t as TE's ScaledTensor1x (same arrays; fp32 dequantized dtype)."""
+    te = _te()
+    data, scale = t.plane(plane)
+    return te.q.ScaledTensorFactory.create_1x(
+        data,
+        scale,
+        scaling_mode=te.q.ScalingMode.MXFP8_1D_SCALING,
+        dq_dtype=jnp.float32,
+        is_colwise=plane is Plane.COLWISE,
+        data_layout="N",
+        flatten_axis=-1,
+    )
+
+
+def dequantize(t: MXFP8Tensor, plane: Plane | str = Plane.ROWWISE) -> jax.Array:
+    """float32 (M, K) of one plane by TE's dequantizer (``e4m3 * 2**(E - 127)`` in floats)."""
+    te_path()
+    with jax.numpy_dtype_promotion("standard"):
+        return _scaled_1x(t, Plane.parse(plane)).dequantize()
+
+
+def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
+    """fp32 GEMM of one role (table in gemm.py) by ``tex.gemm`` on TE's path for this GPU.
+
+    Operands are validated by ``jax_side.mxfp8.matmul``; both are blocked along the contracted
+    axis. On the pure-JAX path this is ``jax.nn.scaled_matmul`` on the same bytes.
+    """
+    path = te_path()
+    spec = _ROLES[GemmRole(role)]
+    lhs, rhs = _scaled_1x(a, spec.a_plane), _scaled_1x(b, spec.b_plane)
+    with jax.numpy_dtype_promotion("standard"), _gemm_custom_call(path):
+        out = _te().tex.gemm(lhs, rhs, contracting_dims=((spec.a_contract,), (spec.b_contract,)))
+    out = out[0] if isinstance(out, tuple) else out
+    return out.astype(jnp.float32)

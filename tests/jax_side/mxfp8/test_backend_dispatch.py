@@ -1,0 +1,135 @@
+"""Backend dispatch (DESIGN.md 7): which MXFP8 backend runs, and why, as a pure decision.
+
+``decide_backend(requested, TEProbe)`` is tested on CPU with hand-made probes, so the rules hold
+for GPUs this CI never sees: TE's kernels only where TE reports MXFP8 support on a 10.x device;
+TE's pure-JAX path when ``te`` is asked for anywhere else on a GPU; a clear error where TE cannot
+run; and an automatic default that never routes MXFP8 to an unsupported TE kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jax_side.mxfp8 import Backend, BackendChoice, backend_report, resolve_backend, te_backend
+from jax_side.mxfp8.backends import ENV_VAR, TEPath, TEProbe, decide_backend
+
+H200 = TEProbe(True, "Device compute capability 9.9 or higher required for MXFP8 execution.",
+               False, 90)
+B200 = TEProbe(True, "", True, 100)
+RTX5090 = TEProbe(True, "", True, 120)  # TE reports support from 9.9 on; 12.x is unverified
+NOT_INSTALLED = TEProbe(False, "transformer_engine.jax is not installed", False, 90)
+CPU_ONLY = TEProbe(False, "not imported: JAX sees no CUDA GPU (TE-JAX needs one)", False, None)
+IMPORT_BROKEN = TEProbe(False, "import failed: OSError: libcuda.so.1", False, 100)
+
+# (name, requested, probe, expected backend, expected TE path, words the reason must contain)
+DECISIONS = [
+    ("auto_h200", None, H200, Backend.XLA, None, ["unsupported", "9.0", "9.9 or higher"]),
+    ("auto_b200", None, B200, Backend.TE, TEPath.KERNELS, ["support", "10.0", "kernels"]),
+    ("auto_sm120", None, RTX5090, Backend.XLA, None, ["12.0", "not 10.x"]),
+    ("auto_not_installed", None, NOT_INSTALLED, Backend.XLA, None, ["not importable"]),
+    ("auto_cpu", None, CPU_ONLY, Backend.XLA, None, ["not importable"]),
+    ("te_h200", "te", H200, Backend.TE, TEPath.PURE_JAX, ["unsupported", "pure-JAX", "off"]),
+    ("te_b200", Backend.TE, B200, Backend.TE, TEPath.KERNELS, ["kernels"]),
+    ("te_sm120", "TE", RTX5090, Backend.TE, TEPath.PURE_JAX, ["not 10.x", "pure-JAX"]),
+    ("xla_b200", "xla", B200, Backend.XLA, None, ["explicitly"]),
+    ("xla_cpu", Backend.XLA, CPU_ONLY, Backend.XLA, None, ["explicitly"]),
+]
+
+
+@pytest.mark.parametrize(
+    "requested, probe, backend, path, words",
+    [d[1:] for d in DECISIONS],
+    ids=[d[0] for d in DECISIONS],
+)
+def test_decision_table(requested, probe, backend, path, words):
+    choice = decide_backend(requested, probe)
+    assert isinstance(choice, BackendChoice)
+    assert (choice.backend, choice.te_path) == (backend, path)
+    for word in words:
+        assert word in choice.reason, (word, choice.reason)
+
+
+@pytest.mark.parametrize("probe", [NOT_INSTALLED, CPU_ONLY, IMPORT_BROKEN], ids=str)
+def test_te_request_without_importable_te_is_a_clear_error(probe):
+    with pytest.raises(RuntimeError, match=r"'te' was requested.*pip install \.\[te\].*'xla'"):
+        decide_backend("te", probe)
+
+
+def test_te_request_without_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="no CUDA GPU.*backend='xla'"):
+        decide_backend("te", TEProbe(True, "", False, None))
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown MXFP8 backend 'cuda'.*\['xla', 'te'\]"):
+        decide_backend("cuda", B200)
+
+
+@given(
+    importable=st.booleans(),
+    supported=st.booleans(),
+    cc=st.one_of(st.none(), st.sampled_from([70, 80, 86, 89, 90, 99, 100, 103, 110, 120, 121])),
+)
+def test_automatic_default_never_picks_an_unsupported_te_kernel(importable, supported, cc):
+    choice = decide_backend(None, TEProbe(importable, "", supported, cc))
+    if choice.backend is Backend.TE:
+        assert choice.te_path is TEPath.KERNELS
+        assert importable and supported and cc is not None and cc // 10 == 10
+    else:
+        assert choice.te_path is None
+    assert choice.reason.startswith("automatic default")
+
+
+@given(importable=st.booleans(), supported=st.booleans(),
+       cc=st.one_of(st.none(), st.integers(50, 130)))
+def test_te_path_is_kernels_only_where_te_reports_support_on_10x(importable, supported, cc):
+    probe = TEProbe(importable, "", supported, cc)
+    try:
+        choice = decide_backend("te", probe)
+    except RuntimeError:
+        assert not importable or cc is None
+        return
+    assert choice.backend is Backend.TE
+    assert (choice.te_path is TEPath.KERNELS) == (supported and cc // 10 == 10)
+
+
+# ---- the same rules on this (CPU-only) process, through the public entry points
+
+
+def test_this_cpu_process_defaults_to_xla_without_importing_te(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    choice = resolve_backend(None)
+    assert choice.backend is Backend.XLA and choice.te_path is None
+    assert "transformer_engine" not in sys.modules
+    assert te_backend.probe().importable is False
+
+
+def test_this_cpu_process_refuses_te_with_the_reason(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(RuntimeError, match="'te' was requested"):
+        resolve_backend("te")
+
+
+def test_environment_variable_overrides_the_default_and_is_reported(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "xla")
+    choice = resolve_backend(None)
+    assert choice.backend is Backend.XLA
+    assert choice.reason.startswith(f"{ENV_VAR}='xla'")
+    monkeypatch.setenv(ENV_VAR, "te")
+    with pytest.raises(RuntimeError, match="'te' was requested"):
+        resolve_backend(None)
+
+
+def test_report_says_what_runs_and_why(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    report = backend_report()
+    assert report["backend"] == "xla" and report["te_path"] == ""
+    assert report["te_importable"] == "False" and report["compute_capability"] == "no CUDA GPU"
+    assert "automatic default" in report["reason"] and report["jax_platform"] == "cpu"
+    explicit = backend_report("xla")
+    assert explicit["reason"] == "requested explicitly"
+    assert explicit["te_importable"] == "not probed"
