@@ -1,0 +1,243 @@
+"""bridge.mxfp8_linear: Torch autograd over JAX MXFP8 GEMMs, against the pure-JAX reference.
+
+Shapes are few on purpose (every new shape is an XLA compile on a 2-core CI box): 51 tokens as
+(3, 17) -- not a multiple of 32, so the token-padding rule is exercised -- K = 64, N = 96.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from bridge import (
+    LinearMode,
+    MXFP8Linear,
+    ZeroCopyError,
+    mxfp8_linear,
+    mxfp8_linear_reference,
+    to_jax,
+    to_torch_mxfp8,
+)
+from bridge.linear_kernels import padded_tokens
+from jax_side.mxfp8 import quantize
+from tests.bridge.conftest import DEVICES
+
+LEAD, K, N = (3, 17), 64, 96
+
+
+def _inputs(device="cpu", dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(*LEAD, K, generator=g) * 3).to(dtype).to(device).requires_grad_()
+    w = (torch.randn(N, K, generator=g) / 8).to(device).requires_grad_()
+    dy = torch.randn(*LEAD, N, generator=g).to(dtype).to(device)
+    return x, w, dy
+
+
+@jax.jit
+def _reference_vjp(x, w, dy):
+    y, vjp = jax.vjp(mxfp8_linear_reference, x, w)
+    return (y, *vjp(dy))
+
+
+def _reference(x, w, dy):
+    """jax.vjp of the pure-JAX reference on copies of the same values."""
+    out = _reference_vjp(*(to_jax(t.detach(), copy=True) for t in (x, w, dy)))
+    return [np.asarray(v.astype(jnp.float32)) for v in out]
+
+
+def _np(t):
+    return t.detach().float().cpu().numpy()
+
+
+def _assert_fp32_level(got, want, what):
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * scale, err_msg=what)
+
+
+class Planes:
+    """An MXFP8WeightPlanes provider like FSDP's: fresh uint8 tensors per call, calls recorded."""
+
+    def __init__(self, w: torch.Tensor):
+        q = quantize(to_jax(w.detach(), copy=True).astype(jnp.bfloat16))
+        self._tt, self.shape, self.calls, self.handed_out = to_torch_mxfp8(q), (N, K), [], []
+
+    def _give(self, name, data, scale):
+        self.calls.append(name)
+        out = (data.view(torch.uint8).clone(), scale.view(torch.uint8).clone())
+        self.handed_out += [weakref.ref(t) for t in out]
+        return out
+
+    def rowwise(self):
+        return self._give("rowwise", *self._tt.rowwise())
+
+    def colwise(self):
+        return self._give("colwise", *self._tt.colwise())
+
+
+def _placeholder(device="cpu"):
+    """A storage-free weight whose values must never be read (they would be NaN)."""
+    return torch.full((1,), float("nan"), device=device).as_strided((N, K), (0, 0)).requires_grad_()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_the_pure_jax_reference(device, dtype):
+    x, w, dy = _inputs(device, dtype)
+    y = mxfp8_linear(x, w)
+    y.backward(dy)
+    assert y.dtype == dtype and x.grad.dtype == dtype and w.grad.dtype == torch.float32
+    y_ref, dx_ref, dw_ref = _reference(x, w, dy)
+    _assert_fp32_level(_np(y), y_ref, "y")
+    _assert_fp32_level(_np(x.grad), dx_ref, "dx")
+    _assert_fp32_level(_np(w.grad), dw_ref, "dw")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_planes_are_used_lazily_and_give_the_same_result(device):
+    x, w, dy = _inputs(device)
+    y = mxfp8_linear(x, w)
+    y.backward(dy)
+    planes, ph = Planes(w), _placeholder(device)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = mxfp8_linear(x2, ph, weight_planes=planes)
+    assert planes.calls == ["rowwise"]  # forward never asks for the columnwise plane
+    gc.collect()
+    assert all(r() is None for r in planes.handed_out)  # no reference kept after forward
+    y2.backward(dy)
+    assert planes.calls == ["rowwise", "colwise"]
+    gc.collect()
+    assert all(r() is None for r in planes.handed_out)
+    for got, want in ((y2, y), (x2.grad, x.grad), (ph.grad, w.grad)):
+        np.testing.assert_array_equal(_np(got), _np(want))
+
+
+def test_colwise_plane_is_not_fetched_when_no_dgrad_is_needed():
+    x, w, dy = _inputs()
+    planes = Planes(w)
+    ph = _placeholder()
+    y = mxfp8_linear(x.detach(), ph, weight_planes=planes)
+    y.backward(dy)
+    assert planes.calls == ["rowwise"] and ph.grad is not None
+
+
+def test_misaligned_weight_planes_are_refused_not_copied():
+    _, w, _ = _inputs()
+
+    class Misaligned(Planes):
+        def rowwise(self):
+            data, scale = super().rowwise()
+            buf = torch.empty(data.numel() + 8, dtype=torch.uint8)
+            shifted = buf[8:].view(data.shape)
+            shifted.copy_(data)
+            return shifted, scale
+
+    with pytest.raises(ZeroCopyError, match="8 bytes past a 64-byte boundary"):
+        mxfp8_linear(torch.ones(32, K), _placeholder(), weight_planes=Misaligned(w))
+
+
+def test_expanded_and_strided_grads_and_inputs_are_accepted():
+    x, w, _ = _inputs()
+    xt = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # strided
+    y = mxfp8_linear(xt, w)
+    y.sum().backward()  # dy is an expanded (stride-0) tensor
+    y_ref, dx_ref, dw_ref = _reference(xt, w, torch.ones_like(y))
+    _assert_fp32_level(_np(xt.grad), dx_ref, "dx")
+    _assert_fp32_level(_np(w.grad), dw_ref, "dw")
+
+
+def test_only_requested_grads_are_computed():
+    x, w, dy = _inputs()
+    y = mxfp8_linear(x, w.detach())
+    y.backward(dy)
+    assert x.grad is not None
+    _, dx_ref, _ = _reference(x, w, dy)
+    _assert_fp32_level(_np(x.grad), dx_ref, "dx")
+
+
+@pytest.mark.parametrize("tokens", [1, 31, 32, 33])
+def test_token_padding_rule(tokens):
+    assert padded_tokens(tokens) % 32 == 0 and padded_tokens(tokens) >= max(tokens, 32)
+    assert padded_tokens(tokens) - tokens < 32
+
+
+def test_mxfp8_is_close_to_the_unquantized_product():
+    x, w, _ = _inputs()
+    y = mxfp8_linear(x.detach(), w.detach())
+    exact = (x.detach().double() @ w.detach().double().T).numpy()
+    rel = np.linalg.norm(_np(y) - exact) / np.linalg.norm(exact)
+    assert rel < 0.1, rel  # E4M3 has 3 mantissa bits; a wrong scale or plane is far off
+
+
+def test_high_precision_mode_passes_gradcheck_in_float64():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    with jax.enable_x64(True):
+        assert torch.autograd.gradcheck(
+            lambda a, b: mxfp8_linear(a, b, mode=LinearMode.HIGH_PRECISION), (x, w)
+        )
+    with pytest.raises(ZeroCopyError, match="jax_enable_x64"):
+        mxfp8_linear(x, w, mode="high_precision")
+
+
+def test_high_precision_mode_matches_torch_in_float32():
+    x, w, dy = _inputs()
+    y = mxfp8_linear(x, w, mode=LinearMode.HIGH_PRECISION)
+    y.backward(dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (xr @ wr.T).backward(dy.double())
+    for got, want in ((y, xr @ wr.T), (x.grad, xr.grad), (w.grad, wr.grad)):
+        np.testing.assert_allclose(_np(got), _np(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x, w: mxfp8_linear(x[..., :32], w), ValueError, "must end in K = 64"),
+        (lambda x, w: mxfp8_linear(x, w[:40]), ValueError, "N % 32 == 0"),
+        (lambda x, w: mxfp8_linear(x.half(), w), TypeError, "x dtype torch.float16"),
+        (lambda x, w: mxfp8_linear(x, w, out_dtype=torch.int8), TypeError, "out_dtype"),
+        (
+            lambda x, w: mxfp8_linear(x, w, weight_planes=Planes(w), mode="high_precision"),
+            ValueError,
+            "only make sense with mode=LinearMode.MXFP8",
+        ),
+        (lambda x, w: mxfp8_linear(x, w, mode="fp4"), ValueError, "fp4"),
+    ],
+    ids=["k-mismatch", "n-not-32", "fp16", "out-int8", "planes-in-hp", "bad-mode"],
+)
+def test_bad_arguments_are_refused_clearly(call, error, match):
+    x, w, _ = _inputs()
+    with pytest.raises(error, match=match):
+        call(x, w)
+
+
+def test_planes_with_the_wrong_layout_are_refused():
+    _, w, _ = _inputs()
+
+    class Transposed(Planes):
+        def rowwise(self):
+            data, scale = super().rowwise()
+            return data, scale.reshape(-1)[: (N // 32) * K].reshape(N // 32, K)
+
+    with pytest.raises(ValueError, match=r"rowwise scale .* must have shape \(96, 2\)"):
+        mxfp8_linear(torch.ones(32, K), _placeholder(), weight_planes=Transposed(w))
+
+
+def test_module_wrapper_trains_weight_and_bias():
+    torch.manual_seed(0)
+    layer = MXFP8Linear(K, N)
+    assert "mode=mxfp8" in repr(layer)
+    x, _, dy = _inputs()
+    y = layer(x)
+    y.backward(dy)
+    assert tuple(y.shape) == (*LEAD, N)
+    np.testing.assert_allclose(_np(layer.bias.grad), _np(dy.sum(dim=(0, 1))), rtol=1e-5)
+    _, _, dw_ref = _reference(x, layer.weight, dy)
+    _assert_fp32_level(_np(layer.weight.grad), dw_ref, "dw")
