@@ -1,0 +1,383 @@
+"""Cross-framework parity: the Torch GPT twin vs the Flax GPT twin on the same bytes.
+
+Given a ``GPTConfig``, a seed and a batch, both twins run one forward and backward and the report
+lists, per linear layer and for the model outputs:
+
+- differences (max / mean absolute, and relative to the Torch value's max / mean magnitude) of
+  each linear's input x, output y and output gradient dy, of logits, of the loss, and of every
+  parameter's gradient; ``identical`` when the float32 bytes are equal;
+- MXFP8 bytes (``LayerBytes``): whether the weight planes each side multiplied with are identical,
+  the fraction of identical bytes in the quantized x and dy each side fed to its GEMMs, and a
+  *teacher-forced* check: the Flax linear run on Torch's very x, W and dy must reproduce Torch's
+  y, dx and dW byte for byte (same JAX kernels on the same bytes);
+- zero-copy (``ZeroCopy``): every weight Flax consumed is the Torch tensor's memory (data pointers
+  equal).
+
+Where differences come from: the linears run the same JAX kernels on both sides; embeddings,
+LayerNorm, attention, GELU and the loss are Torch kernels on one side and XLA on the other, with
+different summation orders (float32 rounding, ~1e-7 relative). In MXFP8 mode such a rounding
+difference occasionally moves an activation across an E4M3 rounding boundary, flipping one element
+by one E4M3 step (2^-3 relative), which the next GEMMs spread; ``LayerBytes`` counts those flips.
+The high-precision control (``MatmulMode.HIGH_PRECISION``) removes quantization and leaves only
+float32 rounding: it separates quantization effects from model bugs.
+
+Flow: Flax initialises the parameters from the seed; the Torch twin loads that checkpoint
+(``load_flat_params``); Flax then runs on the Torch model's parameters imported zero-copy
+(``to_jax``). The sharded case (``sharded_parity_report``) runs the Torch twin under
+``torch_side`` FSDP on gloo ranks and feeds Flax the planes FSDP all-gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from bridge.dlpack import to_jax
+from bridge.linear_kernels import quantize_weight as bridge_quantize_weight
+from jax_side.models import (
+    FlaxGPT,
+    GPTConfig,
+    MatmulMode,
+    cross_entropy,
+    flat_params,
+    linear_fn,
+    nested_params,
+    quantize_activation,
+    quantize_weight,
+)
+from jax_side.mxfp8 import MXFP8Tensor
+from torch_side.models import TorchGPT, load_flat_params
+from torch_side.models.capture import TorchRun, run_torch
+
+__all__ = [
+    "Batch",
+    "Diff",
+    "FlaxRun",
+    "LayerBytes",
+    "ParityReport",
+    "ZeroCopy",
+    "compare",
+    "init_flax_params",
+    "make_batch",
+    "parity_report",
+    "run_flax",
+]
+
+
+class Batch(NamedTuple):
+    tokens: np.ndarray  # int32 (B, S)
+    targets: np.ndarray  # int32 (B, S): the next token of the same random stream
+
+
+def make_batch(cfg: GPTConfig, seed: int, batch_size: int, seq_len: int) -> Batch:
+    """A deterministic random token batch; seq_len <= cfg.max_seq_len, any B * S (not only x32)."""
+    if not 1 <= seq_len <= cfg.max_seq_len or batch_size < 1:
+        raise ValueError(
+            f"make_batch: need 1 <= seq_len <= max_seq_len={cfg.max_seq_len} and batch_size >= "
+            f"1, got seq_len={seq_len}, batch_size={batch_size}"
+        )
+    stream = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch_size, seq_len + 1))
+    stream = stream.astype(np.int32)
+    return Batch(stream[:, :-1].copy(), stream[:, 1:].copy())
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: GPTConfig):
+    return jax.jit(FlaxGPT(cfg, MatmulMode.HIGH_PRECISION).init)
+
+
+def init_flax_params(cfg: GPTConfig, seed: int) -> dict:
+    """Nested float32 Linen params of ``FlaxGPT(cfg)`` from ``jax.random.key(seed)``."""
+    tokens = jnp.zeros((1, min(cfg.max_seq_len, 32)), jnp.int32)
+    return _init_fn(cfg)(jax.random.key(seed), tokens)["params"]
+
+
+class FlaxRun(NamedTuple):
+    logits: jax.Array  # (B, S, V) float32
+    loss: jax.Array  # () float32
+    linear_io: dict[str, tuple[jax.Array, jax.Array, jax.Array]]  # name -> x, y, dy (T, C)
+    grads: dict[str, jax.Array]  # Torch-style parameter names
+
+
+def _linear_names(cfg: GPTConfig) -> list[str]:
+    return [n.rsplit(".", 1)[0] for n in cfg.linear_shapes()]
+
+
+@functools.lru_cache(maxsize=16)
+def _flax_step(cfg: GPTConfig, mode: MatmulMode, batch_shape: tuple[int, int]):
+    model = FlaxGPT(cfg, mode)
+    tokens_n = batch_shape[0] * batch_shape[1]
+    names = _linear_names(cfg)
+
+    def loss_fn(params, perturb, planes, tokens, targets):
+        variables = {"params": params, "perturbations": perturb}
+        if planes is not None:
+            variables["mxfp8"] = planes
+        logits, state = model.apply(variables, tokens, mutable=["intermediates"])
+        return cross_entropy(logits, targets), (logits, state["intermediates"])
+
+    def step(params, planes, tokens, targets):
+        shapes = cfg.linear_shapes()
+        perturb = nested_params(
+            {f"{n}.dy": jnp.zeros((tokens_n, shapes[n + ".weight"][0]), jnp.float32) for n in names}
+        )
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+        (loss, (logits, inter)), (g_params, g_perturb) = grad_fn(
+            params, perturb, planes, tokens, targets
+        )
+        flat_inter, flat_dy = flat_params(inter), flat_params(g_perturb)
+        io = {
+            n: (flat_inter[f"{n}.input"][0], flat_inter[f"{n}.output"][0], flat_dy[f"{n}.dy"])
+            for n in names
+        }
+        return logits, loss, io, flat_params(g_params)
+
+    return jax.jit(step)
+
+
+def run_flax(
+    cfg: GPTConfig,
+    mode: MatmulMode,
+    params: Mapping,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    planes: Mapping | None = None,
+) -> FlaxRun:
+    """Forward + backward of FlaxGPT on ``params`` (used as-is), optional MXFP8 ``planes``.
+
+    planes: nested like params, ``<layer path>/weight`` -> MXFP8Tensor (both planes), e.g.
+    FSDP's all-gathered planes imported zero-copy; None to quantize bf16(param) in each layer.
+    """
+    step = _flax_step(cfg, MatmulMode.parse(mode), tuple(tokens.shape))
+    logits, loss, io, grads = step(params, planes, jnp.asarray(tokens), jnp.asarray(targets))
+    return FlaxRun(logits, loss, io, grads)
+
+
+class Diff(NamedTuple):
+    """Torch vs Flax for one tensor. rel = abs / (max or mean |torch value|)."""
+
+    quantity: str  # "x", "y", "dy" (per linear), "logits", "loss", "grad"
+    name: str
+    max_abs: float
+    mean_abs: float
+    max_rel: float
+    mean_rel: float
+    identical: bool  # float32 bytes equal
+
+
+def _np(a) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+def diff(quantity: str, name: str, torch_value, flax_value) -> Diff:
+    t, f = _np(torch_value).astype(np.float32), _np(flax_value).astype(np.float32)
+    if t.shape != f.shape:
+        raise ValueError(f"parity diff {quantity} {name}: shapes {t.shape} vs {f.shape}")
+    d = np.abs(t.astype(np.float64) - f.astype(np.float64))
+    mag = np.abs(t.astype(np.float64))
+    tiny = np.finfo(np.float32).tiny
+    return Diff(
+        quantity,
+        name,
+        float(d.max(initial=0.0)),
+        float(d.mean()) if d.size else 0.0,
+        float(d.max(initial=0.0) / max(mag.max(initial=0.0), tiny)),
+        float(d.mean() / max(mag.mean(), tiny)) if d.size else 0.0,
+        bool(np.array_equal(t.view(np.uint32), f.view(np.uint32))),
+    )
+
+
+def _bytes(t: MXFP8Tensor) -> np.ndarray:
+    parts = (t.rowwise_data, t.rowwise_scale, t.colwise_data, t.colwise_scale)
+    return np.concatenate([np.asarray(p).view(np.uint8).reshape(-1) for p in parts if p is not None])
+
+
+def _equal_fraction(a: MXFP8Tensor, b: MXFP8Tensor) -> float:
+    ba, bb = _bytes(a), _bytes(b)
+    return float(np.mean(ba == bb))
+
+
+class LayerBytes(NamedTuple):
+    """MXFP8 bytes of one linear layer (MXFP8 mode; the control has none)."""
+
+    name: str
+    weight_identical: bool  # both planes + scales each side multiplied with
+    x_equal_fraction: float  # of the quantized (token-padded) input bytes, both planes
+    dy_equal_fraction: float  # of the quantized output-gradient bytes, both planes
+    teacher_forced_identical: bool  # Flax on Torch's x, W, dy reproduces Torch's y, dx, dW bytes
+
+
+class ZeroCopy(NamedTuple):
+    name: str  # parameter name (or "<name>:<plane field>" for MXFP8 planes)
+    torch_ptr: int
+    jax_ptr: int
+
+    @property
+    def shared(self) -> bool:
+        return self.torch_ptr == self.jax_ptr
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+    config: GPTConfig
+    mode: MatmulMode
+    seed: int
+    batch_shape: tuple[int, int]
+    world_size: int
+    diffs: tuple[Diff, ...]
+    layers: tuple[LayerBytes, ...]
+    zero_copy: tuple[ZeroCopy, ...]
+
+    def get(self, quantity: str, name: str = "") -> Diff:
+        for d in self.diffs:
+            if d.quantity == quantity and (not name or d.name == name):
+                return d
+        raise KeyError(f"ParityReport has no diff for ({quantity!r}, {name!r})")
+
+    def of(self, quantity: str) -> list[Diff]:
+        return [d for d in self.diffs if d.quantity == quantity]
+
+    @property
+    def all_zero_copy(self) -> bool:
+        return bool(self.zero_copy) and all(z.shared for z in self.zero_copy)
+
+    def format(self) -> str:
+        return format_report(self)
+
+
+def _weight_bytes(
+    name: str, torch_weight: torch.Tensor, flax_weight, planes: MXFP8Tensor | None
+) -> bool:
+    """Planes the Torch op multiplied with vs the ones the Flax layer did (bridge vs jax_side)."""
+    torch_q = planes if planes is not None else bridge_quantize_weight(
+        to_jax(torch_weight.detach()), rowwise=True, colwise=True)
+    flax_q = planes if planes is not None else quantize_weight(flax_weight)
+    return bool(np.array_equal(_bytes(torch_q), _bytes(flax_q)))
+
+
+def _teacher_forced(mode: MatmulMode, io, weight: torch.Tensor, dw: torch.Tensor, planes) -> bool:
+    fn = linear_fn(mode)
+    w = to_jax(weight.detach())
+    y, vjp = jax.vjp(lambda x, w_: fn(x, w_, planes), to_jax(io.x), w)
+    dx, dw_f = vjp(to_jax(io.dy))
+    return all(
+        np.array_equal(_np(a).view(np.uint32), _np(b).view(np.uint32))
+        for a, b in ((io.y, y), (io.dx, dx), (dw, dw_f))
+    )
+
+
+def compare(
+    cfg: GPTConfig,
+    mode: MatmulMode,
+    torch_run: TorchRun,
+    flax_run: FlaxRun,
+    weights: Mapping[str, torch.Tensor],
+    planes: Mapping[str, MXFP8Tensor] | None = None,
+) -> tuple[tuple[Diff, ...], tuple[LayerBytes, ...]]:
+    """Diffs and per-layer MXFP8 bytes of two runs. weights: Torch-style name -> Torch tensor
+    (the values the Torch op used); planes: flat name -> MXFP8Tensor when both ran on planes."""
+    diffs, layers = [], []
+    for name in _linear_names(cfg):
+        tio, (fx, fy, fdy) = torch_run.linear_io[name], flax_run.linear_io[name]
+        diffs += [diff("x", name, tio.x, fx), diff("y", name, tio.y, fy), diff("dy", name, tio.dy, fdy)]
+        if mode is MatmulMode.MXFP8:
+            wname = name + ".weight"
+            p = None if planes is None else planes[wname]
+            layers.append(LayerBytes(
+                name,
+                _weight_bytes(wname, weights[wname], to_jax(weights[wname]), p),
+                _equal_fraction(quantize_activation(to_jax(tio.x)), quantize_activation(fx)),
+                _equal_fraction(quantize_activation(to_jax(tio.dy)), quantize_activation(fdy)),
+                _teacher_forced(mode, tio, weights[wname], torch_run.grads[wname], p),
+            ))
+    diffs += [diff("logits", "", torch_run.logits, flax_run.logits)]
+    diffs += [diff("loss", "", torch_run.loss, flax_run.loss)]
+    diffs += [diff("grad", n, g, flax_run.grads[n]) for n, g in torch_run.grads.items()]
+    return tuple(diffs), tuple(layers)
+
+
+def flax_params_view(weights: Mapping[str, torch.Tensor]) -> dict[str, jax.Array]:
+    """Torch tensors as JAX arrays over the same memory (``to_jax``, zero-copy)."""
+    return {n: to_jax(t.detach()) for n, t in weights.items()}
+
+
+def parity_report(
+    cfg: GPTConfig,
+    *,
+    seed: int = 0,
+    batch_size: int = 2,
+    seq_len: int = 40,
+    mode: MatmulMode | str = MatmulMode.MXFP8,
+) -> ParityReport:
+    """Single process, no FSDP: TorchGPT (bridge op) vs FlaxGPT on the Torch parameters.
+
+    Flax initialises from ``seed``; Torch loads that checkpoint; Flax then runs on the Torch
+    parameters imported zero-copy, each MXFP8 layer quantizing bf16(weight) exactly as the
+    bridge op does.
+    """
+    mode = MatmulMode.parse(mode)
+    batch = make_batch(cfg, seed, batch_size, seq_len)
+    model = TorchGPT(cfg, mode)
+    load_flat_params(model, {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()})
+    torch_run = run_torch(
+        model, torch.from_numpy(batch.tokens).long(), torch.from_numpy(batch.targets).long()
+    )
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    shared = flax_params_view(weights)
+    zero_copy = tuple(
+        ZeroCopy(n, weights[n].data_ptr(), a.unsafe_buffer_pointer()) for n, a in shared.items()
+    )
+    flax_run = run_flax(cfg, mode, nested_params(shared), batch.tokens, batch.targets)
+    diffs, layers = compare(cfg, mode, torch_run, flax_run, weights)
+    return ParityReport(cfg, mode, seed, batch.tokens.shape, 1, diffs, layers, zero_copy)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:9.2e}"
+
+
+def format_report(r: ParityReport) -> str:
+    """The report as a fixed-width text table (what ``python -m demos.main`` prints)."""
+    c = r.config
+    lines = [
+        f"Cross-framework parity: TorchGPT (bridge op{', FSDP' if r.world_size > 1 else ''}) "
+        f"vs FlaxGPT, matmul mode {r.mode.value}",
+        f"config: vocab {c.vocab_size}, layers {c.n_layer}, heads {c.n_head}, d_model "
+        f"{c.d_model}, d_ff {c.d_ff} | seed {r.seed} | batch {r.batch_shape} = "
+        f"{r.batch_shape[0] * r.batch_shape[1]} tokens | Torch world size {r.world_size}",
+        "",
+        f"{'quantity':<8} {'name':<22} {'max_abs':>9} {'mean_abs':>9} {'max_rel':>9} "
+        f"{'mean_rel':>9}  identical",
+    ]
+    for d in r.diffs:
+        lines.append(
+            f"{d.quantity:<8} {d.name:<22} {_fmt(d.max_abs)} {_fmt(d.mean_abs)} "
+            f"{_fmt(d.max_rel)} {_fmt(d.mean_rel)}  {'yes' if d.identical else 'no'}"
+        )
+    if r.layers:
+        lines += [
+            "",
+            "MXFP8 bytes per linear layer (x, dy: fraction of identical quantized bytes; "
+            "teacher-forced: Flax on Torch's x, W, dy gives Torch's y, dx, dW bytes)",
+            f"{'layer':<22} {'weight planes':>13} {'x bytes':>9} {'dy bytes':>9} "
+            f"{'teacher-forced':>15}",
+        ]
+        for lb in r.layers:
+            lines.append(
+                f"{lb.name:<22} {'identical' if lb.weight_identical else 'DIFFERENT':>13} "
+                f"{lb.x_equal_fraction:>9.6f} {lb.dy_equal_fraction:>9.6f} "
+                f"{'identical' if lb.teacher_forced_identical else 'DIFFERENT':>15}"
+            )
+    n_shared = sum(z.shared for z in r.zero_copy)
+    lines += ["", f"zero-copy: {n_shared}/{len(r.zero_copy)} tensors Flax read share the Torch "
+              f"data pointer"]
+    return "\n".join(lines)
