@@ -1,0 +1,85 @@
+"""CUDA rules of the ownership note in bridge/dlpack.py: stream ordering, lifetime, devices, memory.
+
+Every test here is marked ``gpu`` (skipped without CUDA). Pending Torch work is made long with
+``torch.cuda._sleep`` so that a missing stream dependency would show up as wrong values.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from bridge import to_jax, to_torch
+
+pytestmark = pytest.mark.gpu
+
+_SPIN_CYCLES = 200_000_000  # ~0.1 s of GPU time on an H200 clock
+
+
+@jax.jit
+def _heavy_sum(a):
+    """A JAX computation that reads ``a`` for a while (a chain of matmuls), then sums it."""
+    m = a.reshape(1024, -1)[:, :1024]
+    acc = m
+    for _ in range(32):
+        acc = jnp.tanh(acc @ m / 1024.0)
+    return jnp.sum(a) + 0.0 * jnp.sum(acc)
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current", "side-stream"])
+def test_jax_reads_only_after_pending_torch_writes(side_stream):
+    t = torch.zeros(1 << 20, device="cuda")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(_SPIN_CYCLES)
+        t.fill_(1.0)  # queued behind the spin on Torch's current stream
+        a = to_jax(t)
+    assert float(jnp.sum(a)) == float(1 << 20)
+
+
+def test_torch_reads_only_after_pending_jax_writes():
+    a = jnp.ones((1 << 20,), jnp.float32)
+    out = to_torch(_heavy_sum(a))
+    assert out.item() == float(1 << 20)
+
+
+def test_torch_may_overwrite_an_input_once_a_result_is_back():
+    t = torch.ones(1 << 20, device="cuda")
+    out = to_torch(_heavy_sum(to_jax(t)))  # Torch's stream now waits for JAX's read of t
+    t.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert out.item() == float(1 << 20)
+
+
+def test_jax_view_keeps_the_torch_block_out_of_the_caching_allocator():
+    t = torch.full((1 << 20,), 3.0, device="cuda")
+    ptr = t.data_ptr()
+    a = to_jax(t)
+    del t
+    gc.collect()
+    churn = [torch.full((1 << 20,), -1.0, device="cuda") for _ in range(8)]
+    assert all(c.data_ptr() != ptr for c in churn)
+    assert float(jnp.sum(a)) == 3.0 * (1 << 20)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_each_side_stays_on_the_same_device_index():
+    t = torch.arange(1024, dtype=torch.float32, device="cuda:1")
+    a = to_jax(t)
+    assert a.devices() == {jax.devices("gpu")[1]}
+    back = to_torch(a * 2)
+    assert back.device == torch.device("cuda:1")
+    np.testing.assert_array_equal(back.cpu().numpy(), 2 * np.arange(1024, dtype=np.float32))
+
+
+def test_jax_does_not_preallocate_the_gpu():
+    assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == "false"
+    jnp.ones(1024).block_until_ready()
+    free, total = torch.cuda.mem_get_info()
+    assert free > 0.5 * total, (free, total)
