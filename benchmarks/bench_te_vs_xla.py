@@ -202,13 +202,14 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    results = {
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "report_auto": mxfp8.backend_report(),
-        "report_te": mxfp8.backend_report("te"),
-        "te_version": te_backend._te().version,
-    }
+    results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
+               "report_auto": mxfp8.backend_report()}
+    try:
+        results["report_te"] = mxfp8.backend_report("te")
+        results["te_version"] = te_backend._te().version
+        results["te_import_warnings"] = list(te_backend._te().import_warnings)
+    except RuntimeError as e:
+        results["report_te"] = str(e)
     print(json.dumps(results, indent=1), flush=True)
     sections = [("ceilings", lambda: ceilings(args.iters)),
                 ("divergence_census", divergence_census),

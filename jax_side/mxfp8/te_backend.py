@@ -158,17 +158,25 @@ class _TE(NamedTuple):
     version: str
     q: object  # transformer_engine.jax.quantize
     tex: object  # transformer_engine.jax.cpp_extensions
+    import_warnings: tuple[str, ...]  # what TE warned while importing (kept, not shown)
 
 
 @functools.lru_cache(maxsize=1)
 def _te() -> _TE:
+    """Import TE-JAX once. Its import-time warnings are about TE's own packaging (e.g. "Detected
+    a PyTorch installation but could not find ... the Transformer Engine PyTorch extension",
+    which this project triggers by design: torch is installed, TE's torch extension is not), so
+    they are recorded in ``import_warnings`` instead of being raised into the caller."""
+    import warnings
     from importlib import metadata
 
-    import transformer_engine.jax  # noqa: F401 -- loads the framework extension
-    import transformer_engine.jax.cpp_extensions as tex
-    import transformer_engine.jax.quantize as q
-
-    return _TE(metadata.version("transformer_engine"), q, tex)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import transformer_engine.jax  # noqa: F401 -- loads the framework extension
+        import transformer_engine.jax.cpp_extensions as tex
+        import transformer_engine.jax.quantize as q
+    seen = tuple(f"{w.category.__name__}: {w.message}" for w in caught)
+    return _TE(metadata.version("transformer_engine"), q, tex, seen)
 
 
 @contextlib.contextmanager

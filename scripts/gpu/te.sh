@@ -13,6 +13,13 @@ OUT=${OUT:-$PWD/out/te}
 mkdir -p "$OUT" /tmp/te_parts
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 SITE=/tmp/site
+# TE loads cuDNN from CUDNN_HOME, else the system's; JAX loads the pip nvidia-cudnn wheel. Two
+# cuDNN builds in one process fail ("libcudnn_heuristic.so.9: undefined symbol ..."), so point
+# TE at the very cuDNN that JAX uses.
+PURELIB=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+CUDNN_SO=$(find "$PURELIB/nvidia" -name 'libcudnn.so.9*' 2>/dev/null | head -1)
+[ -n "$CUDNN_SO" ] && export CUDNN_HOME=$(dirname "$CUDNN_SO")
+echo "CUDNN_HOME=${CUDNN_HOME:-unset}"
 WHEEL=transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
 
 stage() {  # move this call's part(s) out of the working tree, where they persist while warm
@@ -42,23 +49,35 @@ runpy.run_path('setup.py', run_name='__main__')" > "$OUT/build.log" 2>&1)
     NVTE_FRAMEWORK=jax python3 -m pip install -q --no-build-isolation --no-index --no-deps \
       --target "$SITE" .te0/transformer_engine_jax-2.20.2.tar.gz >> "$OUT/build.log" 2>&1 || return 1
   fi
-  python3 -c "import transformer_engine.jax as t, importlib.metadata as m; print('TE', m.version('transformer_engine'))"
+  python3 -c "import importlib.metadata as m; print('TE', m.version('transformer_engine'))"
+  # TE must import after JAX has initialised the GPU (as in pytest and in real use); if it
+  # cannot, fall back to importing TE first (PRE=...) so the run still measures something.
+  if python3 -c "import jax; jax.devices(); import transformer_engine.jax" > "$OUT/import.log" 2>&1; then
+    echo "TE imports after JAX's GPU init"
+  else
+    echo "TE does NOT import after JAX's GPU init; importing it first"; tail -3 "$OUT/import.log"
+    PRE="import transformer_engine.jax;"
+  fi
 }
+PRE=""
 
 run_tests() {
   export PYTHONPATH=$SITE
-  python3 -m pytest -q -rs --durations=5 tests/jax_side/mxfp8/test_te_backend.py \
+  python3 -c "${PRE}import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" -q -rs \
+    --durations=5 tests/jax_side/mxfp8/test_te_backend.py \
     tests/jax_side/mxfp8/test_backend_dispatch.py 2>&1 | tee "$OUT/pytest.log"
   if [ "${PIPESTATUS[0]}" != 0 ]; then  # tell TE's own warnings apart from real failures
-    python3 -m pytest -q -x -W ignore::DeprecationWarning -W ignore::FutureWarning \
-      -W ignore::UserWarning tests/jax_side/mxfp8/test_te_backend.py 2>&1 | tail -40 \
+    python3 -c "${PRE}import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" -q \
+      -W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning \
+      tests/jax_side/mxfp8/test_te_backend.py 2>&1 | tail -40 \
       | tee "$OUT/pytest_warnings_ignored.log"
   fi
 }
 
 run_bench() {
   export PYTHONPATH=$SITE
-  python3 -m benchmarks.bench_te_vs_xla --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  python3 -c "${PRE}import runpy; runpy.run_module('benchmarks.bench_te_vs_xla', run_name='__main__')" \
+    --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 }
 
 case "${1:-all}" in

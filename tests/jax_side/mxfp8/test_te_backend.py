@@ -21,6 +21,13 @@ from jax_side.mxfp8 import GemmImpl, GemmRole, MXFP8Tensor, Plane, te_backend
 from jax_side.mxfp8.backends import Backend, TEPath, decide_backend
 from jax_side.mxfp8.te_backend import ContractFix
 
+# Warnings that TE-JAX's own modules raise while tracing are TE's business, not this contract's.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:transformer_engine"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:transformer_engine"),
+    pytest.mark.filterwarnings("ignore::UserWarning:transformer_engine"),
+]
+
 BF16 = jnp.bfloat16
 F32 = jnp.float32
 NAN, INF = float("nan"), float("inf")
