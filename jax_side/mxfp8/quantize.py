@@ -13,6 +13,7 @@ the whole tensor.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -137,6 +138,14 @@ def partial_block_amax(
     """
     m, k, n = _check_slice(flat, shape, start, "partial_block_amax")
     _check_dtype(flat, "partial_block_amax")
+    return _partial_block_amax(flat, (m, k), int(start), bool(rowwise), bool(colwise))
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _partial_block_amax(flat, shape, start, rowwise, colwise) -> BlockAmax:
+    # One compiled program per (slice length, shape, start): FSDP calls repeat them every step.
+    m, k = shape
+    n = int(flat.shape[0])
     row = jnp.zeros((m, k // _BS), jnp.uint32) if rowwise else None
     col = jnp.zeros((m // _BS, k), jnp.uint32) if colwise else None
     if n > 0:
@@ -162,6 +171,11 @@ def scales_from_amax(amax: jax.Array) -> jax.Array:
     """
     if amax.dtype != jnp.float32:
         raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
+    return _scales_from_amax(amax)
+
+
+@jax.jit
+def _scales_from_amax(amax):
     return lax.bitcast_convert_type(xla_impl.scale_bytes_from_amax(amax), jnp.float8_e8m0fnu)
 
 
@@ -198,6 +212,13 @@ def cast_slice(
         rowwise_scale, (m, k // _BS), "cast_slice rowwise_scale")
     col_b = None if colwise_scale is None else _scale_bytes(
         colwise_scale, (m // _BS, k), "cast_slice colwise_scale")
+    return _cast_slice(flat, (m, k), int(start), row_b, col_b)
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _cast_slice(flat, shape, start, row_b, col_b) -> SliceCast:
+    m, k = shape
+    n = int(flat.shape[0])
     if n == 0:
         empty = jnp.zeros((0,), jnp.float8_e4m3fn)
         return SliceCast(None if row_b is None else empty, None if col_b is None else empty)
@@ -218,6 +239,7 @@ def cast_slice(
     return SliceCast(row, col)
 
 
+@partial(jax.jit, static_argnums=(1, 2))
 def _quantize_xla(x: jax.Array, rowwise: bool, colwise: bool) -> MXFP8Tensor:
     m, k = x.shape
     flat = x.reshape(-1)  # (M*K,) row-major
@@ -257,7 +279,7 @@ def quantize(
         from jax_side.mxfp8 import te_backend
 
         return te_backend.quantize(x, rowwise=rowwise, colwise=colwise)
-    return _quantize_xla(x, rowwise, colwise)
+    return _quantize_xla(x, bool(rowwise), bool(colwise))
 
 
 def dequantize(t: MXFP8Tensor, plane: Plane | str = Plane.ROWWISE) -> jax.Array:
