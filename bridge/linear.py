@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from bridge import linear_kernels as K
 from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch
@@ -45,10 +46,6 @@ def _share(t: torch.Tensor):
     return to_jax(t, copy=not (t.is_contiguous() and aligned))
 
 
-def _planes_dtype(weight: torch.Tensor) -> torch.dtype:
-    return weight.dtype if weight.dtype in _MXFP8_DTYPES else torch.bfloat16
-
-
 def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane):
     """Call the provider for one plane and share it with JAX (validated, zero-copy)."""
     data, scale = planes.rowwise() if plane is Plane.ROWWISE else planes.colwise()
@@ -60,7 +57,7 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
             f"the weight is on {weight.device}; JAX runs each op on its Torch tensors' device"
         )
     kw = {"rowwise" if plane is Plane.ROWWISE else "colwise": (data, scale)}
-    return planes_to_jax(shape, _planes_dtype(weight), **kw)
+    return planes_to_jax(shape, torch.bfloat16, **kw)  # weights are quantized as bf16(master)
 
 
 def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
@@ -107,7 +104,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
     """Forward/backward glue; the JAX pieces are in ``bridge.linear_kernels``."""
 
     @staticmethod
-    def forward(ctx, x, weight, planes, mode, out_dtype):
+    def forward(ctx, x, weight, planes, mode, out_dtype, grad_enabled):
         n, k = weight.shape
         lead = tuple(x.shape[:-1])
         x2d = x.detach().reshape(-1, k)  # (T, K), T = prod(lead)
@@ -118,7 +115,9 @@ class _MXFP8LinearFn(torch.autograd.Function):
             ctx.save_for_backward(x2d, weight.detach())
             y = K.hp_forward(_share(x2d), _share(weight), out_dtype=out_j)
             return to_torch(y).reshape(*lead, n)
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad stays True under torch.no_grad(); nothing is kept for backward then.
+        need_dx = grad_enabled and ctx.needs_input_grad[0]
+        need_dw = grad_enabled and ctx.needs_input_grad[1]
         if planes is not None:
             w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
@@ -129,6 +128,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
         return to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = dy.shape[-1]
@@ -152,7 +152,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
             ctx.x_colwise = ctx.w_colwise = None  # release JAX memory as soon as possible
         dx = None if out.dx is None else to_torch(out.dx).reshape(*ctx.lead, -1)
         dw = None if out.dw is None else to_torch(out.dw)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class _PlaneShape:
@@ -181,7 +181,9 @@ def mxfp8_linear(
     """
     mode = LinearMode(mode)
     _check_args(x, weight, weight_planes, mode, out_dtype)
-    return _MXFP8LinearFn.apply(x, weight, weight_planes, mode, out_dtype or x.dtype)
+    return _MXFP8LinearFn.apply(
+        x, weight, weight_planes, mode, out_dtype or x.dtype, torch.is_grad_enabled()
+    )
 
 
 class MXFP8Linear(torch.nn.Module):
