@@ -36,6 +36,7 @@ def _heavy_sum(a):
 def test_jax_reads_only_after_pending_torch_writes(side_stream):
     t = torch.zeros(1 << 20, device="cuda")
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())  # t's zero-fill comes first
     with torch.cuda.stream(stream):
         torch.cuda._sleep(_SPIN_CYCLES)
         t.fill_(1.0)  # queued behind the spin on Torch's current stream
