@@ -1,0 +1,138 @@
+"""Flat layout of one parameter group, its even DP shards, and the layout checker (DESIGN.md 5).
+
+Every buffer of a group (rowwise / columnwise MXFP8 bytes, bf16/fp32 model weights, fp32 main
+weights, main grads) shares ONE element-index layout:
+
+- parameters are laid out in order, each starting at a multiple of the *unit*
+  ``U = lcm(256, row sizes)`` elements (row size = prod(shape[1:]), 1 for 1-D parameters). A start
+  at a multiple of 256 elements is a multiple of 256 bytes in every buffer dtype, so each
+  per-parameter plane can be shared with JAX zero-copy;
+- the group is padded to ``world_size * shard_numel`` with ``shard_numel`` a multiple of ``U``,
+  and rank r owns the flat slice ``[r * shard_numel, (r + 1) * shard_numel)``. Shard boundaries are
+  then multiples of every row size relative to every parameter start, so *shards keep rows whole*;
+  a rank may own part of a parameter, several parameters, or none.
+
+Padding elements belong to no parameter; they are zero in every buffer and never quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+__all__ = ["ALIGN_ELEMENTS", "FlatLayout", "LayoutError", "OwnedPiece", "ParamSlot", "check_layout"]
+
+ALIGN_ELEMENTS = 256  # >= 256 bytes for every element size >= 1 byte
+
+
+class LayoutError(ValueError):
+    """A flat layout that breaks an invariant (overlap, gap in ownership, split row)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the group's flat index space."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int  # first flat element (a multiple of the layout unit)
+    numel: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    @property
+    def row_size(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+
+
+class OwnedPiece(NamedTuple):
+    """The part of one parameter that a rank owns."""
+
+    slot_index: int
+    param_offset: int  # first owned element, in the parameter's own flat row-major order
+    shard_offset: int  # where it sits inside the rank's shard
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """Layout of a group: slots in order, the unit, and the even shard size; see module note."""
+
+    slots: tuple[ParamSlot, ...]
+    unit: int
+    shard_numel: int
+    world_size: int
+
+    @classmethod
+    def build(cls, names, shapes, world_size: int) -> FlatLayout:
+        if world_size < 1:
+            raise ValueError(f"FlatLayout: world_size must be >= 1, got {world_size}")
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        rows = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
+        unit = math.lcm(ALIGN_ELEMENTS, *[r for r in rows if r > 0])
+        slots, cursor = [], 0
+        for name, shape in zip(names, shapes, strict=True):
+            start = -(-cursor // unit) * unit
+            slots.append(ParamSlot(name, shape, start, math.prod(shape)))
+            cursor = start + math.prod(shape)
+        shard = max(1, -(-cursor // (world_size * unit))) * unit
+        return cls(tuple(slots), unit, shard, world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def owned(self, rank: int) -> list[OwnedPiece]:
+        """Pieces of parameters inside rank's shard, in slot order (empty pieces left out)."""
+        lo, hi = self.shard_range(rank)
+        out = []
+        for i, s in enumerate(self.slots):
+            a, b = max(lo, s.start), min(hi, s.end)
+            if a < b:
+                out.append(OwnedPiece(i, a - s.start, a - lo, b - a))
+        return out
+
+    def owned_slice(self, rank: int, slot_index: int) -> OwnedPiece | None:
+        return next((p for p in self.owned(rank) if p.slot_index == slot_index), None)
+
+
+def check_layout(layout: FlatLayout) -> None:
+    """Raise :class:`LayoutError` unless: slots are aligned and disjoint, inside the padded
+    buffer; every element of every parameter is owned by exactly one rank; no shard splits a row.
+    """
+    prev_end = 0
+    for s in layout.slots:
+        if s.start % layout.unit or s.start % ALIGN_ELEMENTS:
+            raise LayoutError(f"slot {s.name!r} starts at {s.start}, not a multiple of the unit")
+        if s.start < prev_end:
+            raise LayoutError(f"slot {s.name!r} [{s.start}, {s.end}) overlaps the previous slot")
+        prev_end = s.end
+    if prev_end > layout.padded_numel or layout.shard_numel % layout.unit:
+        raise LayoutError(
+            f"padded size {layout.padded_numel} (shard {layout.shard_numel}) does not hold the "
+            f"{prev_end} laid-out elements in unit multiples of {layout.unit}"
+        )
+    owned = [0] * len(layout.slots)
+    for rank in range(layout.world_size):
+        for p in layout.owned(rank):
+            s = layout.slots[p.slot_index]
+            if p.param_offset != owned[p.slot_index]:
+                raise LayoutError(
+                    f"rank {rank} owns {s.name!r} from element {p.param_offset}, but elements "
+                    f"[0, {owned[p.slot_index]}) are already owned: overlap or gap"
+                )
+            if p.param_offset % s.row_size or p.numel % s.row_size:
+                raise LayoutError(
+                    f"rank {rank}'s piece of {s.name!r} [{p.param_offset}, "
+                    f"{p.param_offset + p.numel}) splits a row of {s.row_size} elements"
+                )
+            owned[p.slot_index] += p.numel
+    for s, n in zip(layout.slots, owned, strict=True):
+        if n != s.numel:
+            raise LayoutError(f"{s.name!r}: {n} of {s.numel} elements owned by some rank")

@@ -1,0 +1,155 @@
+"""``FSDPUnit``: one module's parameter groups and the hooks that unshard, reshard and reduce.
+
+Lifecycle of a unit in one iteration (``TrainingState``):
+
+- forward pre-hook: unshard the forward planes (MXFP8: rowwise; high precision: the weights).
+  If backward is already running, this forward is an activation-recompute forward
+  (``torch.utils.checkpoint``): unshard both planes, since the backward that follows needs colwise.
+- forward post-hook: reshard (ZeRO-3) and register the pre-backward hook on the outputs.
+  During a recompute forward it does nothing (backward still needs the planes).
+- pre-backward (first gradient reaching an output): unshard the backward planes (MXFP8: colwise;
+  high precision: the weights).
+- post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket; when
+  the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
+  reshard. The root's final callback does the same for units whose parameters got no gradient.
+
+"Already unsharded" is tracked per plane in each ``ParamGroup``; a plane asked for outside these
+hooks (a recompute of a submodule inside the unit, a user reading weights) is gathered lazily by
+``MXFP8Planes`` with the phase of the moment.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from jax_side.mxfp8 import Plane
+from torch_side.collectives import Phase
+from torch_side.param_group import ParamGroup
+
+__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "TrainingState"]
+
+
+class GradCheck(enum.Enum):
+    """Optional check of each local gradient before it is staged for reduction."""
+
+    OFF = "off"
+    FINITE = "finite"  # raise, naming the parameter and rank, on NaN/Inf
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"  # pre-backward ran, gradients pending
+    REDUCED = "reduced"  # post-backward ran in this backward
+
+
+class MXFP8Planes:
+    """``bridge.MXFP8WeightPlanes`` of one MXFP8 parameter, gathered lazily per plane."""
+
+    def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
+        self.unit, self.group, self.index = unit, group, index
+        self.shape = tuple(group.layout.slots[index].shape)
+
+    def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        phase = Phase.RECOMPUTE if self.unit.root.backward_active else Phase.FORWARD
+        self.group.unshard(Plane.ROWWISE, phase)
+        return self.group.plane_views(self.index, Plane.ROWWISE)
+
+    def colwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.group.unshard(Plane.COLWISE, Phase.BACKWARD)
+        return self.group.plane_views(self.index, Plane.COLWISE)
+
+
+class FSDPUnit:
+    def __init__(self, name: str, module: nn.Module, groups: list[ParamGroup], root):
+        self.name, self.module, self.groups, self.root = name, module, groups, root
+        self.state = TrainingState.IDLE
+        self._pending = 0
+        self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_hook(self._post_forward),
+        ]
+        for g in groups:
+            if g.key.requires_grad:
+                for i, e in enumerate(g.entries):
+                    self._handles.append(
+                        e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g, i))
+                    )
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        if self.root.backward_active:
+            for g in self.groups:
+                g.unshard(Plane.ROWWISE, Phase.RECOMPUTE)
+                g.unshard(Plane.COLWISE, Phase.RECOMPUTE)
+            return None
+        self.state = TrainingState.FORWARD
+        self.root.record_forward_order(self)
+        for g in self.groups:
+            g.unshard(Plane.ROWWISE, Phase.FORWARD)
+        self.root.prefetch_after(self)
+        return None
+
+    def _post_forward(self, module, args, output):
+        if self.root.backward_active:
+            return None
+        for g in self.groups:
+            g.reshard()
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return None
+
+    # ---- backward ---------------------------------------------------------------------------
+    def _pre_backward(self, grad) -> None:
+        self.root.on_pre_backward()
+        if self.state is TrainingState.BACKWARD:
+            return
+        self.state = TrainingState.BACKWARD
+        self._pending = self._grad_params
+        for g in self.groups:
+            g.unshard(Plane.COLWISE if g.is_mxfp8 else Plane.ROWWISE, Phase.BACKWARD)
+
+    def _make_grad_hook(self, group: ParamGroup, index: int):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            if self.root.grad_check is GradCheck.FINITE:
+                self.root.check_finite(group.entries[index].name, param.grad)
+            group.stage_grad(index, param.grad)
+            param.grad = None
+            if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
+                self.state, self._pending = TrainingState.BACKWARD, self._grad_params
+            self._pending -= 1
+            if self._pending == 0:
+                self.post_backward()
+
+        return hook
+
+    def post_backward(self) -> None:
+        """Reduce this micro-batch's gradients into the main grads and reshard."""
+        for g in self.groups:
+            if g.key.requires_grad:
+                g.reduce_grads()
+            g.reshard()
+        self.state = TrainingState.REDUCED
+
+    def finish_backward(self) -> None:
+        """Root's end-of-backward callback: reduce if some gradients never arrived; reset."""
+        if self.state is TrainingState.BACKWARD:
+            self.post_backward()
+        for g in self.groups:
+            g.reshard()
+        self.state = TrainingState.IDLE
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
