@@ -6,7 +6,7 @@
 #   .te1/ .. .te5/   one part each of transformer_engine_cu13-2.20.2 (split -b 58M -d -a 1)
 # The working tree may carry at most 64 MiB per call, so the parts travel one call each:
 #   call k (k = 1..4):  carry [".te<k>"],         command: scripts/gpu/te.sh stage
-#   call 5:             carry [".te5", ".te0"],   command: scripts/gpu/te.sh all
+#   call 5:             carry [".te5", ".te0"],   command: scripts/gpu/te.sh all   (or verify)
 # in quick succession (the machine stays warm ~30 s between calls). Results go to $OUT.
 set -u
 OUT=${OUT:-$PWD/out/te}
@@ -18,7 +18,12 @@ SITE=/tmp/site
 # TE at the very cuDNN that JAX uses.
 PURELIB=$(python3 -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 CUDNN_SO=$(find "$PURELIB/nvidia" -name 'libcudnn.so.9*' 2>/dev/null | head -1)
-[ -n "$CUDNN_SO" ] && export CUDNN_HOME=$(dirname "$CUDNN_SO")
+if [ -n "$CUDNN_SO" ]; then
+  export CUDNN_HOME=$(dirname "$CUDNN_SO")
+  # libtransformer_engine.so has no RUNPATH and NEEDs every libcudnn_*.so.9: without this the
+  # ones JAX has not loaded yet come from the system's cuDNN (/lib/x86_64-linux-gnu) and clash.
+  export LD_LIBRARY_PATH=$CUDNN_HOME${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 echo "CUDNN_HOME=${CUDNN_HOME:-unset}"
 WHEEL=transformer_engine_cu13-2.20.2-py3-none-manylinux_2_28_x86_64.whl
 
@@ -85,12 +90,12 @@ case "${1:-all}" in
   install) install ;;
   test) run_tests ;;
   bench) run_bench ;;
-  all)
+  all|verify)  # verify: install and tests, no benchmark
     date -u; nvidia-smi -L
     stage
     t0=$SECONDS; install || { echo "INSTALL FAILED"; tail -40 "$OUT/build.log"; exit 1; }
     echo "install took $((SECONDS - t0)) s"
     run_tests
-    run_bench ;;
-  *) echo "usage: $0 stage|install|test|bench|all" >&2; exit 2 ;;
+    [ "${1:-all}" = all ] && run_bench ;;
+  *) echo "usage: $0 stage|install|test|bench|verify|all" >&2; exit 2 ;;
 esac
