@@ -1,4 +1,4 @@
-"""Public MXFP8 quantize / dequantize API and the slice building blocks for distributed quantization.
+"""Public MXFP8 quantize / dequantize API and the slice building blocks of distributed quantization.
 
 Whole-tensor quantization is *defined* as the composition of the three building blocks
 (``partial_block_amax`` over the whole tensor, ``scales_from_amax``, ``cast_slice``), so the
@@ -54,6 +54,10 @@ class SliceCast(NamedTuple):
     colwise: jax.Array | None
 
 
+def _round_up(d: int) -> int:
+    return math.ceil(max(d, 1) / _BS) * _BS
+
+
 def _check_shape(shape, what: str) -> tuple[int, int]:
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
@@ -65,8 +69,8 @@ def _check_shape(shape, what: str) -> tuple[int, int]:
     if m % _BS or k % _BS or m == 0 or k == 0:
         raise ValueError(
             f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
-            f"{shape}; pad to {(math.ceil(max(m, 1) / _BS) * _BS, math.ceil(max(k, 1) / _BS) * _BS)}"
-            f" or keep this tensor in a non-MXFP8 format"
+            f"{shape}; pad to {_round_up(m), _round_up(k)} or keep this tensor in a non-MXFP8 "
+            f"format"
         )
     return m, k
 
