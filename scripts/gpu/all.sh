@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The batched GPU pass (one device call, a 2-GPU machine): numerics, bridge, FSDP (NCCL, 1 and 2
+# GPUs), parity. Each part writes under $OUT/<part>/ and the summary line of each goes to
+# $OUT/summary.log. Usage on the device: `bash scripts/gpu/all.sh [parts...]`.
+set -u
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+BASE=${OUT:-$PWD/out}
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(jax_side bridge fsdp parity)
+for part in "${parts[@]}"; do
+  [ -f "scripts/gpu/$part.sh" ] || { echo "$part: no script" | tee -a "$BASE/summary.log"; continue; }
+  t0=$SECONDS
+  OUT="$BASE/$part" bash "scripts/gpu/$part.sh" > "$BASE/$part.log" 2>&1
+  echo "$part: rc=$? in $((SECONDS - t0)) s" | tee -a "$BASE/summary.log"
+done
