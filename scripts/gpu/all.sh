@@ -2,6 +2,8 @@
 # The batched GPU pass (one device call, a 2-GPU machine): numerics, bridge, FSDP (NCCL, 1 and 2
 # GPUs), parity. Each part writes under $OUT/<part>/ and the summary line of each goes to
 # $OUT/summary.log. Usage on the device: `bash scripts/gpu/all.sh [parts...]`.
+# The device returns at most 8 files, so each part's own files (written to a scratch OUT) are
+# appended, with a header each, to one $OUT/<part>.log.
 set -u
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -11,6 +13,12 @@ parts=("$@")
 for part in "${parts[@]}"; do
   [ -f "scripts/gpu/$part.sh" ] || { echo "$part: no script" | tee -a "$BASE/summary.log"; continue; }
   t0=$SECONDS
-  OUT="$BASE/$part" bash "scripts/gpu/$part.sh" > "$BASE/$part.log" 2>&1
-  echo "$part: rc=$? in $((SECONDS - t0)) s" | tee -a "$BASE/summary.log"
+  scratch=/tmp/gpu_out/$part
+  rm -rf "$scratch" && mkdir -p "$scratch"
+  OUT="$scratch" bash "scripts/gpu/$part.sh" > "$BASE/$part.log" 2>&1
+  rc=$?
+  for f in "$scratch"/*; do
+    [ -f "$f" ] && { echo "===== $part/$(basename "$f")"; cat "$f"; } >> "$BASE/$part.log"
+  done
+  echo "$part: rc=$rc in $((SECONDS - t0)) s" | tee -a "$BASE/summary.log"
 done
