@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+import bridge
 from bridge import (
+    Fp8Transport,
     LinearMode,
     MXFP8Linear,
     ZeroCopyError,
@@ -26,6 +28,7 @@ from bridge import (
     to_jax,
     to_torch_mxfp8,
 )
+from bridge.capsule import DLDataTypeCode
 from bridge.linear_kernels import padded_tokens
 from jax_side.mxfp8 import quantize
 from tests.bridge.conftest import DEVICES
@@ -134,6 +137,32 @@ def test_weight_planes_are_used_lazily_and_give_the_same_result(device):
     assert _all_released(planes.handed_out, device)
     for got, want in ((y2, y), (x2.grad, x.grad), (ph.grad, w.grad)):
         np.testing.assert_array_equal(_np(got), _np(want))
+
+
+def test_planes_cross_as_relabeled_uint8_where_native_float8_is_unavailable(monkeypatch):
+    x, w, dy = _inputs()
+    y = mxfp8_linear(x, w)
+    y.backward(dy)
+    byte_floats = bridge.dlpack_support().torch_to_jax
+    uint8_only = bridge.DlpackSupport(
+        {d: Fp8Transport.UINT8 for d in byte_floats},
+        {d: Fp8Transport.UINT8 for d in byte_floats},
+        {"simulated": "native float8 DLPack unavailable"},
+    )
+    monkeypatch.setattr(bridge.dlpack, "dlpack_support", lambda: uint8_only)
+    relabels = []
+    real_relabel = bridge.dlpack.relabel
+    monkeypatch.setattr(
+        bridge.dlpack, "relabel", lambda c, code: (relabels.append(code), real_relabel(c, code))
+    )
+    planes, ph = Planes(w), _placeholder()
+    relabels.clear()  # count only the op's own transfers
+    x2 = x.detach().clone().requires_grad_()
+    mxfp8_linear(x2, ph, weight_planes=planes).backward(dy)
+    e4m3, e8m0 = DLDataTypeCode.FLOAT8_E4M3FN, DLDataTypeCode.FLOAT8_E8M0FNU
+    assert relabels == [e4m3, e8m0, e4m3, e8m0]  # rowwise planes in forward, colwise in backward
+    np.testing.assert_array_equal(_np(x2.grad), _np(x.grad))
+    np.testing.assert_array_equal(_np(ph.grad), _np(w.grad))
 
 
 def test_colwise_plane_is_not_fetched_when_no_dgrad_is_needed():
