@@ -44,6 +44,7 @@ the consumer; both transports are zero-copy. ``dlpack_support()`` reports which 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
@@ -286,15 +287,8 @@ class _RelabeledTorch:
 
 
 def _device_ctx(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else _null_ctx()
-
-
-class _null_ctx:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    """Make ``device`` current, so Torch's "current stream" in ``__dlpack__`` is that device's."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def to_jax(
