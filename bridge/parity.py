@@ -68,6 +68,7 @@ __all__ = [
     "make_batch",
     "parity_report",
     "run_flax",
+    "sharded_parity_report",
 ]
 
 
@@ -104,6 +105,7 @@ class FlaxRun(NamedTuple):
     loss: jax.Array  # () float32
     linear_io: dict[str, tuple[jax.Array, jax.Array, jax.Array]]  # name -> x, y, dy (T, C)
     grads: dict[str, jax.Array]  # Torch-style parameter names
+    weight_q: dict[str, MXFP8Tensor]  # MXFP8 mode: the planes each linear multiplied with
 
 
 def _linear_names(cfg: GPTConfig) -> list[str]:
@@ -137,9 +139,15 @@ def _flax_step(cfg: GPTConfig, mode: MatmulMode, batch_shape: tuple[int, int]):
             n: (flat_inter[f"{n}.input"][0], flat_inter[f"{n}.output"][0], flat_dy[f"{n}.dy"])
             for n in names
         }
-        return logits, loss, io, flat_params(g_params)
+        weight_q = {}
+        if mode is MatmulMode.MXFP8:
+            flat_w, flat_planes = flat_params(params), flat_params(planes or {})
+            for n in (n + ".weight" for n in names):
+                given = flat_planes.get(n)
+                weight_q[n] = quantize_weight(flat_w[n]) if given is None else given
+        return logits, loss, io, flat_params(g_params), weight_q
 
-    return jax.jit(step)
+    return step
 
 
 def run_flax(
@@ -156,8 +164,7 @@ def run_flax(
     FSDP's all-gathered planes imported zero-copy; None to quantize bf16(param) in each layer.
     """
     step = _flax_step(cfg, MatmulMode.parse(mode), tuple(tokens.shape))
-    logits, loss, io, grads = step(params, planes, jnp.asarray(tokens), jnp.asarray(targets))
-    return FlaxRun(logits, loss, io, grads)
+    return FlaxRun(*step(params, planes, jnp.asarray(tokens), jnp.asarray(targets)))
 
 
 class Diff(NamedTuple):
@@ -201,19 +208,14 @@ def _bytes(t: MXFP8Tensor) -> np.ndarray:
     return np.concatenate([np.asarray(p).view(np.uint8).reshape(-1) for p in parts if p is not None])
 
 
-def _equal_fraction(a: MXFP8Tensor, b: MXFP8Tensor) -> float:
-    ba, bb = _bytes(a), _bytes(b)
-    return float(np.mean(ba == bb))
-
-
 class LayerBytes(NamedTuple):
-    """MXFP8 bytes of one linear layer (MXFP8 mode; the control has none)."""
+    """Bytes of one linear layer. The MXFP8 fields are None in the high-precision control."""
 
     name: str
-    weight_identical: bool  # both planes + scales each side multiplied with
-    x_equal_fraction: float  # of the quantized (token-padded) input bytes, both planes
-    dy_equal_fraction: float  # of the quantized output-gradient bytes, both planes
     teacher_forced_identical: bool  # Flax on Torch's x, W, dy reproduces Torch's y, dx, dW bytes
+    weight_identical: bool | None  # both planes + scales each side multiplied with
+    x_equal_fraction: float | None  # of the quantized (token-padded) input bytes, both planes
+    dy_equal_fraction: float | None  # of the quantized output-gradient bytes, both planes
 
 
 class ZeroCopy(NamedTuple):
@@ -254,25 +256,36 @@ class ParityReport:
         return format_report(self)
 
 
-def _weight_bytes(
-    name: str, torch_weight: torch.Tensor, flax_weight, planes: MXFP8Tensor | None
-) -> bool:
-    """Planes the Torch op multiplied with vs the ones the Flax layer did (bridge vs jax_side)."""
-    torch_q = planes if planes is not None else bridge_quantize_weight(
-        to_jax(torch_weight.detach()), rowwise=True, colwise=True)
-    flax_q = planes if planes is not None else quantize_weight(flax_weight)
-    return bool(np.array_equal(_bytes(torch_q), _bytes(flax_q)))
+def _byte_equal_fraction(a: MXFP8Tensor, b: MXFP8Tensor) -> float:
+    """Fraction of identical bytes over both planes (data and scales) of two MXFP8Tensors."""
+    return float(np.mean(_bytes(a) == _bytes(b)))
 
 
-def _teacher_forced(mode: MatmulMode, io, weight: torch.Tensor, dw: torch.Tensor, planes) -> bool:
+def _layer_check(mode: MatmulMode, t_x, t_dy, f_x, f_dy, weight, planes):
+    """One layer: byte-equal fractions of Torch's vs Flax's quantized x and dy (MXFP8 mode),
+    and the teacher-forced Flax linear (jax_side.models) on Torch's x, W or planes, dy.
+
+    Runs eagerly: the linear's quantizations and GEMMs are jitted per shape in
+    ``jax_side.models.linear``, so this reuses the code the Flax model already compiled.
+    """
     fn = linear_fn(mode)
-    w = to_jax(weight.detach())
-    y, vjp = jax.vjp(lambda x, w_: fn(x, w_, planes), to_jax(io.x), w)
-    dx, dw_f = vjp(to_jax(io.dy))
-    return all(
-        np.array_equal(_np(a).view(np.uint32), _np(b).view(np.uint32))
-        for a, b in ((io.y, y), (io.dx, dx), (dw, dw_f))
-    )
+    y, vjp = jax.vjp(lambda x, w: fn(x, w, planes), t_x, weight)
+    dx, dw = vjp(t_dy)
+    fx = fdy = None
+    if mode is MatmulMode.MXFP8:
+        fx = _byte_equal_fraction(quantize_activation(t_x), quantize_activation(f_x))
+        fdy = _byte_equal_fraction(quantize_activation(t_dy), quantize_activation(f_dy))
+    return fx, fdy, y, dx, dw
+
+
+def _same_bits(a, b) -> bool:
+    a, b = _np(a), _np(b)
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
+
+
+def _torch_weight_planes(weight: torch.Tensor) -> MXFP8Tensor:
+    """The planes the bridge op multiplies with when no FSDP planes are given (its own code)."""
+    return bridge_quantize_weight(to_jax(weight.detach()), rowwise=True, colwise=True)
 
 
 def compare(
@@ -284,21 +297,27 @@ def compare(
     planes: Mapping[str, MXFP8Tensor] | None = None,
 ) -> tuple[tuple[Diff, ...], tuple[LayerBytes, ...]]:
     """Diffs and per-layer MXFP8 bytes of two runs. weights: Torch-style name -> Torch tensor
-    (the values the Torch op used); planes: flat name -> MXFP8Tensor when both ran on planes."""
+    (the values the Torch op used; a placeholder where planes are given); planes: flat weight
+    name -> MXFP8Tensor when both stacks ran on these planes (FSDP's), else None."""
+    names = _linear_names(cfg)
     diffs, layers = [], []
-    for name in _linear_names(cfg):
+    for name in names:
         tio, (fx, fy, fdy) = torch_run.linear_io[name], flax_run.linear_io[name]
         diffs += [diff("x", name, tio.x, fx), diff("y", name, tio.y, fy), diff("dy", name, tio.dy, fdy)]
+    w = {n: n + ".weight" for n in names}
+    for name in names:
+        tio, fio = torch_run.linear_io[name], flax_run.linear_io[name]
+        x_frac, dy_frac, y, dx, dw = _layer_check(
+            mode, to_jax(tio.x), to_jax(tio.dy), fio[0], fio[2], to_jax(weights[w[name]]),
+            None if planes is None else planes[w[name]],
+        )
+        forced = all(_same_bits(a, b) for a, b in ((tio.y, y), (tio.dx, dx), (torch_run.grads[w[name]], dw)))
         if mode is MatmulMode.MXFP8:
-            wname = name + ".weight"
-            p = None if planes is None else planes[wname]
-            layers.append(LayerBytes(
-                name,
-                _weight_bytes(wname, weights[wname], to_jax(weights[wname]), p),
-                _equal_fraction(quantize_activation(to_jax(tio.x)), quantize_activation(fx)),
-                _equal_fraction(quantize_activation(to_jax(tio.dy)), quantize_activation(fdy)),
-                _teacher_forced(mode, tio, weights[wname], torch_run.grads[wname], p),
-            ))
+            torch_q = planes[w[name]] if planes is not None else _torch_weight_planes(weights[w[name]])
+            same_w = _same_bits(_bytes(torch_q), _bytes(flax_run.weight_q[w[name]]))
+            layers.append(LayerBytes(name, forced, same_w, x_frac, dy_frac))
+        else:
+            layers.append(LayerBytes(name, forced, None, None, None))
     diffs += [diff("logits", "", torch_run.logits, flax_run.logits)]
     diffs += [diff("loss", "", torch_run.loss, flax_run.loss)]
     diffs += [diff("grad", n, g, flax_run.grads[n]) for n, g in torch_run.grads.items()]
@@ -363,21 +382,144 @@ def format_report(r: ParityReport) -> str:
             f"{d.quantity:<8} {d.name:<22} {_fmt(d.max_abs)} {_fmt(d.mean_abs)} "
             f"{_fmt(d.max_rel)} {_fmt(d.mean_rel)}  {'yes' if d.identical else 'no'}"
         )
+    def frac(v):
+        return "-" if v is None else f"{v:.6f}"
+
+    def same(v):
+        return "-" if v is None else ("identical" if v else "DIFFERENT")
+
     if r.layers:
         lines += [
             "",
-            "MXFP8 bytes per linear layer (x, dy: fraction of identical quantized bytes; "
-            "teacher-forced: Flax on Torch's x, W, dy gives Torch's y, dx, dW bytes)",
+            "Bytes per linear layer. weight planes: the MXFP8 planes each side multiplied with; "
+            "x, dy bytes:",
+            "fraction of identical bytes of the quantized x and dy; teacher-forced: the Flax "
+            "linear on Torch's x, W, dy gives Torch's y, dx, dW bytes",
             f"{'layer':<22} {'weight planes':>13} {'x bytes':>9} {'dy bytes':>9} "
             f"{'teacher-forced':>15}",
         ]
         for lb in r.layers:
             lines.append(
-                f"{lb.name:<22} {'identical' if lb.weight_identical else 'DIFFERENT':>13} "
-                f"{lb.x_equal_fraction:>9.6f} {lb.dy_equal_fraction:>9.6f} "
-                f"{'identical' if lb.teacher_forced_identical else 'DIFFERENT':>15}"
+                f"{lb.name:<22} {same(lb.weight_identical):>13} {frac(lb.x_equal_fraction):>9} "
+                f"{frac(lb.dy_equal_fraction):>9} {same(lb.teacher_forced_identical):>15}"
             )
     n_shared = sum(z.shared for z in r.zero_copy)
     lines += ["", f"zero-copy: {n_shared}/{len(r.zero_copy)} tensors Flax read share the Torch "
               f"data pointer"]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- sharded (FSDP)
+
+
+def _sharded_rank(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> ParityReport | None:
+    """One gloo rank: TorchGPT under FSDP vs FlaxGPT on the planes FSDP all-gathered (rank 0)."""
+    import torch.distributed as dist
+
+    from bridge.mxfp8_tensor import TorchMXFP8Tensor
+    from torch_side.models.fsdp_twin import run_sharded, shard_gpt
+
+    mode = MatmulMode.MXFP8
+    flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
+    model = TorchGPT(cfg, mode)
+    load_flat_params(model, flat)
+    fsdp = shard_gpt(model, strategy)
+    tokens, targets = (torch.from_numpy(a).long() for a in batch)
+    torch_run = run_sharded(fsdp, tokens, targets)
+    report = None
+    with fsdp.gathered_weights() as gathered:
+        if dist.get_rank() == 0:
+            report = _flax_on_gathered(cfg, seed, batch, torch_run, gathered, flat)
+            assert all(isinstance(gathered[n], TorchMXFP8Tensor) for n in cfg.linear_shapes())
+        dist.barrier()  # every rank leaves the gathered state together, after rank 0's JAX work
+    return report
+
+
+def _flax_on_gathered(cfg, seed, batch, torch_run, gathered, flat) -> ParityReport:
+    from bridge.mxfp8_tensor import TorchMXFP8Tensor, to_jax_mxfp8
+
+    mode = MatmulMode.MXFP8
+    planes_t = {n: t for n, t in gathered.items() if isinstance(t, TorchMXFP8Tensor)}
+    hp = {n: t for n, t in gathered.items() if not isinstance(t, TorchMXFP8Tensor)}
+    planes = {n: to_jax_mxfp8(t) for n, t in planes_t.items()}
+    # MXFP8 weights: FSDP gathers no high-precision copy; Flax gets a zero slot for dW only.
+    slots = {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in planes_t.items()}
+    weights = {**hp, **slots}
+    shared = flax_params_view(weights)
+    zero_copy = [ZeroCopy(n, hp[n].data_ptr(), shared[n].unsafe_buffer_pointer()) for n in hp]
+    for n, t in planes_t.items():
+        for field in ("rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale"):
+            zero_copy.append(ZeroCopy(
+                f"{n}:{field}", getattr(t, field).data_ptr(),
+                getattr(planes[n], field).unsafe_buffer_pointer(),
+            ))
+    flax_run = run_flax(cfg, mode, nested_params(shared), batch.tokens, batch.targets,
+                        planes=nested_params(planes))
+    diffs, layers = compare(cfg, mode, torch_run, flax_run, weights, planes)
+    # The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
+    # bf16(master) on one device: FSDP's distributed quantization is exact.
+    layers = tuple(
+        lb._replace(weight_identical=lb.weight_identical and _same_bits(
+            _bytes(planes[lb.name + ".weight"]), _bytes(quantize_weight(jnp.asarray(flat[lb.name + ".weight"])))))
+        for lb in layers
+    )
+    world = torch.distributed.get_world_size()
+    return ParityReport(cfg, mode, seed, batch.tokens.shape, world, diffs, layers, tuple(zero_copy))
+
+
+def _sharded_worker(rank: int, world_size: int, port: int, job: tuple, out_path: str) -> None:
+    import os
+    import pickle
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per rank
+    import torch.distributed as dist
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        report = _sharded_rank(*job)
+        if rank == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_parity_report(
+    cfg: GPTConfig,
+    *,
+    seed: int = 0,
+    batch_size: int = 2,
+    seq_len: int = 40,
+    world_size: int = 2,
+    strategy: str = "optim_grads_params",
+) -> ParityReport:
+    """TorchGPT under ``torch_side`` FSDP on ``world_size`` gloo CPU ranks (spawned here) vs
+    FlaxGPT on the MXFP8 planes and fp32 weights FSDP all-gathered, imported zero-copy (MXFP8).
+
+    Every rank runs the same batch (so the DP-averaged gradient is exactly the batch gradient);
+    rank 0 runs Flax and builds the report, which is returned to this process.
+    """
+    import pickle
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    batch = make_batch(cfg, seed, batch_size, seq_len)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = f"{tmp}/report.pkl"
+        mp.start_processes(
+            _sharded_worker,
+            args=(world_size, port, (cfg, seed, batch, strategy), out_path),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        with open(out_path, "rb") as f:
+            return pickle.load(f)
