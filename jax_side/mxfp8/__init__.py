@@ -4,7 +4,15 @@ Contract: DESIGN.md section 3 (numerics, bit-exact to the Transformer Engine ker
 section 4 (layout). No torch import anywhere in ``jax_side``.
 """
 
-from jax_side.mxfp8.backends import Backend, BackendChoice, backend_report, resolve_backend
+from jax_side.mxfp8.backends import (
+    Backend,
+    BackendChoice,
+    TEPath,
+    TEProbe,
+    backend_report,
+    decide_backend,
+    resolve_backend,
+)
 from jax_side.mxfp8.formats import BLOCK_SIZE, E4M3_MAX, FORMATS, ScalingFormat
 from jax_side.mxfp8.gemm import GemmImpl, GemmRole, matmul
 from jax_side.mxfp8.quantize import (
@@ -31,8 +39,11 @@ __all__ = [
     "Plane",
     "ScalingFormat",
     "SliceCast",
+    "TEPath",
+    "TEProbe",
     "backend_report",
     "cast_slice",
+    "decide_backend",
     "dequantize",
     "matmul",
     "partial_block_amax",

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_side.mxfp8.backends import Backend, resolve_backend
-from jax_side.mxfp8.formats import BLOCK_SIZE
 from jax_side.mxfp8.quantize import dequantize
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
 
@@ -135,27 +134,35 @@ def matmul(
     role: GemmRole | str = GemmRole.FORWARD,
     *,
     out_dtype=jnp.float32,
-    impl: GemmImpl | str = GemmImpl.DEQUANT_DOT,
+    impl: GemmImpl | str | None = None,
     backend: Backend | str | None = None,
 ) -> jax.Array:
     """MXFP8 GEMM for one training role (table in the module docstring); fp32 accumulation.
 
+    ``impl`` selects the ``xla`` backend's implementation (None: ``dequant_dot``); an explicit
+    ``impl`` with ``backend=None`` means ``xla``; ``backend="te"`` runs TE's own GEMM and refuses
+    an explicit ``impl``.
     Returns ``out_dtype`` (float32 or bfloat16), rounded once from the fp32 accumulator.
     """
     role = _parse_enum(GemmRole, role, "role")
-    impl = _parse_enum(GemmImpl, impl, "impl")
+    impl_given = impl is not None
+    impl = _parse_enum(GemmImpl, impl if impl_given else GemmImpl.DEQUANT_DOT, "impl")
     spec = _ROLES[role]
     _check_operands(a, b, role, spec)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise TypeError(f"matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    choice = resolve_backend(backend)
+    choice = resolve_backend(Backend.XLA if impl_given and backend is None else backend)
     if choice.backend is Backend.TE:
         from jax_side.mxfp8 import te_backend
 
+        if impl_given:
+            raise ValueError(
+                f"matmul: impl={impl.value!r} selects an implementation of the 'xla' backend, "
+                "but the backend is 'te' (TE runs its own GEMM); drop impl or pass backend='xla'"
+            )
         out = te_backend.matmul(a, b, role)
     elif impl is GemmImpl.SCALED_MATMUL:
         out = _scaled(a, b, spec)
     else:
         out = _dequant_dot(a, b, spec)
-    assert a.shape[spec.a_contract] % BLOCK_SIZE == 0
     return out.astype(out_dtype)
