@@ -255,6 +255,26 @@ class ParityReport:
     def format(self) -> str:
         return format_report(self)
 
+    def verdict(self) -> str:
+        """One line: what was bit-identical and the largest difference elsewhere."""
+        same = [d for d in self.diffs if d.identical]
+        worst = max((d for d in self.diffs if not d.identical), key=lambda d: d.max_rel,
+                    default=None)
+        forced = all(lb.teacher_forced_identical for lb in self.layers)
+        planes = all(lb.weight_identical is not False for lb in self.layers)
+        text = (
+            f"verdict: {len(same)}/{len(self.diffs)} compared tensors bit-identical; "
+            f"teacher-forced linears {'all identical' if forced else 'NOT all identical'}; "
+            f"weight planes {'identical' if planes else 'DIFFER'}; zero-copy "
+            f"{'all' if self.all_zero_copy else 'NOT all'} shared"
+        )
+        if worst is not None:
+            text += (
+                f"; largest other difference: {worst.quantity} {worst.name} max_rel "
+                f"{worst.max_rel:.1e}"
+            )
+        return text
+
 
 def _byte_equal_fraction(a: MXFP8Tensor, b: MXFP8Tensor) -> float:
     """Fraction of identical bytes over both planes (data and scales) of two MXFP8Tensors."""
@@ -336,8 +356,12 @@ def parity_report(
     batch_size: int = 2,
     seq_len: int = 40,
     mode: MatmulMode | str = MatmulMode.MXFP8,
+    device: str = "cpu",
 ) -> ParityReport:
     """Single process, no FSDP: TorchGPT (bridge op) vs FlaxGPT on the Torch parameters.
+
+    device: where the Torch model lives ("cpu" or "cuda"); JAX runs on the same device (the
+    bridge op runs its kernels where its tensors are; Flax gets the same buffers).
 
     Flax initialises from ``seed``; Torch loads that checkpoint; Flax then runs on the Torch
     parameters imported zero-copy, each MXFP8 layer quantizing bf16(weight) exactly as the
@@ -345,11 +369,11 @@ def parity_report(
     """
     mode = MatmulMode.parse(mode)
     batch = make_batch(cfg, seed, batch_size, seq_len)
-    model = TorchGPT(cfg, mode)
-    load_flat_params(model, {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()})
-    torch_run = run_torch(
-        model, torch.from_numpy(batch.tokens).long(), torch.from_numpy(batch.targets).long()
-    )
+    model = TorchGPT(cfg, mode, device=device)
+    flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
+    load_flat_params(model, flat)
+    tokens, targets = (torch.from_numpy(a).long().to(device) for a in batch)
+    torch_run = run_torch(model, tokens, targets)
     weights = {n: p.detach() for n, p in model.named_parameters()}
     shared = flax_params_view(weights)
     zero_copy = tuple(

@@ -53,7 +53,7 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 2
     d_model: int = 64
-    d_ff: int = 256
+    d_ff: int = 128
     ln_eps: float = 1e-5
     init_std: float = 0.02
 

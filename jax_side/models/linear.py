@@ -20,6 +20,10 @@ they never subclass a quantized layer.
 
 - ``high_precision_linear``: the control, fp32 dot at HIGHEST precision, no quantization.
 
+Compilation: the quantizations and GEMMs are jitted per shape, so layers of equal shapes share
+compiled code and an eager (un-jitted) model compiles each distinct linear shape once; under an
+outer ``jax.jit`` they are simply inlined. Rounding to x's dtype happens once, after the fp32 GEMM.
+
 Token counts that are not a multiple of 32 (``pad_tokens``): x and dy are zero-padded along the
 token axis to the next multiple of 32 before quantizing, and results are sliced back to T rows.
 Zero rows never raise a block amax and quantize to zero bytes, so: the rowwise bytes of real rows
@@ -30,6 +34,7 @@ in tests/bridge/test_parity.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import jax
@@ -62,11 +67,13 @@ def pad_tokens(x: jax.Array) -> jax.Array:
     return x if pad == 0 else jnp.pad(x, ((0, pad), (0, 0)))
 
 
+@jax.jit
 def quantize_activation(x: jax.Array) -> MXFP8Tensor:
     """Both MXFP8 planes of a (T, C) activation or gradient, padded to (ceil32(T), C)."""
     return quantize(pad_tokens(x), rowwise=True, colwise=True)
 
 
+@jax.jit
 def quantize_weight(weight: jax.Array) -> MXFP8Tensor:
     """Both MXFP8 planes of ``bf16(weight)``, weight (N, K) with N, K multiples of 32."""
     return quantize(weight.astype(jnp.bfloat16), rowwise=True, colwise=True)
@@ -85,6 +92,11 @@ def _check(x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None) -> Non
         )
 
 
+@functools.partial(jax.jit, static_argnames=("role",))
+def _gemm(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
+    return matmul(a, b, role, out_dtype=jnp.float32)
+
+
 @jax.custom_vjp
 def _mxfp8_linear(x, weight, weight_q):
     return _fwd(x, weight, weight_q)[0]
@@ -94,7 +106,7 @@ def _fwd(x, weight, weight_q):
     t = x.shape[0]
     wq = quantize_weight(weight) if weight_q is None else weight_q
     xq = quantize_activation(x)
-    y = matmul(xq, wq, GemmRole.FORWARD, out_dtype=x.dtype)[:t]
+    y = _gemm(xq, wq, GemmRole.FORWARD)[:t].astype(x.dtype)
     # Residuals: the quantized operands the backward GEMMs read, and dtype carriers for dx, dW.
     return y, (xq, wq, jnp.zeros((), x.dtype), jnp.zeros((), weight.dtype))
 
@@ -103,8 +115,8 @@ def _bwd(res, dy):
     xq, wq, x_dtype, w_dtype = res
     t = dy.shape[0]
     dyq = quantize_activation(dy)
-    dx = matmul(dyq, wq, GemmRole.DGRAD)[:t].astype(x_dtype.dtype)
-    dw = matmul(dyq, xq, GemmRole.WGRAD).astype(w_dtype.dtype)
+    dx = _gemm(dyq, wq, GemmRole.DGRAD)[:t].astype(x_dtype.dtype)
+    dw = _gemm(dyq, xq, GemmRole.WGRAD).astype(w_dtype.dtype)
     return dx, dw, None
 
 

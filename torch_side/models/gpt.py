@@ -31,7 +31,7 @@ from jax_side.models.config import GPTConfig, MatmulMode
 __all__ = ["TorchGPT", "cross_entropy", "load_flat_params", "mxfp8_linears"]
 
 
-def _linear(cfg: GPTConfig, fin: int, fout: int, mode: MatmulMode) -> MXFP8Linear:
+def _linear(fin: int, fout: int, mode: MatmulMode) -> MXFP8Linear:
     return MXFP8Linear(fin, fout, bias=False, mode=LinearMode(mode.value))
 
 
@@ -54,8 +54,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, mode: MatmulMode):
         super().__init__()
         self.cfg = cfg
-        self.qkv = _linear(cfg, cfg.d_model, 3 * cfg.d_model, mode)
-        self.proj = _linear(cfg, cfg.d_model, cfg.d_model, mode)
+        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, mode)
+        self.proj = _linear(cfg.d_model, cfg.d_model, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -72,8 +72,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, mode: MatmulMode):
         super().__init__()
-        self.fc = _linear(cfg, cfg.d_model, cfg.d_ff, mode)
-        self.proj = _linear(cfg, cfg.d_ff, cfg.d_model, mode)
+        self.fc = _linear(cfg.d_model, cfg.d_ff, mode)
+        self.proj = _linear(cfg.d_ff, cfg.d_model, mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -99,7 +99,14 @@ class TorchGPT(nn.Module):
     ``load_flat_params`` replaces that with a Flax checkpoint.
     """
 
-    def __init__(self, cfg: GPTConfig, mode: MatmulMode | str = MatmulMode.MXFP8, *, seed: int = 0):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        mode: MatmulMode | str = MatmulMode.MXFP8,
+        *,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.cfg, self.mode = cfg, MatmulMode.parse(mode)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -107,12 +114,13 @@ class TorchGPT(nn.Module):
         for i in range(cfg.n_layer):
             self.add_module(f"h_{i}", Block(cfg, self.mode))
         self.ln_f = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, self.mode)
+        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, self.mode)
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 with torch.no_grad():
                     p.normal_(0.0, cfg.init_std, generator=gen)
+        self.to(device)
 
     @property
     def blocks(self) -> list[Block]:
@@ -169,4 +177,4 @@ def load_flat_params(model: TorchGPT, flat: Mapping[str, object]) -> None:
                     f"load_flat_params: {name} has shape {arr.shape} in the checkpoint but "
                     f"{tuple(state[name].shape)} in TorchGPT({model.cfg})"
                 )
-            state[name].copy_(torch.from_numpy(arr.astype(np.float32)))
+            state[name].copy_(torch.from_numpy(arr.astype(np.float32)).to(state[name].device))

@@ -1,0 +1,67 @@
+"""Parity report CLI: TorchGPT (bridge MXFP8 op, optionally torch_side FSDP) vs FlaxGPT.
+
+    python -m demos.parity                              # FSDP on 2 gloo CPU ranks, MXFP8
+    python -m demos.parity --world-size 1               # one process, no FSDP
+    python -m demos.parity --world-size 1 --mode high_precision   # the control
+    python -m demos.parity --config small --seed 3 --batch-size 4 --seq-len 50
+
+Prints the table of ``bridge.parity.ParityReport.format()`` and a one-line verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m demos.parity", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", choices=["tiny", "small"], help="GPTConfig preset")
+    p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=40, help="tokens per sequence (any, <= max)")
+    p.add_argument("--mode", default="mxfp8", choices=["mxfp8", "high_precision"])
+    p.add_argument("--world-size", type=int, default=2,
+                   help="1: single process, no FSDP; >1: torch_side FSDP on gloo CPU ranks")
+    p.add_argument("--strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="FSDP sharding strategy (world size > 1)")
+    args = p.parse_args(argv)
+    if args.world_size > 1 and args.mode != "mxfp8":
+        p.error("--world-size > 1 runs the MXFP8 model under FSDP; the high-precision control "
+                "runs with --world-size 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from bridge.parity import parity_report, sharded_parity_report
+    from jax_side.models import PRESETS
+    from jax_side.mxfp8 import backend_report
+
+    cfg = PRESETS[args.config]
+    backend = backend_report()
+    print(f"MXFP8 kernels: backend {backend['backend']} ({backend['reason']}) on "
+          f"{backend['jax_device']}; jax {jax.__version__}", flush=True)
+    start = time.perf_counter()
+    if args.world_size > 1:
+        report = sharded_parity_report(
+            cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
+            world_size=args.world_size, strategy=args.strategy,
+        )
+    else:
+        report = parity_report(
+            cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len, mode=args.mode
+        )
+    print(report.format())
+    print(f"\n{report.verdict()}")
+    print(f"(wall time {time.perf_counter() - start:.1f} s, compilation included)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
