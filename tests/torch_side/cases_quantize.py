@@ -70,10 +70,12 @@ def _check_split(ctx, fulls, bounds_per_param) -> None:
         }
         if ctx.world_size == 1:
             ref = quantize(jnp.asarray(x.numpy()).astype(jnp.bfloat16))
-            np.testing.assert_array_equal(np.asarray(ref.rowwise_data).view(np.uint8),
-                                          oracle["rowwise_data"])
-            np.testing.assert_array_equal(np.asarray(ref.colwise_scale).view(np.uint8),
-                                          oracle["colwise_scale"])
+            np.testing.assert_array_equal(
+                np.asarray(ref.rowwise_data).view(np.uint8), oracle["rowwise_data"]
+            )
+            np.testing.assert_array_equal(
+                np.asarray(ref.colwise_scale).view(np.uint8), oracle["colwise_scale"]
+            )
         for field, expected in want.items():
             actual = getattr(res, field)
             assert actual.dtype == torch.uint8, (i, field, actual.dtype)

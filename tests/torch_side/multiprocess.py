@@ -53,7 +53,10 @@ def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: st
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=_GLOO_TIMEOUT,
     )
     ctx = WorkerContext(rank, world_size)
@@ -76,8 +79,11 @@ def run_cases(world_size: int, cases: list[str]) -> dict[str, CaseOutcome]:
 
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _worker, args=(world_size, _free_port(), cases, out_dir), nprocs=world_size,
-            start_method="spawn", join=False,
+            _worker,
+            args=(world_size, _free_port(), cases, out_dir),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
         )
         spawn_error = ""
         try:
@@ -91,8 +97,10 @@ def run_cases(world_size: int, cases: list[str]) -> dict[str, CaseOutcome]:
             per_rank.append(json.loads(path.read_text()) if path.exists() else {})
     outcomes = {}
     for name in cases:
-        errors = [res.get(name, f"rank {r}: case did not run. {spawn_error}")
-                  for r, res in enumerate(per_rank)]
+        errors = [
+            res.get(name, f"rank {r}: case did not run. {spawn_error}")
+            for r, res in enumerate(per_rank)
+        ]
         errors = [e for e in errors if e]
         outcomes[name] = CaseOutcome(not errors, errors[0] if errors else "")
     return outcomes

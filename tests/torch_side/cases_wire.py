@@ -1,0 +1,188 @@
+"""Spawned-rank cases: bytes on the wire, bad input, the NaN check, expert-DP groups."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from bridge import MXFP8Linear
+from tests.torch_side.toy_models import Block, ExpertMLP, Recompute, make_batch, make_net, mse
+from torch_side import (
+    Collective,
+    FSDPOptimizer,
+    GradCheck,
+    MixedPrecisionPolicy,
+    Phase,
+    ShardingStrategy,
+    UnalignedLinear,
+    WeightFormat,
+    fully_shard,
+)
+
+T = 32
+ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+
+
+def _gathers(records, group):
+    return [r for r in records if r.op is Collective.ALL_GATHER and r.label.startswith(group.label)]
+
+
+def _check_mxfp8_gather(rec, group, phase: Phase, plane: str) -> None:
+    assert rec.phase is phase and rec.label == f"{group.label}/{plane}", rec
+    assert rec.dtype == torch.uint8, rec  # 1 byte per element ...
+    assert rec.numel == group.layout.padded_numel, (rec, group.layout)
+    assert rec.bytes_sent == group.layout.shard_numel, rec  # ... and nothing else (no scales)
+
+
+def case_wire_forward_rowwise_backward_colwise(ctx):
+    model = fully_shard(make_net(0), unit_modules=(Block,), strategy=ZERO3)
+    mx = [g for g in model.param_groups if g.is_mxfp8]
+    assert len(mx) == 2, [g.label for g in model.param_groups]
+    x, y = make_batch(0, T)
+    model.clear_wire_log()
+    out = model(x)
+    fwd = model.wire_log()
+    assert not any("scale" in r.label for r in fwd), fwd
+    for g in mx:
+        (rec,) = _gathers(fwd, g)
+        _check_mxfp8_gather(rec, g, Phase.FORWARD, "rowwise")
+    model.clear_wire_log()
+    mse(out, y).backward()
+    bwd = model.wire_log()
+    for g in mx:
+        (rec,) = _gathers(bwd, g)
+        _check_mxfp8_gather(rec, g, Phase.BACKWARD, "colwise")
+        (red,) = [
+            r for r in bwd if r.op is Collective.REDUCE_SCATTER and r.label.startswith(g.label)
+        ]
+        assert red.dtype == torch.float32 and red.numel == g.layout.padded_numel, red
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.clear_wire_log()
+    opt.step()
+    step = model.wire_log()
+    for g in mx:  # one amax all-reduce per MXFP8 group, both planes' amax packed; no gathers
+        (amax,) = [r for r in step if r.label.startswith(g.label)]
+        assert amax.op is Collective.ALL_REDUCE_MAX and amax.dtype == torch.float32, amax
+        assert amax.numel == sum(2 * s.numel // 32 for s in g.layout.slots), amax
+
+
+def case_wire_recompute_gathers_both_planes_once(ctx):
+    model = fully_shard(
+        make_net(0, recompute=Recompute.UNIT), unit_modules=(Block,), strategy=ZERO3
+    )
+    x, y = make_batch(0, T)
+    out = model(x)
+    model.clear_wire_log()
+    mse(out, y).backward()
+    bwd = model.wire_log()
+    for g in (g for g in model.param_groups if g.is_mxfp8):
+        got = sorted((r.phase.value, r.label.rsplit("/", 1)[1]) for r in _gathers(bwd, g))
+        # colwise is gathered once (pre-backward); the recompute forward adds rowwise only.
+        assert got == [("backward", "colwise"), ("recompute", "rowwise")], got
+
+
+def case_wire_no_shard_forward_is_silent(ctx):
+    model = fully_shard(make_net(0), unit_modules=(Block,), strategy=ShardingStrategy.NO_SHARD)
+    model.clear_wire_log()
+    model(make_batch(0, T)[0])
+    assert model.wire_log() == [], model.wire_log()
+
+
+class _Unaligned(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ok = MXFP8Linear(64, 64)
+        self.odd = MXFP8Linear(64, 40)
+
+
+def case_bad_input_errors(ctx):
+    try:
+        fully_shard(_Unaligned(), policy=MixedPrecisionPolicy())
+    except ValueError as e:
+        assert "odd.weight" in str(e) and "(40, 64)" in str(e) and "FALLBACK" in str(e), str(e)
+    else:
+        raise AssertionError("an unaligned MXFP8 weight was accepted under UnalignedLinear.RAISE")
+    model = fully_shard(
+        _Unaligned(), policy=MixedPrecisionPolicy(unaligned_linear=UnalignedLinear.FALLBACK)
+    )
+    formats = {s.name: g.format for g in model.param_groups for s in g.layout.slots}
+    assert formats["ok.weight"] is WeightFormat.MXFP8_E4M3, formats
+    assert formats["odd.weight"] is WeightFormat.FP32, formats
+    try:
+        fully_shard(make_net(0), strategy="zero4")
+    except ValueError as e:
+        assert "unsupported sharding strategy 'zero4'" in str(e), str(e)
+    else:
+        raise AssertionError("strategy 'zero4' was accepted")
+    only_rank0 = dist.new_group([0])  # collective: every rank creates it
+    if ctx.rank == 1:
+        try:
+            fully_shard(make_net(0), group=only_rank0)
+        except ValueError as e:
+            assert "not a member" in str(e), str(e)
+        else:
+            raise AssertionError("a group without this rank was accepted")
+
+
+def case_nan_grad_check_names_param_and_rank(ctx):
+    model = fully_shard(make_net(0), unit_modules=(Block,), grad_check=GradCheck.FINITE)
+    x, y = make_batch(0, T)
+    y[0, 0] = float("nan")  # every rank: a NaN loss, so every rank raises (none hangs)
+    try:
+        mse(model(x), y).backward()
+    except FloatingPointError as e:
+        assert f"rank {ctx.rank}:" in str(e) and "'head." in str(e), str(e)
+    else:
+        raise AssertionError("a NaN gradient passed GradCheck.FINITE")
+
+
+def case_expert_dp_groups(ctx):
+    """World 4, expert-DP groups {0,1} and {2,3}, each holding a different expert."""
+    egroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = ctx.rank // 2
+    net = make_net(0, expert_block=True)
+    torch.manual_seed(10 + mine)
+    net.blocks[1].mlp = ExpertMLP()
+    ref = copy.deepcopy(net)
+    model = fully_shard(
+        net,
+        unit_modules=(Block,),
+        strategy=ZERO3,
+        expert_modules=(ExpertMLP,),
+        expert_group=egroups[mine],
+    )
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.5)
+    x, y = make_batch(7, 4 * T)
+    rows = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    model.clear_wire_log()
+    mse(model(x[rows]), y[rows]).backward()
+    opt.step()
+    amax = [r.label for r in model.wire_log() if r.op is Collective.ALL_REDUCE_MAX]
+    assert any(lbl.endswith("/expert_dp/amax") for lbl in amax), amax
+    # Reference: local grads; dense averaged over the world, expert over its expert-DP group.
+    mse(ref(x[rows]), y[rows]).backward()
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        assert torch.isfinite(p.grad).all(), name
+        expert = name.startswith("blocks.1.mlp.")
+        dist.all_reduce(p.grad, group=egroups[mine] if expert else None)
+        p.data -= 0.5 * p.grad / (2 if expert else 4)
+    state = model.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state[name], p.detach(), rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+_M = "tests.torch_side.cases_wire"
+CASES = {
+    f"{_M}:case_wire_forward_rowwise_backward_colwise": (2,),
+    f"{_M}:case_wire_recompute_gathers_both_planes_once": (2,),
+    f"{_M}:case_wire_no_shard_forward_is_silent": (2,),
+    f"{_M}:case_bad_input_errors": (2,),
+    f"{_M}:case_nan_grad_check_names_param_and_rank": (2,),
+    f"{_M}:case_expert_dp_groups": (4,),
+}

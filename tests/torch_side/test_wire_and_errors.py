@@ -1,0 +1,33 @@
+"""What goes over the wire, bad input, the NaN check and expert-DP groups (cases_wire.py)."""
+
+from __future__ import annotations
+
+from tests.torch_side import cases_wire as cw
+from tests.torch_side.conftest import check_case
+
+
+def test_forward_gathers_rowwise_bytes_backward_colwise_only(spawned):
+    """MXFP8 all-gather: 1 byte per element, no scales; forward rowwise, backward colwise; the
+    optimizer step sends one packed amax all-reduce per group."""
+    check_case(spawned, cw, cw.case_wire_forward_rowwise_backward_colwise, 2)
+
+
+def test_recompute_forward_gathers_rowwise_once_more(spawned):
+    check_case(spawned, cw, cw.case_wire_recompute_gathers_both_planes_once, 2)
+
+
+def test_no_shard_forward_sends_nothing(spawned):
+    check_case(spawned, cw, cw.case_wire_no_shard_forward_is_silent, 2)
+
+
+def test_bad_input_gives_clear_errors(spawned):
+    """Unaligned MXFP8 weight (raise or fallback by policy), unknown strategy, foreign group."""
+    check_case(spawned, cw, cw.case_bad_input_errors, 2)
+
+
+def test_nan_gradient_check_names_parameter_and_rank(spawned):
+    check_case(spawned, cw, cw.case_nan_grad_check_names_param_and_rank, 2)
+
+
+def test_expert_parameters_use_their_own_dp_group(spawned):
+    check_case(spawned, cw, cw.case_expert_dp_groups, 4)

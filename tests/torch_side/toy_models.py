@@ -1,0 +1,89 @@
+"""Small models for the FSDP tests: a residual MLP stack with MXFP8 linears and fp32 others.
+
+``ToyNet``: frozen input shift (16,) -> ``inp`` nn.Linear(16, 64) (fp32 group) -> ``blocks`` of
+``Block`` (LayerNorm(64), MLP: MXFP8Linear(64, 96, bias) -> gelu -> MXFP8Linear(96, 64)) ->
+``head`` nn.Linear(64, 8). Inputs (T, 16) with T a multiple of 32 (MXFP8 token blocks).
+``Recompute`` picks activation checkpointing: none, whole blocks (unit), or the MLP inside a block.
+An ``ExpertMLP`` can stand in for the MLP (an MoE-style block with one local expert).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from bridge import MXFP8Linear
+
+D, FF, D_IN, D_OUT = 64, 96, 16, 8
+
+
+class Recompute(enum.Enum):
+    NONE = "none"
+    UNIT = "unit"  # checkpoint(block, x): the whole FSDP unit is recomputed in backward
+    SUBMODULE = "submodule"  # checkpoint(block.mlp, x): part of a unit is recomputed
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = MXFP8Linear(D, FF)
+        self.fc2 = MXFP8Linear(FF, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class ExpertMLP(MLP):
+    """Same maths; its parameters are expert parameters (own expert-DP group)."""
+
+
+class Block(nn.Module):
+    def __init__(self, recompute: Recompute, expert: bool = False):
+        super().__init__()
+        self.recompute = recompute
+        self.ln = nn.LayerNorm(D)
+        self.mlp = ExpertMLP() if expert else MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        if self.recompute is Recompute.SUBMODULE:
+            return x + checkpoint(self.mlp, h, use_reentrant=False)
+        return x + self.mlp(h)
+
+
+class ToyNet(nn.Module):
+    def __init__(
+        self, recompute: Recompute = Recompute.NONE, n_blocks: int = 2, expert_block: bool = False
+    ):
+        super().__init__()
+        self.recompute = recompute
+        self.shift = nn.Parameter(torch.linspace(-0.5, 0.5, D_IN), requires_grad=False)
+        self.inp = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList(
+            [Block(recompute, expert=expert_block and i == n_blocks - 1) for i in range(n_blocks)]
+        )
+        self.head = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x + self.shift)  # (T, D)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=False) if self.recompute is Recompute.UNIT else b(h)
+        return self.head(h)  # (T, D_OUT)
+
+
+def make_net(seed: int, **kw) -> ToyNet:
+    torch.manual_seed(seed)
+    return ToyNet(**kw)
+
+
+def make_batch(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tokens, D_IN, generator=g), torch.randn(tokens, D_OUT, generator=g)
+
+
+def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((pred - target) ** 2).mean()
