@@ -10,6 +10,7 @@ supported so the same code runs on the GPU machine's torch 2.11.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -50,27 +51,41 @@ class WireRecord:
     bytes_sent: int  # bytes this rank contributes
 
 
+WIRE_LOG_LIMIT = 4096  # records kept per communicator (oldest dropped): bounded in long runs
+
+
 class Communicator:
-    """Collectives on one process group; ``records`` is the wire log (cleared by the caller)."""
+    """Collectives on one process group; ``records`` is the wire log (the most recent
+    ``WIRE_LOG_LIMIT`` collectives; cleared by the caller)."""
 
     def __init__(self, group: dist.ProcessGroup | None, name: str):
         self.group = group
         self.name = name
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.records: list[WireRecord] = []
+        self.records: collections.deque[WireRecord] = collections.deque(maxlen=WIRE_LOG_LIMIT)
 
     def _log(self, op, phase, label, t: torch.Tensor, bytes_sent: int) -> None:
         self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), bytes_sent))
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, phase: Phase, label: str):
-        """out (world * n,) <- concatenation of every rank's shard (n,)."""
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        shard: torch.Tensor,
+        phase: Phase,
+        label: str,
+        async_op: bool = False,
+    ):
+        """out (world * n,) <- concatenation of every rank's shard (n,).
+
+        Returns the async work handle when async_op (``.wait()`` before reading out), else None.
+        """
         assert out.numel() == shard.numel() * self.world_size, (out.shape, shard.shape)
         self._log(Collective.ALL_GATHER, phase, label, out, shard.numel() * shard.element_size())
         if self.world_size == 1:
             out.copy_(shard)
-        else:
-            _all_gather(out, shard, group=self.group)
+            return None
+        return _all_gather(out, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, phase: Phase, label: str):
         """out (n,) <- sum over ranks of this rank's slice of full (world * n,)."""

@@ -175,13 +175,14 @@ class FSDPModel(nn.Module):
             self._forward_order.append(unit)
 
     def prefetch_after(self, unit: FSDPUnit) -> None:
-        """Forward prefetch: unshard the next unit's rowwise planes (order of the 1st forward)."""
+        """Forward prefetch: start the next unit's rowwise all-gather now (async), in the unit
+        order recorded during the first iteration; the next unit's pre-forward waits for it."""
         if not self._order_frozen or unit not in self._forward_order:
             return
         i = self._forward_order.index(unit)
         if i + 1 < len(self._forward_order):
             for g in self._forward_order[i + 1].groups:
-                g.unshard(Plane.ROWWISE, Phase.FORWARD)
+                g.unshard(Plane.ROWWISE, Phase.FORWARD, async_op=True)
 
     def on_pre_backward(self) -> None:
         if not self.backward_active:

@@ -75,6 +75,7 @@ class ParamGroup:
         check_layout(self.layout)
         self.device = key.device
         self._allocate_buffers()
+        self._work: dict[Plane, object] = {}  # in-flight async all-gathers (prefetch)
         self.unsharded: dict[Plane, torch.Tensor | None] = {
             Plane.ROWWISE: None,
             Plane.COLWISE: None,
@@ -177,31 +178,47 @@ class ParamGroup:
         """The full (padded) buffer of a plane: the replicated buffer, or the unsharded bucket."""
         if not self.facts.model_weights_sharded:
             return self.model if plane is Plane.ROWWISE else self.colwise
+        self._wait(plane)
         t = self.unsharded[plane]
         if t is None:
             raise RuntimeError(f"{self.label}: {plane.value} plane is not unsharded")
         return t
 
-    def unshard(self, plane: Plane, phase: Phase) -> None:
-        """All-gather one plane into a temporary bucket (ZeRO-3; no-op if already unsharded)."""
+    def _wait(self, plane: Plane) -> None:
+        work = self._work.pop(plane, None)
+        if work is not None:
+            work.wait()
+
+    def unshard(self, plane: Plane, phase: Phase, async_op: bool = False) -> None:
+        """All-gather one plane into a temporary bucket (ZeRO-3; a no-op when it is already
+        unsharded, except that a prefetch still in flight is waited for unless async_op)."""
         if not self.is_mxfp8:
             plane = Plane.ROWWISE
-        if not self.facts.model_weights_sharded or self.unsharded[plane] is not None:
+        if not self.facts.model_weights_sharded:
+            return
+        if self.unsharded[plane] is not None:
+            if not async_op:
+                self._wait(plane)
             return
         shard = self.model if plane is Plane.ROWWISE else self.colwise
         bucket = self.allocator.allocate(
             self.label, plane.value, self.layout.padded_numel, shard.dtype, self.device
         )
-        self.comm.all_gather(bucket, shard, phase, f"{self.label}/{plane.value}")
+        work = self.comm.all_gather(
+            bucket, shard, phase, f"{self.label}/{plane.value}", async_op=async_op
+        )
+        if work is not None:
+            self._work[plane] = work
         self.unsharded[plane] = bucket
         if not self.is_mxfp8:
-            self._point_params_at(bucket)
+            self._point_params_at(bucket)  # values valid once the gather is waited for
 
     def reshard(self) -> None:
         """Free every unsharded bucket of this group (ZeRO-3 only)."""
         if not self.facts.model_weights_sharded:
             return
         for plane in Plane:
+            self._wait(plane)
             if self.unsharded[plane] is not None:
                 self.unsharded[plane] = None
                 self.allocator.free(self.label, plane.value)

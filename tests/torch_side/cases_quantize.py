@@ -56,7 +56,7 @@ def _check_split(ctx, fulls, bounds_per_param) -> None:
     shards, starts = [], []
     for x, b in zip(fulls, bounds_per_param, strict=True):
         lo, hi = b[ctx.rank], b[ctx.rank + 1]
-        shards.append(x.reshape(-1)[lo:hi].clone() if hi > lo else None)
+        shards.append(x.reshape(-1)[lo:hi].clone().to(ctx.device) if hi > lo else None)
         starts.append(lo)
     got = distributed_mxfp8_quantize(shards, SHAPES, starts, dist.group.WORLD)
     for i, (x, b, res) in enumerate(zip(fulls, bounds_per_param, got, strict=True)):
@@ -80,7 +80,9 @@ def _check_split(ctx, fulls, bounds_per_param) -> None:
             actual = getattr(res, field)
             assert actual.dtype == torch.uint8, (i, field, actual.dtype)
             np.testing.assert_array_equal(
-                actual.numpy(), expected, err_msg=f"param {i} {SHAPES[i]} {field} slice [{lo},{hi})"
+                actual.cpu().numpy(),
+                expected,
+                err_msg=f"param {i} {SHAPES[i]} {field} slice [{lo},{hi})",
             )
 
 

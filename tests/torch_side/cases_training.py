@@ -22,7 +22,7 @@ from tests.torch_side.toy_models import Recompute, make_batch, make_net, mse
 from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 T = 32  # tokens per rank per micro-batch
-STEPS = 3
+STEPS = 2
 RTOL, ATOL = 1e-3, 1e-5
 
 
@@ -31,7 +31,7 @@ def _lr_opt(params):
 
 
 def _train_and_compare(ctx, strategy, recompute=Recompute.NONE, micro_batches=1) -> None:
-    net = make_net(0, recompute=recompute)
+    net = make_net(0, recompute=recompute, device=ctx.device)
     ref = copy.deepcopy(net)
     model = fully_shard(
         net, unit_modules=(type(net.blocks[0]),), strategy=strategy, policy=MixedPrecisionPolicy()
@@ -40,9 +40,12 @@ def _train_and_compare(ctx, strategy, recompute=Recompute.NONE, micro_batches=1)
     ref_opt = _lr_opt(ref.parameters())
     w, r = ctx.world_size, ctx.rank
     for step in range(STEPS):
-        losses, ref_losses = torch.zeros(1), torch.zeros(1)
+        losses = torch.zeros(1, device=ctx.device)
+        ref_losses = torch.zeros(1, device=ctx.device)
         for mb in range(micro_batches):
-            x, y = make_batch(100 * step + mb, T * w)  # (w*T, 16), (w*T, 8): global batch
+            x, y = make_batch(
+                100 * step + mb, T * w, ctx.device
+            )  # (w*T, 16), (w*T, 8): global batch
             mine = slice(r * T, (r + 1) * T)
             loss = mse(model(x[mine]), y[mine]) / micro_batches
             loss.backward()
@@ -108,8 +111,10 @@ CASES = {
     f"{_M}:case_optim": ALL,
     f"{_M}:case_optim_grads": ALL,
     f"{_M}:case_optim_grads_params": ALL,
-    f"{_M}:case_zero3_recompute_unit": ALL,
-    f"{_M}:case_zero3_recompute_submodule": ALL,
-    f"{_M}:case_zero3_grad_accumulation": ALL,
+    # Recompute and accumulation change no collective pattern that world 4 adds over world 2;
+    # leaving them out of the 4-rank spawn keeps the module inside the CI time budget.
+    f"{_M}:case_zero3_recompute_unit": (1, 2),
+    f"{_M}:case_zero3_recompute_submodule": (1, 2),
+    f"{_M}:case_zero3_grad_accumulation": (1, 2),
     f"{_M}:case_zero1_grad_accumulation_recompute": (2,),
 }

@@ -37,10 +37,10 @@ def _check_mxfp8_gather(rec, group, phase: Phase, plane: str) -> None:
 
 
 def case_wire_forward_rowwise_backward_colwise(ctx):
-    model = fully_shard(make_net(0), unit_modules=(Block,), strategy=ZERO3)
+    model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
     mx = [g for g in model.param_groups if g.is_mxfp8]
     assert len(mx) == 2, [g.label for g in model.param_groups]
-    x, y = make_batch(0, T)
+    x, y = make_batch(0, T, ctx.device)
     model.clear_wire_log()
     out = model(x)
     fwd = model.wire_log()
@@ -70,9 +70,11 @@ def case_wire_forward_rowwise_backward_colwise(ctx):
 
 def case_wire_recompute_gathers_both_planes_once(ctx):
     model = fully_shard(
-        make_net(0, recompute=Recompute.UNIT), unit_modules=(Block,), strategy=ZERO3
+        make_net(0, recompute=Recompute.UNIT, device=ctx.device),
+        unit_modules=(Block,),
+        strategy=ZERO3,
     )
-    x, y = make_batch(0, T)
+    x, y = make_batch(0, T, ctx.device)
     out = model(x)
     model.clear_wire_log()
     mse(out, y).backward()
@@ -84,9 +86,11 @@ def case_wire_recompute_gathers_both_planes_once(ctx):
 
 
 def case_wire_no_shard_forward_is_silent(ctx):
-    model = fully_shard(make_net(0), unit_modules=(Block,), strategy=ShardingStrategy.NO_SHARD)
+    model = fully_shard(
+        make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ShardingStrategy.NO_SHARD
+    )
     model.clear_wire_log()
-    model(make_batch(0, T)[0])
+    model(make_batch(0, T, ctx.device)[0])
     assert model.wire_log() == [], model.wire_log()
 
 
@@ -111,7 +115,7 @@ def case_bad_input_errors(ctx):
     assert formats["ok.weight"] is WeightFormat.MXFP8_E4M3, formats
     assert formats["odd.weight"] is WeightFormat.FP32, formats
     try:
-        fully_shard(make_net(0), strategy="zero4")
+        fully_shard(make_net(0, device=ctx.device), strategy="zero4")
     except ValueError as e:
         assert "unsupported sharding strategy 'zero4'" in str(e), str(e)
     else:
@@ -119,7 +123,7 @@ def case_bad_input_errors(ctx):
     only_rank0 = dist.new_group([0])  # collective: every rank creates it
     if ctx.rank == 1:
         try:
-            fully_shard(make_net(0), group=only_rank0)
+            fully_shard(make_net(0, device=ctx.device), group=only_rank0)
         except ValueError as e:
             assert "not a member" in str(e), str(e)
         else:
@@ -127,8 +131,10 @@ def case_bad_input_errors(ctx):
 
 
 def case_nan_grad_check_names_param_and_rank(ctx):
-    model = fully_shard(make_net(0), unit_modules=(Block,), grad_check=GradCheck.FINITE)
-    x, y = make_batch(0, T)
+    model = fully_shard(
+        make_net(0, device=ctx.device), unit_modules=(Block,), grad_check=GradCheck.FINITE
+    )
+    x, y = make_batch(0, T, ctx.device)
     y[0, 0] = float("nan")  # every rank: a NaN loss, so every rank raises (none hangs)
     try:
         mse(model(x), y).backward()
@@ -142,9 +148,9 @@ def case_expert_dp_groups(ctx):
     """World 4, expert-DP groups {0,1} and {2,3}, each holding a different expert."""
     egroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = ctx.rank // 2
-    net = make_net(0, expert_block=True)
+    net = make_net(0, expert_block=True, device=ctx.device)
     torch.manual_seed(10 + mine)
-    net.blocks[1].mlp = ExpertMLP()
+    net.blocks[1].mlp = ExpertMLP().to(ctx.device)
     ref = copy.deepcopy(net)
     model = fully_shard(
         net,
@@ -154,7 +160,7 @@ def case_expert_dp_groups(ctx):
         expert_group=egroups[mine],
     )
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.5)
-    x, y = make_batch(7, 4 * T)
+    x, y = make_batch(7, 4 * T, ctx.device)
     rows = slice(ctx.rank * T, (ctx.rank + 1) * T)
     model.clear_wire_log()
     mse(model(x[rows]), y[rows]).backward()

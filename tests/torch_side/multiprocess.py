@@ -28,6 +28,7 @@ _GLOO_TIMEOUT = datetime.timedelta(seconds=90)
 class WorkerContext:
     rank: int
     world_size: int
+    device: str  # "cpu" (gloo) or "cuda:0" (nccl: each rank sees only its own GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,24 +43,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, cases: list[str], out_dir: str, backend: str
+) -> None:
     # Each rank's JAX work is single-device; strict promotion as in tests/conftest.py.
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if backend == "nccl":  # before CUDA starts: Torch's cuda:0 and JAX's GPU are this rank's GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import torch
     import torch.distributed as dist
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     torch.set_num_threads(1)
+    device = "cuda:0" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(0)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=_GLOO_TIMEOUT,
     )
-    ctx = WorkerContext(rank, world_size)
+    ctx = WorkerContext(rank, world_size, device)
     results: dict[str, str] = {}
     for name in cases:
         module, fn = name.split(":")
@@ -73,14 +83,17 @@ def _worker(rank: int, world_size: int, port: int, cases: list[str], out_dir: st
     dist.destroy_process_group()
 
 
-def run_cases(world_size: int, cases: list[str]) -> dict[str, CaseOutcome]:
-    """Spawn ``world_size`` gloo ranks on 127.0.0.1, run ``cases`` ("module:function") on each."""
+def run_cases(world_size: int, cases: list[str], backend: str = "gloo") -> dict[str, CaseOutcome]:
+    """Spawn ``world_size`` ranks on 127.0.0.1, run ``cases`` ("module:function") on each.
+
+    backend: "gloo" (CPU tensors) or "nccl" (rank r on GPU r, which it sees as cuda:0).
+    """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), cases, out_dir),
+            args=(world_size, _free_port(), cases, out_dir, backend),
             nprocs=world_size,
             start_method="spawn",
             join=False,

@@ -75,14 +75,17 @@ class ToyNet(nn.Module):
         return self.head(h)  # (T, D_OUT)
 
 
-def make_net(seed: int, **kw) -> ToyNet:
+def make_net(seed: int, device: str = "cpu", **kw) -> ToyNet:
+    """Same initial values on every rank and device: initialised on the CPU, then moved."""
     torch.manual_seed(seed)
-    return ToyNet(**kw)
+    return ToyNet(**kw).to(device)
 
 
-def make_batch(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(seed: int, tokens: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x (tokens, 16), y (tokens, 8)), fp32, from a seed (CPU generator, then moved)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, D_IN, generator=g), torch.randn(tokens, D_OUT, generator=g)
+    x, y = torch.randn(tokens, D_IN, generator=g), torch.randn(tokens, D_OUT, generator=g)
+    return x.to(device), y.to(device)
 
 
 def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""FSDP with MXFP8 weights: the parity suite on a backend, and training step times.
+
+Not a test: it runs, in spawned ranks (``tests/torch_side/multiprocess.py``),
+1. ``--parity``: the sharded-vs-replicated parity cases and the wire-accounting cases of
+   ``tests/torch_side`` (on NCCL each rank owns one GPU, which it sees as cuda:0, and runs the
+   JAX kernels there through the bridge), printing PASS/FAIL per case;
+2. ``--timing``: median training step time (forward + backward + ``FSDPOptimizer.step`` with the
+   distributed MXFP8 quantization) of a residual MLP stack with MXFP8 linears, per strategy,
+   with the bytes each step all-gathers / reduces per rank and the peak unsharded-bucket bytes.
+GPU timings synchronize Torch (and so JAX, through the bridge's ordering) at step boundaries.
+
+Usage (repo root): ``python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes 1 2``
+(``--backend gloo`` runs on CPU). Prints a markdown table and writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from bridge import MXFP8Linear
+from tests.torch_side import cases_quantize, cases_training, cases_wire
+from tests.torch_side.multiprocess import run_cases
+from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
+
+_CFG_ENV = "BENCH_FSDP_CONFIG"
+
+
+class BenchBlock(nn.Module):
+    def __init__(self, d: int, ff: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = MXFP8Linear(d, ff, bias=False)
+        self.fc2 = MXFP8Linear(ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, d) -> (T, d)
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x)), approximate="tanh"))
+
+
+class BenchNet(nn.Module):
+    def __init__(self, d: int, ff: int, blocks: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([BenchBlock(d, ff) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def case_step_time(ctx) -> None:
+    """Spawned-rank worker: time steps per strategy; rank 0 writes the rows as JSON."""
+    cfg = json.loads(os.environ[_CFG_ENV])
+    rows = []
+    for strategy in cfg["strategies"]:
+        torch.manual_seed(0)
+        net = BenchNet(cfg["d"], cfg["ff"], cfg["blocks"]).to(ctx.device)
+        model = fully_shard(net, unit_modules=(BenchBlock,), strategy=strategy)
+        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        x = torch.randn(cfg["tokens"], cfg["d"], device=ctx.device)
+        times = []
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            _sync(ctx.device)
+            model.clear_wire_log()
+            t0 = time.perf_counter()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            _sync(ctx.device)
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+        sent = sum(r.bytes_sent for r in model.wire_log())
+        med = torch.tensor([statistics.median(times)], device=ctx.device)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+        rows.append(
+            {
+                "world_size": ctx.world_size,
+                "strategy": strategy,
+                "device": ctx.device,
+                "step_ms": round(med.item() * 1e3, 2),
+                "bytes_sent_per_rank": sent,
+                "peak_bucket_bytes": model.allocator.peak_bytes,
+                **cfg["shape"],
+            }
+        )
+    if ctx.rank == 0:
+        Path(cfg["out"], f"timing_ws{ctx.world_size}.json").write_text(json.dumps(rows))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _parity(world_sizes, backend: str, out: Path) -> bool:
+    cases = {**cases_quantize.CASES, **cases_training.CASES, **cases_wire.CASES}
+    ok_all, report = True, []
+    for ws in world_sizes:
+        names = [n for n, sizes in cases.items() if ws in sizes]
+        t0 = time.perf_counter()
+        outcomes = run_cases(ws, names, backend)
+        for name, o in outcomes.items():
+            status = "PASS" if o.ok else "FAIL"
+            ok_all &= o.ok
+            print(f"parity {backend} world={ws} {name.split(':')[1]}: {status}", flush=True)
+            if not o.ok:
+                print(o.detail[-3000:], flush=True)
+            report.append({"world_size": ws, "case": name, "ok": o.ok, "detail": o.detail})
+        print(f"parity {backend} world={ws}: {time.perf_counter() - t0:.1f} s", flush=True)
+    (out / f"parity_{backend}.json").write_text(json.dumps(report, indent=1))
+    return ok_all
+
+
+def _timing(world_sizes, backend: str, args, out: Path) -> bool:
+    shape = {"d": args.d_model, "ff": args.d_ff, "blocks": args.blocks, "tokens": args.tokens}
+    cfg = {
+        **shape,
+        "shape": shape,
+        "strategies": args.strategies,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "out": str(out),
+    }
+    os.environ[_CFG_ENV] = json.dumps(cfg)
+    ok, rows = True, []
+    for ws in world_sizes:
+        o = run_cases(ws, ["benchmarks.bench_fsdp:case_step_time"], backend)
+        res = o["benchmarks.bench_fsdp:case_step_time"]
+        ok &= res.ok
+        if not res.ok:
+            print(res.detail[-3000:], flush=True)
+            continue
+        rows += json.loads((out / f"timing_ws{ws}.json").read_text())
+    print("\n| world | strategy | step (ms) | sent/rank/step (MB) | peak buckets (MB) | model |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['world_size']} | {r['strategy']} | {r['step_ms']} | "
+            f"{r['bytes_sent_per_rank'] / 2**20:.2f} | {r['peak_bucket_bytes'] / 2**20:.2f} | "
+            f"d={r['d']} ff={r['ff']} blocks={r['blocks']} tokens/rank={r['tokens']} |"
+        )
+    (out / f"timing_{backend}.json").write_text(json.dumps(rows, indent=1))
+    return ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--strategies", nargs="+", default=[s.value for s in ShardingStrategy])
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--d-ff", type=int, default=4096)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/fsdp")))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    if args.parity:
+        ok &= _parity(args.world_sizes, args.backend, args.out)
+    if args.timing:
+        ok &= _timing(args.world_sizes, args.backend, args, args.out)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
