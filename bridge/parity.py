@@ -23,8 +23,9 @@ float32 rounding: it separates quantization effects from model bugs.
 
 Flow: Flax initialises the parameters from the seed; the Torch twin loads that checkpoint
 (``load_flat_params``); Flax then runs on the Torch model's parameters imported zero-copy
-(``to_jax``). The sharded case (``sharded_parity_report``) runs the Torch twin under
-``torch_side`` FSDP on gloo ranks and feeds Flax the planes FSDP all-gathered.
+(``to_jax``). The sharded case (``torch_side.models.sharded_parity``) runs the Torch twin under
+``torch_side`` FSDP on gloo ranks; each rank calls ``parity_on_gathered`` to feed Flax the planes
+FSDP all-gathered.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 
 from bridge.dlpack import to_jax
 from bridge.linear_kernels import quantize_weight as bridge_quantize_weight
+from bridge.mxfp8_tensor import TorchMXFP8Tensor, to_jax_mxfp8
 from jax_side.models import (
     FlaxGPT,
     GPTConfig,
@@ -67,8 +69,8 @@ __all__ = [
     "init_flax_params",
     "make_batch",
     "parity_report",
+    "parity_on_gathered",
     "run_flax",
-    "sharded_parity_report",
 ]
 
 
@@ -205,7 +207,9 @@ def diff(quantity: str, name: str, torch_value, flax_value) -> Diff:
 
 def _bytes(t: MXFP8Tensor) -> np.ndarray:
     parts = (t.rowwise_data, t.rowwise_scale, t.colwise_data, t.colwise_scale)
-    return np.concatenate([np.asarray(p).view(np.uint8).reshape(-1) for p in parts if p is not None])
+    return np.concatenate(
+        [np.asarray(p).view(np.uint8).reshape(-1) for p in parts if p is not None]
+    )
 
 
 class LayerBytes(NamedTuple):
@@ -323,7 +327,8 @@ def compare(
     diffs, layers = [], []
     for name in names:
         tio, (fx, fy, fdy) = torch_run.linear_io[name], flax_run.linear_io[name]
-        diffs += [diff("x", name, tio.x, fx), diff("y", name, tio.y, fy), diff("dy", name, tio.dy, fdy)]
+        diffs += [diff("x", name, tio.x, fx), diff("y", name, tio.y, fy)]
+        diffs += [diff("dy", name, tio.dy, fdy)]
     w = {n: n + ".weight" for n in names}
     for name in names:
         tio, fio = torch_run.linear_io[name], flax_run.linear_io[name]
@@ -331,9 +336,12 @@ def compare(
             mode, to_jax(tio.x), to_jax(tio.dy), fio[0], fio[2], to_jax(weights[w[name]]),
             None if planes is None else planes[w[name]],
         )
-        forced = all(_same_bits(a, b) for a, b in ((tio.y, y), (tio.dx, dx), (torch_run.grads[w[name]], dw)))
+        pairs = ((tio.y, y), (tio.dx, dx), (torch_run.grads[w[name]], dw))
+        forced = all(_same_bits(a, b) for a, b in pairs)
         if mode is MatmulMode.MXFP8:
-            torch_q = planes[w[name]] if planes is not None else _torch_weight_planes(weights[w[name]])
+            torch_q = (
+                planes[w[name]] if planes is not None else _torch_weight_planes(weights[w[name]])
+            )
             same_w = _same_bits(_bytes(torch_q), _bytes(flax_run.weight_q[w[name]]))
             layers.append(LayerBytes(name, forced, same_w, x_frac, dy_frac))
         else:
@@ -433,34 +441,23 @@ def format_report(r: ParityReport) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- sharded (FSDP)
+def parity_on_gathered(
+    cfg: GPTConfig,
+    seed: int,
+    batch: Batch,
+    torch_run: TorchRun,
+    gathered: Mapping[str, TorchMXFP8Tensor | torch.Tensor],
+    master: Mapping[str, np.ndarray],
+    world_size: int,
+) -> ParityReport:
+    """The sharded report, on one rank: FlaxGPT on what FSDP all-gathered vs the FSDP run.
 
-
-def _sharded_rank(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> ParityReport | None:
-    """One gloo rank: TorchGPT under FSDP vs FlaxGPT on the planes FSDP all-gathered (rank 0)."""
-    import torch.distributed as dist
-
-    from bridge.mxfp8_tensor import TorchMXFP8Tensor
-    from torch_side.models.fsdp_twin import run_sharded, shard_gpt
-
-    mode = MatmulMode.MXFP8
-    flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
-    model = TorchGPT(cfg, mode)
-    load_flat_params(model, flat)
-    fsdp = shard_gpt(model, strategy)
-    tokens, targets = (torch.from_numpy(a).long() for a in batch)
-    torch_run = run_sharded(fsdp, tokens, targets)
-    report = None
-    with fsdp.gathered_weights() as gathered:
-        if dist.get_rank() == 0:
-            report = _flax_on_gathered(cfg, seed, batch, torch_run, gathered, flat)
-            assert all(isinstance(gathered[n], TorchMXFP8Tensor) for n in cfg.linear_shapes())
-        dist.barrier()  # every rank leaves the gathered state together, after rank 0's JAX work
-    return report
-
-
-def _flax_on_gathered(cfg, seed, batch, torch_run, gathered, flat) -> ParityReport:
-    from bridge.mxfp8_tensor import TorchMXFP8Tensor, to_jax_mxfp8
+    gathered: ``FSDPModel.gathered_weights()`` (MXFP8 weights as ``TorchMXFP8Tensor`` with both
+    uint8 planes, the rest fp32), imported zero-copy (the report records every data pointer);
+    torch_run: the FSDP model's captured run (``torch_side.models.fsdp_twin.run_sharded``);
+    master: the full fp32 weights FSDP was loaded with, to check its planes against quantizing
+    bf16(master) on one device. Call inside the ``gathered_weights`` context.
+    """
 
     mode = MatmulMode.MXFP8
     planes_t = {n: t for n, t in gathered.items() if isinstance(t, TorchMXFP8Tensor)}
@@ -482,68 +479,14 @@ def _flax_on_gathered(cfg, seed, batch, torch_run, gathered, flat) -> ParityRepo
     diffs, layers = compare(cfg, mode, torch_run, flax_run, weights, planes)
     # The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
     # bf16(master) on one device: FSDP's distributed quantization is exact.
+    def single_device(name: str) -> MXFP8Tensor:
+        return quantize_weight(jnp.asarray(master[name + ".weight"]))
+
     layers = tuple(
         lb._replace(weight_identical=lb.weight_identical and _same_bits(
-            _bytes(planes[lb.name + ".weight"]), _bytes(quantize_weight(jnp.asarray(flat[lb.name + ".weight"])))))
+            _bytes(planes[lb.name + ".weight"]), _bytes(single_device(lb.name))))
         for lb in layers
     )
-    world = torch.distributed.get_world_size()
-    return ParityReport(cfg, mode, seed, batch.tokens.shape, world, diffs, layers, tuple(zero_copy))
-
-
-def _sharded_worker(rank: int, world_size: int, port: int, job: tuple, out_path: str) -> None:
-    import os
-    import pickle
-
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per rank
-    import torch.distributed as dist
-
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    return ParityReport(
+        cfg, mode, seed, batch.tokens.shape, world_size, diffs, layers, tuple(zero_copy)
     )
-    try:
-        report = _sharded_rank(*job)
-        if rank == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump(report, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def sharded_parity_report(
-    cfg: GPTConfig,
-    *,
-    seed: int = 0,
-    batch_size: int = 2,
-    seq_len: int = 40,
-    world_size: int = 2,
-    strategy: str = "optim_grads_params",
-) -> ParityReport:
-    """TorchGPT under ``torch_side`` FSDP on ``world_size`` gloo CPU ranks (spawned here) vs
-    FlaxGPT on the MXFP8 planes and fp32 weights FSDP all-gathered, imported zero-copy (MXFP8).
-
-    Every rank runs the same batch (so the DP-averaged gradient is exactly the batch gradient);
-    rank 0 runs Flax and builds the report, which is returned to this process.
-    """
-    import pickle
-    import socket
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    batch = make_batch(cfg, seed, batch_size, seq_len)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = f"{tmp}/report.pkl"
-        mp.start_processes(
-            _sharded_worker,
-            args=(world_size, port, (cfg, seed, batch, strategy), out_path),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        with open(out_path, "rb") as f:
-            return pickle.load(f)

@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from bridge.parity import parity_report, sharded_parity_report
+    from bridge.parity import parity_report
     from jax_side.models import PRESETS
     from jax_side.mxfp8 import backend_report
+    from torch_side.models.sharded_parity import sharded_parity_report
 
     cfg = PRESETS[args.config]
     backend = backend_report()

@@ -67,7 +67,9 @@ class Linear(nn.Module):
             (self.features_out, self.features_in),
             _F32,
         )
-        planes = self.get_variable("mxfp8", "weight") if self.has_variable("mxfp8", "weight") else None
+        planes = None
+        if self.has_variable("mxfp8", "weight"):
+            planes = self.get_variable("mxfp8", "weight")  # MXFP8Tensor, used as-is
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.features_in)  # (T, in), T = prod(lead)
         self.sow("intermediates", "input", x2)
@@ -100,7 +102,8 @@ class Embedding(nn.Module):
 
     @nn.compact
     def __call__(self, ids: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.normal(self.init_std), (self.num, self.dim), _F32)
+        init = nn.initializers.normal(self.init_std)
+        weight = self.param("weight", init, (self.num, self.dim), _F32)
         return jnp.take(weight, ids, axis=0)
 
 
@@ -144,8 +147,12 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = x + Attention(cfg, self.fn, name="attn")(LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_1")(x))
-        return x + MLP(cfg, self.fn, name="mlp")(LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_2")(x))
+        x = x + Attention(cfg, self.fn, name="attn")(
+            LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_1")(x)
+        )
+        return x + MLP(cfg, self.fn, name="mlp")(
+            LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_2")(x)
+        )
 
 
 class FlaxGPT(nn.Module):

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_side.mxfp8 import BLOCK_SIZE, GemmRole, MXFP8Tensor, matmul, quantize
 from jax_side.models.config import MatmulMode
+from jax_side.mxfp8 import BLOCK_SIZE, GemmRole, MXFP8Tensor, matmul, quantize
 
 __all__ = [
     "LinearFn",

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import pytest
 
-from bridge.parity import ParityReport, parity_report, sharded_parity_report
+from bridge.parity import ParityReport, parity_report
 from jax_side.models import GPTConfig, MatmulMode
+from torch_side.models.sharded_parity import sharded_parity_report
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
 FP32_TOL = 1e-5

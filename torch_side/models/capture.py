@@ -23,7 +23,7 @@ __all__ = ["LinearIO", "TorchRun", "run_torch"]
 
 
 class LinearIO(NamedTuple):
-    """One linear layer's tensors, float32 (T, C): x (T, in), y (T, out), dy (T, out), dx (T, in)."""
+    """One linear layer's tensors (T, C): x (T, in), y (T, out), dy (T, out), dx (T, in)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -84,4 +84,5 @@ def run_torch(
         for h in handles:
             h.remove()
     io = {n: LinearIO(xs[n], ys[n], dys[n], dxs[n]) for n in xs}
-    return TorchRun(logits.detach(), loss.detach(), io, (grads or (lambda: _default_grads(model)))())
+    grad_dict = grads() if grads is not None else _default_grads(model)
+    return TorchRun(logits.detach(), loss.detach(), io, grad_dict)

@@ -116,7 +116,7 @@ class TorchGPT(nn.Module):
         self.ln_f = LayerNorm(cfg.d_model, cfg.ln_eps)
         self.lm_head = _linear(cfg.d_model, cfg.vocab_size, self.mode)
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.dim() == 2:
                 with torch.no_grad():
                     p.normal_(0.0, cfg.init_std, generator=gen)

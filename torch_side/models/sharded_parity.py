@@ -1,0 +1,109 @@
+"""The sharded parity report: TorchGPT under ``torch_side`` FSDP on gloo CPU ranks vs FlaxGPT.
+
+``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks on 127.0.0.1. Every rank
+initialises the same parameters (the Flax checkpoint of ``seed``), wraps the Torch twin with FSDP
+(ZeRO-3 by default: MXFP8 planes and fp32 weights sharded, all-gathered per block), runs one
+forward + backward on the same batch, then enters ``gathered_weights()``; rank 0 hands the
+all-gathered planes and weights to ``bridge.parity.parity_on_gathered`` (Flax reads them
+zero-copy) and returns the report to the calling process.
+
+Only Torch-side orchestration lives here; every JAX step goes through ``bridge`` (DESIGN.md 2).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+
+import numpy as np
+import torch
+
+from bridge.parity import Batch, ParityReport, init_flax_params, make_batch, parity_on_gathered
+from jax_side.models.config import GPTConfig, MatmulMode
+from torch_side.models.fsdp_twin import run_sharded, shard_gpt
+from torch_side.models.gpt import TorchGPT, load_flat_params
+
+__all__ = ["sharded_parity_report"]
+
+
+def _rank_report(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> ParityReport | None:
+    import torch.distributed as dist
+
+    from jax_side.models import flat_params  # the checkpoint's names = the Torch names
+
+    master = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
+    model = TorchGPT(cfg, MatmulMode.MXFP8)
+    load_flat_params(model, master)
+    fsdp = shard_gpt(model, strategy)
+    tokens, targets = (torch.from_numpy(a).long() for a in batch)
+    torch_run = run_sharded(fsdp, tokens, targets)
+    report = None
+    with fsdp.gathered_weights() as gathered:
+        if dist.get_rank() == 0:
+            report = parity_on_gathered(
+                cfg, seed, batch, torch_run, gathered, master, dist.get_world_size()
+            )
+        dist.barrier()  # all ranks leave the gathered state together, after rank 0's JAX reads
+    return report
+
+
+def _worker(rank: int, world_size: int, port: int, job: tuple, out_path: str) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per rank
+    import jax
+    import torch.distributed as dist
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        report = _rank_report(*job)
+        if rank == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump(report, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharded_parity_report(
+    cfg: GPTConfig,
+    *,
+    seed: int = 0,
+    batch_size: int = 2,
+    seq_len: int = 40,
+    world_size: int = 2,
+    strategy: str = "optim_grads_params",
+) -> ParityReport:
+    """TorchGPT under FSDP on ``world_size`` spawned gloo CPU ranks vs FlaxGPT on the MXFP8
+    planes and fp32 weights FSDP all-gathered (zero-copy). MXFP8 mode.
+
+    Every rank runs the same batch, so the DP-averaged gradient is exactly the batch gradient
+    and the report is comparable row for row with ``bridge.parity.parity_report``.
+    """
+    if world_size < 2:
+        raise ValueError(
+            f"sharded_parity_report: world_size={world_size}; use bridge.parity.parity_report "
+            f"for one process without FSDP"
+        )
+    import torch.multiprocessing as mp
+
+    batch = make_batch(cfg, seed, batch_size, seq_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "report.pkl")
+        mp.start_processes(
+            _worker,
+            args=(world_size, _free_port(), (cfg, seed, batch, strategy), out_path),
+            nprocs=world_size,
+            start_method="spawn",
+        )
+        with open(out_path, "rb") as f:
+            return pickle.load(f)
