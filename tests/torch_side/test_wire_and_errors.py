@@ -31,3 +31,7 @@ def test_nan_gradient_check_names_parameter_and_rank(spawned):
 
 def test_expert_parameters_use_their_own_dp_group(spawned):
     check_case(spawned, cw, cw.case_expert_dp_groups, 4)
+
+
+def test_gathered_weights_and_full_state_dict_round_trip(spawned):
+    check_case(spawned, cw, cw.case_gathered_weights_and_state_dict, 2)
