@@ -20,9 +20,12 @@ they never subclass a quantized layer.
 
 - ``high_precision_linear``: the control, fp32 dot at HIGHEST precision, no quantization.
 
-Compilation: the quantizations and GEMMs are jitted per shape, so layers of equal shapes share
-compiled code and an eager (un-jitted) model compiles each distinct linear shape once; under an
-outer ``jax.jit`` they are simply inlined. Rounding to x's dtype happens once, after the fp32 GEMM.
+Compilation: forward (quantize x, GEMM) and backward (quantize dy, dgrad, wgrad) are each one
+jitted function per shape -- the same split and the same operations as the bridge op's kernels,
+so that both compile to the same code (same bytes also where XLA picks GEMM algorithms per
+program, e.g. on GPU). Layers of equal shapes share compiled code; an eager model compiles each
+distinct linear shape once; under an outer ``jax.jit`` they are inlined. Rounding to x's dtype
+happens once, after the fp32 GEMM.
 
 Token counts that are not a multiple of 32 (``pad_tokens``): x and dy are zero-padded along the
 token axis to the next multiple of 32 before quantizing, and results are sliced back to T rows.
@@ -92,9 +95,27 @@ def _check(x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None) -> Non
         )
 
 
-@functools.partial(jax.jit, static_argnames=("role",))
-def _gemm(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
-    return matmul(a, b, role, out_dtype=jnp.float32)
+def _plane_only(q: MXFP8Tensor, rowwise: bool) -> MXFP8Tensor:
+    if rowwise:
+        return MXFP8Tensor(q.rowwise_data, q.rowwise_scale, None, None, q.shape, q.dtype)
+    return MXFP8Tensor(None, None, q.colwise_data, q.colwise_scale, q.shape, q.dtype)
+
+
+@jax.jit
+def _forward(x: jax.Array, w_rowwise: MXFP8Tensor) -> tuple[jax.Array, MXFP8Tensor]:
+    """y (T, N) in x.dtype, and the colwise plane of the padded x kept for wgrad."""
+    xq = quantize_activation(x)
+    y = matmul(xq, w_rowwise, GemmRole.FORWARD, out_dtype=x.dtype)[: x.shape[0]]
+    return y, _plane_only(xq, rowwise=False)
+
+
+@functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype"))
+def _backward(dy, w_colwise: MXFP8Tensor, x_colwise: MXFP8Tensor, *, dx_dtype, dw_dtype):
+    """dx (T, K) = dy W (dy rowwise, W colwise); dW (N, K) = dy^T x (dy, x colwise)."""
+    dyq = quantize_activation(dy)
+    dx = matmul(dyq, w_colwise, GemmRole.DGRAD)[: dy.shape[0]].astype(dx_dtype)
+    dw = matmul(dyq, x_colwise, GemmRole.WGRAD).astype(dw_dtype)
+    return dx, dw
 
 
 @jax.custom_vjp
@@ -103,20 +124,17 @@ def _mxfp8_linear(x, weight, weight_q):
 
 
 def _fwd(x, weight, weight_q):
-    t = x.shape[0]
     wq = quantize_weight(weight) if weight_q is None else weight_q
-    xq = quantize_activation(x)
-    y = _gemm(xq, wq, GemmRole.FORWARD)[:t].astype(x.dtype)
+    y, x_colwise = _forward(x, _plane_only(wq, rowwise=True))
     # Residuals: the quantized operands the backward GEMMs read, and dtype carriers for dx, dW.
-    return y, (xq, wq, jnp.zeros((), x.dtype), jnp.zeros((), weight.dtype))
+    res = (_plane_only(wq, rowwise=False), x_colwise, jnp.zeros((), x.dtype),
+           jnp.zeros((), weight.dtype))
+    return y, res
 
 
 def _bwd(res, dy):
-    xq, wq, x_dtype, w_dtype = res
-    t = dy.shape[0]
-    dyq = quantize_activation(dy)
-    dx = _gemm(dyq, wq, GemmRole.DGRAD)[:t].astype(x_dtype.dtype)
-    dw = _gemm(dyq, xq, GemmRole.WGRAD).astype(w_dtype.dtype)
+    w_colwise, x_colwise, x_dtype, w_dtype = res
+    dx, dw = _backward(dy, w_colwise, x_colwise, dx_dtype=x_dtype.dtype, dw_dtype=w_dtype.dtype)
     return dx, dw, None
 
 
