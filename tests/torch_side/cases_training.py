@@ -8,68 +8,131 @@ the mean over its rows, and FSDP averages gradients over ranks, so both sides fo
 gradient. World size 1 runs the same arithmetic in the same order: losses and main weights are
 compared for exact equality. With more ranks the gradient sums run in another order, so they
 agree to ``RTOL``/``ATOL`` (fp32 reduction order, amplified a little by bf16/MXFP8 rounding of
-weights that land near a rounding boundary).
+weights that land near a rounding boundary). ``Precision.BF16`` runs the model in bf16 (MXFP8 +
+BF16 formats, bf16 gradients and gradient communication) against a reference that keeps fp32
+master weights and a bf16 compute copy; it is exact at world size 1 too.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 
 import torch
 import torch.distributed as dist
 
 from tests.torch_side.toy_models import Recompute, make_batch, make_net, mse
-from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch_side import (
+    FSDPOptimizer,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    WeightFormat,
+    fully_shard,
+)
 
 T = 32  # tokens per rank per micro-batch
 STEPS = 2
 RTOL, ATOL = 1e-3, 1e-5
 
 
-def _lr_opt(params):
-    return torch.optim.Adam(params, lr=1e-2, foreach=False)
+BF16_RTOL, BF16_ATOL = 2e-2, 2e-3  # bf16 activations and bf16 gradient sums in another order
 
 
-def _train_and_compare(ctx, strategy, recompute=Recompute.NONE, micro_batches=1) -> None:
-    net = make_net(0, recompute=recompute, device=ctx.device)
-    ref = copy.deepcopy(net)
+class Precision(enum.Enum):
+    """FP32: fp32 model with MXFP8 linears. BF16: bf16 model weights, activations, gradients and
+    gradient communication (mixed formats MXFP8 + BF16), fp32 main weights on both sides."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+POLICIES = {
+    Precision.FP32: MixedPrecisionPolicy(),
+    Precision.BF16: MixedPrecisionPolicy(
+        other_format=WeightFormat.BF16,
+        main_grad_dtype=torch.bfloat16,
+        grad_comm_dtype=torch.bfloat16,
+    ),
+}
+
+
+# Adam turns a near-zero gradient into a +-lr step, so one bf16 rounding difference in a summed
+# gradient can move a weight by 2 lr; SGD keeps weight differences proportional to gradient
+# differences, which is what the bf16 tolerance can state.
+OPTIMIZERS = {
+    Precision.FP32: (torch.optim.Adam, {"lr": 1e-2, "foreach": False}),
+    Precision.BF16: (torch.optim.SGD, {"lr": 0.1, "foreach": False}),
+}
+
+
+class _Reference:
+    """Replicated single-process training: fp32 master parameters, a compute copy in the model's
+    dtype (bf16(master) for BF16), gradients cast to fp32 for the optimizer."""
+
+    def __init__(self, net, precision: Precision):
+        self.master = copy.deepcopy(net).float()
+        self.compute = copy.deepcopy(net)
+        self.precision = precision
+        cls, kwargs = OPTIMIZERS[precision]
+        self.opt = cls(self.master.parameters(), **kwargs)
+
+    def begin_step(self) -> None:
+        with torch.no_grad():
+            for c, m in zip(self.compute.parameters(), self.master.parameters(), strict=True):
+                c.copy_(m)
+
+    def end_step(self) -> None:
+        for c, m in zip(self.compute.parameters(), self.master.parameters(), strict=True):
+            m.grad = None if c.grad is None else c.grad.float()
+            c.grad = None
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def _train_and_compare(
+    ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32
+) -> None:
+    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
+    net = make_net(0, recompute=recompute, device=ctx.device).to(dtype)
+    ref = _Reference(net, precision)
     model = fully_shard(
-        net, unit_modules=(type(net.blocks[0]),), strategy=strategy, policy=MixedPrecisionPolicy()
+        net, unit_modules=(type(net.blocks[0]),), strategy=strategy, policy=POLICIES[precision]
     )
-    opt = FSDPOptimizer(model, torch.optim.Adam, lr=1e-2, foreach=False)
-    ref_opt = _lr_opt(ref.parameters())
+    cls, kwargs = OPTIMIZERS[precision]
+    opt = FSDPOptimizer(model, cls, **kwargs)
     w, r = ctx.world_size, ctx.rank
+    exact = w == 1
     for step in range(STEPS):
         losses = torch.zeros(1, device=ctx.device)
         ref_losses = torch.zeros(1, device=ctx.device)
+        ref.begin_step()
         for mb in range(micro_batches):
-            x, y = make_batch(
-                100 * step + mb, T * w, ctx.device
-            )  # (w*T, 16), (w*T, 8): global batch
-            mine = slice(r * T, (r + 1) * T)
-            loss = mse(model(x[mine]), y[mine]) / micro_batches
+            x, y = make_batch(100 * step + mb, T * w, ctx.device)  # global batch (w*T, 16|8)
+            x = x.to(dtype)
+            mine = slice(r * T, (r + 1) * T)  # this rank's micro-batch
+            loss = mse(model(x[mine]).float(), y[mine]) / micro_batches
             loss.backward()
             losses += loss.detach()
-            ref_loss = mse(ref(x), y) / micro_batches
+            ref_loss = mse(ref.compute(x).float(), y) / micro_batches
             ref_loss.backward()
             ref_losses += ref_loss.detach()
         dist.all_reduce(losses)
         opt.step()
         opt.zero_grad()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        _assert_close(f"loss step {step}", losses / w, ref_losses, exact=w == 1)
+        ref.end_step()
+        _assert_close(f"loss step {step}", losses / w, ref_losses, exact, precision)
     state = model.full_state_dict()
-    for name, p in ref.named_parameters():
-        _assert_close(name, state[name], p.detach(), exact=w == 1)
+    for name, p in ref.master.named_parameters():
+        _assert_close(name, state[name], p.detach(), exact, precision)
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
 
 
-def _assert_close(what, got, want, exact: bool) -> None:
+def _assert_close(what, got, want, exact: bool, precision: Precision) -> None:
     if exact:
         assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
-    else:
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+        return
+    rtol, atol = (BF16_RTOL, BF16_ATOL) if precision is Precision.BF16 else (RTOL, ATOL)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def case_no_shard(ctx):
@@ -100,6 +163,14 @@ def case_zero3_grad_accumulation(ctx):
     _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, micro_batches=2)
 
 
+def case_zero3_bf16_mixed_formats(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, precision=Precision.BF16)
+
+
+def case_zero2_bf16_mixed_formats(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS, precision=Precision.BF16)
+
+
 def case_zero1_grad_accumulation_recompute(ctx):
     _train_and_compare(ctx, ShardingStrategy.OPTIM, recompute=Recompute.UNIT, micro_batches=2)
 
@@ -116,5 +187,7 @@ CASES = {
     f"{_M}:case_zero3_recompute_unit": (1, 2),
     f"{_M}:case_zero3_recompute_submodule": (1, 2),
     f"{_M}:case_zero3_grad_accumulation": (1, 2),
+    f"{_M}:case_zero3_bf16_mixed_formats": (1, 2),
+    f"{_M}:case_zero2_bf16_mixed_formats": (2,),
     f"{_M}:case_zero1_grad_accumulation_recompute": (2,),
 }

@@ -43,3 +43,17 @@ def test_recompute_and_accumulation_match_reference(spawned, case, world_size):
 
 def test_zero1_accumulation_with_recompute(spawned):
     check_case(spawned, ct, ct.case_zero1_grad_accumulation_recompute, 2)
+
+
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [
+        (ct.case_zero3_bf16_mixed_formats, 1),
+        (ct.case_zero3_bf16_mixed_formats, 2),
+        (ct.case_zero2_bf16_mixed_formats, 2),
+    ],
+    ids=["zero3-w1", "zero3-w2", "zero2-w2"],
+)
+def test_bf16_mixed_formats_match_reference(spawned, case, world_size):
+    """MXFP8 linears + bf16 everything else (weights, activations, grads, grad communication)."""
+    check_case(spawned, ct, case, world_size)
