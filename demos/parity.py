@@ -3,6 +3,7 @@
     python -m demos.parity                              # FSDP on 2 gloo CPU ranks, MXFP8
     python -m demos.parity --world-size 1               # one process, no FSDP
     python -m demos.parity --world-size 1 --mode high_precision   # the control
+    python -m demos.parity --world-size 1 --device cuda           # on a GPU
     python -m demos.parity --config small --seed 3 --batch-size 4 --seq-len 50
 
 Prints the table of ``bridge.parity.ParityReport.format()`` and a one-line verdict.
@@ -25,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="mxfp8", choices=["mxfp8", "high_precision"])
     p.add_argument("--world-size", type=int, default=2,
                    help="1: single process, no FSDP; >1: torch_side FSDP on gloo CPU ranks")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="device of the single-process run (world size 1); FSDP runs on CPU/gloo")
     p.add_argument("--strategy", default="optim_grads_params",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                    help="FSDP sharding strategy (world size > 1)")
@@ -32,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.world_size > 1 and args.mode != "mxfp8":
         p.error("--world-size > 1 runs the MXFP8 model under FSDP; the high-precision control "
                 "runs with --world-size 1")
+    if args.world_size > 1 and args.device != "cpu":
+        p.error("--device cuda is for --world-size 1 (the sharded report runs gloo CPU ranks)")
     return args
 
 
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         report = parity_report(
-            cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len, mode=args.mode
+            cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
+            mode=args.mode, device=args.device,
         )
     print(report.format())
     print(f"\n{report.verdict()}")

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Cross-framework parity on the GPU machine: the gpu-marked parity test (TorchGPT on CUDA through
+# the bridge op vs FlaxGPT on the same CUDA buffers), the models/parity suite on GPU-visible JAX,
+# and the parity report on CUDA (MXFP8 and the high-precision control), plus the CPU main job.
+# Runs from the repo root with the machine's python3 (torch 2.11 + jax 0.11.2 + flax 0.12.10, no
+# install); writes logs under $OUT. Budget: < ~3 minutes (each step capped).
+set -u
+OUT=${OUT:-$PWD/out/parity}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+cd "$(dirname "$0")/../.."
+
+{
+  date -u
+  nvidia-smi -L
+  python3 -c "import torch, jax, flax; print('torch', torch.__version__, 'jax', jax.__version__, \
+'flax', flax.__version__, jax.devices())"
+} 2>&1 | tee "$OUT/env.log"
+
+t0=$SECONDS
+timeout 100 python3 -m pytest -q -rs --durations=10 -p no:cacheprovider \
+  tests/bridge/test_parity.py tests/jax_side/models tests/torch_side/models \
+  -k "cuda or not sharded" 2>&1 | tee "$OUT/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+echo "parity tests (gpu-visible, sharded gloo case excluded): rc=$tests_rc in $((SECONDS - t0)) s" \
+  | tee -a "$OUT/pytest.log"
+
+t0=$SECONDS
+{
+  timeout 40 python3 -m demos.parity --world-size 1 --device cuda
+  echo "rc=$?"
+  timeout 30 python3 -m demos.parity --world-size 1 --device cuda --mode high_precision
+  echo "rc=$?"
+} 2>&1 | tee "$OUT/report_cuda.log"
+echo "cuda reports in $((SECONDS - t0)) s" | tee -a "$OUT/report_cuda.log"
+
+t0=$SECONDS
+CUDA_VISIBLE_DEVICES= JAX_PLATFORMS=cpu timeout 60 python3 -m demos.main 2>&1 \
+  | tee "$OUT/main_cpu.log"
+main_rc=${PIPESTATUS[0]}
+echo "main job (CPU, 2 gloo ranks): rc=$main_rc in $((SECONDS - t0)) s" | tee -a "$OUT/main_cpu.log"
+
+[ "$tests_rc" = 0 ] && [ "$main_rc" = 0 ]
