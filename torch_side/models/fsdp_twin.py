@@ -7,6 +7,8 @@
 - ``run_sharded(fsdp, tokens, targets)``: one forward + backward with the capture of
   ``capture.run_torch``; gradients are the reduced main grads, all-gathered to full shapes.
 - ``full_grads(fsdp)``: {parameter name: full fp32 gradient} (a collective: call on every rank).
+- ``load_flax_checkpoint(fsdp, flat)``: set an already wrapped model from a Flax checkpoint
+  (``jax_side.models.flat_params``; same names), requantizing the MXFP8 planes.
 
 Every rank runs the same batch here, so the DP average of gradients, ``g/W + ... + g/W``, is
 exactly ``g`` for W = 2 (halving and adding two equal floats are exact): the sharded gradients
@@ -15,6 +17,9 @@ must equal the unsharded model's bit for bit, and the parity report compares the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import torch
 
 from torch_side import FSDPModel, ShardingStrategy, fully_shard
@@ -22,7 +27,7 @@ from torch_side.collectives import Phase
 from torch_side.models.capture import TorchRun, run_torch
 from torch_side.models.gpt import Block, TorchGPT
 
-__all__ = ["full_grads", "run_sharded", "shard_gpt"]
+__all__ = ["full_grads", "load_flax_checkpoint", "run_sharded", "shard_gpt"]
 
 
 def shard_gpt(
@@ -30,6 +35,13 @@ def shard_gpt(
 ) -> FSDPModel:
     """Wrap a TorchGPT (same initial values on every rank) with one FSDP unit per block."""
     return fully_shard(model, unit_modules=(Block,), strategy=strategy)
+
+
+def load_flax_checkpoint(fsdp: FSDPModel, flat: Mapping[str, object]) -> None:
+    """Main weights <- a Flax checkpoint (name -> array, fp32), then FSDP refreshes its model
+    weights (MXFP8 planes quantized from bf16 of them). Call on every rank with the same values."""
+    state = {n: torch.as_tensor(np.asarray(a, dtype=np.float32)) for n, a in flat.items()}
+    fsdp.load_full_state_dict(state)
 
 
 def full_grads(fsdp: FSDPModel) -> dict[str, torch.Tensor]:

@@ -1,9 +1,10 @@
 """The sharded parity report: TorchGPT under ``torch_side`` FSDP on gloo CPU ranks vs FlaxGPT.
 
 ``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks on 127.0.0.1. Every rank
-initialises the same parameters (the Flax checkpoint of ``seed``), wraps the Torch twin with FSDP
-(ZeRO-3 by default: MXFP8 planes and fp32 weights sharded, all-gathered per block), runs one
-forward + backward on the same batch, then enters ``gathered_weights()``; rank 0 hands the
+wraps a Torch twin with FSDP (ZeRO-3 by default: MXFP8 planes and fp32 weights sharded,
+all-gathered per block), loads the Flax checkpoint of ``seed`` into it (main weights, then the
+distributed requantization), runs one forward + backward on the same batch, then enters
+``gathered_weights()``; rank 0 hands the
 all-gathered planes and weights to ``bridge.parity.parity_on_gathered`` (Flax reads them
 zero-copy) and returns the report to the calling process.
 
@@ -22,8 +23,8 @@ import torch
 
 from bridge.parity import Batch, ParityReport, init_flax_params, make_batch, parity_on_gathered
 from jax_side.models.config import GPTConfig, MatmulMode
-from torch_side.models.fsdp_twin import run_sharded, shard_gpt
-from torch_side.models.gpt import TorchGPT, load_flat_params
+from torch_side.models.fsdp_twin import load_flax_checkpoint, run_sharded, shard_gpt
+from torch_side.models.gpt import TorchGPT
 
 __all__ = ["sharded_parity_report"]
 
@@ -34,9 +35,10 @@ def _rank_report(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> Pari
     from jax_side.models import flat_params  # the checkpoint's names = the Torch names
 
     master = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
-    model = TorchGPT(cfg, MatmulMode.MXFP8)
-    load_flat_params(model, master)
-    fsdp = shard_gpt(model, strategy)
+    # Start from Torch's own (different) init, then load the Flax checkpoint into the wrapped
+    # model: the "start on the Flax side" path through FSDP's main weights and requantization.
+    fsdp = shard_gpt(TorchGPT(cfg, MatmulMode.MXFP8, seed=seed + 1), strategy)
+    load_flax_checkpoint(fsdp, master)
     tokens, targets = (torch.from_numpy(a).long() for a in batch)
     torch_run = run_sharded(fsdp, tokens, targets)
     report = None
