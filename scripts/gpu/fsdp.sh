@@ -26,7 +26,7 @@ echo "fsdp parity (nccl): rc=$parity_rc in $((SECONDS - t0)) s" | tee -a "$OUT/p
 t0=$SECONDS
 timeout 90 python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes 1 2 --no-parity \
   --strategies no_shard optim_grads_params --d-model 1024 --d-ff 4096 --blocks 4 --tokens 2048 \
-  --warmup 3 --steps 10 --out "$OUT" 2>&1 | tee "$OUT/timing.log"
+  --warmup 2 --steps 8 --out "$OUT" 2>&1 | tee "$OUT/timing.log"
 timing_rc=${PIPESTATUS[0]}
 echo "fsdp timing (nccl): rc=$timing_rc in $((SECONDS - t0)) s" | tee -a "$OUT/timing.log"
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+import bridge
 from bridge import MXFP8Linear, TorchMXFP8Tensor
+from jax_side.mxfp8 import Plane
 from tests.oracle import mxfp8_ref
 from tests.torch_side.toy_models import Block, ExpertMLP, Recompute, make_batch, make_net, mse
 from torch_side import (
@@ -205,6 +208,26 @@ def case_gathered_weights_and_state_dict(ctx):
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
 
 
+def case_bucket_outlives_reshard_while_jax_reads(ctx):
+    """Reshard drops FSDP's reference to a bucket; a JAX array aliasing it (zero-copy, through the
+    bridge) keeps the bytes alive and unchanged while new buckets are allocated and scribbled."""
+    model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
+    g = next(g for g in model.param_groups if g.is_mxfp8)
+    g.unshard(Plane.ROWWISE, Phase.FORWARD)
+    data, _ = g.plane_views(0, Plane.ROWWISE)
+    expect = data.cpu().clone()
+    alias = bridge.to_jax(data)
+    assert alias.unsafe_buffer_pointer() == data.data_ptr()  # zero-copy
+    del data
+    g.reshard()
+    assert model.allocator.live_keys() == [], model.allocator.live_keys()
+    junk = [  # noqa: F841 -- held so the allocator cannot hand the same memory back out
+        torch.full((g.layout.padded_numel,), 0xAB, dtype=torch.uint8, device=ctx.device)
+        for _ in range(4)
+    ]
+    assert (np.asarray(alias) == expect.numpy()).all(), "bucket bytes changed under JAX"
+
+
 _M = "tests.torch_side.cases_wire"
 CASES = {
     f"{_M}:case_wire_forward_rowwise_backward_colwise": (2,),
@@ -214,4 +237,5 @@ CASES = {
     f"{_M}:case_nan_grad_check_names_param_and_rank": (2,),
     f"{_M}:case_expert_dp_groups": (4,),
     f"{_M}:case_gathered_weights_and_state_dict": (2,),
+    f"{_M}:case_bucket_outlives_reshard_while_jax_reads": (2,),
 }

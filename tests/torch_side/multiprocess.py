@@ -44,7 +44,13 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, cases: list[str], out_dir: str, backend: str
+    rank: int,
+    world_size: int,
+    port: int,
+    cases: list[str],
+    out_dir: str,
+    backend: str,
+    cache_dir: str,
 ) -> None:
     # Each rank's JAX work is single-device; strict promotion as in tests/conftest.py.
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -58,6 +64,10 @@ def _worker(
     import torch.distributed as dist
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
+    if cache_dir:  # ranks and later spawns reuse each other's compiled kernels (same shapes)
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     torch.set_num_threads(1)
     device = "cuda:0" if backend == "nccl" else "cpu"
     if backend == "nccl":
@@ -83,6 +93,19 @@ def _worker(
     dist.destroy_process_group()
 
 
+_JAX_CACHE: tempfile.TemporaryDirectory | None = None
+
+
+def _jax_cache_dir() -> str:
+    """One persistent JAX compilation cache per parent process (removed when it exits)."""
+    global _JAX_CACHE
+    if os.environ.get("TORCH_SIDE_TEST_JAX_CACHE") == "off":
+        return ""
+    if _JAX_CACHE is None:
+        _JAX_CACHE = tempfile.TemporaryDirectory(prefix="torch_side_jax_cache_")
+    return _JAX_CACHE.name
+
+
 def run_cases(world_size: int, cases: list[str], backend: str = "gloo") -> dict[str, CaseOutcome]:
     """Spawn ``world_size`` ranks on 127.0.0.1, run ``cases`` ("module:function") on each.
 
@@ -93,7 +116,7 @@ def run_cases(world_size: int, cases: list[str], backend: str = "gloo") -> dict[
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), cases, out_dir, backend),
+            args=(world_size, _free_port(), cases, out_dir, backend, _jax_cache_dir()),
             nprocs=world_size,
             start_method="spawn",
             join=False,

@@ -35,3 +35,7 @@ def test_expert_parameters_use_their_own_dp_group(spawned):
 
 def test_gathered_weights_and_full_state_dict_round_trip(spawned):
     check_case(spawned, cw, cw.case_gathered_weights_and_state_dict, 2)
+
+
+def test_resharded_bucket_stays_alive_while_jax_reads_it(spawned):
+    check_case(spawned, cw, cw.case_bucket_outlives_reshard_while_jax_reads, 2)
