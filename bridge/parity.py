@@ -31,6 +31,7 @@ FSDP all-gathered.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -64,12 +65,13 @@ __all__ = [
     "FlaxRun",
     "LayerBytes",
     "ParityReport",
+    "Quantity",
     "ZeroCopy",
     "compare",
     "init_flax_params",
     "make_batch",
-    "parity_report",
     "parity_on_gathered",
+    "parity_report",
     "run_flax",
 ]
 
@@ -107,7 +109,9 @@ class FlaxRun(NamedTuple):
     loss: jax.Array  # () float32
     linear_io: dict[str, tuple[jax.Array, jax.Array, jax.Array]]  # name -> x, y, dy (T, C)
     grads: dict[str, jax.Array]  # Torch-style parameter names
-    weight_q: dict[str, MXFP8Tensor]  # MXFP8 mode: the planes each linear multiplied with
+    # MXFP8 mode: the planes each linear multiplied with -- the given planes, or bf16(weight)
+    # requantized by the layer's own (jitted, deterministic) quantize_weight
+    weight_q: dict[str, MXFP8Tensor]
 
 
 def _linear_names(cfg: GPTConfig) -> list[str]:
@@ -115,7 +119,12 @@ def _linear_names(cfg: GPTConfig) -> list[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _flax_step(cfg: GPTConfig, mode: MatmulMode, batch_shape: tuple[int, int]):
+def _flax_step_fn(cfg: GPTConfig, mode: MatmulMode, batch_shape: tuple[int, int]):
+    """The forward + backward with capture, built once per (config, mode, batch shape).
+
+    Runs eagerly: the MXFP8 linears are jitted per shape inside ``jax_side.models.linear``, so
+    layers of equal shape share compiled code (a whole-model jit compiles every layer anew).
+    """
     model = FlaxGPT(cfg, mode)
     tokens_n = batch_shape[0] * batch_shape[1]
     names = _linear_names(cfg)
@@ -165,14 +174,25 @@ def run_flax(
     planes: nested like params, ``<layer path>/weight`` -> MXFP8Tensor (both planes), e.g.
     FSDP's all-gathered planes imported zero-copy; None to quantize bf16(param) in each layer.
     """
-    step = _flax_step(cfg, MatmulMode.parse(mode), tuple(tokens.shape))
+    step = _flax_step_fn(cfg, MatmulMode.parse(mode), tuple(tokens.shape))
     return FlaxRun(*step(params, planes, jnp.asarray(tokens), jnp.asarray(targets)))
+
+
+class Quantity(enum.Enum):
+    """What a ``Diff`` row compares."""
+
+    X = "x"  # a linear layer's input (T, in)
+    Y = "y"  # its output (T, out)
+    DY = "dy"  # its output gradient (T, out)
+    LOGITS = "logits"
+    LOSS = "loss"
+    GRAD = "grad"  # a parameter's gradient
 
 
 class Diff(NamedTuple):
     """Torch vs Flax for one tensor. rel = abs / (max or mean |torch value|)."""
 
-    quantity: str  # "x", "y", "dy" (per linear), "logits", "loss", "grad"
+    quantity: Quantity
     name: str
     max_abs: float
     mean_abs: float
@@ -187,7 +207,7 @@ def _np(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def diff(quantity: str, name: str, torch_value, flax_value) -> Diff:
+def diff(quantity: Quantity, name: str, torch_value, flax_value) -> Diff:
     t, f = _np(torch_value).astype(np.float32), _np(flax_value).astype(np.float32)
     if t.shape != f.shape:
         raise ValueError(f"parity diff {quantity} {name}: shapes {t.shape} vs {f.shape}")
@@ -243,14 +263,17 @@ class ParityReport:
     layers: tuple[LayerBytes, ...]
     zero_copy: tuple[ZeroCopy, ...]
 
-    def get(self, quantity: str, name: str = "") -> Diff:
+    def get(self, quantity: Quantity | str, name: str = "") -> Diff:
+        """The row for (quantity, name); quantity may be given by value, e.g. "grad"."""
+        quantity = Quantity(quantity)
         for d in self.diffs:
-            if d.quantity == quantity and (not name or d.name == name):
+            if d.quantity is quantity and (not name or d.name == name):
                 return d
-        raise KeyError(f"ParityReport has no diff for ({quantity!r}, {name!r})")
+        raise KeyError(f"ParityReport has no diff for ({quantity.value!r}, {name!r})")
 
-    def of(self, quantity: str) -> list[Diff]:
-        return [d for d in self.diffs if d.quantity == quantity]
+    def of(self, quantity: Quantity | str) -> list[Diff]:
+        quantity = Quantity(quantity)
+        return [d for d in self.diffs if d.quantity is quantity]
 
     @property
     def all_zero_copy(self) -> bool:
@@ -274,7 +297,7 @@ class ParityReport:
         )
         if worst is not None:
             text += (
-                f"; largest other difference: {worst.quantity} {worst.name} max_rel "
+                f"; largest other difference: {worst.quantity.value} {worst.name} max_rel "
                 f"{worst.max_rel:.1e}"
             )
         return text
@@ -327,8 +350,8 @@ def compare(
     diffs, layers = [], []
     for name in names:
         tio, (fx, fy, fdy) = torch_run.linear_io[name], flax_run.linear_io[name]
-        diffs += [diff("x", name, tio.x, fx), diff("y", name, tio.y, fy)]
-        diffs += [diff("dy", name, tio.dy, fdy)]
+        diffs += [diff(Quantity.X, name, tio.x, fx), diff(Quantity.Y, name, tio.y, fy)]
+        diffs += [diff(Quantity.DY, name, tio.dy, fdy)]
     w = {n: n + ".weight" for n in names}
     for name in names:
         tio, fio = torch_run.linear_io[name], flax_run.linear_io[name]
@@ -346,9 +369,9 @@ def compare(
             layers.append(LayerBytes(name, forced, same_w, x_frac, dy_frac))
         else:
             layers.append(LayerBytes(name, forced, None, None, None))
-    diffs += [diff("logits", "", torch_run.logits, flax_run.logits)]
-    diffs += [diff("loss", "", torch_run.loss, flax_run.loss)]
-    diffs += [diff("grad", n, g, flax_run.grads[n]) for n, g in torch_run.grads.items()]
+    diffs += [diff(Quantity.LOGITS, "", torch_run.logits, flax_run.logits)]
+    diffs += [diff(Quantity.LOSS, "", torch_run.loss, flax_run.loss)]
+    diffs += [diff(Quantity.GRAD, n, g, flax_run.grads[n]) for n, g in torch_run.grads.items()]
     return tuple(diffs), tuple(layers)
 
 
@@ -411,7 +434,7 @@ def format_report(r: ParityReport) -> str:
     ]
     for d in r.diffs:
         lines.append(
-            f"{d.quantity:<8} {d.name:<22} {_fmt(d.max_abs)} {_fmt(d.mean_abs)} "
+            f"{d.quantity.value:<8} {d.name:<22} {_fmt(d.max_abs)} {_fmt(d.mean_abs)} "
             f"{_fmt(d.max_rel)} {_fmt(d.mean_rel)}  {'yes' if d.identical else 'no'}"
         )
     def frac(v):
