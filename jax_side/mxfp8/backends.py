@@ -22,6 +22,8 @@ import enum
 import os
 from typing import NamedTuple
 
+from jax_side.enum_parsing import parse_enum
+
 __all__ = [
     "Backend",
     "BackendChoice",
@@ -45,15 +47,9 @@ class Backend(enum.Enum):
 
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:
-        if isinstance(value, Backend):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"unknown MXFP8 backend {value!r}: expected one of "
-                f"{[b.value for b in cls]} (or None for the automatic default)"
-            ) from None
+        return parse_enum(
+            cls, value, what="MXFP8 backend", hint=" (or None for the automatic default)"
+        )
 
 
 class TEPath(enum.Enum):

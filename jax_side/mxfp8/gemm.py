@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_side.enum_parsing import parse_enum
 from jax_side.mxfp8.backends import Backend, resolve_backend
 from jax_side.mxfp8.quantize import dequantize
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
@@ -59,17 +60,6 @@ _ROLES: dict[GemmRole, _RoleSpec] = {
 }
 
 _OUT_DTYPES = (jnp.float32, jnp.bfloat16)
-
-
-def _parse_enum(cls, value, what):
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(str(value).lower())
-    except ValueError:
-        raise ValueError(
-            f"matmul: unknown {what} {value!r}; expected one of {[v.value for v in cls]}"
-        ) from None
 
 
 def _check_operands(a, b, role: GemmRole, spec: _RoleSpec) -> None:
@@ -144,9 +134,9 @@ def matmul(
     an explicit ``impl``.
     Returns ``out_dtype`` (float32 or bfloat16), rounded once from the fp32 accumulator.
     """
-    role = _parse_enum(GemmRole, role, "role")
+    role = parse_enum(GemmRole, role, what="matmul role")
     impl_given = impl is not None
-    impl = _parse_enum(GemmImpl, impl if impl_given else GemmImpl.DEQUANT_DOT, "impl")
+    impl = parse_enum(GemmImpl, impl if impl_given else GemmImpl.DEQUANT_DOT, what="matmul impl")
     spec = _ROLES[role]
     _check_operands(a, b, role, spec)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:

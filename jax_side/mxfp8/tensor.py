@@ -18,6 +18,7 @@ import enum
 import jax
 import numpy as np
 
+from jax_side.enum_parsing import parse_enum
 from jax_side.mxfp8.formats import BLOCK_SIZE
 
 __all__ = ["MXFP8Tensor", "Plane"]
@@ -31,16 +32,7 @@ class Plane(enum.Enum):
 
     @classmethod
     def parse(cls, plane: Plane | str) -> Plane:
-        if isinstance(plane, Plane):
-            return plane
-        aliases = {"rowwise": cls.ROWWISE, "colwise": cls.COLWISE, "columnwise": cls.COLWISE}
-        try:
-            return aliases[str(plane).lower()]
-        except KeyError:
-            raise ValueError(
-                f"unknown MXFP8 plane {plane!r}: expected Plane.ROWWISE / 'rowwise' or "
-                f"Plane.COLWISE / 'colwise' (alias 'columnwise')"
-            ) from None
+        return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
 
 
 @dataclasses.dataclass(frozen=True)
