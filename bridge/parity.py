@@ -93,6 +93,19 @@ def make_batch(cfg: GPTConfig, seed: int, batch_size: int, seq_len: int) -> Batc
     return Batch(stream[:, :-1].copy(), stream[:, 1:].copy())
 
 
+def _check_batch(cfg: GPTConfig, batch) -> Batch:
+    tokens, targets = (np.asarray(a) for a in batch)
+    if tokens.shape != targets.shape or tokens.ndim != 2 or tokens.shape[1] > cfg.max_seq_len:
+        raise ValueError(
+            f"parity batch: tokens {tokens.shape} and targets {targets.shape} must both be "
+            f"(B, S) with S <= max_seq_len={cfg.max_seq_len}"
+        )
+    for what, a in (("tokens", tokens), ("targets", targets)):
+        if a.size and (a.min() < 0 or a.max() >= cfg.vocab_size):
+            raise ValueError(f"parity batch: {what} must lie in [0, {cfg.vocab_size})")
+    return Batch(tokens.astype(np.int32), targets.astype(np.int32))
+
+
 @functools.lru_cache(maxsize=8)
 def _init_fn(cfg: GPTConfig):
     return jax.jit(FlaxGPT(cfg, MatmulMode.HIGH_PRECISION).init)
@@ -388,18 +401,22 @@ def parity_report(
     seq_len: int = 40,
     mode: MatmulMode | str = MatmulMode.MXFP8,
     device: str = "cpu",
+    batch: Batch | None = None,
 ) -> ParityReport:
     """Single process, no FSDP: TorchGPT (bridge op) vs FlaxGPT on the Torch parameters.
 
     device: where the Torch model lives ("cpu" or "cuda"); JAX runs on the same device (the
     bridge op runs its kernels where its tensors are; Flax gets the same buffers).
+    batch: explicit (tokens, targets) int (B, S); default ``make_batch(cfg, seed, batch_size,
+    seq_len)``.
 
     Flax initialises from ``seed``; Torch loads that checkpoint; Flax then runs on the Torch
     parameters imported zero-copy, each MXFP8 layer quantizing bf16(weight) exactly as the
     bridge op does.
     """
     mode = MatmulMode.parse(mode)
-    batch = make_batch(cfg, seed, batch_size, seq_len)
+    batch = _check_batch(cfg, batch) if batch is not None else make_batch(
+        cfg, seed, batch_size, seq_len)
     model = TorchGPT(cfg, mode, device=device)
     flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     load_flat_params(model, flat)

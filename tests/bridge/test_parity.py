@@ -122,3 +122,17 @@ def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
 def test_mxfp8_parity_on_cuda():
     r = _report(3, 7, device="cuda")
     _check_mxfp8(r)
+
+
+def test_explicit_batch_is_used_and_checked():
+    import numpy as np
+
+    from bridge.parity import make_batch
+
+    batch = make_batch(CFG, 0, 3, 7)
+    r = parity_report(CFG, batch=(batch.tokens.astype(np.int64), batch.targets))
+    assert r.diffs == _report(3, 7).diffs  # same tokens as the seeded batch -> same report
+    with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
+        parity_report(CFG, batch=(batch.tokens + 64, batch.targets))
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        parity_report(CFG, batch=(np.zeros((1, 65), np.int32), np.zeros((1, 65), np.int32)))

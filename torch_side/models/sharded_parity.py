@@ -84,12 +84,14 @@ def sharded_parity_report(
     seq_len: int = 40,
     world_size: int = 2,
     strategy: str = "optim_grads_params",
+    batch: Batch | None = None,
 ) -> ParityReport:
     """TorchGPT under FSDP on ``world_size`` spawned gloo CPU ranks vs FlaxGPT on the MXFP8
     planes and fp32 weights FSDP all-gathered (zero-copy). MXFP8 mode.
 
     Every rank runs the same batch, so the DP-averaged gradient is exactly the batch gradient
-    and the report is comparable row for row with ``bridge.parity.parity_report``.
+    and the report is comparable row for row with ``bridge.parity.parity_report``. batch:
+    explicit (tokens, targets) int (B, S), else ``make_batch(cfg, seed, batch_size, seq_len)``.
     """
     if world_size < 2:
         raise ValueError(
@@ -98,7 +100,10 @@ def sharded_parity_report(
         )
     import torch.multiprocessing as mp
 
-    batch = make_batch(cfg, seed, batch_size, seq_len)
+    if batch is None:
+        batch = make_batch(cfg, seed, batch_size, seq_len)
+    else:
+        batch = Batch(*(np.asarray(a, np.int32) for a in batch))
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "report.pkl")
         mp.start_processes(
