@@ -302,10 +302,12 @@ class ParityReport:
                     default=None)
         forced = all(lb.teacher_forced_identical for lb in self.layers)
         planes = all(lb.weight_identical is not False for lb in self.layers)
+        planes_text = "no MXFP8 planes (control)" if self.mode is MatmulMode.HIGH_PRECISION else (
+            f"weight planes {'identical' if planes else 'DIFFER'}")
         text = (
             f"verdict: {len(same)}/{len(self.diffs)} compared tensors bit-identical; "
             f"teacher-forced linears {'all identical' if forced else 'NOT all identical'}; "
-            f"weight planes {'identical' if planes else 'DIFFER'}; zero-copy "
+            f"{planes_text}; zero-copy "
             f"{'all' if self.all_zero_copy else 'NOT all'} shared"
         )
         if worst is not None:
@@ -489,6 +491,7 @@ def parity_on_gathered(
     gathered: Mapping[str, TorchMXFP8Tensor | torch.Tensor],
     master: Mapping[str, np.ndarray],
     world_size: int,
+    mode: MatmulMode = MatmulMode.MXFP8,
 ) -> ParityReport:
     """The sharded report, on one rank: FlaxGPT on what FSDP all-gathered vs the FSDP run.
 
@@ -496,11 +499,15 @@ def parity_on_gathered(
     uint8 planes, the rest fp32), imported zero-copy (the report records every data pointer);
     torch_run: the FSDP model's captured run (``torch_side.models.fsdp_twin.run_sharded``);
     master: the full fp32 weights FSDP was loaded with, to check its planes against quantizing
-    bf16(master) on one device. Call inside the ``gathered_weights`` context.
+    bf16(master) on one device. mode: HIGH_PRECISION for the control (no MXFP8 groups).
+    Call inside the ``gathered_weights`` context.
     """
-
-    mode = MatmulMode.MXFP8
     planes_t = {n: t for n, t in gathered.items() if isinstance(t, TorchMXFP8Tensor)}
+    if (mode is MatmulMode.MXFP8) != bool(planes_t):
+        raise ValueError(
+            f"parity_on_gathered: mode {mode.value} but FSDP gathered {len(planes_t)} MXFP8 "
+            f"weights; wrap the Torch twin built with the same MatmulMode"
+        )
     hp = {n: t for n, t in gathered.items() if not isinstance(t, TorchMXFP8Tensor)}
     planes = {n: to_jax_mxfp8(t) for n, t in planes_t.items()}
     # MXFP8 weights: FSDP gathers no high-precision copy; Flax gets a zero slot for dW only.
@@ -514,19 +521,21 @@ def parity_on_gathered(
                 f"{n}:{field}", getattr(t, field).data_ptr(),
                 getattr(planes[n], field).unsafe_buffer_pointer(),
             ))
+    flax_planes = nested_params(planes) if planes else None
     flax_run = run_flax(cfg, mode, nested_params(shared), batch.tokens, batch.targets,
-                        planes=nested_params(planes))
-    diffs, layers = compare(cfg, mode, torch_run, flax_run, weights, planes)
+                        planes=flax_planes)
+    diffs, layers = compare(cfg, mode, torch_run, flax_run, weights, planes or None)
     # The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
     # bf16(master) on one device: FSDP's distributed quantization is exact.
     def single_device(name: str) -> MXFP8Tensor:
         return quantize_weight(jnp.asarray(master[name + ".weight"]))
 
-    layers = tuple(
-        lb._replace(weight_identical=lb.weight_identical and _same_bits(
-            _bytes(planes[lb.name + ".weight"]), _bytes(single_device(lb.name))))
-        for lb in layers
-    )
+    if planes:
+        layers = tuple(
+            lb._replace(weight_identical=lb.weight_identical and _same_bits(
+                _bytes(planes[lb.name + ".weight"]), _bytes(single_device(lb.name))))
+            for lb in layers
+        )
     return ParityReport(
         cfg, mode, seed, batch.tokens.shape, world_size, diffs, layers, tuple(zero_copy)
     )

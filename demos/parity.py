@@ -32,9 +32,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                    help="FSDP sharding strategy (world size > 1)")
     args = p.parse_args(argv)
-    if args.world_size > 1 and args.mode != "mxfp8":
-        p.error("--world-size > 1 runs the MXFP8 model under FSDP; the high-precision control "
-                "runs with --world-size 1")
     if args.world_size > 1 and args.device != "cpu":
         p.error("--device cuda is for --world-size 1 (the sharded report runs gloo CPU ranks)")
     return args
@@ -57,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size > 1:
         report = sharded_parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
-            world_size=args.world_size, strategy=args.strategy,
+            world_size=args.world_size, strategy=args.strategy, mode=args.mode,
         )
     else:
         report = parity_report(

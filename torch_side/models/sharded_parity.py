@@ -29,7 +29,9 @@ from torch_side.models.gpt import TorchGPT
 __all__ = ["sharded_parity_report"]
 
 
-def _rank_report(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> ParityReport | None:
+def _rank_report(
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: MatmulMode
+) -> ParityReport | None:
     import torch.distributed as dist
 
     from jax_side.models import flat_params  # the checkpoint's names = the Torch names
@@ -37,7 +39,7 @@ def _rank_report(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> Pari
     master = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     # Start from Torch's own (different) init, then load the Flax checkpoint into the wrapped
     # model: the "start on the Flax side" path through FSDP's main weights and requantization.
-    fsdp = shard_gpt(TorchGPT(cfg, MatmulMode.MXFP8, seed=seed + 1), strategy)
+    fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1), strategy)
     load_flax_checkpoint(fsdp, master)
     tokens, targets = (torch.from_numpy(a).long() for a in batch)
     torch_run = run_sharded(fsdp, tokens, targets)
@@ -45,7 +47,7 @@ def _rank_report(cfg: GPTConfig, seed: int, batch: Batch, strategy: str) -> Pari
     with fsdp.gathered_weights() as gathered:
         if dist.get_rank() == 0:
             report = parity_on_gathered(
-                cfg, seed, batch, torch_run, gathered, master, dist.get_world_size()
+                cfg, seed, batch, torch_run, gathered, master, dist.get_world_size(), mode
             )
         dist.barrier()  # all ranks leave the gathered state together, after rank 0's JAX reads
     return report
@@ -85,9 +87,11 @@ def sharded_parity_report(
     world_size: int = 2,
     strategy: str = "optim_grads_params",
     batch: Batch | None = None,
+    mode: MatmulMode | str = MatmulMode.MXFP8,
 ) -> ParityReport:
     """TorchGPT under FSDP on ``world_size`` spawned gloo CPU ranks vs FlaxGPT on the MXFP8
-    planes and fp32 weights FSDP all-gathered (zero-copy). MXFP8 mode.
+    planes and fp32 weights FSDP all-gathered (zero-copy). ``mode=HIGH_PRECISION``: the
+    control, every weight an fp32 FSDP group.
 
     Every rank runs the same batch, so the DP-averaged gradient is exactly the batch gradient
     and the report is comparable row for row with ``bridge.parity.parity_report``. batch:
@@ -108,7 +112,8 @@ def sharded_parity_report(
         out_path = os.path.join(tmp, "report.pkl")
         mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), (cfg, seed, batch, strategy), out_path),
+            args=(world_size, _free_port(),
+                  (cfg, seed, batch, strategy, MatmulMode.parse(mode)), out_path),
             nprocs=world_size,
             start_method="spawn",
         )
