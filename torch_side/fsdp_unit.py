@@ -8,7 +8,8 @@ Lifecycle of a unit in one iteration (``TrainingState``):
 - forward post-hook: reshard (ZeRO-3) and register the pre-backward hook on the outputs.
   During a recompute forward it does nothing (backward still needs the planes).
 - pre-backward (first gradient reaching an output): unshard the backward planes (MXFP8: colwise;
-  high precision: the weights).
+  high precision: the weights), and start the same gathers for the unit that ran before this one
+  in forward (backward prefetch; forward prefetch starts the next unit's rowwise gather).
 - post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket; when
   the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
   reshard. The root's final callback does the same for units whose parameters got no gradient.
@@ -115,7 +116,8 @@ class FSDPUnit:
         self.state = TrainingState.BACKWARD
         self._pending = self._grad_params
         for g in self.groups:
-            g.unshard(Plane.COLWISE if g.is_mxfp8 else Plane.ROWWISE, Phase.BACKWARD)
+            g.unshard(g.backward_plane, Phase.BACKWARD)
+        self.root.prefetch_before(self)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:

@@ -177,12 +177,24 @@ class FSDPModel(nn.Module):
     def prefetch_after(self, unit: FSDPUnit) -> None:
         """Forward prefetch: start the next unit's rowwise all-gather now (async), in the unit
         order recorded during the first iteration; the next unit's pre-forward waits for it."""
-        if not self._order_frozen or unit not in self._forward_order:
-            return
-        i = self._forward_order.index(unit)
-        if i + 1 < len(self._forward_order):
-            for g in self._forward_order[i + 1].groups:
+        nxt = self._neighbour(unit, +1)
+        if nxt is not None:
+            for g in nxt.groups:
                 g.unshard(Plane.ROWWISE, Phase.FORWARD, async_op=True)
+
+    def prefetch_before(self, unit: FSDPUnit) -> None:
+        """Backward prefetch: start the backward planes of the unit that ran before ``unit`` in
+        forward (it is the next one backward reaches); its pre-backward waits for them."""
+        prev = self._neighbour(unit, -1)
+        if prev is not None:
+            for g in prev.groups:
+                g.unshard(g.backward_plane, Phase.BACKWARD, async_op=True)
+
+    def _neighbour(self, unit: FSDPUnit, step: int) -> FSDPUnit | None:
+        if not self._order_frozen or unit not in self._forward_order:
+            return None
+        i = self._forward_order.index(unit) + step
+        return self._forward_order[i] if 0 <= i < len(self._forward_order) else None
 
     def on_pre_backward(self) -> None:
         if not self.backward_active:

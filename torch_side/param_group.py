@@ -174,6 +174,11 @@ class ParamGroup:
                 col_t[p.shard_offset : p.shard_offset + p.numel].copy_(res.colwise)
 
     # ---- unshard / reshard ------------------------------------------------------------------
+    @property
+    def backward_plane(self) -> Plane:
+        """The plane backward reads: columnwise for MXFP8, the (only) weights otherwise."""
+        return Plane.COLWISE if self.is_mxfp8 else Plane.ROWWISE
+
     def full_buffer(self, plane: Plane) -> torch.Tensor:
         """The full (padded) buffer of a plane: the replicated buffer, or the unsharded bucket."""
         if not self.facts.model_weights_sharded:
