@@ -127,6 +127,7 @@ class FSDPModel(nn.Module):
     def _build_groups(self, uname, params, expert_prefixes) -> list[ParamGroup]:
         by_key: dict[GroupKey, list[ParamEntry]] = {}
         for qual, mod, pname, p in params:
+            self._check_device(qual, p)
             fmt = self.policy.weight_format(qual, p, _is_mxfp8_linear_weight(mod, pname))
             is_expert = any(qual.startswith(e + ".") for e in expert_prefixes)
             key = GroupKey(p.device, fmt, p.requires_grad, "expert_dp" if is_expert else "dp")
@@ -148,6 +149,14 @@ class FSDPModel(nn.Module):
                 )
             )
         return groups
+
+    def _check_device(self, name: str, p: torch.Tensor) -> None:
+        backend = dist.get_backend(self.comms["dp"].group)
+        if backend == "nccl" and p.device.type != "cuda":
+            raise ValueError(
+                f"fully_shard: parameter {name!r} is on {p.device}, but the process group uses "
+                f"NCCL, which moves GPU tensors only; call model.to('cuda') before wrapping"
+            )
 
     def _install_plane_hooks(self):
         handles = []

@@ -107,13 +107,14 @@ class _Unaligned(torch.nn.Module):
 
 def case_bad_input_errors(ctx):
     try:
-        fully_shard(_Unaligned(), policy=MixedPrecisionPolicy())
+        fully_shard(_Unaligned().to(ctx.device), policy=MixedPrecisionPolicy())
     except ValueError as e:
         assert "odd.weight" in str(e) and "(40, 64)" in str(e) and "FALLBACK" in str(e), str(e)
     else:
         raise AssertionError("an unaligned MXFP8 weight was accepted under UnalignedLinear.RAISE")
     model = fully_shard(
-        _Unaligned(), policy=MixedPrecisionPolicy(unaligned_linear=UnalignedLinear.FALLBACK)
+        _Unaligned().to(ctx.device),
+        policy=MixedPrecisionPolicy(unaligned_linear=UnalignedLinear.FALLBACK),
     )
     formats = {s.name: g.format for g in model.param_groups for s in g.layout.slots}
     assert formats["ok.weight"] is WeightFormat.MXFP8_E4M3, formats
