@@ -32,10 +32,11 @@ from torch_side import (
 
 T = 32  # tokens per rank per micro-batch
 STEPS = 2
-RTOL, ATOL = 1e-3, 1e-5
+RTOL, ATOL = 1e-4, 1e-6  # observed on CPU (gloo, world 2 and 4): <= 7.5e-8 abs, exact losses
 
 
-BF16_RTOL, BF16_ATOL = 2e-2, 2e-3  # bf16 activations and bf16 gradient sums in another order
+# bf16 activations and gradient sums in another order; observed on CPU: <= 6.5e-5 abs.
+BF16_RTOL, BF16_ATOL = 2e-2, 5e-4
 
 
 class Precision(enum.Enum):
