@@ -98,7 +98,6 @@ class FSDPModel(nn.Module):
 
     # ---- construction ---------------------------------------------------------------------
     def _build_units(self, unit_modules, expert_modules) -> list[FSDPUnit]:
-        owner: dict[str, str] = {}  # param qualified name -> unit module name
         unit_names = [""] + [
             n for n, m in self.module.named_modules() if n and _matches(m, unit_modules)
         ]
@@ -106,16 +105,21 @@ class FSDPModel(nn.Module):
         per_unit: dict[str, list[tuple[str, nn.Module, str, nn.Parameter]]] = {
             u: [] for u in unit_names
         }
+        seen: dict[int, str] = {}  # id(parameter) -> first qualified name
         for mname, mod in self.module.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
                 qual = f"{mname}.{pname}" if mname else pname
-                if qual in owner:
-                    continue
+                if id(p) in seen:
+                    raise ValueError(
+                        f"fully_shard: parameter {qual!r} is the same tensor as {seen[id(p)]!r} "
+                        f"(tied weights); FSDP units do not support tied parameters -- untie "
+                        f"them (e.g. copy the tensor) before wrapping"
+                    )
+                seen[id(p)] = qual
                 unit = max(
                     (u for u in unit_names if u == "" or mname == u or mname.startswith(u + ".")),
                     key=len,
                 )
-                owner[qual] = unit
                 per_unit[unit].append((qual, mod, pname, p))
         units = []
         for uname in unit_names:

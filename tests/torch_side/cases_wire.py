@@ -125,6 +125,14 @@ def case_bad_input_errors(ctx):
         assert "unsupported sharding strategy 'zero4'" in str(e), str(e)
     else:
         raise AssertionError("strategy 'zero4' was accepted")
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(ctx.device)
+    tied[1].weight = tied[0].weight
+    try:
+        fully_shard(tied)
+    except ValueError as e:
+        assert "'1.weight' is the same tensor as '0.weight'" in str(e), str(e)
+    else:
+        raise AssertionError("tied parameters were accepted")
     only_rank0 = dist.new_group([0])  # collective: every rank creates it
     if ctx.rank == 1:
         try:

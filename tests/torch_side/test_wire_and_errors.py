@@ -21,7 +21,8 @@ def test_no_shard_forward_sends_nothing(spawned):
 
 
 def test_bad_input_gives_clear_errors(spawned):
-    """Unaligned MXFP8 weight (raise or fallback by policy), unknown strategy, foreign group."""
+    """Unaligned MXFP8 weight (raise or fallback by policy), unknown strategy, tied weights,
+    a process group without this rank."""
     check_case(spawned, cw, cw.case_bad_input_errors, 2)
 
 
