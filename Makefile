@@ -1,13 +1,14 @@
 # Two entry points for a fresh machine (README.md):
-#   make demo   -- create .venv, install, run the main job
-#   make test   -- create .venv, install with [dev], run the test suite
+#   make demo   -- create .venv, install, run the main job (the hybrid training demo)
+#   make test   -- create .venv, install with [dev,notebooks], run the test suite
+#   make parity -- the cross-framework parity report (Torch FSDP vs Flax on the same MXFP8 bytes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch 2.13.0 is pinned first so that pip never resolves to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test lint
+.PHONY: venv demo parity test lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(PY) -m demos.main
+
+parity: venv
+	$(PY) -m demos.parity
 
 test: venv
 	$(PY) -m pytest -q

@@ -46,8 +46,16 @@ def test_launcher_rejects_bad_world_size():
 
 
 def _train(weights):
-    job = TrainJob(weights=weights, strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, steps=6,
-                   micro_batches=2, batch_size=4, seq_len=32, lr=1e-2, seed=3)
+    job = TrainJob(
+        weights=weights,
+        strategy=ShardingStrategy.OPTIM_GRADS_PARAMS,
+        steps=6,
+        micro_batches=2,
+        batch_size=4,
+        seq_len=32,
+        lr=1e-2,
+        seed=3,
+    )
     return run_local_ranks(train_rank, 2, (job,))
 
 
