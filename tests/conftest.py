@@ -27,6 +27,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("thorough", deadline=None, max_examples=600)
+# The GPU pass (scripts/gpu/jax_side.sh) re-runs the CPU properties on CUDA within a few minutes.
+settings.register_profile("quick", deadline=None, max_examples=15)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -6,11 +6,11 @@
 set -u
 OUT=${OUT:-$PWD/out/jax_side}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false HYPOTHESIS_PROFILE=quick
 cd "$(dirname "$0")/../.."
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$OUT/env.log"
 t0=$SECONDS
-timeout 240 python3 -m pytest -q -rs --durations=5 -p no:cacheprovider tests/jax_side/mxfp8 \
+timeout 200 python3 -m pytest -q -rs --durations=5 -p no:cacheprovider tests/jax_side/mxfp8 \
   --deselect tests/jax_side/mxfp8/test_te_backend.py 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 echo "jax_side gpu pass: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/pytest.log"
