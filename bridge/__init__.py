@@ -10,6 +10,7 @@ from bridge.dlpack import (
     ZeroCopyError,
     dlpack_support,
     required_alignment,
+    start_jax_backend,
     to_jax,
     to_torch,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "mxfp8_linear",
     "mxfp8_linear_reference",
     "required_alignment",
+    "start_jax_backend",
     "to_jax",
     "to_jax_mxfp8",
     "to_torch",

@@ -66,6 +66,7 @@ __all__ = [
     "dlpack_support",
     "jax_dtype_for",
     "required_alignment",
+    "start_jax_backend",
     "to_jax",
     "to_torch",
 ]
@@ -194,9 +195,32 @@ def _probe_jax_to_torch(spec: _DtypeSpec) -> str | None:
     return None
 
 
+_JAX_STARTED = False
+
+
+def start_jax_backend() -> list:
+    """Start JAX's backend (once) without moving Torch's current CUDA device; JAX's devices.
+
+    Seen on a 2-GPU H200 host (torch 2.11, jax 0.11.2): starting JAX's GPU backend left the CUDA
+    runtime's current device at the last GPU it set up, so afterwards ``device="cuda"`` meant
+    cuda:1 for Torch and ``Tensor.__dlpack__`` refused cuda:0 tensors ("Can't export tensors on a
+    different CUDA device index"). The bridge starts JAX through here before its first transfer;
+    a process that touches JAX before Torch allocates should call it too.
+    """
+    global _JAX_STARTED
+    if not _JAX_STARTED:
+        prev = torch.cuda.current_device() if torch.cuda.is_available() else None
+        jax.devices()
+        if prev is not None and torch.cuda.current_device() != prev:
+            torch.cuda.set_device(prev)
+        _JAX_STARTED = True
+    return jax.devices()
+
+
 @functools.cache
 def dlpack_support() -> DlpackSupport:
     """Detect (once; on first use, not at import, so importing never starts a JAX backend)."""
+    start_jax_backend()
     t2j, j2t, notes = {}, {}, {}
     for spec in _BYTE_FLOATS:
         for table, probe, direction in (
@@ -271,18 +295,22 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
-class _RelabeledTorch:
-    """A uint8 Torch view whose DLPack capsule is relabeled to a 1-byte float for JAX."""
+class _TorchExport:
+    """What ``jax.dlpack.from_dlpack`` reads: ``t.__dlpack__`` called with t's device current
+    (JAX calls it after its own device work, which can leave another GPU current), and for the
+    uint8 transport the capsule relabeled to the 1-byte float ``code``."""
 
-    def __init__(self, t_bytes: torch.Tensor, code: DLDataTypeCode):
-        self._t, self._code = t_bytes, code
+    def __init__(self, t: torch.Tensor, code: DLDataTypeCode | None = None):
+        self._t, self._code = t, code
 
     def __dlpack_device__(self):
         return self._t.__dlpack_device__()
 
     def __dlpack__(self, *, stream=None, **_unused):
-        capsule = self._t.__dlpack__(stream=stream)  # legacy capsule: fixed struct layout
-        relabel(capsule, self._code)
+        with _device_ctx(self._t.device):
+            capsule = self._t.__dlpack__(stream=stream)  # legacy capsule: fixed struct layout
+        if self._code is not None:
+            relabel(capsule, self._code)
         return capsule
 
 
@@ -303,15 +331,16 @@ def to_jax(
     ownership note at the top of this module before overwriting or freeing ``t``.
     """
     spec = _check_torch_input(t, "to_jax")
+    start_jax_backend()
     if copy:
         t = t.detach().clone(memory_format=torch.contiguous_format)
     _check_shareable(t)
     t = _canonical(t)
     mode = _transport(spec, transport, "torch_to_jax")
     src = (
-        t
+        _TorchExport(t)
         if mode in (None, Fp8Transport.NATIVE)
-        else _RelabeledTorch(t.view(torch.uint8), spec.byte_code)
+        else _TorchExport(t.view(torch.uint8), spec.byte_code)
     )
     with _device_ctx(t.device):
         a = jax.dlpack.from_dlpack(src, copy=False)
@@ -367,6 +396,7 @@ def to_torch(
     stream waits for ``a`` to be ready. ``copy=True`` returns a Torch-owned copy instead.
     """
     spec = _check_jax_input(a, "to_torch")
+    start_jax_backend()
     mode = _transport(spec, transport, "jax_to_torch")
     if mode in (None, Fp8Transport.NATIVE):
         t = torch.from_dlpack(a)

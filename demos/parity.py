@@ -41,12 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
+    from bridge import start_jax_backend
     from bridge.parity import parity_report
     from jax_side.models import PRESETS
     from jax_side.mxfp8 import backend_report
     from torch_side.models.sharded_parity import sharded_parity_report
 
     cfg = PRESETS[args.config]
+    start_jax_backend()  # before anything else starts JAX: keeps Torch's "cuda" on cuda:0
     backend = backend_report()
     print(f"MXFP8 kernels: backend {backend['backend']} ({backend['reason']}) on "
           f"{backend['jax_device']}; jax {jax.__version__}", flush=True)

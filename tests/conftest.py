@@ -33,8 +33,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def _cuda_available() -> bool:
+    # Through the bridge: starting JAX's GPU backend can leave another GPU current for Torch
+    # (bridge.start_jax_backend says what was seen); this keeps Torch's "cuda" on cuda:0.
+    from bridge import start_jax_backend
+
     try:
-        return any(d.platform == "gpu" for d in jax.devices())
+        return any(d.platform == "gpu" for d in start_jax_backend())
     except RuntimeError:
         return False
 

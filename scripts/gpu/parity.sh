@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 } 2>&1 | tee "$OUT/env.log"
 
 t0=$SECONDS
-timeout 100 python3 -m pytest -q -rs --durations=10 -p no:cacheprovider \
+timeout 150 python3 -m pytest -q -rs --durations=10 -p no:cacheprovider \
   tests/bridge/test_parity.py tests/jax_side/models tests/torch_side/models \
   -k "cuda or not sharded" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
