@@ -70,7 +70,8 @@ def _loss_and_grads(params, planes=None):
 
 def test_external_planes_give_the_same_bytes_and_the_weights_become_grad_slots(params):
     """Feeding each layer the planes of bf16(weight) (as FSDP would) changes no byte of the
-    logits or of any gradient, even when the linear weights are replaced by zero slots."""
+    logits or of any gradient (gradients: on CPU; on GPU to 1e-6 of their max, see below), even
+    when the linear weights are replaced by zero slots."""
     flat = flat_params(params)
     linear = CFG.linear_shapes()
     planes = nested_params({n: quantize_weight(flat[n]) for n in linear})
@@ -80,9 +81,17 @@ def test_external_planes_give_the_same_bytes_and_the_weights_become_grad_slots(p
     np.testing.assert_array_equal(np.asarray(logits_own).view(np.uint32),
                                   np.asarray(logits_ext).view(np.uint32))
     assert float(l_own) == float(l_ext)
+    on_gpu = jax.devices()[0].platform == "gpu"
     for n, g in flat_params(g_own).items():
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint32),
-                                      np.asarray(flat_params(g_ext)[n]).view(np.uint32), err_msg=n)
+        got, want = np.asarray(flat_params(g_ext)[n]), np.asarray(g)
+        if on_gpu:
+            # Seen on the H200 (jax 0.11.2): the two programs' embedding gradients (a scatter-add,
+            # atomics on GPU) differed by up to 8 ulp in 27/4096 elements; the two programs are
+            # compiled separately, so reduction order is not pinned there. Bytes are pinned on CPU.
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(),
+                                       err_msg=n)
+        else:
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=n)
 
 
 def test_mxfp8_stays_close_to_the_high_precision_control(params):
