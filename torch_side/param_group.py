@@ -260,8 +260,8 @@ class ParamGroup:
         return data, scales[index]
 
     # ---- gradients ----------------------------------------------------------------------------
-    def stage_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Copy one parameter's local gradient into this micro-batch's grad bucket."""
+    def _grad_bucket(self) -> torch.Tensor:
+        """This micro-batch's grad bucket (padded group, grad-comm dtype); made on first use."""
         bucket = self.allocator.get(self.label, "grad")
         if bucket is None:
             bucket = self.allocator.allocate(
@@ -271,6 +271,11 @@ class ParamGroup:
                 self.policy.grad_comm_dtype,
                 self.device,
             )
+        return bucket
+
+    def stage_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Copy one parameter's local gradient into this micro-batch's grad bucket."""
+        bucket = self._grad_bucket()
         s = self.layout.slots[index]
         bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
 
@@ -279,15 +284,7 @@ class ParamGroup:
 
         Zeros stand in for parameters that got no gradient, so every rank joins the collective.
         """
-        bucket = self.allocator.get(self.label, "grad")
-        if bucket is None:
-            bucket = self.allocator.allocate(
-                self.label,
-                "grad",
-                self.layout.padded_numel,
-                self.policy.grad_comm_dtype,
-                self.device,
-            )
+        bucket = self._grad_bucket()
         bucket.div_(self.comm.world_size)
         if self.facts.grads_sharded:
             out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=self.device)

@@ -1,6 +1,6 @@
 """The sharded parity report: TorchGPT under ``torch_side`` FSDP on gloo CPU ranks vs FlaxGPT.
 
-``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks on 127.0.0.1. Every rank
+``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks (``torch_side.launch``). Every rank
 wraps a Torch twin with FSDP (ZeRO-3 by default: MXFP8 planes and fp32 weights sharded,
 all-gathered per block), loads the Flax checkpoint of ``seed`` into it (main weights, then the
 distributed requantization), runs one forward + backward on the same batch, then enters
@@ -13,16 +13,12 @@ Only Torch-side orchestration lives here; every JAX step goes through ``bridge``
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-import tempfile
-
 import numpy as np
 import torch
 
 from bridge.parity import Batch, ParityReport, init_flax_params, make_batch, parity_on_gathered
 from jax_side.models.config import GPTConfig, MatmulMode
+from torch_side.launch import run_local_ranks
 from torch_side.models.fsdp_twin import load_flax_checkpoint, run_sharded, shard_gpt
 from torch_side.models.gpt import TorchGPT
 
@@ -53,31 +49,6 @@ def _rank_report(
     return report
 
 
-def _worker(rank: int, world_size: int, port: int, job: tuple, out_path: str) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # one device per rank
-    import jax
-    import torch.distributed as dist
-
-    jax.config.update("jax_numpy_dtype_promotion", "strict")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        report = _rank_report(*job)
-        if rank == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump(report, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def sharded_parity_report(
     cfg: GPTConfig,
     *,
@@ -102,20 +73,9 @@ def sharded_parity_report(
             f"sharded_parity_report: world_size={world_size}; use bridge.parity.parity_report "
             f"for one process without FSDP"
         )
-    import torch.multiprocessing as mp
-
     if batch is None:
         batch = make_batch(cfg, seed, batch_size, seq_len)
     else:
         batch = Batch(*(np.asarray(a, np.int32) for a in batch))
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "report.pkl")
-        mp.start_processes(
-            _worker,
-            args=(world_size, _free_port(),
-                  (cfg, seed, batch, strategy, MatmulMode.parse(mode)), out_path),
-            nprocs=world_size,
-            start_method="spawn",
-        )
-        with open(out_path, "rb") as f:
-            return pickle.load(f)
+    job = (cfg, seed, batch, strategy, MatmulMode.parse(mode))
+    return run_local_ranks(_rank_report, world_size, job)[0]  # rank 0 builds the report
