@@ -112,7 +112,9 @@ class _MXFP8LinearFn(torch.autograd.Function):
         ctx.w_dtype, ctx.w_shape, ctx.w_device = weight.dtype, tuple(weight.shape), weight.device
         out_j = jax_dtype_for(out_dtype)
         if mode is LinearMode.HIGH_PRECISION:
-            ctx.save_for_backward(x2d, weight.detach())
+            # The parameter itself, not a detached alias: under FSDP its storage is the unsharded
+            # bucket, which reshard frees after forward and pre-backward gathers again.
+            ctx.save_for_backward(x2d, weight)
             y = K.hp_forward(_share(x2d), _share(weight), out_dtype=out_j)
             return to_torch(y).reshape(*lead, n)
         # needs_input_grad stays True under torch.no_grad(); nothing is kept for backward then.

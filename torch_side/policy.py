@@ -2,8 +2,9 @@
 
 A :class:`MixedPrecisionPolicy` says which format the *model weights* of each parameter take
 (what forward and backward read), plus the dtypes of the fp32 main weights, the main gradients
-and the gradient communication. MXFP8 applies to the weights of ``nn.Linear`` modules whose shape
-allows it; every other parameter (norms, biases, embeddings) takes ``other_format``. A linear
+and the gradient communication. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` layers in
+``LinearMode.MXFP8`` whose shape allows it; every other parameter (norms, biases, embeddings,
+plain ``nn.Linear``) takes ``other_format``. A linear
 weight whose shape is not a multiple of 32 either raises or falls back to ``other_format``, by the
 explicit :class:`UnalignedLinear` choice.
 """
@@ -60,7 +61,8 @@ class UnalignedLinear(enum.Enum):
 class MixedPrecisionPolicy:
     """Frozen mixed-precision policy; validated on construction.
 
-    linear_weight_format: format of ``nn.Linear`` weights (MXFP8 when their shapes allow it).
+    linear_weight_format: format of ``bridge.MXFP8Linear`` weights in ``LinearMode.MXFP8``
+    (MXFP8 when their shapes allow it).
     other_format: format of every other parameter (must not be block-scaled).
     main_param_dtype: dtype of the main weights the optimizer updates (fp32).
     main_grad_dtype: dtype of the reduced gradient shards (fp32 or bf16).

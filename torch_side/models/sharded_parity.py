@@ -1,7 +1,7 @@
 """The sharded parity report: TorchGPT under ``torch_side`` FSDP on gloo CPU ranks vs FlaxGPT.
 
-``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks (``torch_side.launch``). Every rank
-wraps a Torch twin with FSDP (ZeRO-3 by default: MXFP8 planes and fp32 weights sharded,
+``sharded_parity_report(cfg, ...)`` spawns ``world_size`` gloo ranks (``torch_side.launch``).
+Every rank wraps a Torch twin with FSDP (ZeRO-3 by default: MXFP8 planes and fp32 weights sharded,
 all-gathered per block), loads the Flax checkpoint of ``seed`` into it (main weights, then the
 distributed requantization), runs one forward + backward on the same batch, then enters
 ``gathered_weights()``; rank 0 hands the
