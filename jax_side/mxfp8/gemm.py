@@ -31,7 +31,7 @@ from jax_side.mxfp8.backends import Backend, resolve_backend
 from jax_side.mxfp8.quantize import dequantize
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
 
-__all__ = ["GemmImpl", "GemmRole", "matmul"]
+__all__ = ["GemmImpl", "GemmRole", "RoleSpec", "matmul", "role_spec"]
 
 
 class GemmRole(enum.Enum):
@@ -45,7 +45,9 @@ class GemmImpl(enum.Enum):
     SCALED_MATMUL = "scaled_matmul"
 
 
-class _RoleSpec(NamedTuple):
+class RoleSpec(NamedTuple):
+    """Which plane of each operand a role reads and which axis of it is contracted."""
+
     a_plane: Plane
     b_plane: Plane
     a_contract: int  # contracted axis of a's logical (rows, cols)
@@ -53,16 +55,21 @@ class _RoleSpec(NamedTuple):
     formula: str
 
 
-_ROLES: dict[GemmRole, _RoleSpec] = {
-    GemmRole.FORWARD: _RoleSpec(Plane.ROWWISE, Plane.ROWWISE, 1, 1, "y = x @ W.T"),
-    GemmRole.DGRAD: _RoleSpec(Plane.ROWWISE, Plane.COLWISE, 1, 0, "dx = dy @ W"),
-    GemmRole.WGRAD: _RoleSpec(Plane.COLWISE, Plane.COLWISE, 0, 0, "dW = dy.T @ x"),
+_ROLES: dict[GemmRole, RoleSpec] = {
+    GemmRole.FORWARD: RoleSpec(Plane.ROWWISE, Plane.ROWWISE, 1, 1, "y = x @ W.T"),
+    GemmRole.DGRAD: RoleSpec(Plane.ROWWISE, Plane.COLWISE, 1, 0, "dx = dy @ W"),
+    GemmRole.WGRAD: RoleSpec(Plane.COLWISE, Plane.COLWISE, 0, 0, "dW = dy.T @ x"),
 }
+
+
+def role_spec(role: GemmRole | str) -> RoleSpec:
+    """The operand planes and contracted axes of a GEMM role (the table in the module docstring)."""
+    return _ROLES[parse_enum(GemmRole, role, what="matmul role")]
 
 _OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def _check_operands(a, b, role: GemmRole, spec: _RoleSpec) -> None:
+def _check_operands(a, b, role: GemmRole, spec: RoleSpec) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, MXFP8Tensor):
             raise TypeError(
@@ -84,7 +91,7 @@ def _check_operands(a, b, role: GemmRole, spec: _RoleSpec) -> None:
         )
 
 
-def _dequant_dot(a, b, spec: _RoleSpec) -> jax.Array:
+def _dequant_dot(a, b, spec: RoleSpec) -> jax.Array:
     a32 = dequantize(a, spec.a_plane)
     b32 = dequantize(b, spec.b_plane)
     return lax.dot_general(
@@ -104,7 +111,7 @@ def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int):
     return data.T, scale.T  # colwise (M, K) blocked along M -> (K, M) blocked along M
 
 
-def _scaled(a, b, spec: _RoleSpec) -> jax.Array:
+def _scaled(a, b, spec: RoleSpec) -> jax.Array:
     if jax.devices()[0].platform != "gpu":
         raise ValueError(
             "matmul: impl='scaled_matmul' needs a GPU (jax.nn.scaled_matmul has no CPU "

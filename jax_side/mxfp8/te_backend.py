@@ -49,7 +49,7 @@ from jax import lax
 from jax_side.mxfp8 import xla_impl
 from jax_side.mxfp8.backends import Backend, TEPath, TEProbe, decide_backend
 from jax_side.mxfp8.formats import BLOCK_SIZE
-from jax_side.mxfp8.gemm import GemmRole
+from jax_side.mxfp8.gemm import GemmRole, role_spec
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
 
 __all__ = [
@@ -84,21 +84,6 @@ class ContractFix(enum.Enum):
 
 
 _DEFAULT_FIX = {TEPath.KERNELS: ContractFix.NONE, TEPath.PURE_JAX: ContractFix.SPLICE_EDGE_BLOCKS}
-
-
-class _RoleOperands(NamedTuple):
-    a_plane: Plane
-    b_plane: Plane
-    a_contract: int
-    b_contract: int
-
-
-# Same roles as gemm.py (DESIGN.md 4); the contracted axis is the blocked axis of each plane.
-_ROLES = {
-    GemmRole.FORWARD: _RoleOperands(Plane.ROWWISE, Plane.ROWWISE, 1, 1),
-    GemmRole.DGRAD: _RoleOperands(Plane.ROWWISE, Plane.COLWISE, 1, 0),
-    GemmRole.WGRAD: _RoleOperands(Plane.COLWISE, Plane.COLWISE, 0, 0),
-}
 
 
 # ---------------------------------------------------------------- availability and dispatch
@@ -356,7 +341,7 @@ def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
     axis. On the pure-JAX path this is ``jax.nn.scaled_matmul`` on the same bytes.
     """
     path = te_path()
-    spec = _ROLES[GemmRole(role)]
+    spec = role_spec(role)
     lhs, rhs = _scaled_1x(a, spec.a_plane), _scaled_1x(b, spec.b_plane)
     with jax.numpy_dtype_promotion("standard"), _gemm_custom_call(path):
         out = _te().tex.gemm(lhs, rhs, contracting_dims=((spec.a_contract,), (spec.b_contract,)))
