@@ -150,6 +150,7 @@ class FSDPModel(nn.Module):
                     self.strategy,
                     self.comms[key.dp_group],
                     self.allocator,
+                    grad_divisor=self.comms["dp"].world_size,
                 )
             )
         return groups

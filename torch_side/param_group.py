@@ -63,8 +63,14 @@ class ParamGroup:
         strategy: ShardingStrategy,
         comm: Communicator,
         allocator: BucketAllocator,
+        grad_divisor: int,
     ):
         self.label, self.key, self.entries = label, key, entries
+        # Gradients are divided by the dense DP size for every group, expert groups included
+        # (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so
+        # the gradient of the mean loss over all DP ranks is sum(local grads) / DP (Megatron's
+        # expert gradient scaling is 1 / data-parallel size for the same reason).
+        self.grad_divisor = grad_divisor
         self.policy, self.strategy, self.facts = policy, strategy, STRATEGY_FACTS[strategy]
         self.comm, self.allocator = comm, allocator
         self.format = key.weight_format
@@ -285,7 +291,7 @@ class ParamGroup:
         Zeros stand in for parameters that got no gradient, so every rank joins the collective.
         """
         bucket = self._grad_bucket()
-        bucket.div_(self.comm.world_size)
+        bucket.div_(self.grad_divisor)
         if self.facts.grads_sharded:
             out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=self.device)
             self.comm.reduce_scatter(out, bucket, Phase.GRAD_REDUCE, f"{self.label}/grad")
