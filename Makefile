@@ -1,14 +1,15 @@
-# Two entry points for a fresh machine (README.md):
-#   make demo   -- create .venv, install, run the main job (the hybrid training demo)
-#   make test   -- create .venv, install with [dev,notebooks], run the test suite
-#   make parity -- the cross-framework parity report (Torch FSDP vs Flax on the same MXFP8 bytes)
+# Entry points for a fresh machine (README.md):
+#   make demo     -- create .venv, install, run the main job (the hybrid training demo)
+#   make test     -- create .venv, install with [dev,notebooks], run the fast test suite (< 5 min)
+#   make test-all -- the same plus the tests marked slow (multi-process matrix, notebooks): CI
+#   make parity   -- the cross-framework parity report (Torch FSDP vs Flax on the same MXFP8 bytes)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel of torch 2.13.0 is pinned first so that pip never resolves to a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo parity test lint
+.PHONY: venv demo parity test test-all lint
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +21,15 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m demos.main
+	$(PY) -m apps.training --compare
 
 parity: venv
-	$(PY) -m demos.parity
+	$(PY) -m apps.parity
 
 test: venv
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: venv
 	$(PY) -m pytest -q
 
 lint: venv

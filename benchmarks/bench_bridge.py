@@ -27,7 +27,8 @@ import jax
 import torch
 
 import bridge
-from bridge import Fp8Transport, mxfp8_linear, mxfp8_linear_reference, to_jax, to_torch
+from bridge import Fp8Transport, mxfp8_linear, to_jax, to_torch
+from jax_side.linear_reference import mxfp8_linear_reference
 
 
 def _sync(device: str) -> None:

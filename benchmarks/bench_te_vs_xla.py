@@ -207,7 +207,7 @@ def main() -> None:
     try:
         results["report_te"] = mxfp8.backend_report("te")
         results["te_version"] = te_backend._te().version
-        results["te_import_warnings"] = list(te_backend._te().import_warnings)
+        results["te_import_warnings"] = list(te_backend.import_te().import_warnings)
     except RuntimeError as e:
         results["report_te"] = str(e)
     print(json.dumps(results, indent=1), flush=True)

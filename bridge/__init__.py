@@ -1,6 +1,7 @@
 """Bridge: zero-copy DLPack between Torch and JAX, and the MXFP8 autograd op (DESIGN.md 6).
 
-The only package that imports both torch and jax. Read the ownership note at the top of
+The only library package that imports both torch and jax; it never imports ``torch_side`` (FSDP
+reaches JAX through it, not the reverse). Read the ownership note at the top of
 ``bridge/dlpack.py`` before sharing a buffer.
 """
 
@@ -14,18 +15,20 @@ from bridge.dlpack import (
     to_jax,
     to_torch,
 )
-from bridge.linear import LinearMode, MXFP8Linear, mxfp8_linear
-from bridge.linear_reference import mxfp8_linear_reference
+from bridge.linear import MXFP8Linear, mxfp8_linear, resolve_for
 from bridge.mxfp8_tensor import (
     MXFP8WeightPlanes,
     TorchMXFP8Tensor,
     to_jax_mxfp8,
     to_torch_mxfp8,
 )
+from common.kernels import KernelConfig
+from common.modes import LinearMode
 
 __all__ = [
     "DlpackSupport",
     "Fp8Transport",
+    "KernelConfig",
     "LinearMode",
     "MXFP8Linear",
     "MXFP8WeightPlanes",
@@ -33,8 +36,8 @@ __all__ = [
     "ZeroCopyError",
     "dlpack_support",
     "mxfp8_linear",
-    "mxfp8_linear_reference",
     "required_alignment",
+    "resolve_for",
     "start_jax_backend",
     "to_jax",
     "to_jax_mxfp8",

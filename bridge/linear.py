@@ -15,9 +15,11 @@ Tensors in one call (names used below):
 - x colwise: the colwise MXFP8 plane of the (token-padded) x, computed in forward and kept (in JAX
   memory) for wgrad, as Transformer Engine does.
 
-Quantization points and the token-padding rule: ``bridge/linear_kernels.py``. Lifetime: every JAX
-result is brought back with ``to_torch`` before the JAX views of Torch inputs are dropped, which
-orders Torch's stream after the JAX reads (ownership note in ``bridge/dlpack.py``).
+Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
+JAX linear (the Flax twin runs it too). Kernels: a ``KernelConfig`` (None: the default for the
+device the tensors are on), resolved once per call. Lifetime: every JAX result is brought back
+with ``to_torch`` before the JAX views of Torch inputs are dropped, which orders Torch's stream
+after the JAX reads (ownership note in ``bridge/dlpack.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from bridge import linear_kernels as K
 from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch
-from bridge.linear_kernels import LinearMode
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
-from jax_side.mxfp8 import Plane
+from common.formats import BLOCK_SIZE, Plane
+from common.kernels import KernelConfig
+from common.modes import LinearMode
+from jax_side import linear as L
+from jax_side.mxfp8 import ResolvedKernels, resolve_kernels
 
-__all__ = ["LinearMode", "MXFP8Linear", "mxfp8_linear"]
+__all__ = ["LinearMode", "MXFP8Linear", "mxfp8_linear", "resolve_for"]
 
 _MXFP8_DTYPES = (torch.float32, torch.bfloat16)
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -60,6 +64,11 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
     return planes_to_jax(shape, torch.bfloat16, **kw)  # weights are quantized as bf16(master)
 
 
+def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedKernels:
+    """The kernels a ``KernelConfig`` resolves to for work on a Torch device."""
+    return resolve_kernels(kernels, "gpu" if device.type == "cuda" else "cpu")
+
+
 def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
     allowed = _MXFP8_DTYPES if mode is LinearMode.MXFP8 else _HP_DTYPES
     n, k = _weight_shape(weight)
@@ -77,7 +86,7 @@ def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
         raise TypeError(f"mxfp8_linear: out_dtype {out_dtype} not in {allowed}")
     if x.device != weight.device:
         raise ValueError(f"mxfp8_linear: x is on {x.device} but weight on {weight.device}")
-    if mode is LinearMode.MXFP8 and (n % 32 or k % 32):
+    if mode is LinearMode.MXFP8 and (n % BLOCK_SIZE or k % BLOCK_SIZE):
         raise ValueError(
             f"mxfp8_linear: MXFP8 needs weight (N, K) with N % 32 == 0 and K % 32 == 0, got "
             f"{(n, k)}; keep this layer in high precision (mode=LinearMode.HIGH_PRECISION)"
@@ -101,21 +110,22 @@ def _weight_shape(weight: torch.Tensor) -> tuple[int, int]:
 
 
 class _MXFP8LinearFn(torch.autograd.Function):
-    """Forward/backward glue; the JAX pieces are in ``bridge.linear_kernels``."""
+    """Forward/backward glue; the JAX pieces are in ``jax_side.linear``."""
 
     @staticmethod
-    def forward(ctx, x, weight, planes, mode, out_dtype, grad_enabled):
+    def forward(ctx, x, weight, planes, mode, out_dtype, grad_enabled, kernels):
         n, k = weight.shape
         lead = tuple(x.shape[:-1])
         x2d = x.detach().reshape(-1, k)  # (T, K), T = prod(lead)
         ctx.lead, ctx.x_dtype, ctx.mode, ctx.planes = lead, x.dtype, mode, planes
+        ctx.kernels = kernels
         ctx.w_dtype, ctx.w_shape, ctx.w_device = weight.dtype, tuple(weight.shape), weight.device
         out_j = jax_dtype_for(out_dtype)
         if mode is LinearMode.HIGH_PRECISION:
             # The parameter itself, not a detached alias: under FSDP its storage is the unsharded
             # bucket, which reshard frees after forward and pre-backward gathers again.
             ctx.save_for_backward(x2d, weight)
-            y = K.hp_forward(_share(x2d), _share(weight), out_dtype=out_j)
+            y = L.hp_forward(_share(x2d), _share(weight), out_dtype=out_j)
             return to_torch(y).reshape(*lead, n)
         # needs_input_grad stays True under torch.no_grad(); nothing is kept for backward then.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
@@ -123,9 +133,11 @@ class _MXFP8LinearFn(torch.autograd.Function):
         if planes is not None:
             w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
-            wq = K.quantize_weight(_share(weight), rowwise=True, colwise=need_dx)
-            w_row, ctx.w_colwise = wq, (K.only_colwise(wq) if need_dx else None)
-        out = K.mxfp8_forward(_share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw)
+            wq = L.quantize_weight(_share(weight), rowwise=True, colwise=need_dx, kernels=kernels)
+            w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
+        out = L.forward(
+            _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw, kernels=kernels
+        )
         ctx.x_colwise = out.x_colwise
         return to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
 
@@ -137,24 +149,25 @@ class _MXFP8LinearFn(torch.autograd.Function):
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
-            out = K.hp_backward(dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw)
+            out = L.hp_backward(dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw)
         else:
             w_col = None
             if need_dx:
                 w_col = ctx.w_colwise
                 if ctx.planes is not None:
                     w_col = _weight_plane(ctx.planes, _PlaneShape(ctx), Plane.COLWISE)
-            out = K.mxfp8_backward(
+            out = L.backward(
                 dy2d,
                 w_col,
                 ctx.x_colwise if need_dw else None,
                 dx_dtype=jax_dtype_for(ctx.x_dtype),
                 dw_dtype=jax_dtype_for(ctx.w_dtype),
+                kernels=ctx.kernels,
             )
             ctx.x_colwise = ctx.w_colwise = None  # release JAX memory as soon as possible
         dx = None if out.dx is None else to_torch(out.dx).reshape(*ctx.lead, -1)
         dw = None if out.dw is None else to_torch(out.dw)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class _PlaneShape:
@@ -173,18 +186,21 @@ def mxfp8_linear(
     weight_planes: MXFP8WeightPlanes | None = None,
     mode: LinearMode | str = LinearMode.MXFP8,
     out_dtype: torch.dtype | None = None,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """y = x @ weight.T with JAX MXFP8 GEMMs and Torch autograd (dx to x, dW to weight).
 
     x (..., K) bf16/fp32; weight (N, K) bf16/fp32 (float64 too in HIGH_PRECISION); weight_planes:
     precomputed MXFP8 planes of W (then weight's values are never read) or None (W quantized on
     the fly as bf16(weight)). Returns (..., N) in ``out_dtype`` (default x.dtype). dx has x's
-    dtype, dW weight's dtype. See the module docstring for the tensors and their lifetimes.
+    dtype, dW weight's dtype. kernels: None for the default on x's device. See the module
+    docstring for the tensors and their lifetimes.
     """
-    mode = LinearMode(mode)
+    mode = LinearMode.parse(mode)
     _check_args(x, weight, weight_planes, mode, out_dtype)
     return _MXFP8LinearFn.apply(
-        x, weight, weight_planes, mode, out_dtype or x.dtype, torch.is_grad_enabled()
+        x, weight, weight_planes, mode, out_dtype or x.dtype, torch.is_grad_enabled(),
+        resolve_for(kernels, x.device),
     )
 
 
@@ -200,9 +216,11 @@ class MXFP8Linear(torch.nn.Module):
         mode: LinearMode | str = LinearMode.MXFP8,
         device=None,
         dtype: torch.dtype = torch.float32,
+        kernels: KernelConfig | None = None,
     ):
         super().__init__()
-        self.in_features, self.out_features, self.mode = in_features, out_features, LinearMode(mode)
+        self.in_features, self.out_features = in_features, out_features
+        self.mode, self.kernels = LinearMode.parse(mode), kernels
         self.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype)
         )
@@ -217,11 +235,14 @@ class MXFP8Linear(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, weight_planes: MXFP8WeightPlanes | None = None
     ) -> torch.Tensor:
-        y = mxfp8_linear(x, self.weight, weight_planes=weight_planes, mode=self.mode)
+        y = mxfp8_linear(
+            x, self.weight, weight_planes=weight_planes, mode=self.mode, kernels=self.kernels
+        )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, mode={self.mode.value}"
+            + ("" if self.kernels is None else f", kernels={self.kernels}")
         )

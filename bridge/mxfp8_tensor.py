@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from bridge.dlpack import Fp8Transport, to_jax, to_torch
-from jax_side.mxfp8 import BLOCK_SIZE, MXFP8Tensor, Plane
+from common.formats import BLOCK_SIZE, Plane, scale_shape
+from jax_side.mxfp8 import MXFP8Tensor
 
 __all__ = [
     "MXFP8WeightPlanes",
@@ -56,18 +57,11 @@ class MXFP8WeightPlanes(Protocol):
     def colwise(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def _plane_shapes(shape: tuple[int, int], plane: Plane) -> tuple[tuple[int, int], tuple[int, int]]:
-    m, k = shape
-    if plane is Plane.ROWWISE:
-        return (m, k), (m, k // BLOCK_SIZE)
-    return (m, k), (m // BLOCK_SIZE, k)
-
-
 def check_plane(
     owner: str, shape: tuple[int, int], plane: Plane, data: torch.Tensor, scale: torch.Tensor
 ) -> None:
     """Raise a clear error unless (data, scale) is a valid ``plane`` of a logical ``shape``."""
-    want_data, want_scale = _plane_shapes(shape, plane)
+    want_data, want_scale = tuple(shape), scale_shape(shape, plane)
     for what, t, want, dtypes in (
         ("data", data, want_data, _DATA_DTYPES),
         ("scale", scale, want_scale, _SCALE_DTYPES),

@@ -1,1 +1,3 @@
-"""JAX side: MXFP8 numerics (``jax_side.mxfp8``). Never imports torch (DESIGN.md 2)."""
+"""JAX side (DESIGN.md 2): MXFP8 numerics (``jax_side.mxfp8``), the one JAX MXFP8 linear layer
+(``jax_side.linear``, with its slow reference ``jax_side.linear_reference``) and the Flax GPT twin
+(``jax_side.models``). Never imports torch."""

@@ -1,39 +1,54 @@
-"""Torch side: FSDP buffers, communication and training (DESIGN.md 5).
+"""Torch side: FSDP buffers, communication and the Torch GPT twin (DESIGN.md 5).
 
 Public API (user guide: docs/fsdp.md):
-- ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=...) -> FSDPModel``
-- ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``
+- ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...)``
+  -> ``FSDPModel``; ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear``, ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
 - ``FlatLayout`` / ``check_layout``, ``BucketAllocator``, ``WireRecord`` (wire accounting)
+
+The names are loaded on first use (PEP 562), so ``import torch_side.strategy`` or
+``import torch_side.policy`` loads torch only: JAX starts when the bridge is first needed.
 """
 
-from torch_side.bucket_allocator import BucketAllocator
-from torch_side.collectives import Collective, Phase, WireRecord
-from torch_side.distributed_quantize import QuantizedShard, distributed_mxfp8_quantize
-from torch_side.flat_layout import FlatLayout, LayoutError, check_layout
-from torch_side.fsdp_unit import GradCheck
-from torch_side.fully_shard import FSDPModel, fully_shard
-from torch_side.optimizer import FSDPOptimizer
-from torch_side.policy import MixedPrecisionPolicy, UnalignedLinear, WeightFormat
-from torch_side.strategy import ShardingStrategy
+from __future__ import annotations
 
-__all__ = [
-    "BucketAllocator",
-    "Collective",
-    "FSDPModel",
-    "FSDPOptimizer",
-    "FlatLayout",
-    "GradCheck",
-    "LayoutError",
-    "MixedPrecisionPolicy",
-    "Phase",
-    "QuantizedShard",
-    "ShardingStrategy",
-    "UnalignedLinear",
-    "WeightFormat",
-    "WireRecord",
-    "check_layout",
-    "distributed_mxfp8_quantize",
-    "fully_shard",
-]
+import importlib
+
+# name -> module that defines it (the one place each public name comes from)
+_EXPORTS: dict[str, str] = {
+    "BucketAllocator": "torch_side.bucket_allocator",
+    "Collective": "torch_side.collectives",
+    "Phase": "torch_side.collectives",
+    "WireRecord": "torch_side.collectives",
+    "QuantizedShard": "torch_side.distributed_quantize",
+    "distributed_mxfp8_quantize": "torch_side.distributed_quantize",
+    "FlatLayout": "torch_side.flat_layout",
+    "LayoutError": "torch_side.flat_layout",
+    "check_layout": "torch_side.flat_layout",
+    "GradCheck": "torch_side.fsdp_unit",
+    "FSDPModel": "torch_side.fsdp_model",
+    "fully_shard": "torch_side.fsdp_model",
+    "FSDPOptimizer": "torch_side.optimizer",
+    "PlaneState": "torch_side.param_group",
+    "MixedPrecisionPolicy": "torch_side.policy",
+    "UnalignedLinear": "torch_side.policy",
+    "WeightFormat": "torch_side.policy",
+    "ShardingStrategy": "torch_side.strategy",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'torch_side' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from bridge.mxfp8_slices import SliceBytes, packed_partial_amax, scales_and_cast
-from jax_side.mxfp8 import BLOCK_SIZE
+from common.formats import BLOCK_SIZE
+from common.kernels import KernelConfig
 
 __all__ = ["QuantizedShard", "distributed_mxfp8_quantize"]
 
@@ -62,6 +63,8 @@ def distributed_mxfp8_quantize(
     shapes: Sequence[tuple[int, int]],
     start_offsets: Sequence[int],
     group: dist.ProcessGroup | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> list[QuantizedShard]:
     """Quantize sharded fp32 main weights to MXFP8 with one amax all-reduce for the whole batch.
 
@@ -71,6 +74,7 @@ def distributed_mxfp8_quantize(
     call with the same shapes. Returns per parameter a :class:`QuantizedShard`: rowwise and
     columnwise bytes of the owned slice (uint8, 1-D, the slice's length; empty for None) and the
     full rowwise (M, K/32) and columnwise (M/32, K) E8M0 scale bytes, identical on every rank.
+    kernels: whose slice kernels run (None: the device default; every backend is byte-identical).
     """
 
     def all_reduce_max(packed: torch.Tensor) -> None:
@@ -78,7 +82,9 @@ def distributed_mxfp8_quantize(
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
 
     device = next((s.device for s in main_shards if s is not None), None) or _group_device(group)
-    return quantize_with_reducer(main_shards, shapes, start_offsets, all_reduce_max, device)
+    return quantize_with_reducer(
+        main_shards, shapes, start_offsets, all_reduce_max, device, kernels=kernels
+    )
 
 
 def quantize_with_reducer(
@@ -87,18 +93,24 @@ def quantize_with_reducer(
     start_offsets: Sequence[int],
     all_reduce_max: Callable[[torch.Tensor], None],
     device: torch.device,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
 ) -> list[QuantizedShard]:
     """``distributed_mxfp8_quantize`` with the amax all-reduce injected.
 
     all_reduce_max(packed) must replace the 1-D fp32 packed partial amax by its elementwise max
     over the group, in place (FSDP passes its logging communicator; a no-op when every rank holds
     whole parameters, as under ``no_shard``). device: where the packed buffer lives.
+    source_dtype: the high-precision dtype the planes are quantized from (the format's
+    ``source_dtype``: bf16 for MXFP8, DESIGN.md 3), applied to the fp32 shards inside JAX.
     """
     shapes = _check_inputs(main_shards, shapes, start_offsets)
     starts = tuple(int(s) for s in start_offsets)
-    packed = packed_partial_amax(main_shards, shapes, starts, device)
+    kw = {"kernels": kernels, "source_dtype": source_dtype}
+    packed = packed_partial_amax(main_shards, shapes, starts, device, **kw)
     all_reduce_max(packed)
-    return scales_and_cast(main_shards, packed, shapes, starts, device)
+    return scales_and_cast(main_shards, packed, shapes, starts, device, **kw)
 
 
 def _group_device(group) -> torch.device:

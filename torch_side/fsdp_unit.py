@@ -4,7 +4,7 @@ Lifecycle of a unit in one iteration (``TrainingState``):
 
 - forward pre-hook: unshard the forward planes (MXFP8: rowwise; high precision: the weights).
   If backward is already running, this forward is an activation-recompute forward
-  (``torch.utils.checkpoint``): unshard both planes, since the backward that follows needs colwise.
+  (``torch.utils.checkpoint``): unshard all planes, since the backward that follows needs colwise.
 - forward post-hook: reshard (ZeRO-3) and register the pre-backward hook on the outputs.
   During a recompute forward it does nothing (backward still needs the planes).
 - pre-backward (first gradient reaching an output): unshard the backward planes (MXFP8: colwise;
@@ -12,11 +12,12 @@ Lifecycle of a unit in one iteration (``TrainingState``):
   in forward (backward prefetch; forward prefetch starts the next unit's rowwise gather).
 - post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket; when
   the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
-  reshard. The root's final callback does the same for units whose parameters got no gradient.
+  reshard. The final callback (``FSDPState.finish_backward``) does the same for units whose
+  parameters got no gradient.
 
-"Already unsharded" is tracked per plane in each ``ParamGroup``; a plane asked for outside these
-hooks (a recompute of a submodule inside the unit, a user reading weights) is gathered lazily by
-``MXFP8Planes`` with the phase of the moment.
+"Already unsharded" is tracked per plane in each ``ParamGroup`` (``PlaneState``); a plane asked
+for outside these hooks (a recompute of a submodule inside the unit, a user reading weights) is
+gathered lazily by ``MXFP8Planes`` with the phase of the moment.
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from jax_side.mxfp8 import Plane
+from common.formats import Plane
 from torch_side.collectives import Phase
+from torch_side.fsdp_state import FSDPState
 from torch_side.param_group import ParamGroup
 
-__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "TrainingState"]
+__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "TrainingState", "check_finite"]
 
 
 class GradCheck(enum.Enum):
@@ -56,18 +59,38 @@ class MXFP8Planes:
         self.shape = tuple(group.layout.slots[index].shape)
 
     def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        phase = Phase.RECOMPUTE if self.unit.root.backward_active else Phase.FORWARD
-        self.group.unshard(Plane.ROWWISE, phase)
+        phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
+        self.group.unshard([Plane.ROWWISE], phase)
         return self.group.plane_views(self.index, Plane.ROWWISE)
 
     def colwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.unshard(Plane.COLWISE, Phase.BACKWARD)
+        self.group.unshard([Plane.COLWISE], Phase.BACKWARD)
         return self.group.plane_views(self.index, Plane.COLWISE)
 
 
+def check_finite(name: str, grad: torch.Tensor) -> None:
+    """Raise, naming the parameter and rank, if a local gradient holds NaN/Inf."""
+    if not torch.isfinite(grad).all():
+        bad = int((~torch.isfinite(grad)).sum())
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise FloatingPointError(
+            f"rank {rank}: gradient of parameter {name!r} has {bad} non-finite "
+            f"values (NaN/Inf) this micro-batch; check the loss and learning rate. Other "
+            f"ranks may now hang in their next collective."
+        )
+
+
 class FSDPUnit:
-    def __init__(self, name: str, module: nn.Module, groups: list[ParamGroup], root):
-        self.name, self.module, self.groups, self.root = name, module, groups, root
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        groups: list[ParamGroup],
+        fsdp: FSDPState,
+        grad_check: GradCheck = GradCheck.OFF,
+    ):
+        self.name, self.module, self.groups, self.fsdp = name, module, groups, fsdp
+        self.grad_check = grad_check
         self.state = TrainingState.IDLE
         self._pending = 0
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
@@ -84,20 +107,19 @@ class FSDPUnit:
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
-        if self.root.backward_active:
+        if self.fsdp.backward_active:
             for g in self.groups:
-                g.unshard(Plane.ROWWISE, Phase.RECOMPUTE)
-                g.unshard(Plane.COLWISE, Phase.RECOMPUTE)
+                g.unshard(g.planes, Phase.RECOMPUTE)
             return None
         self.state = TrainingState.FORWARD
-        self.root.record_forward_order(self)
+        self.fsdp.order.record(self)
         for g in self.groups:
-            g.unshard(Plane.ROWWISE, Phase.FORWARD)
-        self.root.prefetch_after(self)
+            g.unshard([g.forward_plane], Phase.FORWARD)
+        self.fsdp.prefetch_after(self)
         return None
 
     def _post_forward(self, module, args, output):
-        if self.root.backward_active:
+        if self.fsdp.backward_active:
             return None
         for g in self.groups:
             g.reshard()
@@ -110,21 +132,21 @@ class FSDPUnit:
 
     # ---- backward ---------------------------------------------------------------------------
     def _pre_backward(self, grad) -> None:
-        self.root.on_pre_backward()
+        self.fsdp.on_pre_backward()
         if self.state is TrainingState.BACKWARD:
             return
         self.state = TrainingState.BACKWARD
         self._pending = self._grad_params
         for g in self.groups:
-            g.unshard(g.backward_plane, Phase.BACKWARD)
-        self.root.prefetch_before(self)
+            g.unshard([g.backward_plane], Phase.BACKWARD)
+        self.fsdp.prefetch_before(self)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            if self.root.grad_check is GradCheck.FINITE:
-                self.root.check_finite(group.entries[index].name, param.grad)
+            if self.grad_check is GradCheck.FINITE:
+                check_finite(group.entries[index].name, param.grad)
             group.stage_grad(index, param.grad)
             param.grad = None
             if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)

@@ -5,6 +5,18 @@ no forked JAX or CUDA state), joins them into one ``torch.distributed`` group on
 on CPU, NCCL on CUDA), calls ``fn(*args)`` on every rank and returns the per-rank return values
 (rank order). ``fn`` must be importable (a module-level function) and its result picklable.
 
+Failure and hangs are bounded, never silent:
+
+- the first rank that raises stops the launch at once: the others are terminated and
+  :class:`RankFailed` carries that rank's traceback and which ranks were still running;
+- every collective has the process group's timeout (``collective_timeout``, default 300 s), and
+  the whole launch has ``timeout`` (default none): past it, :class:`RanksStalled` names the ranks
+  that had not finished, and all are terminated;
+- ranks die with their launcher (Linux ``PR_SET_PDEATHSIG``), and the launcher removes its
+  temporary files on every exit path (SIGTERM included);
+- a world size the machine cannot hold is refused up front: each CPU rank needs about
+  ``rank_memory_bytes`` of RAM (a JAX + Torch process, ~600 MB), checked against MemAvailable.
+
 Per-rank environment (set before the rank imports JAX): one simulated XLA host device, and on CUDA
 ``CUDA_VISIBLE_DEVICES=<rank>`` so that Torch's ``cuda:0`` and JAX's only GPU are the same device
 (DESIGN.md 6: each rank's JAX work stays on that rank's device), with JAX preallocation off.
@@ -12,22 +24,66 @@ Per-rank environment (set before the rank imports JAX): one simulated XLA host d
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import datetime
 import enum
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["LaunchDevice", "run_local_ranks"]
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "LaunchDevice",
+    "LaunchError",
+    "RankFailed",
+    "RanksStalled",
+    "check_capacity",
+    "run_local_ranks",
+]
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+RANK_MEMORY_BYTES = 700 * 2**20  # a CPU rank with torch + jax imported and a small model
+_POLL_S = 0.05
 
 
 class LaunchDevice(enum.Enum):
     CPU = "cpu"  # gloo
     CUDA = "cuda"  # nccl, one GPU per rank
+
+
+class LaunchError(RuntimeError):
+    """A local multi-rank launch did not complete."""
+
+
+class RankFailed(LaunchError):
+    def __init__(self, rank: int, world_size: int, detail: str, running: list[int]):
+        self.rank, self.detail, self.running = rank, detail, running
+        still = (
+            f"; ranks still running then (terminated): {running} -- when the error is a "
+            f"collective timeout, those are the ranks that stalled"
+            if running else ""
+        )
+        super().__init__(f"rank {rank}/{world_size} failed{still}:\n{detail}")
+
+
+class RanksStalled(LaunchError):
+    def __init__(self, stalled: list[int], world_size: int, timeout: float):
+        self.stalled = stalled
+        done = sorted(set(range(world_size)) - set(stalled))
+        super().__init__(
+            f"ranks {stalled} of {world_size} did not finish within {timeout:g} s (stalled, "
+            f"terminated); finished: {done}. Raise timeout= if the work is just slow"
+        )
 
 
 def _free_port() -> int:
@@ -36,32 +92,120 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, device, fn, args, out_dir):
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher) dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: ranks still end with the launch's terminate() calls
+        pass
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_capacity(world_size: int, rank_memory_bytes: int = RANK_MEMORY_BYTES) -> None:
+    """Refuse a CPU world that cannot fit in this machine's available memory."""
+    available = _mem_available()
+    need = world_size * rank_memory_bytes
+    if available is not None and need > available:
+        fits = max(1, available // rank_memory_bytes)
+        raise ValueError(
+            f"run_local_ranks: {world_size} ranks need about {need / 2**30:.1f} GiB "
+            f"({rank_memory_bytes / 2**20:.0f} MiB each) but only {available / 2**30:.1f} GiB "
+            f"is available; use at most {fits} ranks here, or pass rank_memory_bytes= if your "
+            f"ranks are smaller"
+        )
+
+
+def _rank_main(rank, world_size, port, device, fn, args, out_dir, collective_timeout):
+    _die_with_parent()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if device is LaunchDevice.CUDA:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import torch
-    import torch.distributed as dist
-
-    if device is LaunchDevice.CPU:
-        torch.set_num_threads(1)
-    backend = "nccl" if device is LaunchDevice.CUDA else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if device is LaunchDevice.CUDA else {}
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        **kwargs,
-    )
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    out = Path(out_dir)
     try:
+        import torch
+        import torch.distributed as dist
+
+        if device is LaunchDevice.CPU:
+            torch.set_num_threads(1)
+        backend = "nccl" if device is LaunchDevice.CUDA else "gloo"
+        kwargs = {"device_id": torch.device("cuda", 0)} if device is LaunchDevice.CUDA else {}
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+            **kwargs,
+        )
         result = fn(*args)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
+        tmp = out / f"rank{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.rename(out / f"rank{rank}.pkl")
         dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 -- reported to the launcher, which fails the launch
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)  # no destroy: the group may be broken; the launcher terminates the others
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """While launching, SIGTERM unwinds (so temporary files go) instead of killing outright."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _watch(procs, out: Path, world_size: int, timeout: float | None) -> None:
+    start = time.monotonic()
+    while True:
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0):
+                err = out / f"rank{r}.err"
+                detail = err.read_text() if err.exists() else f"exit code {p.exitcode}"
+                running = [i for i, q in enumerate(procs) if i != r and q.exitcode is None]
+                raise RankFailed(r, world_size, detail, running)
+        if all(p.exitcode == 0 for p in procs):
+            return
+        if timeout is not None and time.monotonic() - start > timeout:
+            stalled = [r for r, p in enumerate(procs) if p.exitcode is None]
+            raise RanksStalled(stalled, world_size, timeout)
+        time.sleep(_POLL_S)
 
 
 def run_local_ranks(
@@ -70,29 +214,52 @@ def run_local_ranks(
     args: tuple = (),
     *,
     device: LaunchDevice | str = LaunchDevice.CPU,
+    timeout: float | None = None,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    rank_memory_bytes: int = RANK_MEMORY_BYTES,
 ) -> list[Any]:
-    """``[fn(*args) on rank r for r in range(world_size)]``, each rank in its own process."""
+    """``[fn(*args) on rank r for r in range(world_size)]``, each rank in its own process.
+
+    timeout: seconds for the whole launch (None: no limit beyond the collectives' own);
+    collective_timeout: the process group's timeout for every collective. Raises
+    ``RankFailed`` / ``RanksStalled`` (both ``LaunchError``) as described in the module note.
+    """
     device = LaunchDevice(device) if not isinstance(device, LaunchDevice) else device
-    if world_size < 1:
-        raise ValueError(f"run_local_ranks: world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"run_local_ranks: world_size must be an int >= 1, got {world_size!r}")
+    if not collective_timeout > 0 or (timeout is not None and not timeout > 0):
+        raise ValueError(
+            f"run_local_ranks: timeouts must be > 0 seconds, got timeout={timeout!r}, "
+            f"collective_timeout={collective_timeout!r}"
+        )
     if device is LaunchDevice.CUDA:
         import torch
 
         if torch.cuda.device_count() < world_size:
             raise ValueError(
                 f"run_local_ranks: world_size={world_size} CUDA ranks need {world_size} GPUs, "
-                f"{torch.cuda.device_count()} visible; lower --world-size or use device='cpu'"
+                f"{torch.cuda.device_count()} visible; use fewer ranks or device='cpu'"
             )
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _rank_main,
-            args=(world_size, _free_port(), device, fn, args, out_dir),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        results = []
-        for r in range(world_size):
-            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-    return results
+    else:
+        check_capacity(world_size, rank_memory_bytes)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with _sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="run_local_ranks_") as out_dir:
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world_size, port, device, fn, args, out_dir, collective_timeout),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            _watch(procs, Path(out_dir), world_size, timeout)
+            return [
+                pickle.loads(Path(out_dir, f"rank{r}.pkl").read_bytes())
+                for r in range(world_size)
+            ]
+        finally:
+            _terminate(procs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_side.fully_shard import FSDPModel
+from torch_side.fsdp_model import FSDPModel
 
 __all__ = ["FSDPOptimizer"]
 

@@ -4,36 +4,42 @@ Tensors of a group (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLa
 
 - **main weight** (``main``): fp32, the rank's shard (or the full buffer under ``no_shard``);
   the optimizer updates it.
-- **model weight buffer** (``model``): rowwise MXFP8 bytes (uint8) or the bf16/fp32 weights; the
-  rank's shard under ZeRO-3, else the full replicated buffer.
-- **columnwise buffer** (``colwise``): the columnwise MXFP8 bytes, same sharding (MXFP8 only).
-- **scale tensors** (``rowwise_scales[i]`` (M, K/32), ``colwise_scales[i]`` (M/32, K), uint8): full
-  and replicated, recomputed identically by every rank at each quantization.
+- **model weight buffers** (``model[plane]``), one per plane of the group's format
+  (``common.formats.FORMATS``): MXFP8 has a rowwise and a **columnwise** plane of uint8 bytes,
+  fp32/bf16 one (rowwise) plane holding the weights. The rank's shard under ZeRO-3, else the full
+  replicated buffer.
+- **scale tensors** (``scales[plane][i]``, MXFP8: rowwise (M, K/32), columnwise (M/32, K), uint8):
+  full and replicated, recomputed identically by every rank at each quantization.
 - **main grad** (``main_grad``): the reduced gradient, shard (ZeRO-2/3) or full, policy dtype.
 - **unsharded bucket**: from the ``BucketAllocator``, one per plane, all-gathered on unshard and
   freed on reshard (ZeRO-3 only); **grad bucket**: full-size staging of this micro-batch's local
   gradients, reduced (scattered) and freed in post-backward.
 
-"Plane" of a high-precision group: it has one, ``Plane.ROWWISE`` (its weights), needed in forward
-and backward alike. MXFP8 groups need ROWWISE in forward and COLWISE in backward.
+What the weights are made of, and how, comes from the group's ``WeightCodec`` (a table keyed by
+the format; ``torch_side.weight_codecs``), never from a derived boolean. Each plane's lifecycle is
+a :class:`PlaneState`, checked by ``_expect_state`` whose error names the rank, group and plane.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from jax_side.mxfp8 import BLOCK_SIZE, Plane
+from common.formats import Plane, WeightFormat
+from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Collective, Communicator, Phase
-from torch_side.distributed_quantize import quantize_with_reducer
 from torch_side.flat_layout import FlatLayout, OwnedPiece, check_layout
-from torch_side.policy import FORMAT_FACTS, MixedPrecisionPolicy, WeightFormat
+from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import STRATEGY_FACTS, ShardingStrategy
+from torch_side.weight_codecs import ParamStorage, WeightCodec
 
-__all__ = ["GroupKey", "ParamEntry", "ParamGroup"]
+__all__ = ["GroupKey", "ParamEntry", "ParamGroup", "PlaneState"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,19 @@ class ParamEntry:
     dtype: torch.dtype  # the parameter's original dtype (grads arrive in it)
 
 
+class PlaneState(enum.Enum):
+    """Where one plane's full values are."""
+
+    REPLICATED = "replicated"  # the model weight buffer holds them (no_shard, ZeRO-1/2)
+    SHARDED = "sharded"  # only this rank's shard exists (ZeRO-3, no bucket)
+    GATHERING = "gathering"  # an async all-gather into the bucket is in flight
+    UNSHARDED = "unsharded"  # the bucket holds them
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 class ParamGroup:
     def __init__(
         self,
@@ -64,6 +83,8 @@ class ParamGroup:
         comm: Communicator,
         allocator: BucketAllocator,
         grad_divisor: int,
+        codec: WeightCodec,
+        kernels: KernelConfig | None = None,
     ):
         self.label, self.key, self.entries = label, key, entries
         # Gradients are divided by the dense DP size for every group, expert groups included
@@ -73,8 +94,8 @@ class ParamGroup:
         self.grad_divisor = grad_divisor
         self.policy, self.strategy, self.facts = policy, strategy, STRATEGY_FACTS[strategy]
         self.comm, self.allocator = comm, allocator
-        self.format = key.weight_format
-        self.is_mxfp8 = FORMAT_FACTS[self.format].block_shape_multiple == BLOCK_SIZE
+        self.format, self.codec, self.kernels = key.weight_format, codec, kernels
+        self.planes = codec.planes
         self.layout = FlatLayout.build(
             [e.name for e in entries], [e.shape for e in entries], comm.world_size
         )
@@ -82,38 +103,54 @@ class ParamGroup:
         self.device = key.device
         self._allocate_buffers()
         self._work: dict[Plane, object] = {}  # in-flight async all-gathers (prefetch)
-        self.unsharded: dict[Plane, torch.Tensor | None] = {
-            Plane.ROWWISE: None,
-            Plane.COLWISE: None,
-        }
+        self._bucket: dict[Plane, torch.Tensor] = {}
+        start = PlaneState.SHARDED if self.facts.model_weights_sharded else PlaneState.REPLICATED
+        self.state: dict[Plane, PlaneState] = {p: start for p in self.planes}
+
+    # ---- state ---------------------------------------------------------------------------
+    def _expect_state(self, plane: Plane, *expected: PlaneState) -> None:
+        if self.state[plane] not in expected:
+            raise AssertionError(
+                f"rank {_rank()}: group {self.label!r} plane {plane.value} is "
+                f"{self.state[plane].value}, expected {' or '.join(e.value for e in expected)}"
+            )
+
+    def _check_plane(self, plane: Plane) -> Plane:
+        if plane not in self.planes:
+            raise AssertionError(
+                f"rank {_rank()}: group {self.label!r} ({self.format.value}) has no "
+                f"{plane.value} plane; its planes are {[p.value for p in self.planes]}"
+            )
+        return plane
+
+    @property
+    def forward_plane(self) -> Plane:
+        return self.codec.spec.forward_plane
+
+    @property
+    def backward_plane(self) -> Plane:
+        """The plane backward reads: columnwise for MXFP8, the (only) weights otherwise."""
+        return self.codec.spec.backward_plane
 
     # ---- buffers -------------------------------------------------------------------------
     def _local(self, sharded: bool) -> int:
         return self.layout.shard_numel if sharded else self.layout.padded_numel
 
     def _allocate_buffers(self) -> None:
-        f, lay, dev = self.facts, self.layout, self.device
-        buf_dtype = MixedPrecisionPolicy.buffer_dtype(self.format)
+        f, dev = self.facts, self.device
         self.main = torch.zeros(
             self._local(f.main_weights_sharded), dtype=torch.float32, device=dev
         )
-        self.model = torch.zeros(self._local(f.model_weights_sharded), dtype=buf_dtype, device=dev)
-        self.colwise = torch.zeros_like(self.model) if self.is_mxfp8 else None
+        n = self._local(f.model_weights_sharded)
+        self.model = {
+            p: torch.zeros(n, dtype=self.codec.buffer_dtype, device=dev) for p in self.planes
+        }
         self.main_grad = None
         if self.key.requires_grad:
             self.main_grad = torch.zeros(
                 self._local(f.grads_sharded), dtype=self.policy.main_grad_dtype, device=dev
             )
-        self.rowwise_scales, self.colwise_scales = [], []
-        if self.is_mxfp8:
-            for s in lay.slots:
-                m, k = s.shape
-                self.rowwise_scales.append(
-                    torch.zeros(m, k // BLOCK_SIZE, dtype=torch.uint8, device=dev)
-                )
-                self.colwise_scales.append(
-                    torch.zeros(m // BLOCK_SIZE, k, dtype=torch.uint8, device=dev)
-                )
+        self.scales = self.codec.make_scales([s.shape for s in self.layout.slots], dev)
 
     def main_pieces(self) -> list[OwnedPiece]:
         """Pieces of parameters held in ``main`` (offsets into ``main``)."""
@@ -139,103 +176,82 @@ class ParamGroup:
             )
 
     def refresh_model_weights(self, phase: Phase = Phase.OPTIMIZER) -> None:
-        """Model weight buffers (and MXFP8 scales) from ``main``; all-gather where replicated."""
+        """Model weight buffers (and scales) from ``main``; all-gather where replicated."""
+        for plane in self.planes:
+            self._expect_state(plane, PlaneState.REPLICATED, PlaneState.SHARDED)
         f = self.facts
         staged = f.main_weights_sharded and not f.model_weights_sharded
-        # Local target: the model buffer itself, or a shard staging area that is then gathered.
-        row_t = torch.zeros_like(self.main, dtype=self.model.dtype) if staged else self.model
-        col_t = None
-        if self.is_mxfp8:
-            col_t = torch.zeros_like(row_t) if staged else self.colwise
-            self._quantize_into(row_t, col_t, phase)
-        else:
-            row_t.copy_(self.main.to(self.model.dtype))
+        # Local targets: the model buffers themselves, or shard staging areas then gathered.
+        targets = {
+            p: torch.zeros_like(self.main, dtype=self.codec.buffer_dtype) if staged
+            else self.model[p]
+            for p in self.planes
+        }
+        self.codec.fill(self, targets, phase)
         if staged:
-            self.comm.all_gather(self.model, row_t, phase, f"{self.label}/model")
-            if col_t is not None:
-                self.comm.all_gather(self.colwise, col_t, phase, f"{self.label}/colwise")
-
-    def _quantize_into(self, row_t: torch.Tensor, col_t: torch.Tensor, phase: Phase) -> None:
-        pieces = {p.slot_index: p for p in self.main_pieces()}
-        shards, starts = [], []
-        for i in range(len(self.layout.slots)):
-            p = pieces.get(i)
-            shards.append(
-                None if p is None else self.main[p.shard_offset : p.shard_offset + p.numel]
-            )
-            starts.append(0 if p is None else p.param_offset)
-
-        def reduce_max(packed: torch.Tensor) -> None:
-            if self.facts.main_weights_sharded:  # else every rank holds whole parameters
-                self.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, f"{self.label}/amax")
-
-        shapes = [s.shape for s in self.layout.slots]
-        results = quantize_with_reducer(shards, shapes, starts, reduce_max, self.device)
-        for i, res in enumerate(results):
-            self.rowwise_scales[i].copy_(res.rowwise_scale)
-            self.colwise_scales[i].copy_(res.colwise_scale)
-            p = pieces.get(i)
-            if p is not None:
-                row_t[p.shard_offset : p.shard_offset + p.numel].copy_(res.rowwise)
-                col_t[p.shard_offset : p.shard_offset + p.numel].copy_(res.colwise)
+            for p in self.planes:
+                label = f"{self.label}/{'model' if p is Plane.ROWWISE else p.value}"
+                self.comm.all_gather(self.model[p], targets[p], phase, label)
 
     # ---- unshard / reshard ------------------------------------------------------------------
-    @property
-    def backward_plane(self) -> Plane:
-        """The plane backward reads: columnwise for MXFP8, the (only) weights otherwise."""
-        return Plane.COLWISE if self.is_mxfp8 else Plane.ROWWISE
-
     def full_buffer(self, plane: Plane) -> torch.Tensor:
         """The full (padded) buffer of a plane: the replicated buffer, or the unsharded bucket."""
-        if not self.facts.model_weights_sharded:
-            return self.model if plane is Plane.ROWWISE else self.colwise
+        plane = self._check_plane(plane)
+        if self.state[plane] is PlaneState.REPLICATED:
+            return self.model[plane]
         self._wait(plane)
-        t = self.unsharded[plane]
-        if t is None:
-            raise RuntimeError(f"{self.label}: {plane.value} plane is not unsharded")
-        return t
+        self._expect_state(plane, PlaneState.UNSHARDED)
+        return self._bucket[plane]
 
     def _wait(self, plane: Plane) -> None:
         work = self._work.pop(plane, None)
         if work is not None:
             work.wait()
+        if self.state[plane] is PlaneState.GATHERING:
+            self.state[plane] = PlaneState.UNSHARDED
 
-    def unshard(self, plane: Plane, phase: Phase, async_op: bool = False) -> None:
-        """All-gather one plane into a temporary bucket (ZeRO-3; a no-op when it is already
-        unsharded, except that a prefetch still in flight is waited for unless async_op)."""
-        if not self.is_mxfp8:
-            plane = Plane.ROWWISE
-        if not self.facts.model_weights_sharded:
-            return
-        if self.unsharded[plane] is not None:
-            if not async_op:
-                self._wait(plane)
-            return
-        shard = self.model if plane is Plane.ROWWISE else self.colwise
-        bucket = self.allocator.allocate(
-            self.label, plane.value, self.layout.padded_numel, shard.dtype, self.device
-        )
-        work = self.comm.all_gather(
-            bucket, shard, phase, f"{self.label}/{plane.value}", async_op=async_op
-        )
-        if work is not None:
-            self._work[plane] = work
-        self.unsharded[plane] = bucket
-        if not self.is_mxfp8:
-            self._point_params_at(bucket)  # values valid once the gather is waited for
+    def unshard(self, planes: Iterable[Plane], phase: Phase, async_op: bool = False) -> None:
+        """All-gather planes into temporary buckets (ZeRO-3; a no-op for a plane already
+        unsharded, except that a gather still in flight is waited for unless async_op)."""
+        for plane in planes:
+            plane = self._check_plane(plane)
+            state = self.state[plane]
+            if state is PlaneState.REPLICATED:
+                continue
+            if state in (PlaneState.GATHERING, PlaneState.UNSHARDED):
+                if not async_op:
+                    self._wait(plane)
+                continue
+            bucket = self.allocator.allocate(
+                self.label, plane.value, self.layout.padded_numel, self.codec.buffer_dtype,
+                self.device,
+            )
+            work = self.comm.all_gather(
+                bucket, self.model[plane], phase, f"{self.label}/{plane.value}", async_op=async_op
+            )
+            self._bucket[plane] = bucket
+            self.state[plane] = PlaneState.UNSHARDED
+            if work is not None:
+                self._work[plane] = work
+                self.state[plane] = PlaneState.GATHERING
+            if self.codec.param_storage is ParamStorage.BUFFER_VIEW:
+                self._point_params_at(bucket)  # values valid once the gather is waited for
 
     def reshard(self) -> None:
         """Free every unsharded bucket of this group (ZeRO-3 only)."""
-        if not self.facts.model_weights_sharded:
-            return
-        for plane in Plane:
+        for plane in self.planes:
+            if self.state[plane] is PlaneState.REPLICATED:
+                continue
             self._wait(plane)
-            if self.unsharded[plane] is not None:
-                self.unsharded[plane] = None
+            if self.state[plane] is PlaneState.UNSHARDED:
+                del self._bucket[plane]
                 self.allocator.free(self.label, plane.value)
-        if not self.is_mxfp8:
+                self.state[plane] = PlaneState.SHARDED
+        if self.facts.model_weights_sharded and (
+            self.codec.param_storage is ParamStorage.BUFFER_VIEW
+        ):
             for e in self.entries:
-                e.param.data = torch.empty(0, dtype=self.model.dtype, device=self.device)
+                e.param.data = torch.empty(0, dtype=self.codec.buffer_dtype, device=self.device)
 
     def _point_params_at(self, full: torch.Tensor) -> None:
         for e, s in zip(self.entries, self.layout.slots, strict=True):
@@ -244,26 +260,33 @@ class ParamGroup:
     def install_params(self) -> None:
         """Give each module parameter its working storage (after buffers are filled).
 
-        High precision: a view of the replicated model buffer, or an empty tensor until unshard
-        (ZeRO-3). MXFP8: a storage-free (N, K) placeholder that only receives dW through autograd
+        BUFFER_VIEW: a view of the replicated weights buffer, or an empty tensor until unshard
+        (ZeRO-3). PLACEHOLDER: a storage-free (N, K) tensor that only receives dW through autograd
         (``bridge.mxfp8_linear`` never reads it when planes are given).
         """
         for e in self.entries:
-            if self.is_mxfp8:
+            if self.codec.param_storage is ParamStorage.PLACEHOLDER:
                 e.param.data = torch.zeros(1, dtype=e.dtype, device=self.device).as_strided(
                     e.shape, (0,) * len(e.shape)
                 )
             elif self.facts.model_weights_sharded:
-                e.param.data = torch.empty(0, dtype=self.model.dtype, device=self.device)
-        if not self.is_mxfp8 and not self.facts.model_weights_sharded:
-            self._point_params_at(self.model)
+                e.param.data = torch.empty(0, dtype=self.codec.buffer_dtype, device=self.device)
+        if self.codec.param_storage is ParamStorage.BUFFER_VIEW and (
+            not self.facts.model_weights_sharded
+        ):
+            self._point_params_at(self.model[self.forward_plane])
 
     def plane_views(self, index: int, plane: Plane) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data (M, K) uint8, scale uint8) of MXFP8 parameter ``index`` from the full buffer."""
+        """(data (M, K) uint8, scale uint8) of block-scaled parameter ``index`` from the full
+        buffer of ``plane``."""
         s = self.layout.slots[index]
         data = self.full_buffer(plane)[s.start : s.end].view(s.shape)
-        scales = self.rowwise_scales if plane is Plane.ROWWISE else self.colwise_scales
-        return data, scales[index]
+        return data, self.scales[plane][index]
+
+    def param_view(self, index: int) -> torch.Tensor:
+        """The full weights of (unscaled) parameter ``index``, a view of the full buffer."""
+        s = self.layout.slots[index]
+        return self.full_buffer(self.forward_plane)[s.start : s.end].view(s.shape)
 
     # ---- gradients ----------------------------------------------------------------------------
     def _grad_bucket(self) -> torch.Tensor:
@@ -310,4 +333,14 @@ class ParamGroup:
             return self.main.clone()
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         self.comm.all_gather(full, self.main, phase, f"{self.label}/main")
+        return full
+
+    def full_main_grad(self, phase: Phase = Phase.STATE) -> torch.Tensor:
+        """The full padded reduced gradient (all-gathered when sharded), in its policy dtype."""
+        if not self.facts.grads_sharded:
+            return self.main_grad.clone()
+        full = torch.empty(
+            self.layout.padded_numel, dtype=self.main_grad.dtype, device=self.device
+        )
+        self.comm.all_gather(full, self.main_grad, phase, f"{self.label}/main_grad")
         return full

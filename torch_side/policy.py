@@ -1,12 +1,17 @@
-"""Mixed-precision policy: weight formats as an enum with one table of facts (DESIGN.md 5).
+"""Mixed-precision policy: which ``WeightFormat`` each parameter's model weights take (DESIGN.md 5).
 
 A :class:`MixedPrecisionPolicy` says which format the *model weights* of each parameter take
 (what forward and backward read), plus the dtypes of the fp32 main weights, the main gradients
-and the gradient communication. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` layers in
-``LinearMode.MXFP8`` whose shape allows it; every other parameter (norms, biases, embeddings,
-plain ``nn.Linear``) takes ``other_format``. A linear
-weight whose shape is not a multiple of 32 either raises or falls back to ``other_format``, by the
+and the gradient communication. The linear-weight format applies to the weights of
+``bridge.MXFP8Linear`` layers in ``LinearMode.MXFP8`` whose shape allows it; every other parameter
+(norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear weight whose
+shape does not fit a block-scaled format either raises or falls back to ``other_format``, by the
 explicit :class:`UnalignedLinear` choice.
+
+Every fact about a format comes from the one table ``common.formats.FORMATS`` (buffer dtype,
+source dtype, planes, block scaling); the static helpers below answer the questions FSDP asks of
+a format from that table. Whether FSDP *implements* a format is a separate table
+(``torch_side.weight_codecs``), consulted by ``fully_shard``.
 """
 
 from __future__ import annotations
@@ -16,38 +21,25 @@ import enum
 
 import torch
 
+from common.formats import FORMATS, FormatSpec, Plane, WeightFormat, format_spec
+
 __all__ = [
-    "FORMAT_FACTS",
-    "FormatFacts",
     "MixedPrecisionPolicy",
     "UnalignedLinear",
     "WeightFormat",
+    "torch_dtype",
 ]
 
-MXFP8_BLOCK = 32
-
-
-class WeightFormat(enum.Enum):
-    """Format of the model weights that forward/backward read (room left for NVFP4)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    MXFP8_E4M3 = "mxfp8_e4m3"
-
-
-@dataclasses.dataclass(frozen=True)
-class FormatFacts:
-    buffer_dtype: torch.dtype  # dtype of the model weight buffer (and the columnwise buffer)
-    compute_dtype: torch.dtype  # high-precision dtype the weight is quantized from / computed in
-    has_colwise_plane: bool  # needs a backward-specific (columnwise) weight buffer
-    block_shape_multiple: int  # every dim of a 2-D weight must be a multiple of this (1: any)
-
-
-FORMAT_FACTS: dict[WeightFormat, FormatFacts] = {
-    WeightFormat.FP32: FormatFacts(torch.float32, torch.float32, False, 1),
-    WeightFormat.BF16: FormatFacts(torch.bfloat16, torch.bfloat16, False, 1),
-    WeightFormat.MXFP8_E4M3: FormatFacts(torch.uint8, torch.bfloat16, True, MXFP8_BLOCK),
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name used in ``common.formats.FORMATS``."""
+    return _TORCH_DTYPES[name]
 
 
 class UnalignedLinear(enum.Enum):
@@ -67,7 +59,7 @@ class MixedPrecisionPolicy:
     main_param_dtype: dtype of the main weights the optimizer updates (fp32).
     main_grad_dtype: dtype of the reduced gradient shards (fp32 or bf16).
     grad_comm_dtype: dtype gradients are reduced in (fp32 or bf16).
-    unaligned_linear: RAISE or FALLBACK for linear weights whose shape is not a multiple of 32.
+    unaligned_linear: RAISE or FALLBACK for linear weights whose shape does not fit the format.
     """
 
     linear_weight_format: WeightFormat = WeightFormat.MXFP8_E4M3
@@ -84,7 +76,7 @@ class MixedPrecisionPolicy:
                     f"MixedPrecisionPolicy.{name}={getattr(self, name)!r}: expected a WeightFormat,"
                     f" e.g. WeightFormat.MXFP8_E4M3"
                 )
-        if FORMAT_FACTS[self.other_format].block_shape_multiple != 1:
+        if FORMATS[self.other_format].blocks is not None:
             raise ValueError(
                 f"MixedPrecisionPolicy.other_format={self.other_format}: norms, biases and "
                 f"embeddings cannot be block-scaled; use WeightFormat.BF16 or WeightFormat.FP32"
@@ -111,29 +103,41 @@ class MixedPrecisionPolicy:
         if not is_linear_weight:
             return self.other_format
         fmt = self.linear_weight_format
-        multiple = FORMAT_FACTS[fmt].block_shape_multiple
         shape = tuple(param.shape)
-        if multiple == 1 or (len(shape) == 2 and all(d % multiple == 0 and d > 0 for d in shape)):
+        problem = FORMATS[fmt].shape_problem(shape)
+        if problem is None:
             return fmt
         if self.unaligned_linear is UnalignedLinear.FALLBACK:
             return self.other_format
         raise ValueError(
-            f"parameter {name!r} of shape {shape} cannot be {fmt.value}: its dims must be "
-            f"multiples of {multiple}; pad the layer, or pass MixedPrecisionPolicy("
-            f"unaligned_linear=UnalignedLinear.FALLBACK) to keep it in {self.other_format.value}"
+            f"parameter {name!r} of shape {shape} cannot be {fmt.value}: {problem}; pad the "
+            f"layer, or pass MixedPrecisionPolicy(unaligned_linear=UnalignedLinear.FALLBACK) to "
+            f"keep it in {self.other_format.value}"
         )
 
+    # ---- the questions FSDP asks of a format (answered from common.formats.FORMATS) --------
     @staticmethod
-    def buffer_dtype(fmt: WeightFormat) -> torch.dtype:
-        """dtype of the model weight buffer for this format (uint8 bytes for MXFP8)."""
-        return FORMAT_FACTS[fmt].buffer_dtype
+    def spec(fmt: WeightFormat) -> FormatSpec:
+        return format_spec(fmt)
 
     @staticmethod
-    def needs_colwise(fmt: WeightFormat) -> bool:
-        """Whether backward needs a separate columnwise (transpose) weight buffer."""
-        return FORMAT_FACTS[fmt].has_colwise_plane
+    def model_weight_buffer_dtype(fmt: WeightFormat) -> torch.dtype:
+        """dtype of the model weight buffer (and of every plane's buffer): uint8 bytes for MXFP8."""
+        return torch_dtype(format_spec(fmt).buffer_dtype)
+
+    @staticmethod
+    def requires_backward_specific_weight(fmt: WeightFormat) -> bool:
+        """Whether backward reads another plane than forward (MXFP8: the columnwise plane)."""
+        spec = format_spec(fmt)
+        return spec.backward_plane is not spec.forward_plane
+
+    @staticmethod
+    def planes(fmt: WeightFormat) -> tuple[Plane, ...]:
+        """The planes the model weights consist of (forward reads the first, backward the last)."""
+        return format_spec(fmt).planes
 
     @staticmethod
     def high_precision_value(fmt: WeightFormat, main: torch.Tensor) -> torch.Tensor:
-        """The high-precision value the model weight is made from: ``compute_dtype(main)``."""
-        return main.to(FORMAT_FACTS[fmt].compute_dtype)
+        """The high-precision value the model weight is made from: ``source_dtype(main)``
+        (bf16(main) for MXFP8, DESIGN.md 3; the weights themselves for fp32/bf16)."""
+        return main.to(torch_dtype(format_spec(fmt).source_dtype))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from common.enums import parse_enum
+
 __all__ = ["STRATEGY_FACTS", "ShardingStrategy", "StrategyFacts"]
 
 
@@ -18,15 +20,7 @@ class ShardingStrategy(enum.Enum):
 
     @classmethod
     def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value))
-        except ValueError:
-            raise ValueError(
-                f"unsupported sharding strategy {value!r}; expected one of "
-                f"{[s.value for s in cls]} (or a ShardingStrategy member)"
-            ) from None
+        return parse_enum(cls, value, what="sharding strategy")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,14 @@
-"""Flax GPT twin on ``jax_side.mxfp8`` kernels (the Torch twin is ``torch_side.models``).
+"""Flax GPT twin on ``jax_side`` kernels (the Torch twin is ``torch_side.models``).
 
-``FlaxGPT`` (Linen) runs every linear layer through an injected ``LinearFn``: ``mxfp8_linear``
-(MXFP8 GEMMs with the bridge op's quantization points, ``jax.custom_vjp``) or the
-``high_precision_linear`` control. ``GPTConfig`` is framework-free and shared with the Torch twin.
+``FlaxGPT`` (Linen) runs every linear layer through an injected ``jax_side.linear.LinearFn``:
+``mxfp8_linear`` (the one JAX MXFP8 linear, also run by the bridge's Torch op) or the
+``high_precision_linear`` control. ``GPTConfig`` is framework-free (``common.model_config``) and
+shared with the Torch twin.
 """
 
-from jax_side.models.config import PRESETS, SMALL, TINY, GPTConfig, MatmulMode
+from common.model_config import PRESETS, SMALL, TINY, GPTConfig
+from common.modes import LinearMode
 from jax_side.models.gpt import FlaxGPT, Linear, cross_entropy, flat_params, nested_params
-from jax_side.models.linear import (
-    LinearFn,
-    high_precision_linear,
-    linear_fn,
-    mxfp8_linear,
-    pad_tokens,
-    quantize_activation,
-    quantize_weight,
-)
 
 __all__ = [
     "PRESETS",
@@ -24,15 +17,8 @@ __all__ = [
     "FlaxGPT",
     "GPTConfig",
     "Linear",
-    "LinearFn",
-    "MatmulMode",
+    "LinearMode",
     "cross_entropy",
     "flat_params",
-    "high_precision_linear",
-    "linear_fn",
-    "mxfp8_linear",
     "nested_params",
-    "pad_tokens",
-    "quantize_activation",
-    "quantize_weight",
 ]

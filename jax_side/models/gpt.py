@@ -21,8 +21,9 @@ Variables (collections of ``apply``):
 - ``perturbations`` (optional input): per linear, ``<path>/dy`` zeros (T, out); its gradient is
   the layer's output gradient dy (Linen ``perturb``).
 
-Every linear runs through an injected ``LinearFn`` (``linear.py``): MXFP8 or the high-precision
-control, chosen by ``MatmulMode``. Activations are float32.
+Every linear runs through an injected ``LinearFn`` (``jax_side.linear``, the same JAX linear the
+Torch op runs): MXFP8 with the model's ``KernelConfig``, or the high-precision control, chosen by
+``LinearMode``. Activations are float32.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from jax_side.models.config import GPTConfig, MatmulMode
-from jax_side.models.linear import LinearFn, linear_fn
+from common.kernels import KernelConfig
+from common.model_config import GPTConfig
+from common.modes import LinearMode
+from jax_side.linear import LinearFn, linear_fn
 
 __all__ = [
     "FlaxGPT",
@@ -159,7 +162,8 @@ class FlaxGPT(nn.Module):
     """tokens int32 (B, S), S <= max_seq_len -> logits float32 (B, S, vocab_size)."""
 
     cfg: GPTConfig
-    mode: MatmulMode = MatmulMode.MXFP8
+    mode: LinearMode = LinearMode.MXFP8
+    kernels: KernelConfig | None = None  # None: the device default (jax_side.mxfp8.kernel_report)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -170,7 +174,7 @@ class FlaxGPT(nn.Module):
                 f"FlaxGPT: sequence length {s} exceeds max_seq_len={cfg.max_seq_len}; "
                 f"truncate the batch or build a config with a larger max_seq_len"
             )
-        fn = linear_fn(self.mode)
+        fn = linear_fn(self.mode, self.kernels)
         x = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, name="wte")(tokens)  # (B, S, D)
         x = x + Embedding(cfg.max_seq_len, cfg.d_model, cfg.init_std, name="wpe")(jnp.arange(s))
         for i in range(cfg.n_layer):

@@ -1,9 +1,13 @@
 """MXFP8 numerics in JAX: quantize, dequantize, GEMM, and the distributed-quantization blocks.
 
 Contract: DESIGN.md section 3 (numerics, bit-exact to the Transformer Engine kernel recipe) and
-section 4 (layout). No torch import anywhere in ``jax_side``.
+section 4 (layout). No torch import anywhere in ``jax_side``. The shared facts (block size,
+planes, GEMM roles, ``KernelConfig``) are defined in ``common`` and re-exported here.
 """
 
+from common.formats import BLOCK_SIZE, E4M3_MAX
+from common.gemm_roles import GemmRole
+from common.kernels import GemmImpl, KernelConfig
 from jax_side.mxfp8.backends import (
     Backend,
     BackendChoice,
@@ -13,31 +17,24 @@ from jax_side.mxfp8.backends import (
     decide_backend,
     resolve_backend,
 )
-from jax_side.mxfp8.formats import BLOCK_SIZE, E4M3_MAX, FORMATS, ScalingFormat
-from jax_side.mxfp8.gemm import GemmImpl, GemmRole, matmul
-from jax_side.mxfp8.quantize import (
-    BlockAmax,
-    SliceCast,
-    cast_slice,
-    dequantize,
-    partial_block_amax,
-    quantize,
-    scales_from_amax,
-)
-from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
+from jax_side.mxfp8.gemm import matmul
+from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
+from jax_side.mxfp8.quantize import dequantize, quantize
+from jax_side.mxfp8.slices import cast_slice, partial_block_amax, scales_from_amax
+from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
 
 __all__ = [
     "BLOCK_SIZE",
     "E4M3_MAX",
-    "FORMATS",
     "Backend",
     "BackendChoice",
     "BlockAmax",
     "GemmImpl",
     "GemmRole",
+    "KernelConfig",
     "MXFP8Tensor",
     "Plane",
-    "ScalingFormat",
+    "ResolvedKernels",
     "SliceCast",
     "TEPath",
     "TEProbe",
@@ -45,9 +42,11 @@ __all__ = [
     "cast_slice",
     "decide_backend",
     "dequantize",
+    "kernel_report",
     "matmul",
     "partial_block_amax",
     "quantize",
     "resolve_backend",
+    "resolve_kernels",
     "scales_from_amax",
 ]

@@ -18,17 +18,21 @@ picks TE's pure-JAX path (slower than ``xla`` and not the contract on its own).
 
 from __future__ import annotations
 
-import enum
+import importlib
 import os
+from types import ModuleType
 from typing import NamedTuple
 
-from jax_side.enum_parsing import parse_enum
+from common.kernels import Backend
+from jax_side.mxfp8 import te_probe
+from jax_side.mxfp8.te_probe import NO_TE, TEPath, TEProbe
 
 __all__ = [
     "Backend",
     "BackendChoice",
     "TEPath",
     "TEProbe",
+    "backend_module",
     "backend_report",
     "decide_backend",
     "resolve_backend",
@@ -41,40 +45,10 @@ ENV_VAR = "MXFP8_BACKEND"
 TE_KERNEL_CC_MAJORS = (10,)
 
 
-class Backend(enum.Enum):
-    XLA = "xla"
-    TE = "te"
-
-    @classmethod
-    def parse(cls, value: Backend | str) -> Backend:
-        return parse_enum(
-            cls, value, what="MXFP8 backend", hint=" (or None for the automatic default)"
-        )
-
-
-class TEPath(enum.Enum):
-    """Which part of TE-JAX the ``te`` backend runs."""
-
-    KERNELS = "kernels"  # TE's MXFP8 CUDA custom calls (quantize, cuBLAS GEMM)
-    PURE_JAX = "pure_jax"  # TE's pure-JAX quantizer and GEMM, custom calls off for those calls
-
-
-class TEProbe(NamedTuple):
-    """Facts about TE-JAX on this process (gathered by ``te_backend.probe``)."""
-
-    importable: bool
-    detail: str  # the import error, or TE's own reason when it reports MXFP8 unsupported
-    mxfp8_supported: bool  # TE's is_scaling_mode_supported(MXFP8_1D_SCALING)
-    compute_capability: int | None  # e.g. 90, 100 (TE's encoding); None: no CUDA GPU in JAX
-
-
 class BackendChoice(NamedTuple):
     backend: Backend
     reason: str
     te_path: TEPath | None = None  # set iff backend is TE
-
-
-NO_TE = TEProbe(False, "not probed", False, None)
 
 
 def _cc_text(cc: int | None) -> str:
@@ -129,6 +103,8 @@ def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendCh
     requested = Backend.parse(requested)
     if requested is Backend.XLA:
         return BackendChoice(Backend.XLA, "requested explicitly")
+    if requested is not Backend.TE:
+        backend_module(requested)  # raises: no implementation in this build
     if not probe.importable:
         raise RuntimeError(
             "MXFP8 backend 'te' was requested but Transformer Engine for JAX "
@@ -147,11 +123,9 @@ def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendCh
 
 def _probe_for(requested: Backend | str | None) -> TEProbe:
     """Probe TE only when it can matter: 'te' requested, or the automatic default on a GPU."""
-    if requested is not None and Backend.parse(requested) is Backend.XLA:
+    if requested is not None and Backend.parse(requested) is not Backend.TE:
         return NO_TE
-    from jax_side.mxfp8 import te_backend  # imports TE lazily, and only on a GPU
-
-    return te_backend.probe()
+    return te_probe.probe()  # imports TE lazily, and only on a GPU
 
 
 def resolve_backend(backend: Backend | str | None = None) -> BackendChoice:
@@ -185,3 +159,23 @@ def backend_report(backend: Backend | str | None = None) -> dict[str, str]:
         "jax_platform": devices[0].platform,
         "jax_device": str(devices[0]),
     }
+
+
+# Backend -> the module that implements it. Imported on first use (TE-JAX is heavy and GPU-only),
+# and named here rather than imported so that no backend module imports the dispatcher back.
+_MODULES: dict[Backend, str] = {
+    Backend.XLA: "jax_side.mxfp8.xla_backend",
+    Backend.TE: "jax_side.mxfp8.te_backend",
+}
+
+
+def backend_module(backend: Backend) -> ModuleType:
+    """The module implementing ``backend`` (see ``_MODULES``)."""
+    try:
+        name = _MODULES[backend]
+    except KeyError:
+        raise ValueError(
+            f"MXFP8 backend {backend.value!r} has no implementation in this build; expected one "
+            f"of {[b.value for b in _MODULES]}"
+        ) from None
+    return importlib.import_module(name)

@@ -1,70 +1,36 @@
-"""MXFP8 GEMM in the three training roles of DESIGN.md 4, with fp32 accumulation.
+"""MXFP8 GEMM in the three training roles of DESIGN.md 4 (table in ``common.gemm_roles``), with
+fp32 accumulation.
 
-| role    | computes       | a (shape, plane)     | b (shape, plane)     | out    | contracted |
-|---------|----------------|----------------------|----------------------|--------|------------|
-| FORWARD | y  = x W^T     | x  (M, K) rowwise    | W  (N, K) rowwise    | (M, N) | K          |
-| DGRAD   | dx = dy W      | dy (M, N) rowwise    | W  (N, K) colwise    | (M, K) | N          |
-| WGRAD   | dW = dy^T x    | dy (M, N) colwise    | x  (M, K) colwise    | (N, K) | M          |
-
-In every role both operands are blocked along the contracted dimension, which is what makes the
-block scales factor out of the dot products.
-
-Implementations (``GemmImpl``):
-- ``DEQUANT_DOT`` (default, every platform): exact dequantize of both planes to fp32, then
-  ``dot_general`` with fp32 accumulation at HIGHEST precision. ``jax.nn.scaled_matmul`` has no CPU
-  lowering, and this is the reference for any faster path.
-- ``SCALED_MATMUL`` (GPU only, opt-in): ``jax.nn.scaled_matmul`` on the same bytes; agrees with
-  the reference to fp32-accumulation level, not bit for bit (different summation order).
+Implementations (``common.kernels.GemmImpl``) of the ``xla`` (and kernel) backends:
+- ``DEQUANT_DOT`` (the reference and the CPU default): exact dequantize of both planes to fp32,
+  then ``dot_general`` with fp32 accumulation at HIGHEST precision. Bit-reproducible for a given
+  program; ``jax.nn.scaled_matmul`` has no CPU lowering.
+- ``DEQUANT_BF16_DOT``: dequantize both planes to bf16 and a bf16 dot with fp32 accumulation.
+  An E4M3 element times its E8M0 scale has at most 4 significant bits, so it is exactly a bf16
+  value wherever it is finite and its exponent is at least -130 (bf16 keeps 8 significant bits
+  down to 2^-126 and subnormals down to 2^-133); only values below 2^-130 -- elements of blocks
+  whose scale is below 2^-121, far under anything a trained weight or activation holds -- are
+  rounded (on GPU, to the nearest bf16 subnormal; where XLA flushes subnormals, as on CPU, to
+  zero). Products of two bf16 values are exact in fp32, so this path differs from the reference
+  only in how the fp32 sum is accumulated (order, and the tensor cores' internal rounding).
+- ``SCALED_MATMUL`` (GPU only): ``jax.nn.scaled_matmul`` on the same bytes; agrees with the
+  reference to fp32-accumulation level, not bit for bit.
+The ``te`` backend runs Transformer Engine's own GEMM instead (``te_backend.matmul``).
 """
 
 from __future__ import annotations
-
-import enum
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_side.enum_parsing import parse_enum
-from jax_side.mxfp8.backends import Backend, resolve_backend
+from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
+from common.kernels import Backend, GemmImpl
+from jax_side.mxfp8.backends import backend_module, resolve_backend
 from jax_side.mxfp8.quantize import dequantize
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
 
 __all__ = ["GemmImpl", "GemmRole", "RoleSpec", "matmul", "role_spec"]
-
-
-class GemmRole(enum.Enum):
-    FORWARD = "forward"
-    DGRAD = "dgrad"
-    WGRAD = "wgrad"
-
-
-class GemmImpl(enum.Enum):
-    DEQUANT_DOT = "dequant_dot"
-    SCALED_MATMUL = "scaled_matmul"
-
-
-class RoleSpec(NamedTuple):
-    """Which plane of each operand a role reads and which axis of it is contracted."""
-
-    a_plane: Plane
-    b_plane: Plane
-    a_contract: int  # contracted axis of a's logical (rows, cols)
-    b_contract: int
-    formula: str
-
-
-_ROLES: dict[GemmRole, RoleSpec] = {
-    GemmRole.FORWARD: RoleSpec(Plane.ROWWISE, Plane.ROWWISE, 1, 1, "y = x @ W.T"),
-    GemmRole.DGRAD: RoleSpec(Plane.ROWWISE, Plane.COLWISE, 1, 0, "dx = dy @ W"),
-    GemmRole.WGRAD: RoleSpec(Plane.COLWISE, Plane.COLWISE, 0, 0, "dW = dy.T @ x"),
-}
-
-
-def role_spec(role: GemmRole | str) -> RoleSpec:
-    """The operand planes and contracted axes of a GEMM role (the table in the module docstring)."""
-    return _ROLES[parse_enum(GemmRole, role, what="matmul role")]
 
 _OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -103,6 +69,17 @@ def _dequant_dot(a, b, spec: RoleSpec) -> jax.Array:
     )
 
 
+def _dequant_bf16_dot(a, b, spec: RoleSpec) -> jax.Array:
+    a16 = dequantize(a, spec.a_plane).astype(jnp.bfloat16)
+    b16 = dequantize(b, spec.b_plane).astype(jnp.bfloat16)
+    return lax.dot_general(
+        a16,
+        b16,
+        (((spec.a_contract,), (spec.b_contract,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int):
     """(rows, contracted) data and (rows, contracted/32) scales for jax.nn.scaled_matmul."""
     data, scale = t.plane(plane)
@@ -125,6 +102,13 @@ def _scaled(a, b, spec: RoleSpec) -> jax.Array:
     return out[0]
 
 
+_IMPLS = {
+    GemmImpl.DEQUANT_DOT: _dequant_dot,
+    GemmImpl.DEQUANT_BF16_DOT: _dequant_bf16_dot,
+    GemmImpl.SCALED_MATMUL: lambda a, b, spec: _scaled(a, b, spec),
+}
+
+
 def matmul(
     a: MXFP8Tensor,
     b: MXFP8Tensor,
@@ -134,32 +118,28 @@ def matmul(
     impl: GemmImpl | str | None = None,
     backend: Backend | str | None = None,
 ) -> jax.Array:
-    """MXFP8 GEMM for one training role (table in the module docstring); fp32 accumulation.
+    """MXFP8 GEMM for one training role (``common.gemm_roles``); fp32 accumulation.
 
-    ``impl`` selects the ``xla`` backend's implementation (None: ``dequant_dot``); an explicit
-    ``impl`` with ``backend=None`` means ``xla``; ``backend="te"`` runs TE's own GEMM and refuses
-    an explicit ``impl``.
+    ``impl`` selects the implementation of the ``xla`` backend (None: ``dequant_dot``); an
+    explicit ``impl`` with ``backend=None`` means ``xla``; ``backend="te"`` runs TE's own GEMM and
+    refuses an explicit ``impl``.
     Returns ``out_dtype`` (float32 or bfloat16), rounded once from the fp32 accumulator.
     """
-    role = parse_enum(GemmRole, role, what="matmul role")
+    role = GemmRole.parse(role)
     impl_given = impl is not None
-    impl = parse_enum(GemmImpl, impl if impl_given else GemmImpl.DEQUANT_DOT, what="matmul impl")
-    spec = _ROLES[role]
+    impl = GemmImpl.parse(impl) if impl_given else GemmImpl.DEQUANT_DOT
+    spec = ROLES[role]
     _check_operands(a, b, role, spec)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise TypeError(f"matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     choice = resolve_backend(Backend.XLA if impl_given and backend is None else backend)
     if choice.backend is Backend.TE:
-        from jax_side.mxfp8 import te_backend
-
         if impl_given:
             raise ValueError(
                 f"matmul: impl={impl.value!r} selects an implementation of the 'xla' backend, "
                 "but the backend is 'te' (TE runs its own GEMM); drop impl or pass backend='xla'"
             )
-        out = te_backend.matmul(a, b, role)
-    elif impl is GemmImpl.SCALED_MATMUL:
-        out = _scaled(a, b, spec)
+        out = backend_module(Backend.TE).matmul(a, b, role)
     else:
-        out = _dequant_dot(a, b, spec)
+        out = _IMPLS[impl](a, b, spec)
     return out.astype(out_dtype)

@@ -5,7 +5,7 @@ imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU: TE-JAX d
 on a CPU-only machine. Which TE path runs is decided by ``backends.decide_backend`` from
 :func:`probe`; every public function here re-derives it, so a caller cannot mix paths.
 
-Paths (``backends.TEPath``):
+Paths (``te_probe.TEPath``):
 
 - ``KERNELS`` (TE reports MXFP8 support and compute capability is 10.x): ``tex.quantize`` with a
   ``BlockScaleQuantizer`` and ``tex.gemm`` -- TE's MXFP8 CUDA custom calls and cuBLAS.
@@ -37,8 +37,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import importlib.util
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -46,11 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_side.mxfp8 import xla_impl
-from jax_side.mxfp8.backends import Backend, TEPath, TEProbe, decide_backend
-from jax_side.mxfp8.formats import BLOCK_SIZE
-from jax_side.mxfp8.gemm import GemmRole, role_spec
-from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
+from common.formats import BLOCK_SIZE, Plane, scale_shape
+from common.gemm_roles import GemmRole, role_spec
+from common.kernels import Backend
+from jax_side.mxfp8 import xla_backend, xla_impl
+from jax_side.mxfp8.backends import decide_backend
+from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe
+from jax_side.mxfp8.tensor import MXFP8Tensor
 
 __all__ = [
     "ContractFix",
@@ -86,45 +86,6 @@ class ContractFix(enum.Enum):
 _DEFAULT_FIX = {TEPath.KERNELS: ContractFix.NONE, TEPath.PURE_JAX: ContractFix.SPLICE_EDGE_BLOCKS}
 
 
-# ---------------------------------------------------------------- availability and dispatch
-
-
-def is_available() -> bool:
-    """True when ``transformer_engine.jax`` is installed (found on disk; nothing is imported)."""
-    try:
-        spec = importlib.util.find_spec("transformer_engine")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(p) / "jax" / "__init__.py").is_file() for p in spec.submodule_search_locations)
-
-
-def _jax_compute_capability() -> int | None:
-    """Compute capability of JAX's first device as TE encodes it (9.0 -> 90); None if not GPU."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
-    return int(major) * 10 + int(minor)
-
-
-@functools.lru_cache(maxsize=1)
-def probe() -> TEProbe:
-    """TE facts for ``backends.decide_backend``. Imports TE only when JAX shows a CUDA GPU."""
-    cc = _jax_compute_capability()
-    if not is_available():
-        return TEProbe(False, "transformer_engine.jax is not installed", False, cc)
-    if cc is None:
-        return TEProbe(False, "not imported: JAX sees no CUDA GPU (TE-JAX needs one)", False, None)
-    try:
-        te = _te()
-    except Exception as e:  # noqa: BLE001 -- any import failure means "not importable"; say which
-        return TEProbe(False, f"import failed: {type(e).__name__}: {e}", False, cc)
-    supported, why = te.q.is_scaling_mode_supported(te.q.ScalingMode.MXFP8_1D_SCALING)
-    return TEProbe(True, str(why), bool(supported), int(te.q.get_device_compute_capability(0)))
-
-
 def te_path() -> TEPath:
     """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
     return decide_backend(Backend.TE, probe()).te_path
@@ -137,31 +98,6 @@ def require_available() -> None:
 
 def describe() -> str:
     return "Transformer Engine for JAX; " + decide_backend(Backend.TE, probe()).reason
-
-
-class _TE(NamedTuple):
-    version: str
-    q: object  # transformer_engine.jax.quantize
-    tex: object  # transformer_engine.jax.cpp_extensions
-    import_warnings: tuple[str, ...]  # what TE warned while importing (kept, not shown)
-
-
-@functools.lru_cache(maxsize=1)
-def _te() -> _TE:
-    """Import TE-JAX once. Its import-time warnings are about TE's own packaging (e.g. "Detected
-    a PyTorch installation but could not find ... the Transformer Engine PyTorch extension",
-    which this project triggers by design: torch is installed, TE's torch extension is not), so
-    they are recorded in ``import_warnings`` instead of being raised into the caller."""
-    import warnings
-    from importlib import metadata
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import transformer_engine.jax  # noqa: F401 -- loads the framework extension
-        import transformer_engine.jax.cpp_extensions as tex
-        import transformer_engine.jax.quantize as q
-    seen = tuple(f"{w.category.__name__}: {w.message}" for w in caught)
-    return _TE(metadata.version("transformer_engine"), q, tex, seen)
 
 
 @contextlib.contextmanager
@@ -222,11 +158,11 @@ def _as_e8m0(scale: jax.Array) -> jax.Array:
 def _plane_of(scaled, plane: Plane, shape: tuple[int, int]):
     """(data, scale) of TE's ScaledTensor1x, checked against the contract layout."""
     m, k = shape
-    expected = (m, k // _BS) if plane is Plane.ROWWISE else (m // _BS, k)
+    expected = scale_shape(shape, plane)
     data, scale = scaled.data, _as_e8m0(scaled.scale_inv)
     if tuple(data.shape) != (m, k) or tuple(scale.shape) != expected:
         raise RuntimeError(
-            f"te backend: TE-JAX {_te().version} returned a {plane.value} plane with data "
+            f"te backend: TE-JAX {import_te().version} returned a {plane.value} plane with data "
             f"{tuple(data.shape)} and scales {tuple(scale.shape)} for x of shape {shape}; "
             f"expected data {(m, k)} and compact scales {expected} (adapter written against "
             f"TE {TESTED_TE_VERSION}); use backend='xla'"
@@ -237,7 +173,7 @@ def _plane_of(scaled, plane: Plane, shape: tuple[int, int]):
 
 
 def _te_quantize(x: jax.Array, rowwise: bool, colwise: bool, path: TEPath) -> MXFP8Tensor:
-    te = _te()
+    te = import_te()
     layout = {
         (True, True): te.q.QuantizeLayout.ROWWISE_COLWISE,
         (True, False): te.q.QuantizeLayout.ROWWISE,
@@ -296,14 +232,12 @@ def quantize(
     te_t = _te_quantize(x, rowwise, colwise, path)
     if fix is ContractFix.NONE:
         return te_t
-    from jax_side.mxfp8.quantize import quantize as quantize_any  # cycle-free at call time
-
     edge = edge_blocks(x, rowwise=rowwise, colwise=colwise)
     masks = [mk for mk in edge if mk is not None]
     any_edge = functools.reduce(jnp.logical_or, [jnp.any(mk) for mk in masks])
 
     def spliced(_):
-        ref = quantize_any(x, rowwise=rowwise, colwise=colwise, backend=Backend.XLA)
+        ref = xla_backend.quantize(x, rowwise=rowwise, colwise=colwise)
         return _splice(te_t, ref, edge)
 
     return lax.cond(any_edge, spliced, lambda _: te_t, None)
@@ -314,7 +248,7 @@ def quantize(
 
 def _scaled_1x(t: MXFP8Tensor, plane: Plane):
     """One plane of t as TE's ScaledTensor1x (same arrays; fp32 dequantized dtype)."""
-    te = _te()
+    te = import_te()
     data, scale = t.plane(plane)
     return te.q.ScaledTensorFactory.create_1x(
         data,
@@ -344,6 +278,7 @@ def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
     spec = role_spec(role)
     lhs, rhs = _scaled_1x(a, spec.a_plane), _scaled_1x(b, spec.b_plane)
     with jax.numpy_dtype_promotion("standard"), _gemm_custom_call(path):
-        out = _te().tex.gemm(lhs, rhs, contracting_dims=((spec.a_contract,), (spec.b_contract,)))
+        contract = ((spec.a_contract,), (spec.b_contract,))
+        out = import_te().tex.gemm(lhs, rhs, contracting_dims=contract)
     out = out[0] if isinstance(out, tuple) else out
     return out.astype(jnp.float32)

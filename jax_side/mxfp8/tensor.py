@@ -1,4 +1,5 @@
-"""``MXFP8Tensor``: the quantized form of a 2-D tensor, as a JAX pytree.
+"""``MXFP8Tensor``: the quantized form of a 2-D tensor, as a JAX pytree; and the result types of
+the slice building blocks (``BlockAmax``, ``SliceCast``).
 
 Layout (DESIGN.md 4) for a logical tensor of shape (M, K):
 
@@ -13,26 +14,14 @@ Scales are compact and unswizzled. A plane that was not requested is ``None``.
 from __future__ import annotations
 
 import dataclasses
-import enum
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from jax_side.enum_parsing import parse_enum
-from jax_side.mxfp8.formats import BLOCK_SIZE
+from common.formats import Plane, scale_shape
 
-__all__ = ["MXFP8Tensor", "Plane"]
-
-
-class Plane(enum.Enum):
-    """Which quantized copy of a tensor: blocks along K (rowwise) or along M (columnwise)."""
-
-    ROWWISE = "rowwise"
-    COLWISE = "colwise"
-
-    @classmethod
-    def parse(cls, plane: Plane | str) -> Plane:
-        return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
+__all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "SliceCast"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +56,18 @@ class MXFP8Tensor:
 
     @property
     def scale_shapes(self) -> dict[Plane, tuple[int, int]]:
-        m, k = self.shape
-        return {Plane.ROWWISE: (m, k // BLOCK_SIZE), Plane.COLWISE: (m // BLOCK_SIZE, k)}
+        return {p: scale_shape(self.shape, p) for p in Plane}
+
+    def only(self, plane: Plane | str) -> MXFP8Tensor:
+        """The same tensor with only one plane kept (the other set to None)."""
+        plane = Plane.parse(plane)
+        if plane is Plane.ROWWISE:
+            return MXFP8Tensor(
+                self.rowwise_data, self.rowwise_scale, None, None, self.shape, self.dtype
+            )
+        return MXFP8Tensor(
+            None, None, self.colwise_data, self.colwise_scale, self.shape, self.dtype
+        )
 
 
 jax.tree_util.register_dataclass(
@@ -76,3 +75,17 @@ jax.tree_util.register_dataclass(
     data_fields=["rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale"],
     meta_fields=["shape", "dtype"],
 )
+
+
+class BlockAmax(NamedTuple):
+    """Per-block amax, fp32, full scale-tensor shapes; zeros where nothing contributed."""
+
+    rowwise: jax.Array | None  # float32 (M, K // 32), blocks 1x32 along K
+    colwise: jax.Array | None  # float32 (M // 32, K), blocks 32x1 along M
+
+
+class SliceCast(NamedTuple):
+    """Quantized elements of one flat slice, as 1-D float8_e4m3fn of the slice's length."""
+
+    rowwise: jax.Array | None
+    colwise: jax.Array | None

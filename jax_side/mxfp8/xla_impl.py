@@ -26,12 +26,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_side.mxfp8.formats import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, e8m0_thresholds
+from common.formats import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS
+from jax_side.mxfp8.e8m0 import e8m0_thresholds
 
 __all__ = [
     "block_amax_2d",
     "cast_2d",
     "dequantize_plane",
+    "expand_colwise",
+    "expand_rowwise",
     "fp32_bits",
     "scale_bytes_from_amax",
 ]

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 
 t0=$SECONDS
 timeout 150 python3 -m pytest -q -rs --durations=10 -p no:cacheprovider \
-  tests/bridge/test_parity.py tests/jax_side/models tests/torch_side/models \
+  tests/apps/parity/test_parity.py tests/jax_side/models tests/torch_side/models \
   -k "cuda or not sharded" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 echo "parity tests (gpu-visible, sharded gloo case excluded): rc=$tests_rc in $((SECONDS - t0)) s" \
@@ -27,9 +27,9 @@ echo "parity tests (gpu-visible, sharded gloo case excluded): rc=$tests_rc in $(
 
 t0=$SECONDS
 {
-  timeout 40 python3 -m demos.parity --world-size 1 --device cuda
+  timeout 40 python3 -m apps.parity --world-size 1 --device cuda
   echo "rc=$?"
-  timeout 30 python3 -m demos.parity --world-size 1 --device cuda --mode high_precision
+  timeout 30 python3 -m apps.parity --world-size 1 --device cuda --mode high_precision
   echo "rc=$?"
 } 2>&1 | tee "$OUT/report_cuda.log"
 echo "cuda reports in $((SECONDS - t0)) s" | tee -a "$OUT/report_cuda.log"

@@ -22,14 +22,14 @@ from bridge import (
     LinearMode,
     MXFP8Linear,
     ZeroCopyError,
-    linear_kernels,
     mxfp8_linear,
-    mxfp8_linear_reference,
     to_jax,
     to_torch_mxfp8,
 )
 from bridge.capsule import DLDataTypeCode
-from bridge.linear_kernels import padded_tokens
+from jax_side import linear as jax_linear
+from jax_side.linear import padded_tokens
+from jax_side.linear_reference import mxfp8_linear_reference
 from jax_side.mxfp8 import quantize
 from tests.bridge.conftest import DEVICES
 
@@ -211,13 +211,13 @@ def test_only_requested_grads_are_computed():
 def test_nothing_is_kept_for_backward_under_no_grad(monkeypatch):
     x, w, _ = _inputs()
     seen = []
-    real = linear_kernels.mxfp8_forward
+    real = jax_linear.forward
 
     def spy(*args, keep_x_colwise, **kw):
         seen.append(keep_x_colwise)
         return real(*args, keep_x_colwise=keep_x_colwise, **kw)
 
-    monkeypatch.setattr(linear_kernels, "mxfp8_forward", spy)
+    monkeypatch.setattr(jax_linear, "forward", spy)
     planes = Planes(w)
     with torch.no_grad():
         y = mxfp8_linear(x, _placeholder(), weight_planes=planes)

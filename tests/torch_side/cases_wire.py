@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import bridge
 from bridge import MXFP8Linear, TorchMXFP8Tensor
-from jax_side.mxfp8 import Plane
+from common import Plane
 from tests.oracle import mxfp8_ref
 from tests.torch_side.toy_models import Block, ExpertMLP, Recompute, make_batch, make_net, mse
 from torch_side import (
@@ -19,6 +19,7 @@ from torch_side import (
     GradCheck,
     MixedPrecisionPolicy,
     Phase,
+    PlaneState,
     ShardingStrategy,
     UnalignedLinear,
     WeightFormat,
@@ -42,7 +43,7 @@ def _check_mxfp8_gather(rec, group, phase: Phase, plane: str) -> None:
 
 def case_wire_forward_rowwise_backward_colwise(ctx):
     model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
-    mx = [g for g in model.param_groups if g.is_mxfp8]
+    mx = [g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3]
     assert len(mx) == 2, [g.label for g in model.param_groups]
     x, y = make_batch(0, T, ctx.device)
     model.clear_wire_log()
@@ -83,7 +84,7 @@ def case_wire_recompute_gathers_both_planes_once(ctx):
     model.clear_wire_log()
     mse(out, y).backward()
     bwd = model.wire_log()
-    for g in (g for g in model.param_groups if g.is_mxfp8):
+    for g in (g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3):
         got = sorted((r.phase.value, r.label.rsplit("/", 1)[1]) for r in _gathers(bwd, g))
         # colwise is gathered once (pre-backward); the recompute forward adds rowwise only.
         assert got == [("backward", "colwise"), ("recompute", "rowwise")], got
@@ -122,7 +123,7 @@ def case_bad_input_errors(ctx):
     try:
         fully_shard(make_net(0, device=ctx.device), strategy="zero4")
     except ValueError as e:
-        assert "unsupported sharding strategy 'zero4'" in str(e), str(e)
+        assert "unknown sharding strategy 'zero4'" in str(e), str(e)
     else:
         raise AssertionError("strategy 'zero4' was accepted")
     tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(ctx.device)
@@ -133,6 +134,15 @@ def case_bad_input_errors(ctx):
         assert "'1.weight' is the same tensor as '0.weight'" in str(e), str(e)
     else:
         raise AssertionError("tied parameters were accepted")
+    try:
+        fully_shard(
+            make_net(0, device=ctx.device),
+            policy=MixedPrecisionPolicy(linear_weight_format=WeightFormat.NVFP4),
+        )
+    except ValueError as e:
+        assert "'nvfp4'" in str(e) and "no FSDP implementation" in str(e), str(e)
+    else:
+        raise AssertionError("a format FSDP does not implement was accepted")
     only_rank0 = dist.new_group([0])  # collective: every rank creates it
     if ctx.rank == 1:
         try:
@@ -197,6 +207,30 @@ def case_expert_dp_groups(ctx):
         )
 
 
+def case_plane_states_are_explicit_and_checked(ctx):
+    """ZeRO-3 planes go sharded -> unsharded -> sharded; reading a sharded plane is an internal
+    error that names the rank, the group and the plane."""
+    model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
+    g = next(g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3)
+    assert g.state == {Plane.ROWWISE: PlaneState.SHARDED, Plane.COLWISE: PlaneState.SHARDED}
+    try:
+        g.full_buffer(Plane.COLWISE)
+    except AssertionError as e:
+        want = f"rank {ctx.rank}: group {g.label!r} plane colwise is sharded, expected unsharded"
+        assert want in str(e), str(e)
+    else:
+        raise AssertionError("a sharded plane was read")
+    g.unshard([Plane.COLWISE], Phase.BACKWARD)
+    assert g.state[Plane.COLWISE] is PlaneState.UNSHARDED
+    assert g.state[Plane.ROWWISE] is PlaneState.SHARDED
+    g.reshard()
+    assert set(g.state.values()) == {PlaneState.SHARDED}
+    replicated = fully_shard(
+        make_net(0, device=ctx.device), strategy=ShardingStrategy.NO_SHARD
+    ).param_groups[0]
+    assert set(replicated.state.values()) == {PlaneState.REPLICATED}
+
+
 def case_gathered_weights_and_state_dict(ctx):
     """gathered_weights() gives full planes equal to quantizing bf16(full main) on one rank, and
     load_full_state_dict() round-trips through the shards and requantizes."""
@@ -222,8 +256,8 @@ def case_bucket_outlives_reshard_while_jax_reads(ctx):
     """Reshard drops FSDP's reference to a bucket; a JAX array aliasing it (zero-copy, through the
     bridge) keeps the bytes alive and unchanged while new buckets are allocated and scribbled."""
     model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
-    g = next(g for g in model.param_groups if g.is_mxfp8)
-    g.unshard(Plane.ROWWISE, Phase.FORWARD)
+    g = next(g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3)
+    g.unshard([Plane.ROWWISE], Phase.FORWARD)
     data, _ = g.plane_views(0, Plane.ROWWISE)
     expect = data.cpu().clone()
     alias = bridge.to_jax(data)
@@ -246,6 +280,7 @@ CASES = {
     f"{_M}:case_bad_input_errors": (2,),
     f"{_M}:case_nan_grad_check_names_param_and_rank": (2,),
     f"{_M}:case_expert_dp_groups": (4,),
+    f"{_M}:case_plane_states_are_explicit_and_checked": (2,),
     f"{_M}:case_gathered_weights_and_state_dict": (2,),
     f"{_M}:case_bucket_outlives_reshard_while_jax_reads": (2,),
 }

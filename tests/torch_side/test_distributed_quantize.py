@@ -13,12 +13,17 @@ from tests.torch_side import cases_quantize as cq
 from tests.torch_side.conftest import check_case
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+SLOW = pytest.mark.slow  # worlds of 3 and 4 ranks: run by `make test-all` (CI), not `make test`
+
+
+@pytest.mark.parametrize(
+    "world_size", [1, 2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)]
+)
 def test_even_split_matches_whole_tensor_quantize(spawned, world_size):
     check_case(spawned, cq, cq.case_even_split, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=SLOW)])
 def test_random_split_with_empty_ranks(spawned, world_size):
     check_case(spawned, cq, cq.case_random_split_with_empty_ranks, world_size)
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from common.formats import FORMATS
 from torch_side import (
     BucketAllocator,
     MixedPrecisionPolicy,
@@ -15,7 +16,6 @@ from torch_side import (
     WeightFormat,
     fully_shard,
 )
-from torch_side.policy import FORMAT_FACTS
 from torch_side.strategy import STRATEGY_FACTS
 
 
@@ -42,17 +42,17 @@ def test_weight_format_routing_and_helpers():
         policy.weight_format("odd.weight", torch.empty(40, 64), True)
     fallback = dataclasses.replace(policy, unaligned_linear=UnalignedLinear.FALLBACK)
     assert fallback.weight_format("odd.weight", torch.empty(40, 64), True) is WeightFormat.BF16
-    assert MixedPrecisionPolicy.buffer_dtype(WeightFormat.MXFP8_E4M3) == torch.uint8
-    assert MixedPrecisionPolicy.needs_colwise(WeightFormat.MXFP8_E4M3)
-    assert not MixedPrecisionPolicy.needs_colwise(WeightFormat.BF16)
+    assert MixedPrecisionPolicy.model_weight_buffer_dtype(WeightFormat.MXFP8_E4M3) == torch.uint8
+    assert MixedPrecisionPolicy.requires_backward_specific_weight(WeightFormat.MXFP8_E4M3)
+    assert not MixedPrecisionPolicy.requires_backward_specific_weight(WeightFormat.BF16)
     hp = MixedPrecisionPolicy.high_precision_value(WeightFormat.MXFP8_E4M3, torch.ones(2))
     assert hp.dtype == torch.bfloat16
-    assert set(FORMAT_FACTS) == set(WeightFormat)
+    assert set(FORMATS) == set(WeightFormat)
 
 
 def test_strategies_parse_and_table():
     assert ShardingStrategy.parse("optim_grads") is ShardingStrategy.OPTIM_GRADS
-    with pytest.raises(ValueError, match="unsupported sharding strategy 'zero4'"):
+    with pytest.raises(ValueError, match="unknown sharding strategy 'zero4'"):
         ShardingStrategy.parse("zero4")
     assert set(STRATEGY_FACTS) == set(ShardingStrategy)
     assert STRATEGY_FACTS[ShardingStrategy.OPTIM_GRADS_PARAMS].model_weights_sharded
@@ -74,3 +74,17 @@ def test_bucket_allocator_counts_and_refuses_double_allocation():
     assert (
         alloc.live_bytes == 40 and alloc.peak_bytes == 140 and alloc.live_keys() == [("u", "grad")]
     )
+
+
+def test_fsdp_is_driven_by_the_format_table_and_refuses_unimplemented_formats():
+    from torch_side.weight_codecs import ParamStorage, codec_for
+
+    mx = codec_for(WeightFormat.MXFP8_E4M3)
+    assert mx.buffer_dtype == torch.uint8 and mx.source_dtype == torch.bfloat16
+    assert [p.value for p in mx.planes] == ["rowwise", "colwise"]
+    assert mx.param_storage is ParamStorage.PLACEHOLDER
+    bf = codec_for(WeightFormat.BF16)
+    assert bf.buffer_dtype == torch.bfloat16 and [p.value for p in bf.planes] == ["rowwise"]
+    assert bf.param_storage is ParamStorage.BUFFER_VIEW
+    with pytest.raises(ValueError, match=r"'nvfp4' \(block-scaled, 16-element blocks.*supported"):
+        codec_for(WeightFormat.NVFP4)

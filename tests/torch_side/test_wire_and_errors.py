@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.torch_side import cases_wire as cw
 from tests.torch_side.conftest import check_case
 
@@ -21,8 +23,8 @@ def test_no_shard_forward_sends_nothing(spawned):
 
 
 def test_bad_input_gives_clear_errors(spawned):
-    """Unaligned MXFP8 weight (raise or fallback by policy), unknown strategy, tied weights,
-    a process group without this rank."""
+    """Unaligned MXFP8 weight (raise or fallback by policy), a format FSDP does not implement,
+    unknown strategy, tied weights, a process group without this rank."""
     check_case(spawned, cw, cw.case_bad_input_errors, 2)
 
 
@@ -30,8 +32,13 @@ def test_nan_gradient_check_names_parameter_and_rank(spawned):
     check_case(spawned, cw, cw.case_nan_grad_check_names_param_and_rank, 2)
 
 
+@pytest.mark.slow
 def test_expert_parameters_use_their_own_dp_group(spawned):
     check_case(spawned, cw, cw.case_expert_dp_groups, 4)
+
+
+def test_plane_states_are_explicit_and_checked(spawned):
+    check_case(spawned, cw, cw.case_plane_states_are_explicit_and_checked, 2)
 
 
 def test_gathered_weights_and_full_state_dict_round_trip(spawned):

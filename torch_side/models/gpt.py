@@ -5,11 +5,12 @@ Parameters (``state_dict`` names = Flax param paths joined with "."), all float3
 ``h_<i>.attn.qkv.weight`` (3D, D), ``h_<i>.attn.proj.weight`` (D, D), ``h_<i>.mlp.fc.weight``
 (F, D), ``h_<i>.mlp.proj.weight`` (D, F), ``ln_f.{weight,bias}`` (D,), ``lm_head.weight`` (V, D).
 
-Every linear layer is a ``bridge.MXFP8Linear`` (no bias): its GEMMs are the JAX MXFP8 kernels of
-``jax_side.mxfp8`` behind a Torch autograd op, or the high-precision control
-(``MatmulMode.HIGH_PRECISION``). Everything else (embeddings, LayerNorm, attention, GELU,
-residuals) is plain Torch in float32, written with the same formulas as the Flax twin; those ops
-are the only ones whose bytes can differ between the twins (different kernels, summation orders).
+Every linear layer is a ``bridge.MXFP8Linear`` (no bias): its GEMMs are the one JAX MXFP8 linear
+(``jax_side.linear``) behind a Torch autograd op, with the model's ``KernelConfig``, or the
+high-precision control (``LinearMode.HIGH_PRECISION``). Everything else (embeddings, LayerNorm,
+attention, GELU, residuals) is plain Torch in float32, written with the same formulas as the Flax
+twin; those ops are the only ones whose bytes can differ between the twins (different kernels,
+summation orders).
 
 FSDP: the linear weights are the MXFP8 parameters (2-D, dims multiples of 32); embeddings and
 LayerNorm stay in a high-precision group. ``torch_side`` FSDP supplies the MXFP8 planes to each
@@ -25,14 +26,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bridge import LinearMode, MXFP8Linear
-from jax_side.models.config import GPTConfig, MatmulMode
+from bridge import MXFP8Linear
+from common.kernels import KernelConfig
+from common.model_config import GPTConfig
+from common.modes import LinearMode
 
 __all__ = ["TorchGPT", "cross_entropy", "load_flat_params", "mxfp8_linears"]
 
 
-def _linear(fin: int, fout: int, mode: MatmulMode) -> MXFP8Linear:
-    return MXFP8Linear(fin, fout, bias=False, mode=LinearMode(mode.value))
+def _linear(fin: int, fout: int, mode: LinearMode, kernels: KernelConfig | None) -> MXFP8Linear:
+    return MXFP8Linear(fin, fout, bias=False, mode=mode, kernels=kernels)
 
 
 class LayerNorm(nn.Module):
@@ -51,11 +54,11 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: MatmulMode):
+    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None):
         super().__init__()
         self.cfg = cfg
-        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, mode)
-        self.proj = _linear(cfg.d_model, cfg.d_model, mode)
+        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, mode, kernels)
+        self.proj = _linear(cfg.d_model, cfg.d_model, mode, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -70,22 +73,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: MatmulMode):
+    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None):
         super().__init__()
-        self.fc = _linear(cfg.d_model, cfg.d_ff, mode)
-        self.proj = _linear(cfg.d_ff, cfg.d_model, mode)
+        self.fc = _linear(cfg.d_model, cfg.d_ff, mode, kernels)
+        self.proj = _linear(cfg.d_ff, cfg.d_model, mode, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: MatmulMode):
+    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None = None):
         super().__init__()
         self.ln_1 = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.attn = Attention(cfg, mode)
+        self.attn = Attention(cfg, mode, kernels)
         self.ln_2 = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.mlp = MLP(cfg, mode)
+        self.mlp = MLP(cfg, mode, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -102,19 +105,20 @@ class TorchGPT(nn.Module):
     def __init__(
         self,
         cfg: GPTConfig,
-        mode: MatmulMode | str = MatmulMode.MXFP8,
+        mode: LinearMode | str = LinearMode.MXFP8,
         *,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        kernels: KernelConfig | None = None,
     ):
         super().__init__()
-        self.cfg, self.mode = cfg, MatmulMode.parse(mode)
+        self.cfg, self.mode, self.kernels = cfg, LinearMode.parse(mode), kernels
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         for i in range(cfg.n_layer):
-            self.add_module(f"h_{i}", Block(cfg, self.mode))
+            self.add_module(f"h_{i}", Block(cfg, self.mode, kernels))
         self.ln_f = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, self.mode)
+        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, self.mode, kernels)
         gen = torch.Generator().manual_seed(seed)
         for p in self.parameters():
             if p.dim() == 2:

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_side.linear import quantize_weight
 from jax_side.models import (
     FlaxGPT,
     GPTConfig,
-    MatmulMode,
+    LinearMode,
     cross_entropy,
     flat_params,
     nested_params,
-    quantize_weight,
 )
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
@@ -24,7 +24,7 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)), jnp.int3
 
 @pytest.fixture(scope="module")
 def params():
-    return jax.jit(FlaxGPT(CFG, MatmulMode.HIGH_PRECISION).init)(jax.random.key(0), TOKENS)[
+    return jax.jit(FlaxGPT(CFG, LinearMode.HIGH_PRECISION).init)(jax.random.key(0), TOKENS)[
         "params"
     ]
 
@@ -58,7 +58,7 @@ def test_sequence_longer_than_max_is_refused(params):
 
 
 def _loss_and_grads(params, planes=None):
-    model = FlaxGPT(CFG, MatmulMode.MXFP8)
+    model = FlaxGPT(CFG, LinearMode.MXFP8)
 
     def loss(p):
         variables = {"params": p} | ({} if planes is None else {"mxfp8": planes})
@@ -97,7 +97,7 @@ def test_external_planes_give_the_same_bytes_and_the_weights_become_grad_slots(p
 def test_mxfp8_stays_close_to_the_high_precision_control(params):
     """E4M3 keeps 3 mantissa bits (relative rounding error <= 2^-4 per element); in dot products
     the errors average out, so logits stay within a few percent of the control's."""
-    hp = FlaxGPT(CFG, MatmulMode.HIGH_PRECISION).apply({"params": params}, TOKENS)
-    mx = FlaxGPT(CFG, MatmulMode.MXFP8).apply({"params": params}, TOKENS)
+    hp = FlaxGPT(CFG, LinearMode.HIGH_PRECISION).apply({"params": params}, TOKENS)
+    mx = FlaxGPT(CFG, LinearMode.MXFP8).apply({"params": params}, TOKENS)
     err = float(jnp.max(jnp.abs(hp - mx)) / jnp.max(jnp.abs(hp)))
     assert 0 < err < 0.1

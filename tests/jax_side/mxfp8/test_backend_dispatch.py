@@ -66,7 +66,8 @@ def test_te_request_without_gpu_is_a_clear_error():
 
 
 def test_unknown_backend_names_the_choices():
-    with pytest.raises(ValueError, match=r"unknown MXFP8 backend 'cuda'.*\['xla', 'te'\]"):
+    match = r"unknown MXFP8 backend 'cuda'.*\['xla', 'pallas', 'te'\]"
+    with pytest.raises(ValueError, match=match):
         decide_backend("cuda", B200)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jax_side import mxfp8
-from jax_side.mxfp8 import formats, xla_impl
+from jax_side.mxfp8 import e8m0, xla_impl
 from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
 from tests.oracle import mxfp8_ref as ref
 
@@ -65,7 +65,7 @@ def test_corner_case_bytes(case, column):
 
 
 def test_scale_thresholds_match_oracle_at_every_step():
-    t = formats.e8m0_thresholds().astype(np.int64)
+    t = e8m0.e8m0_thresholds().astype(np.int64)
     probes = np.unique(np.clip(np.concatenate([t - 2, t - 1, t, t + 1]), 0, 0x7F800000))
     amax = probes.astype(np.uint32).view(np.float32)
     got = np.asarray(xla_impl.scale_bytes_from_amax(jnp.asarray(amax)))
@@ -84,7 +84,7 @@ def test_exact_integer_rule_agrees_with_oracle_on_boundaries():
     for b in (0, 1, 2, 100, 127, 128, 200, 246):
         for bits in (b << 23, (b << 23) + 1, (b << 23) + 0x600000, (b << 23) + 0x600001):
             amax = np.array([bits], np.uint32).view(np.float32)
-            assert formats.e8m0_byte_exact(bits) == ref.scale_bytes(amax)[0], hex(bits)
+            assert e8m0.e8m0_byte_exact(bits) == ref.scale_bytes(amax)[0], hex(bits)
 
 
 # ---------------------------------------------------------------------------------------------

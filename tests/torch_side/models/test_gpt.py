@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from bridge import LinearMode, MXFP8Linear
-from jax_side.models.config import GPTConfig, MatmulMode
+from apps.parity.torch_run import run_torch
+from bridge import MXFP8Linear
+from common import GPTConfig, LinearMode
 from torch_side.models import TorchGPT, load_flat_params, mxfp8_linears
-from torch_side.models.capture import run_torch
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
 
@@ -38,7 +38,7 @@ def test_names_shapes_and_linear_layers():
         isinstance(m, MXFP8Linear) and m.bias is None and m.mode is LinearMode.MXFP8
         for m in layers.values()
     )
-    hp = TorchGPT(CFG, MatmulMode.HIGH_PRECISION)
+    hp = TorchGPT(CFG, LinearMode.HIGH_PRECISION)
     assert all(m.mode is LinearMode.HIGH_PRECISION for _, m in mxfp8_linears(hp))
 
 

@@ -1,10 +1,10 @@
 """The hybrid training prototype: a small GPT trained with Torch FSDP + JAX MXFP8 GEMMs.
 
-    python -m demos.train                         # 2 gloo CPU ranks, ZeRO-3, MXFP8, 40 steps
-    python -m demos.train --compare               # the same run again with fp32 linears
-    python -m demos.train --device cuda --world-size 2 --config small --steps 100
+    python -m apps.training                         # 2 gloo CPU ranks, ZeRO-3, MXFP8, 40 steps
+    python -m apps.training --compare               # the same run again with fp32 linears
+    python -m apps.training --device cuda --world-size 2 --config small --steps 100
 
-Every rank runs ``torch_side.training.train_rank``: the Torch GPT twin wrapped by
+Every rank runs ``apps.training.loop.train_rank``: the Torch GPT twin wrapped by
 ``torch_side.fully_shard`` (one unit per block; linear weights MXFP8, everything else fp32),
 ``FSDPOptimizer`` (AdamW over the fp32 main-weight shards, then the distributed MXFP8
 re-quantization), trained on a seeded Markov-chain corpus whose exact loss floor is printed.
@@ -19,7 +19,7 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m demos.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m apps.training", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny", choices=["tiny", "small"], help="GPTConfig preset")
     p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks (processes)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -41,8 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _job(args, weights):
+    from apps.training.loop import TrainJob, WeightMode
     from torch_side.strategy import ShardingStrategy
-    from torch_side.training import TrainJob, WeightMode
 
     return TrainJob(
         config=args.config, weights=WeightMode(weights), strategy=ShardingStrategy(args.strategy),
@@ -52,8 +52,8 @@ def _job(args, weights):
 
 
 def _run(args, weights):
+    from apps.training.loop import train_rank
     from torch_side.launch import run_local_ranks
-    from torch_side.training import train_rank
 
     t0 = time.perf_counter()
     result = run_local_ranks(train_rank, args.world_size, (_job(args, weights),),

@@ -1,12 +1,12 @@
 """Parity report CLI: TorchGPT (bridge MXFP8 op, optionally torch_side FSDP) vs FlaxGPT.
 
-    python -m demos.parity                              # FSDP on 2 gloo CPU ranks, MXFP8
-    python -m demos.parity --world-size 1               # one process, no FSDP
-    python -m demos.parity --world-size 1 --mode high_precision   # the control
-    python -m demos.parity --world-size 1 --device cuda           # on a GPU
-    python -m demos.parity --config small --seed 3 --batch-size 4 --seq-len 50
+    python -m apps.parity                              # FSDP on 2 gloo CPU ranks, MXFP8
+    python -m apps.parity --world-size 1               # one process, no FSDP
+    python -m apps.parity --world-size 1 --mode high_precision   # the control
+    python -m apps.parity --world-size 1 --device cuda           # on a GPU
+    python -m apps.parity --config small --seed 3 --batch-size 4 --seq-len 50
 
-Prints the table of ``bridge.parity.ParityReport.format()`` and a one-line verdict.
+Prints the table of ``apps.parity.ParityReport.format()`` and a one-line verdict.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m demos.parity", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m apps.parity", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny", choices=["tiny", "small"], help="GPTConfig preset")
     p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
     p.add_argument("--batch-size", type=int, default=2)
@@ -41,11 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
+    from apps.parity import parity_report, sharded_parity_report
     from bridge import start_jax_backend
-    from bridge.parity import parity_report
-    from jax_side.models import PRESETS
+    from common.model_config import PRESETS
     from jax_side.mxfp8 import backend_report
-    from torch_side.models.sharded_parity import sharded_parity_report
 
     cfg = PRESETS[args.config]
     start_jax_backend()  # before anything else starts JAX: keeps Torch's "cuda" on cuda:0

@@ -10,7 +10,7 @@ successors). It needs no download, is learnable by a tiny model in tens of steps
 exact loss floor: the expected conditional entropy of the next token, which a perfect model
 reaches (``loss_floor``). Each rank samples its own micro-batches (seeded by rank).
 
-``train_rank(job)`` is what every rank runs; ``demos.train`` spawns the ranks
+``train_rank(job)`` is what every rank runs; ``apps.training.cli`` spawns the ranks
 (``torch_side.launch.run_local_ranks``) and prints the result.
 """
 
@@ -25,11 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from jax_side.models.config import PRESETS, MatmulMode
-from torch_side.fully_shard import fully_shard
-from torch_side.optimizer import FSDPOptimizer
-from torch_side.policy import MixedPrecisionPolicy
-from torch_side.strategy import ShardingStrategy
+from common.model_config import PRESETS
+from common.modes import LinearMode
+from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
 __all__ = ["MarkovCorpus", "StepLog", "TrainJob", "TrainResult", "WeightMode", "train_rank"]
 
@@ -136,10 +135,8 @@ class TrainResult:
 
 
 def _build(job: TrainJob):
-    from torch_side.models.gpt import Block, TorchGPT
-
     cfg = PRESETS[job.config]
-    mode = MatmulMode.MXFP8 if job.weights is WeightMode.MXFP8 else MatmulMode.HIGH_PRECISION
+    mode = LinearMode.MXFP8 if job.weights is WeightMode.MXFP8 else LinearMode.HIGH_PRECISION
     model = TorchGPT(cfg, mode, seed=job.seed, device=job.device)  # same init on every rank
     fsdp = fully_shard(
         model, unit_modules=(Block,), strategy=job.strategy, policy=MixedPrecisionPolicy()
@@ -148,16 +145,12 @@ def _build(job: TrainJob):
 
 
 def _eval_loss(fsdp, tokens, targets) -> float:
-    from torch_side.models.gpt import cross_entropy
-
     with torch.no_grad():
         return float(cross_entropy(fsdp(tokens), targets))
 
 
 def train_rank(job: TrainJob) -> TrainResult:
     """Train on this rank's part of the data parallel group; collective (call on every rank)."""
-    from torch_side.models.gpt import cross_entropy
-
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, fsdp, opt = _build(job)
     corpus = MarkovCorpus(cfg.vocab_size, branching=job.branching, seed=job.seed)

@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import pytest
 
-from bridge.parity import ParityReport, parity_report
-from jax_side.models import GPTConfig, MatmulMode
-from torch_side.models.sharded_parity import sharded_parity_report
+from apps.parity import ParityReport, parity_report, sharded_parity_report
+from common import GPTConfig, LinearMode
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
 FP32_TOL = 1e-5
@@ -40,7 +39,7 @@ MIN_SAME_BYTES = 0.999
 _CACHE: dict[tuple, ParityReport] = {}
 
 
-def _report(batch_size, seq_len, mode=MatmulMode.MXFP8, device="cpu") -> ParityReport:
+def _report(batch_size, seq_len, mode=LinearMode.MXFP8, device="cpu") -> ParityReport:
     key = (batch_size, seq_len, mode, device)
     if key not in _CACHE:
         _CACHE[key] = parity_report(
@@ -79,7 +78,7 @@ def test_mxfp8_parity_single_process(batch_size, seq_len):
 
 
 def test_high_precision_control_agrees_to_fp32_tolerance():
-    r = _report(3, 7, MatmulMode.HIGH_PRECISION)
+    r = _report(3, 7, LinearMode.HIGH_PRECISION)
     assert r.all_zero_copy
     assert all(lb.teacher_forced_identical and lb.weight_identical is None for lb in r.layers)
     worst = max(r.diffs, key=lambda d: d.max_rel)
@@ -104,6 +103,7 @@ def test_report_text_lists_every_layer_and_a_verdict():
     )
 
 
+@pytest.mark.slow
 def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
     sharded = sharded_parity_report(CFG, seed=0, batch_size=3, seq_len=7, world_size=2)
     _check_mxfp8(sharded)
@@ -127,7 +127,7 @@ def test_mxfp8_parity_on_cuda():
 def test_explicit_batch_is_used_and_checked():
     import numpy as np
 
-    from bridge.parity import make_batch
+    from apps.parity import make_batch
 
     batch = make_batch(CFG, 0, 3, 7)
     r = parity_report(CFG, batch=(batch.tokens.astype(np.int64), batch.targets))

@@ -1,46 +1,23 @@
-"""``GPTConfig``: the one config both GPT twins are built from, and the matmul mode enum.
+"""``GPTConfig``: the one config both GPT twins are built from, and its presets.
 
-Framework-free on purpose (no jax, no torch import): the Torch twin in ``torch_side.models`` builds
-from the very same dataclass, so the two twins cannot drift apart in shape or hyperparameters.
+Framework-free on purpose (no jax, no torch import): the Torch twin (``torch_side.models``) and
+the Flax twin (``jax_side.models``) build from the very same dataclass, so they cannot drift apart
+in shape or hyperparameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
-__all__ = ["GPTConfig", "MatmulMode", "TINY", "SMALL", "PRESETS"]
+from common.formats import BLOCK_SIZE
 
-_BLOCK = 32  # MXFP8 block size: every MXFP8 weight dim must be a multiple of it (DESIGN.md 4)
-
-
-class MatmulMode(enum.Enum):
-    """How the linear layers multiply: MXFP8 GEMMs, or the high-precision control (no quantization).
-
-    Values equal ``bridge.LinearMode``'s, so a mode crosses the bridge by value.
-    """
-
-    MXFP8 = "mxfp8"
-    HIGH_PRECISION = "high_precision"
-
-    @classmethod
-    def parse(cls, value: MatmulMode | str) -> MatmulMode:
-        if isinstance(value, cls):
-            return value
-        if hasattr(value, "value"):  # another framework's enum with the same values
-            value = value.value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"unknown matmul mode {value!r}: expected one of {[m.value for m in cls]}"
-            ) from None
+__all__ = ["GPT2_124M", "GPT2_350M", "PRESETS", "SMALL", "TINY", "GPTConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """A small GPT-2 style decoder: pre-norm blocks, learned positions, untied LM head, no biases
-    in linear layers (every linear weight is an MXFP8 parameter; LayerNorm and embeddings stay in
+    """A GPT-2 style decoder: pre-norm blocks, learned positions, untied LM head, no biases in
+    linear layers (every linear weight is an MXFP8 parameter; LayerNorm and embeddings stay in
     high precision).
 
     Every linear weight is (out, in) with both dims multiples of 32, validated here:
@@ -60,11 +37,11 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "d_ff"):
             value = getattr(self, name)
-            if value <= 0 or value % _BLOCK:
+            if value <= 0 or value % BLOCK_SIZE:
                 raise ValueError(
                     f"GPTConfig.{name}={value}: linear weights built from it must have dims that "
-                    f"are positive multiples of {_BLOCK} (MXFP8 blocks, DESIGN.md 4); use "
-                    f"{max(_BLOCK, -(-value // _BLOCK) * _BLOCK)}"
+                    f"are positive multiples of {BLOCK_SIZE} (MXFP8 blocks, DESIGN.md 4); use "
+                    f"{max(BLOCK_SIZE, -(-value // BLOCK_SIZE) * BLOCK_SIZE)}"
                 )
         if self.n_head <= 0 or self.d_model % self.n_head:
             raise ValueError(
@@ -91,7 +68,26 @@ class GPTConfig:
         shapes["lm_head.weight"] = (self.vocab_size, d)
         return shapes
 
+    def num_parameters(self) -> int:
+        """Parameters of the model built from this config (embeddings, norms, linears)."""
+        d = self.d_model
+        linears = sum(m * k for m, k in self.linear_shapes().values())
+        norms = (2 * self.n_layer + 1) * 2 * d
+        return linears + norms + (self.vocab_size + self.max_seq_len) * d
+
 
 TINY = GPTConfig()
 SMALL = GPTConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, d_model=128, d_ff=512)
-PRESETS: dict[str, GPTConfig] = {"tiny": TINY, "small": SMALL}
+# GPT-2 shapes (vocab padded to 50304 = 393 * 128, as nanoGPT does); untied LM head here.
+GPT2_124M = GPTConfig(
+    vocab_size=50304, max_seq_len=1024, n_layer=12, n_head=12, d_model=768, d_ff=3072
+)
+GPT2_350M = GPTConfig(
+    vocab_size=50304, max_seq_len=1024, n_layer=24, n_head=16, d_model=1024, d_ff=4096
+)
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": TINY,
+    "small": SMALL,
+    "gpt2-124m": GPT2_124M,
+    "gpt2-350m": GPT2_350M,
+}

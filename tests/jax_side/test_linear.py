@@ -1,4 +1,4 @@
-"""The Flax twin's linear math (``jax_side.models.linear``): quantization points, token padding,
+"""The Flax twin's linear math (``jax_side.linear``): quantization points, token padding,
 external planes, the high-precision control, and errors. No torch here (DESIGN.md 2)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_side.models import (
+from common import LinearMode
+from jax_side.linear import (
     high_precision_linear,
     linear_fn,
     mxfp8_linear,
     quantize_weight,
 )
-from jax_side.models.config import MatmulMode
 from jax_side.mxfp8 import GemmRole, matmul, quantize
 
 
@@ -85,8 +85,8 @@ def test_high_precision_control_is_an_fp32_matmul():
     y = high_precision_linear(x, w)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
-    assert linear_fn(MatmulMode.HIGH_PRECISION) is high_precision_linear
-    assert linear_fn("mxfp8") is mxfp8_linear
+    assert linear_fn(LinearMode.HIGH_PRECISION) is high_precision_linear
+    assert linear_fn("mxfp8").func is mxfp8_linear  # bound to the resolved kernels
 
 
 def test_errors_name_the_problem():
@@ -99,5 +99,5 @@ def test_errors_name_the_problem():
         high_precision_linear(x, _rand((32, 64), 11), quantize_weight(_rand((32, 64), 12)))
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         mxfp8_linear(x.astype(jnp.float16), _rand((32, 64), 11))
-    with pytest.raises(ValueError, match="unknown matmul mode"):
+    with pytest.raises(ValueError, match="unknown linear mode"):
         linear_fn("fp4")

@@ -1,7 +1,4 @@
-"""Per-format facts for microscaled formats, and the exact E8M0 scale rule.
-
-One table (``FORMATS``) maps each :class:`ScalingFormat` to its facts (element dtype, scale dtype,
-block size, element max); code looks facts up there instead of branching on booleans.
+"""The exact E8M0 scale rule of MXFP8, tabulated in integer arithmetic.
 
 The E8M0 scale byte of a block is a monotone step function of the block amax (DESIGN.md 3, steps
 2-3): ``s = fp32_rn(amax * fp32(1/448))`` and then the exponent of ``s`` rounded *up* (RCEIL).
@@ -17,55 +14,17 @@ subnormals) and the tests compare the two for every threshold and its neighbours
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-
-import ml_dtypes
 import numpy as np
 
+from common.formats import E4M3_MAX, E8M0_INF, E8M0_NAN
+
 __all__ = [
-    "BLOCK_SIZE",
-    "E4M3_MAX",
-    "E8M0_BIAS",
-    "FORMATS",
-    "FormatSpec",
-    "ScalingFormat",
     "e8m0_byte_exact",
     "e8m0_thresholds",
     "fp32_reciprocal_of_max",
 ]
 
-BLOCK_SIZE = 32
-E4M3_MAX = 448.0
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-E8M0_INF = 0xFE
-
 _FP32_INF_BITS = 0x7F800000
-
-
-class ScalingFormat(enum.Enum):
-    """Block-scaled element formats. Only MXFP8 E4M3 is implemented; the table leaves room."""
-
-    MXFP8_E4M3 = "mxfp8_e4m3"
-
-
-@dataclasses.dataclass(frozen=True)
-class FormatSpec:
-    element_dtype: np.dtype
-    scale_dtype: np.dtype
-    block_size: int
-    element_max: float
-
-
-FORMATS: dict[ScalingFormat, FormatSpec] = {
-    ScalingFormat.MXFP8_E4M3: FormatSpec(
-        element_dtype=np.dtype(ml_dtypes.float8_e4m3fn),
-        scale_dtype=np.dtype(ml_dtypes.float8_e8m0fnu),
-        block_size=BLOCK_SIZE,
-        element_max=E4M3_MAX,
-    ),
-}
 
 
 def fp32_reciprocal_of_max() -> np.float32:

@@ -1,0 +1,36 @@
+"""Cross-framework parity: the Torch GPT twin vs the Flax GPT twin on the same bytes.
+
+- ``parity_report`` (``single``): one process, no FSDP, CPU or CUDA;
+- ``sharded_parity_report`` (``sharded``): Torch under ``torch_side`` FSDP on spawned ranks, Flax
+  on the planes FSDP all-gathered;
+- ``ParityReport`` (``report``): per-layer differences, MXFP8 bytes, zero-copy pointers, verdict;
+- command line: ``python -m apps.parity`` (``cli``). Guide: docs/models_and_parity.md.
+"""
+
+from apps.parity.flax_run import Batch, FlaxRun, init_flax_params, make_batch, run_flax
+from apps.parity.report import Diff, LayerBytes, ParityReport, Quantity, ZeroCopy, compare
+from apps.parity.sharded import parity_on_gathered, sharded_parity_report
+from apps.parity.single import parity_report
+from apps.parity.torch_run import LinearIO, TorchRun, run_sharded, run_torch, shard_gpt
+
+__all__ = [
+    "Batch",
+    "Diff",
+    "FlaxRun",
+    "LayerBytes",
+    "LinearIO",
+    "ParityReport",
+    "Quantity",
+    "TorchRun",
+    "ZeroCopy",
+    "compare",
+    "init_flax_params",
+    "make_batch",
+    "parity_on_gathered",
+    "parity_report",
+    "run_flax",
+    "run_sharded",
+    "run_torch",
+    "shard_gpt",
+    "sharded_parity_report",
+]

@@ -1,0 +1,55 @@
+"""Shared facts of the project, framework-free (DESIGN.md 2): importing this starts neither torch
+nor jax (numpy and ml_dtypes only).
+
+- ``formats``: block size, E4M3/E8M0 constants, ``Plane``, ``WeightFormat`` with its one table of
+  facts (``FORMATS``), scale shapes, the MXFP8 shape rule;
+- ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
+- ``modes``: ``LinearMode``, the one enum of how a linear layer multiplies;
+- ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
+- ``model_config``: ``GPTConfig`` and its presets, shared by the Torch and Flax twins;
+- ``enums``: ``parse_enum``, the one way user input becomes an enum member.
+"""
+
+from common.enums import parse_enum
+from common.formats import (
+    BLOCK_SIZE,
+    E4M3_MAX,
+    E8M0_BIAS,
+    FORMATS,
+    FormatSpec,
+    Plane,
+    ScaleBlocks,
+    WeightFormat,
+    check_mxfp8_shape,
+    format_spec,
+    scale_shape,
+)
+from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
+from common.kernels import Backend, GemmImpl, KernelConfig
+from common.model_config import PRESETS, GPTConfig
+from common.modes import LinearMode
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E4M3_MAX",
+    "E8M0_BIAS",
+    "FORMATS",
+    "PRESETS",
+    "ROLES",
+    "Backend",
+    "FormatSpec",
+    "GPTConfig",
+    "GemmImpl",
+    "GemmRole",
+    "KernelConfig",
+    "LinearMode",
+    "Plane",
+    "RoleSpec",
+    "ScaleBlocks",
+    "WeightFormat",
+    "check_mxfp8_shape",
+    "format_spec",
+    "parse_enum",
+    "role_spec",
+    "scale_shape",
+]

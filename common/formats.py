@@ -1,0 +1,156 @@
+"""Formats of model weights and the MXFP8 layout facts, in one table (DESIGN.md 3-5).
+
+- ``BLOCK_SIZE`` (32), ``E4M3_MAX`` (448), ``E8M0_BIAS`` (127): the MXFP8 constants, defined once.
+- ``Plane``: which quantized copy of a 2-D (M, K) tensor -- ``ROWWISE`` (blocks 1x32 along K,
+  scales (M, K/32)) or ``COLWISE`` (blocks 32x1 along M, data *not transposed*, scales (M/32, K)).
+  A high-precision weight has one plane, ``ROWWISE``: the weights themselves.
+- ``WeightFormat``: the format of the model weights forward and backward read, with ``FORMATS``
+  mapping each one to a ``FormatSpec``: the model weight buffer's dtype, the high-precision dtype
+  the weight is made from, the planes it consists of (forward reads the first, backward the last)
+  and, for block-scaled formats, ``ScaleBlocks`` (element and scale dtypes, block size, element
+  max). Code asks the table; nothing branches on a derived boolean. ``NVFP4`` is described here
+  so that the table shows the room left for it, but no layer implements it: each layer refuses
+  it (and any format missing from its own table) with a clear error.
+
+Dtypes are named by strings (``"bfloat16"``, ``"uint8"``, ``"float8_e4m3fn"``) so this module
+stays framework-free; each layer maps names to its own dtype objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from common.enums import parse_enum
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E4M3_MAX",
+    "E8M0_BIAS",
+    "E8M0_INF",
+    "E8M0_NAN",
+    "FORMATS",
+    "FormatSpec",
+    "Plane",
+    "ScaleBlocks",
+    "WeightFormat",
+    "check_mxfp8_shape",
+    "format_spec",
+    "scale_shape",
+]
+
+BLOCK_SIZE = 32
+E4M3_MAX = 448.0
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E8M0_INF = 0xFE
+
+
+class Plane(enum.Enum):
+    """Which quantized copy of a tensor: blocks along K (rowwise) or along M (columnwise)."""
+
+    ROWWISE = "rowwise"
+    COLWISE = "colwise"
+
+    @classmethod
+    def parse(cls, plane: Plane | str) -> Plane:
+        return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
+
+
+class WeightFormat(enum.Enum):
+    """Format of the model weights that forward and backward read."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    MXFP8_E4M3 = "mxfp8_e4m3"
+    NVFP4 = "nvfp4"  # described in FORMATS; not implemented by any layer yet
+
+    @classmethod
+    def parse(cls, value: WeightFormat | str) -> WeightFormat:
+        return parse_enum(cls, value, what="weight format")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleBlocks:
+    """Facts of a block-scaled format."""
+
+    element_dtype: str  # e.g. "float8_e4m3fn"
+    scale_dtype: str  # e.g. "float8_e8m0fnu"
+    block_size: int  # elements per scale, along the blocked axis of each plane
+    element_max: float  # largest finite element magnitude
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatSpec:
+    """One row of ``FORMATS``; see the module docstring."""
+
+    buffer_dtype: str  # dtype of the model weight buffer (and of each plane's buffer)
+    source_dtype: str  # high-precision dtype the model weights are made from
+    planes: tuple[Plane, ...]  # forward reads planes[0], backward planes[-1]
+    blocks: ScaleBlocks | None  # None: stored as is, not block-scaled
+
+    @property
+    def forward_plane(self) -> Plane:
+        return self.planes[0]
+
+    @property
+    def backward_plane(self) -> Plane:
+        return self.planes[-1]
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a weight of ``shape`` cannot take this format, or None if it can."""
+        if self.blocks is None:
+            return None
+        b = self.blocks.block_size
+        if len(shape) != 2 or not all(d > 0 and d % b == 0 for d in shape):
+            return f"a block-scaled weight must be 2-D with both dims positive multiples of {b}"
+        return None
+
+
+_MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
+_BOTH = (Plane.ROWWISE, Plane.COLWISE)
+
+FORMATS: dict[WeightFormat, FormatSpec] = {
+    WeightFormat.FP32: FormatSpec("float32", "float32", (Plane.ROWWISE,), None),
+    WeightFormat.BF16: FormatSpec("bfloat16", "bfloat16", (Plane.ROWWISE,), None),
+    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", _BOTH, _MXFP8_BLOCKS),
+    WeightFormat.NVFP4: FormatSpec(
+        "uint8", "bfloat16", _BOTH, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
+    ),
+}
+
+
+def format_spec(fmt: WeightFormat | str) -> FormatSpec:
+    """The table row of a format (accepts the enum or its value)."""
+    return FORMATS[WeightFormat.parse(fmt)]
+
+
+def scale_shape(shape: tuple[int, int], plane: Plane) -> tuple[int, int]:
+    """Compact E8M0 scale shape of one MXFP8 plane of a logical (M, K) tensor (DESIGN.md 4):
+    rowwise (M, K/32), columnwise (M/32, K)."""
+    m, k = shape
+    if plane is Plane.ROWWISE:
+        return (m, k // BLOCK_SIZE)
+    return (m // BLOCK_SIZE, k)
+
+
+def _round_up(d: int) -> int:
+    return max(BLOCK_SIZE, -(-d // BLOCK_SIZE) * BLOCK_SIZE)
+
+
+def check_mxfp8_shape(shape, what: str) -> tuple[int, int]:
+    """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{what}: MXFP8 needs a 2-D (M, K) tensor, got shape {shape} ({len(shape)}-D); "
+            f"reshape to 2-D first (e.g. x.reshape(-1, x.shape[-1]))"
+        )
+    m, k = shape
+    if m % BLOCK_SIZE or k % BLOCK_SIZE or m == 0 or k == 0:
+        raise ValueError(
+            f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
+            f"{shape}; pad to {_round_up(m), _round_up(k)} or keep this tensor in a non-MXFP8 "
+            f"format"
+        )
+    return m, k

@@ -1,0 +1,295 @@
+"""The one JAX MXFP8 linear layer ``y = x W^T``: quantization points, token padding, GEMM roles.
+
+Both the Torch op (``bridge.mxfp8_linear``, Torch autograd around these jitted pieces) and the
+Flax twin (``mxfp8_linear`` below, a ``jax.custom_vjp`` over the same pieces) run this code, so
+the two stacks agree by construction: same programs, same bytes.
+
+| step    | computes    | quantized operands (``common.gemm_roles``)      | result dtype |
+|---------|-------------|-------------------------------------------------|--------------|
+| forward | y  = x W^T  | x rowwise, W rowwise (x colwise kept for wgrad) | out_dtype    |
+| dgrad   | dx = dy W   | dy rowwise, W colwise                           | x's dtype    |
+| wgrad   | dW = dy^T x | dy colwise, x colwise                           | W's dtype    |
+
+W is either given as MXFP8 planes (e.g. FSDP's all-gathered planes, used as they are) or
+quantized here as ``quantize(bf16(weight))`` (DESIGN.md 3: master weights are quantized from their
+bf16 rounding).
+
+Tokens (the flattened leading dims of x, the M of x and dy) need not be a multiple of 32: x and dy
+are **zero-padded along the token dim** to the next multiple of 32 (at least 32) before they are
+quantized, and outputs are sliced back to the real tokens. Zero rows never raise a block amax, so
+every real element gets exactly the scale of the block of real tokens it sits in (the last,
+partial 32x1 colwise block is scaled by the amax of its real rows only); zero rows quantize to zero
+bytes and add exactly nothing to wgrad. With zero tokens, y and dx are empty and dW is zero.
+
+Compilation: forward (quantize x, GEMM) and backward (quantize dy, dgrad, wgrad) are each one
+jitted program per (shape, dtype, kernels); layers of equal shape share compiled code. The
+kernels (``ResolvedKernels``, from a ``KernelConfig``) are a static argument. Rounding to the
+result dtype happens once, after the fp32 GEMM.
+
+``LinearMode.HIGH_PRECISION`` runs the same graph with plain dots (no quantization), accumulating
+in float32 (float64 if an input is float64), for the control and gradcheck-style tests.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from common.formats import BLOCK_SIZE, Plane
+from common.gemm_roles import GemmRole
+from common.kernels import KernelConfig
+from common.modes import LinearMode
+from jax_side.mxfp8 import MXFP8Tensor, matmul, quantize
+from jax_side.mxfp8.kernels import ResolvedKernels, resolve_kernels
+
+__all__ = [
+    "BackwardOut",
+    "ForwardOut",
+    "LinearFn",
+    "backward",
+    "forward",
+    "high_precision_linear",
+    "hp_backward",
+    "hp_forward",
+    "linear_fn",
+    "mxfp8_linear",
+    "pad_tokens",
+    "padded_tokens",
+    "quantize_activation",
+    "quantize_weight",
+]
+
+
+class ForwardOut(NamedTuple):
+    y: jax.Array  # (T, N), out_dtype
+    x_colwise: MXFP8Tensor | None  # colwise plane of the padded x (T_pad, K), for wgrad
+
+
+class BackwardOut(NamedTuple):
+    dx: jax.Array | None  # (T, K)
+    dw: jax.Array | None  # (N, K)
+
+
+def padded_tokens(tokens: int) -> int:
+    """Token count after zero-padding: the next multiple of 32, and at least 32."""
+    return max(BLOCK_SIZE, -(-tokens // BLOCK_SIZE) * BLOCK_SIZE)
+
+
+def pad_tokens(x2d: jax.Array) -> jax.Array:
+    """(T, C) -> (padded_tokens(T), C), appended rows are zero."""
+    t = x2d.shape[0]
+    return jnp.pad(x2d, ((0, padded_tokens(t) - t), (0, 0)))
+
+
+def _kernels(kernels: ResolvedKernels | KernelConfig | None) -> ResolvedKernels:
+    if isinstance(kernels, ResolvedKernels):
+        return kernels
+    return resolve_kernels(kernels)
+
+
+def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
+    return matmul(a, b, role, out_dtype=out_dtype, impl=kernels.gemm, backend=kernels.backend)
+
+
+@functools.partial(jax.jit, static_argnames=("rowwise", "colwise", "kernels"))
+def _quantize_weight(w, *, rowwise: bool, colwise: bool, kernels: ResolvedKernels):
+    return quantize(w.astype(jnp.bfloat16), rowwise=rowwise, colwise=colwise,
+                    backend=kernels.backend)
+
+
+def quantize_weight(
+    w: jax.Array,
+    *,
+    rowwise: bool = True,
+    colwise: bool = True,
+    kernels: ResolvedKernels | KernelConfig | None = None,
+) -> MXFP8Tensor:
+    """MXFP8 planes of ``bf16(w)`` for a high-precision (N, K) weight, N and K multiples of 32."""
+    return _quantize_weight(w, rowwise=rowwise, colwise=colwise, kernels=_kernels(kernels))
+
+
+@functools.partial(jax.jit, static_argnames=("kernels",))
+def _quantize_activation(x, *, kernels: ResolvedKernels):
+    return quantize(pad_tokens(x), rowwise=True, colwise=True, backend=kernels.backend)
+
+
+def quantize_activation(
+    x: jax.Array, *, kernels: ResolvedKernels | KernelConfig | None = None
+) -> MXFP8Tensor:
+    """Both MXFP8 planes of a (T, C) activation or gradient, padded to (padded_tokens(T), C)."""
+    return _quantize_activation(x, kernels=_kernels(kernels))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "keep_x_colwise", "kernels"))
+def forward(
+    x2d: jax.Array,
+    w_rowwise: MXFP8Tensor,
+    *,
+    out_dtype,
+    keep_x_colwise: bool,
+    kernels: ResolvedKernels,
+) -> ForwardOut:
+    """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
+    if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
+    xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise, backend=kernels.backend)
+    y = _gemm(xq, w_rowwise, GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
+    return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
+
+
+@functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels"))
+def backward(
+    dy2d: jax.Array,
+    w_colwise: MXFP8Tensor | None,
+    x_colwise: MXFP8Tensor | None,
+    *,
+    dx_dtype,
+    dw_dtype,
+    kernels: ResolvedKernels,
+) -> BackwardOut:
+    """dgrad (if ``w_colwise`` is given) and wgrad (if ``x_colwise`` is given).
+
+    dy2d (T, N) bf16/fp32; w_colwise: colwise plane of W (N, K); x_colwise: colwise plane of the
+    padded x (T_pad, K) from ``forward``. dx (T, K) dx_dtype, dW (N, K) dw_dtype.
+    """
+    need_dx, need_dw = w_colwise is not None, x_colwise is not None
+    dyq = quantize(pad_tokens(dy2d), rowwise=need_dx, colwise=need_dw, backend=kernels.backend)
+    dx = dw = None
+    if need_dx:
+        dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels)[: dy2d.shape[0]].astype(dx_dtype)
+    if need_dw:
+        dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels).astype(dw_dtype)
+    return BackwardOut(dx, dw)
+
+
+def _acc_dtype(*dtypes):
+    return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
+
+
+def _dot(a, b, contract_a: int, contract_b: int, acc):
+    return lax.dot_general(
+        a.astype(acc),
+        b.astype(acc),
+        (((contract_a,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=acc,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def hp_forward(x2d: jax.Array, w: jax.Array, *, out_dtype) -> jax.Array:
+    """y = x W^T without quantization. x2d (T, K), w (N, K) -> (T, N) out_dtype."""
+    return _dot(x2d, w, 1, 1, _acc_dtype(x2d.dtype, w.dtype)).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("need_dx", "need_dw"))
+def hp_backward(dy2d, x2d, w, *, need_dx: bool, need_dw: bool) -> BackwardOut:
+    """dx = dy W (T, K) in x's dtype, dW = dy^T x (N, K) in w's dtype, without quantization."""
+    acc = _acc_dtype(dy2d.dtype, x2d.dtype, w.dtype)
+    dx = _dot(dy2d, w, 1, 0, acc).astype(x2d.dtype) if need_dx else None
+    dw = _dot(dy2d, x2d, 0, 0, acc).astype(w.dtype) if need_dw else None
+    return BackwardOut(dx, dw)
+
+
+# ------------------------------------------------------------------ the Flax-facing functions
+
+
+class LinearFn(Protocol):
+    """``fn(x, weight, weight_q) -> y``: x (T, K), weight (N, K), weight_q MXFP8 planes or None."""
+
+    def __call__(
+        self, x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None
+    ) -> jax.Array: ...
+
+
+def _check(x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None) -> None:
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear: expected x (T, K) and weight (N, K) with the same K, got x {x.shape} and "
+            f"weight {weight.shape}; flatten leading dims first: x.reshape(-1, x.shape[-1])"
+        )
+    if weight_q is not None and tuple(weight_q.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"linear: weight_q has shape {weight_q.shape} but the weight (gradient slot) has "
+            f"{weight.shape}; pass the planes of this very parameter"
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mxfp8_linear(x, weight, weight_q, kernels):
+    return _fwd(x, weight, weight_q, kernels)[0]
+
+
+def _fwd(x, weight, weight_q, kernels):
+    wq = quantize_weight(weight, kernels=kernels) if weight_q is None else weight_q
+    out = forward(x, wq.only(Plane.ROWWISE), out_dtype=x.dtype, keep_x_colwise=True,
+                  kernels=kernels)
+    # Residuals: the quantized operands the backward GEMMs read, and dtype carriers for dx, dW.
+    res = (wq.only(Plane.COLWISE), out.x_colwise, jnp.zeros((), x.dtype),
+           jnp.zeros((), weight.dtype))
+    return out.y, res
+
+
+def _bwd(kernels, res, dy):
+    w_colwise, x_colwise, x_dtype, w_dtype = res
+    out = backward(dy, w_colwise, x_colwise, dx_dtype=x_dtype.dtype, dw_dtype=w_dtype.dtype,
+                   kernels=kernels)
+    return out.dx, out.dw, None
+
+
+_mxfp8_linear.defvjp(_fwd, _bwd)
+
+
+def mxfp8_linear(
+    x: jax.Array,
+    weight: jax.Array,
+    weight_q: MXFP8Tensor | None = None,
+    *,
+    kernels: ResolvedKernels | KernelConfig | None = None,
+) -> jax.Array:
+    """MXFP8 ``y = x W^T`` with the quantization points of the module table; x (T, K) f32/bf16 ->
+    (T, N) in x.dtype, differentiable (``jax.grad``/``jax.vjp``: dx to x, dW to weight).
+
+    weight_q: MXFP8 planes of W used as they are (then ``weight``'s values are never read: it is
+    only the slot that receives dW), or None to quantize ``bf16(weight)`` here.
+    """
+    _check(x, weight, weight_q)
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"mxfp8_linear: x must be float32 or bfloat16, got {x.dtype}")
+    return _mxfp8_linear(x, weight, weight_q, _kernels(kernels))
+
+
+def high_precision_linear(
+    x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None = None
+) -> jax.Array:
+    """Control ``y = x W^T`` without quantization: fp32 accumulation at HIGHEST precision.
+
+    weight_q must be None (the control has no MXFP8 planes to use).
+    """
+    _check(x, weight, weight_q)
+    if weight_q is not None:
+        raise ValueError(
+            "high_precision_linear: got MXFP8 planes (weight_q); the high-precision control "
+            "reads the weight itself -- use mxfp8_linear to run on MXFP8 planes"
+        )
+    y = lax.dot_general(
+        x,
+        weight.astype(x.dtype),
+        (((1,), (1,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return y.astype(x.dtype)
+
+
+def linear_fn(
+    mode: LinearMode | str, kernels: ResolvedKernels | KernelConfig | None = None
+) -> LinearFn:
+    """The ``LinearFn`` implementing a ``LinearMode`` (MXFP8 with the given kernels, or HP)."""
+    mode = LinearMode.parse(mode)
+    if mode is LinearMode.HIGH_PRECISION:
+        return high_precision_linear
+    return functools.partial(mxfp8_linear, kernels=_kernels(kernels))

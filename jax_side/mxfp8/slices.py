@@ -1,0 +1,146 @@
+"""The slice building blocks of distributed quantization (DESIGN.md 5), validated and dispatched.
+
+``partial_block_amax`` -> (all-reduce MAX across ranks) -> ``scales_from_amax`` -> ``cast_slice``
+reproduces whole-tensor ``quantize`` byte for byte for any split into flat slices. A flat slice of
+a row-major (M, K) tensor is a 1-D array holding flat elements ``[start, start + n)``; shape and
+start are static (one compiled program per slice, as FSDP repeats them every step).
+
+``backend`` picks the implementation (``xla``, the reference, or a kernel backend that implements
+the same functions byte-identically); ``te`` has no slice functions and is refused.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from common.formats import check_mxfp8_shape, scale_shape
+from common.kernels import Backend
+from jax_side.mxfp8.backends import backend_module, resolve_backend
+from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast
+
+__all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
+
+INPUT_DTYPES = (jnp.bfloat16, jnp.float32)
+
+
+def check_dtype(x, what: str) -> None:
+    """bf16 or fp32 input, else a TypeError with the fix (float64 is never narrowed silently)."""
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{what}: MXFP8 quantizes bfloat16 or float32 input, got dtype {x.dtype}; "
+            f"cast first, e.g. x.astype(jnp.bfloat16) (master weights: bf16(fp32 master))"
+        )
+
+
+def _check_start(start, what: str) -> int:
+    try:
+        return operator.index(start)
+    except TypeError:
+        raise TypeError(
+            f"{what}: start must be an integer flat offset, got {start!r} "
+            f"({type(start).__name__}); pass the slice's first row-major element index"
+        ) from None
+
+
+def _check_slice(flat, shape, start, what: str) -> tuple[int, int, int, int]:
+    m, k = check_mxfp8_shape(shape, what)
+    start = _check_start(start, what)
+    if flat.ndim != 1:
+        raise ValueError(f"{what}: expected a 1-D flat slice, got shape {tuple(flat.shape)}")
+    n = int(flat.shape[0])
+    if start < 0 or start + n > m * k:
+        raise ValueError(
+            f"{what}: slice [start, start + n) = [{start}, {start + n}) lies outside the "
+            f"{m * k} elements of shape {(m, k)}; pass the slice's flat row-major start offset"
+        )
+    return m, k, n, start
+
+
+def slice_backend(backend: Backend | str | None, what: str):
+    """The module whose slice functions run for ``backend`` (``te`` has none)."""
+    choice = resolve_backend(backend)
+    if choice.backend is Backend.TE:
+        if backend is None:  # the automatic default picked TE's kernels: slices stay on xla
+            return backend_module(Backend.XLA)
+        raise ValueError(
+            f"{what}: the te backend has no slice building blocks (Transformer Engine quantizes "
+            f"whole tensors only); use backend='xla' (the reference) or a kernel backend"
+        )
+    return backend_module(choice.backend)
+
+
+def partial_block_amax(
+    flat: jax.Array,
+    shape: tuple[int, int],
+    start: int,
+    *,
+    rowwise: bool = True,
+    colwise: bool = True,
+    backend: Backend | str | None = None,
+) -> BlockAmax:
+    """Block amax of the part of a (M, K) tensor held in a flat slice.
+
+    flat: 1-D bf16/fp32, elements ``[start, start + n)`` of the row-major (M, K) tensor; shape and
+    start are static. Returns fp32 arrays of the full scale shapes -- rowwise (M, K/32), blocks
+    along K; colwise (M/32, K), blocks along M -- holding this slice's contribution and 0
+    elsewhere. Elementwise ``max`` over the results of any split into slices (e.g. an
+    ``all_reduce(MAX)``) gives the whole tensor's block amax. NaN is ignored; Inf counts.
+    """
+    m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
+    check_dtype(flat, "partial_block_amax")
+    impl = slice_backend(backend, "partial_block_amax")
+    return impl.partial_block_amax(flat, (m, k), start, bool(rowwise), bool(colwise))
+
+
+def scales_from_amax(amax: jax.Array, *, backend: Backend | str | None = None) -> jax.Array:
+    """E8M0 scales (float8_e8m0fnu, same shape) from fp32 block amax, DESIGN.md 3 steps 2-3.
+
+    amax must be non-negative (as produced by ``partial_block_amax``): +Inf gives 0xFE; a NaN
+    amax (which ``partial_block_amax`` never produces, NaN being ignored) gives 0xFF, the E8M0 NaN.
+    """
+    if amax.dtype != jnp.float32:
+        raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
+    return slice_backend(backend, "scales_from_amax").scales_from_amax(amax)
+
+
+def scale_bytes(scale: jax.Array, expected: tuple[int, int], what: str) -> jax.Array:
+    """uint8 view of E8M0 scales of the expected shape (float8_e8m0fnu or uint8 accepted)."""
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: expected scale shape {expected}, got {tuple(scale.shape)}")
+    if scale.dtype == jnp.float8_e8m0fnu:
+        return lax.bitcast_convert_type(scale, jnp.uint8)
+    if scale.dtype == jnp.uint8:
+        return scale
+    raise TypeError(f"{what}: expected float8_e8m0fnu (or uint8) scales, got {scale.dtype}")
+
+
+def cast_slice(
+    flat: jax.Array,
+    shape: tuple[int, int],
+    start: int,
+    *,
+    rowwise_scale: jax.Array | None = None,
+    colwise_scale: jax.Array | None = None,
+    backend: Backend | str | None = None,
+) -> SliceCast:
+    """Cast a flat slice of a (M, K) tensor to e4m3 with precomputed full scales.
+
+    flat: 1-D bf16/fp32, elements ``[start, start + n)`` (row-major); rowwise_scale: E8M0
+    (M, K/32) or None; colwise_scale: E8M0 (M/32, K) or None (uint8 bytes are accepted too).
+    Returns 1-D float8_e4m3fn arrays of length n per requested plane: exactly the bytes that the
+    whole-tensor ``quantize`` has at those flat positions.
+    """
+    m, k, _, start = _check_slice(flat, shape, start, "cast_slice")
+    check_dtype(flat, "cast_slice")
+    if rowwise_scale is None and colwise_scale is None:
+        raise ValueError("cast_slice: pass rowwise_scale and/or colwise_scale")
+    row_b = None if rowwise_scale is None else scale_bytes(
+        rowwise_scale, scale_shape((m, k), Plane.ROWWISE), "cast_slice rowwise_scale")
+    col_b = None if colwise_scale is None else scale_bytes(
+        colwise_scale, scale_shape((m, k), Plane.COLWISE), "cast_slice colwise_scale")
+    impl = slice_backend(backend, "cast_slice")
+    return impl.cast_slice(flat, (m, k), start, row_b, col_b)

@@ -1,0 +1,87 @@
+"""The shared facts (``common``): one table per fact, validated configs, one enum parser."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from common import (
+    BLOCK_SIZE,
+    FORMATS,
+    GPTConfig,
+    KernelConfig,
+    LinearMode,
+    Plane,
+    WeightFormat,
+    check_mxfp8_shape,
+    format_spec,
+    parse_enum,
+    role_spec,
+    scale_shape,
+)
+from common.kernels import Backend, GemmImpl
+from common.model_config import GPT2_124M, GPT2_350M, PRESETS
+
+
+def test_every_weight_format_has_one_row_and_planes_follow_block_scaling():
+    assert set(FORMATS) == set(WeightFormat)
+    for fmt, spec in FORMATS.items():
+        assert spec.forward_plane is Plane.ROWWISE, fmt
+        if spec.blocks is None:
+            assert spec.planes == (Plane.ROWWISE,) and spec.buffer_dtype == spec.source_dtype
+        else:
+            assert spec.backward_plane is Plane.COLWISE and spec.buffer_dtype == "uint8"
+    mx = format_spec("mxfp8_e4m3")
+    assert (mx.blocks.block_size, mx.blocks.element_max) == (BLOCK_SIZE, 448.0)
+    assert mx.source_dtype == "bfloat16"  # DESIGN.md 3: quantize bf16(fp32 master)
+    assert format_spec(WeightFormat.NVFP4).blocks.block_size == 16  # described, not implemented
+
+
+def test_shape_rules_and_scale_shapes():
+    mx = format_spec(WeightFormat.MXFP8_E4M3)
+    assert mx.shape_problem((64, 96)) is None
+    assert "multiples of 32" in mx.shape_problem((40, 64))
+    assert "2-D" in mx.shape_problem((64,))
+    assert format_spec(WeightFormat.FP32).shape_problem((3, 5, 7)) is None
+    assert scale_shape((64, 96), Plane.ROWWISE) == (64, 3)
+    assert scale_shape((64, 96), Plane.COLWISE) == (2, 96)
+    assert check_mxfp8_shape((64, 96), "w") == (64, 96)
+    with pytest.raises(ValueError, match=r"w: MXFP8 needs M % 32 == 0.*\(40, 64\).*\(64, 64\)"):
+        check_mxfp8_shape((40, 64), "w")
+
+
+def test_gemm_role_table():
+    fwd, dgrad, wgrad = (role_spec(r) for r in ("forward", "dgrad", "wgrad"))
+    assert (fwd.a_plane, fwd.b_plane) == (Plane.ROWWISE, Plane.ROWWISE)
+    assert (dgrad.a_plane, dgrad.b_plane) == (Plane.ROWWISE, Plane.COLWISE)
+    assert (wgrad.a_plane, wgrad.b_plane, wgrad.a_contract) == (Plane.COLWISE, Plane.COLWISE, 0)
+
+
+def test_kernel_config_is_frozen_parsed_and_refuses_te_with_a_gemm():
+    cfg = KernelConfig("xla", "dequant_bf16_dot")
+    assert cfg == KernelConfig(Backend.XLA, GemmImpl.DEQUANT_BF16_DOT) and hash(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.backend = Backend.TE
+    with pytest.raises(ValueError, match="te backend runs Transformer Engine's own GEMM"):
+        KernelConfig("te", "dequant_dot")
+    with pytest.raises(ValueError, match=r"unknown matmul impl 'fp8'.*dequant_bf16_dot"):
+        KernelConfig(gemm="fp8")
+    assert KernelConfig.reference() == KernelConfig("xla", "dequant_dot")
+
+
+def test_one_enum_parser_one_error_format():
+    assert parse_enum(LinearMode, "MXFP8", what="mode") is LinearMode.MXFP8
+    assert LinearMode.parse(LinearMode.HIGH_PRECISION) is LinearMode.HIGH_PRECISION
+    with pytest.raises(ValueError, match=r"unknown linear mode 'fp32': expected one of"):
+        LinearMode.parse("fp32")
+    assert Plane.parse("columnwise") is Plane.COLWISE
+
+
+def test_gpt_presets_validate_and_count_parameters():
+    assert set(PRESETS) >= {"tiny", "small", "gpt2-124m", "gpt2-350m"}
+    # GPT-2 124M has a tied LM head (124.4M with vocab 50304); ours is untied: + 50304 * 768
+    assert GPT2_124M.num_parameters() - 50304 * 768 == pytest.approx(124.4e6, rel=0.01)
+    assert GPT2_350M.num_parameters() - 50304 * 1024 == pytest.approx(355e6, rel=0.01)
+    with pytest.raises(ValueError, match=r"vocab_size=50257.*use 50272"):
+        GPTConfig(vocab_size=50257)

@@ -1,0 +1,188 @@
+"""The layer rules of DESIGN.md 2, enforced: an import graph over the source, and real imports in
+fresh interpreters asserting which frameworks each package pulls in.
+
+Layers (lowest first): ``common`` (framework-free facts) <- ``jax_side`` (numerics, Flax twin)
+<- ``bridge`` (the only library package importing torch and jax) <- ``torch_side`` (FSDP; JAX
+only through ``bridge``) <- ``apps`` (training, parity, command lines). Every import anywhere in a
+file counts, also inside functions ("not even lazily"). No circle between files, and none between
+packages or sub-packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROJECT = ("common", "jax_side", "bridge", "torch_side", "apps")
+FRAMEWORKS = ("torch", "jax", "jaxlib", "flax")
+
+# What each top-level package may import: project packages and frameworks.
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    "jax_side": {"common", "jax", "jaxlib", "flax"},
+    "bridge": {"common", "jax_side", "jax", "jaxlib", "torch"},
+    "torch_side": {"common", "bridge", "torch"},
+    "apps": {"common", "jax_side", "bridge", "torch_side", "jax", "jaxlib", "flax", "torch"},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {
+        _module_name(p): p
+        for top in PROJECT
+        for p in sorted((ROOT / top).rglob("*.py"))
+    }
+
+
+MODULES = _modules()
+
+
+def _resolve(base: str, name: str | None) -> str:
+    """``from base import name``: the submodule if ``name`` is one, else ``base``."""
+    if name and f"{base}.{name}" in MODULES:
+        return f"{base}.{name}"
+    return base
+
+
+def _imports(module: str, path: pathlib.Path) -> set[str]:
+    """Every module ``module`` imports (project modules by full name, others by top level)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            out.update(_resolve(base, a.name) for a in node.names)
+    return {m if m.split(".")[0] in PROJECT else m.split(".")[0] for m in out}
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def test_every_package_imports_only_the_layers_below_it():
+    bad = []
+    for module, deps in GRAPH.items():
+        top = module.split(".")[0]
+        for dep in deps:
+            dep_top = dep.split(".")[0]
+            if dep_top == top:
+                continue
+            if (dep_top in PROJECT or dep_top in FRAMEWORKS) and dep_top not in ALLOWED[top]:
+                bad.append(f"{module} imports {dep}")
+    assert not bad, "layer violations (DESIGN.md 2):\n" + "\n".join(sorted(bad))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_files():
+    graph = {m: {d for d in deps if d in GRAPH and d != m} for m, deps in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_no_import_circle_between_packages():
+    def package(m: str) -> str:
+        return m if MODULES[m].name == "__init__.py" else m.rpartition(".")[0]
+
+    graph: dict[str, set[str]] = {}
+    for m, deps in GRAPH.items():
+        graph.setdefault(package(m), set()).update(
+            package(d) for d in deps if d in MODULES and package(d) != package(m)
+        )
+    # a package's __init__ re-exporting its own sub-packages is containment, not a circle
+    for p, deps in graph.items():
+        graph[p] = {d for d in deps if not d.startswith(p + ".") and not p.startswith(d + ".")}
+    assert _cycles(graph) == []
+
+
+def test_the_graph_sees_the_known_edges():
+    """The checker itself: it must see real edges (else every rule above passes vacuously)."""
+    assert "jax_side.mxfp8.quantize" in GRAPH["jax_side.linear"] or (
+        "jax_side.mxfp8" in GRAPH["jax_side.linear"]
+    )
+    assert "torch" in GRAPH["bridge.dlpack"] and "jax" in GRAPH["bridge.dlpack"]
+    assert "bridge.mxfp8_slices" in GRAPH["torch_side.distributed_quantize"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# (import statement, modules that must NOT be loaded afterwards, modules that must be)
+IMPORTS = [
+    ("import common", ("torch", "jax", "flax"), ()),
+    ("import common.model_config, common.kernels", ("torch", "jax", "flax"), ()),
+    ("import jax_side.mxfp8", ("torch", "flax", "bridge"), ("jax",)),
+    ("import jax_side.linear, jax_side.models", ("torch", "bridge", "torch_side"), ("flax",)),
+    ("import torch_side.strategy, torch_side.policy", ("jax", "flax", "bridge"), ("torch",)),
+    ("import torch_side", ("jax", "flax", "bridge"), ()),
+    ("import bridge", ("torch_side", "apps", "flax"), ("torch", "jax")),
+    ("from torch_side import fully_shard", ("apps", "flax"), ("bridge", "jax")),
+]
+
+
+@pytest.mark.parametrize(("statement", "absent", "present"), IMPORTS, ids=[i[0] for i in IMPORTS])
+def test_a_fresh_import_loads_only_its_layers(statement, absent, present):
+    code = (
+        f"{statement}\nimport json, sys\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not loaded & set(absent), f"{statement!r} loaded {sorted(loaded & set(absent))}"
+    assert set(present) <= loaded, f"{statement!r} did not load {set(present) - loaded}"

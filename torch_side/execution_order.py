@@ -1,0 +1,30 @@
+"""``ExecutionOrder``: the order FSDP units ran in the first forward, for prefetching.
+
+Recorded during the first iteration (the pre-forward hook of each unit calls ``record``) and
+frozen when that iteration's backward ends; after that, the unit after (before) a given one in
+forward order is the one whose planes forward (backward) prefetch starts gathering early.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ExecutionOrder"]
+
+
+class ExecutionOrder:
+    def __init__(self) -> None:
+        self._order: list = []
+        self.frozen = False
+
+    def record(self, unit) -> None:
+        if not self.frozen and unit not in self._order:
+            self._order.append(unit)
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def neighbour(self, unit, step: int):
+        """The unit ``step`` places after ``unit`` in forward order (None: unknown or none)."""
+        if not self.frozen or unit not in self._order:
+            return None
+        i = self._order.index(unit) + step
+        return self._order[i] if 0 <= i < len(self._order) else None

@@ -1,0 +1,180 @@
+"""``fully_shard``: wrap an ``nn.Module`` into per-module FSDP units with MXFP8 model weights.
+
+The pieces, one noun each (see each file's note):
+
+- ``unit_builder``: which unit owns which parameters, groups by (device, format, requires_grad,
+  DP group), the plane-injection hooks;
+- ``FSDPUnit`` (``fsdp_unit``): one module's groups and the hooks that unshard, reshard, reduce;
+- ``ParamGroup`` (``param_group``): one group's buffers, plane states and collectives;
+- ``FSDPState`` (``fsdp_state``): the iteration lifecycle and prefetch order shared by the units;
+- ``state_dict``: full main weights, gradients and gathered model weights (collectives).
+
+``FSDPModel`` is the ``nn.Module`` the user holds: it forwards to the wrapped module and exposes
+those pieces. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` modules in
+``LinearMode.MXFP8``. See docs/fsdp.md for the user guide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bridge import TorchMXFP8Tensor
+from common.kernels import KernelConfig
+from torch_side import state_dict as sd
+from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collectives import Communicator, Phase, WireRecord
+from torch_side.fsdp_state import FSDPState
+from torch_side.fsdp_unit import FSDPUnit, GradCheck
+from torch_side.param_group import ParamGroup
+from torch_side.policy import MixedPrecisionPolicy
+from torch_side.strategy import ShardingStrategy
+from torch_side.unit_builder import ModuleSpec, UnitConfig, build_units, install_plane_hooks
+
+__all__ = ["FSDPModel", "fully_shard"]
+
+
+def _check_group(group, what: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"fully_shard: torch.distributed is not initialised; call "
+            f"dist.init_process_group(...) first (or torchrun), then wrap ({what})"
+        )
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"fully_shard: rank {dist.get_rank()} is not a member of the {what} process group; "
+            f"every rank that wraps the model must belong to it (build it with dist.new_group "
+            f"on all ranks and pass each rank its own group)"
+        )
+
+
+class FSDPModel(nn.Module):
+    """The wrapped model. ``module`` is the original model (its parameters now hold working
+    storage only; the truth is in the groups' main weights)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        unit_modules: ModuleSpec,
+        group,
+        strategy: ShardingStrategy,
+        policy: MixedPrecisionPolicy,
+        expert_modules: ModuleSpec,
+        expert_group,
+        grad_check: GradCheck,
+        kernels: KernelConfig | None,
+    ):
+        super().__init__()
+        _check_group(group, "data-parallel")
+        if expert_modules:
+            _check_group(expert_group, "expert data-parallel")
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise TypeError(f"fully_shard: policy must be a MixedPrecisionPolicy, got {policy!r}")
+        if kernels is not None and not isinstance(kernels, KernelConfig):
+            raise TypeError(f"fully_shard: kernels must be a KernelConfig, got {kernels!r}")
+        self.module = module
+        self.strategy = ShardingStrategy.parse(strategy)
+        self.policy, self.kernels = policy, kernels
+        self.grad_check = GradCheck(grad_check)
+        self.allocator = BucketAllocator()
+        self.comms = {"dp": Communicator(group, "dp")}
+        if expert_modules:
+            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp")
+        self.state = FSDPState()
+        cfg = UnitConfig(
+            policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels
+        )
+        self.units: list[FSDPUnit] = build_units(
+            module, unit_modules, expert_modules, cfg, self.state
+        )
+        for g in self.param_groups:
+            g.load_main_from([e.param for e in g.entries])
+            g.refresh_model_weights(Phase.STATE)
+            g.install_params()
+        self._planes_handles = install_plane_hooks(self.units)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ---- groups, grads, wire ---------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[ParamGroup]:
+        return [g for u in self.units for g in u.groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 -- nn.Module signature
+        """Zero the main gradients (the module parameters never keep ``.grad``)."""
+        for g in self.param_groups:
+            if g.main_grad is not None:
+                g.main_grad.zero_()
+
+    def refresh_model_weights(self) -> None:
+        """After the main weights changed: requantize / recast the model weight buffers."""
+        for g in self.param_groups:
+            g.refresh_model_weights(Phase.OPTIMIZER)
+
+    def wire_log(self) -> list[WireRecord]:
+        return [r for c in self.comms.values() for r in c.records]
+
+    def clear_wire_log(self) -> None:
+        for c in self.comms.values():
+            c.records.clear()
+
+    # ---- full values (collectives: call on every rank) ---------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{qualified name: full fp32 main weight}."""
+        return sd.full_state_dict(self.param_groups)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the main weights from full values (names and shapes checked first) and refresh
+        the model weights."""
+        sd.load_full_state_dict(self.param_groups, state)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """{qualified name: full reduced gradient, fp32} (after backward)."""
+        return sd.full_grads(self.param_groups)
+
+    @contextlib.contextmanager
+    def gathered_weights(self) -> Iterator[dict[str, TorchMXFP8Tensor | torch.Tensor]]:
+        """All-gathered model weights, valid inside the ``with`` (see
+        ``state_dict.gathered_weights``)."""
+        with sd.gathered_weights(self.param_groups) as out:
+            yield out
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    unit_modules: ModuleSpec = (),
+    group: dist.ProcessGroup | None = None,
+    strategy: ShardingStrategy | str = ShardingStrategy.OPTIM_GRADS_PARAMS,
+    policy: MixedPrecisionPolicy | None = None,
+    expert_modules: ModuleSpec = (),
+    expert_group: dist.ProcessGroup | None = None,
+    grad_check: GradCheck = GradCheck.OFF,
+    kernels: KernelConfig | None = None,
+) -> FSDPModel:
+    """Wrap ``module`` for sharded data-parallel training (see the module docstring).
+
+    group: DP process group (None: world). strategy: a ``ShardingStrategy`` or its string value.
+    policy: ``MixedPrecisionPolicy()`` when None (MXFP8 linear weights, fp32 others). The module
+    must hold the same initial values on every rank (or load them with ``load_full_state_dict``).
+    grad_check: ``GradCheck.FINITE`` raises, naming the parameter and rank, on a non-finite local
+    gradient. kernels: the ``KernelConfig`` of FSDP's own MXFP8 numerics (the distributed
+    quantization after each step; None: the device default). The layers' GEMMs use the kernels the
+    model's ``MXFP8Linear`` layers were built with.
+    """
+    return FSDPModel(
+        module,
+        unit_modules,
+        group,
+        strategy,
+        MixedPrecisionPolicy() if policy is None else policy,
+        expert_modules,
+        expert_group,
+        grad_check,
+        kernels,
+    )

@@ -1,0 +1,167 @@
+"""Building FSDP units from a module: which parameters each unit owns and how they are grouped.
+
+Units: every module in ``unit_modules`` (module types or instances) becomes a unit owning the
+parameters under it that no nested unit owns; the root unit owns the rest. Inside a unit,
+parameters are grouped by ``GroupKey`` = (device, weight format, requires_grad, DP group), so
+parameters of different formats never share a group; each group gets the codec of its format
+(``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Parameters under
+``expert_modules`` are sharded over the expert-DP group. For groups whose parameters are
+placeholders (MXFP8), a forward pre-hook on each owning layer injects its planes through the
+layer's ``weight_planes`` argument, so the model code calls the layer as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bridge import LinearMode, MXFP8Linear
+from common.kernels import KernelConfig
+from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collectives import Communicator
+from torch_side.fsdp_state import FSDPState
+from torch_side.fsdp_unit import FSDPUnit, GradCheck, MXFP8Planes
+from torch_side.param_group import GroupKey, ParamEntry, ParamGroup
+from torch_side.policy import MixedPrecisionPolicy
+from torch_side.strategy import ShardingStrategy
+from torch_side.weight_codecs import ParamStorage, codec_for
+
+__all__ = ["ModuleSpec", "UnitConfig", "build_units", "install_plane_hooks"]
+
+ModuleSpec = Sequence[type[nn.Module] | nn.Module]
+
+
+class UnitConfig(NamedTuple):
+    """Everything ``build_units`` needs besides the module."""
+
+    policy: MixedPrecisionPolicy
+    strategy: ShardingStrategy
+    comms: dict[str, Communicator]  # "dp" and, with experts, "expert_dp"
+    allocator: BucketAllocator
+    grad_check: GradCheck
+    kernels: KernelConfig | None
+
+
+def _matches(module: nn.Module, spec: ModuleSpec) -> bool:
+    return any(module is s or (isinstance(s, type) and isinstance(module, s)) for s in spec)
+
+
+def _is_mxfp8_linear_weight(module: nn.Module, pname: str) -> bool:
+    return isinstance(module, MXFP8Linear) and module.mode is LinearMode.MXFP8 and pname == "weight"
+
+
+def _check_device(name: str, p: torch.Tensor, comm: Communicator) -> None:
+    if dist.get_backend(comm.group) == "nccl" and p.device.type != "cuda":
+        raise ValueError(
+            f"fully_shard: parameter {name!r} is on {p.device}, but the process group uses "
+            f"NCCL, which moves GPU tensors only; call model.to('cuda') before wrapping"
+        )
+
+
+def _check_specs(root: nn.Module, unit_modules: ModuleSpec, what: str) -> list[str]:
+    """Names of the modules matching a spec; a spec entry that matches nothing is an error."""
+    names = [n for n, m in root.named_modules() if _matches(m, unit_modules)]
+    for s in unit_modules:
+        if not any(_matches(m, [s]) for m in root.modules()):
+            label = s.__name__ if isinstance(s, type) else type(s).__name__ + " instance"
+            raise ValueError(
+                f"fully_shard: {what} entry {label} matches no module of the wrapped "
+                f"{type(root).__name__}; pass module types or instances that occur in the model "
+                f"(or drop the entry)"
+            )
+    return names
+
+
+def _owned_params(root: nn.Module, unit_names: list[str]):
+    """{unit name: [(qualified name, module, param name, parameter)]}; refuses tied weights."""
+    per_unit: dict[str, list] = {u: [] for u in unit_names}
+    seen: dict[int, str] = {}  # id(parameter) -> first qualified name
+    for mname, mod in root.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            qual = f"{mname}.{pname}" if mname else pname
+            if id(p) in seen:
+                raise ValueError(
+                    f"fully_shard: parameter {qual!r} is the same tensor as {seen[id(p)]!r} "
+                    f"(tied weights); FSDP units do not support tied parameters -- untie "
+                    f"them (e.g. copy the tensor) before wrapping"
+                )
+            seen[id(p)] = qual
+            unit = max(
+                (u for u in unit_names if u == "" or mname == u or mname.startswith(u + ".")),
+                key=len,
+            )
+            per_unit[unit].append((qual, mod, pname, p))
+    return per_unit
+
+
+def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[ParamGroup]:
+    by_key: dict[GroupKey, list[ParamEntry]] = {}
+    for qual, mod, pname, p in params:
+        _check_device(qual, p, cfg.comms["dp"])
+        fmt = cfg.policy.weight_format(qual, p, _is_mxfp8_linear_weight(mod, pname))
+        is_expert = any(qual.startswith(e + ".") for e in expert_prefixes)
+        key = GroupKey(p.device, fmt, p.requires_grad, "expert_dp" if is_expert else "dp")
+        by_key.setdefault(key, []).append(ParamEntry(qual, mod, p, tuple(p.shape), p.dtype))
+    groups = []
+    for key, entries in by_key.items():
+        label = f"{uname or '<root>'}/{key.weight_format.value}/{key.dp_group}"
+        if not key.requires_grad:
+            label += "/frozen"
+        groups.append(
+            ParamGroup(
+                label,
+                key,
+                entries,
+                cfg.policy,
+                cfg.strategy,
+                cfg.comms[key.dp_group],
+                cfg.allocator,
+                grad_divisor=cfg.comms["dp"].world_size,
+                codec=codec_for(key.weight_format),
+                kernels=cfg.kernels,
+            )
+        )
+    return groups
+
+
+def build_units(
+    root: nn.Module,
+    unit_modules: ModuleSpec,
+    expert_modules: ModuleSpec,
+    cfg: UnitConfig,
+    fsdp: FSDPState,
+) -> list[FSDPUnit]:
+    """The units of ``root`` (root unit first), their groups built and registered with ``fsdp``."""
+    unit_names = [""] + [n for n in _check_specs(root, unit_modules, "unit_modules") if n]
+    expert_prefixes = _check_specs(root, expert_modules, "expert_modules")
+    per_unit = _owned_params(root, unit_names)
+    units = []
+    for uname in unit_names:
+        module = root if uname == "" else root.get_submodule(uname)
+        groups = _build_groups(uname, per_unit[uname], expert_prefixes, cfg)
+        units.append(FSDPUnit(uname or "<root>", module, groups, fsdp, cfg.grad_check))
+    fsdp.units = units
+    return units
+
+
+def install_plane_hooks(units: list[FSDPUnit]) -> list:
+    """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder."""
+    handles = []
+    for unit in units:
+        for g in unit.groups:
+            if g.codec.param_storage is not ParamStorage.PLACEHOLDER:
+                continue
+            for i, e in enumerate(g.entries):
+                planes = MXFP8Planes(unit, g, i)
+
+                def inject(module, args, kwargs, planes=planes):
+                    kwargs = dict(kwargs)
+                    kwargs["weight_planes"] = planes
+                    return args, kwargs
+
+                handles.append(e.module.register_forward_pre_hook(inject, with_kwargs=True))
+    return handles
