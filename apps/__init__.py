@@ -1,0 +1,1 @@
+"""Applications above the library layers: training and parity (their data, command lines)."""
