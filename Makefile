@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m apps.training --compare
+	$(VENV)/bin/mxfp8-train --compare
 
 parity: venv
 	$(PY) -m apps.parity

@@ -1,90 +1,247 @@
-"""The hybrid training prototype: a small GPT trained with Torch FSDP + JAX MXFP8 GEMMs.
+"""``mxfp8-train`` (= ``python -m apps.training``): train a GPT with Torch FSDP + JAX MXFP8 GEMMs.
 
-    python -m apps.training                         # 2 gloo CPU ranks, ZeRO-3, MXFP8, 40 steps
-    python -m apps.training --compare               # the same run again with fp32 linears
-    python -m apps.training --device cuda --world-size 2 --config small --steps 100
+    mxfp8-train                                   # CPU, 2 gloo ranks it spawns, tiny GPT, MXFP8
+    mxfp8-train --compare                         # ... and the same run with fp32 linears
+    mxfp8-train --data stdlib --config small --steps 200 --metrics runs/small.jsonl --plot runs/small.png
+    mxfp8-train --save-dir ckpt --save-every 20 ; mxfp8-train --resume ckpt --steps 80
+    torchrun --nproc_per_node 2 -m apps.training --device cuda --config gpt2-124m --data stdlib
 
-Every rank runs ``apps.training.loop.train_rank``: the Torch GPT twin wrapped by
-``torch_side.fully_shard`` (one unit per block; linear weights MXFP8, everything else fp32),
-``FSDPOptimizer`` (AdamW over the fp32 main-weight shards, then the distributed MXFP8
-re-quantization), trained on a seeded Markov-chain corpus whose exact loss floor is printed.
+Without torchrun the command spawns ``--nproc`` local ranks itself (``torch_side.launch``); under
+torchrun (its environment variables are set) it is one rank of torchrun's job, on one GPU per
+process with ``--device cuda`` (``LOCAL_RANK`` picks it), so it runs across nodes the way torchrun
+jobs do. Guide: docs/training.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import math
+import os
+import sys
 import time
 
 __all__ = ["main", "parse_args"]
 
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mxfp8-train", description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2],
+    )
+    g = p.add_argument_group("where it runs")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
+    g.add_argument("--nproc", type=_positive(int), default=None,
+                   help="ranks to spawn locally (default 2 on cpu, 1 on cuda); not under torchrun")
+    g.add_argument("--timeout", type=_positive(float), default=None,
+                   help="seconds before a local launch is stopped (stalled ranks are named)")
+    g.add_argument("--collective-timeout", type=_positive(float), default=300.0,
+                   help="seconds a collective may wait for the other ranks")
+    m = p.add_argument_group("model and numerics")
+    m.add_argument("--config", default="tiny",
+                   choices=["tiny", "small", "gpt2-124m", "gpt2-350m"], help="GPTConfig preset")
+    m.add_argument("--weights", default="mxfp8", choices=["mxfp8", "bf16", "fp32"],
+                   help="linear layers: MXFP8, or the bf16 / fp32 high-precision controls")
+    m.add_argument("--activations", default=None, choices=["fp32", "bf16"],
+                   help="activation dtype (default fp32 on cpu, bf16 + fused attention on cuda)")
+    m.add_argument("--strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    m.add_argument("--recompute", default="none", choices=["none", "block"],
+                   help="activation checkpointing of the transformer blocks")
+    m.add_argument("--backend", default=None, choices=["xla", "pallas", "te"],
+                   help="MXFP8 quantize backend (default: the device's, reported)")
+    m.add_argument("--gemm", default=None,
+                   choices=["dequant_dot", "dequant_bf16_dot", "scaled_matmul"],
+                   help="MXFP8 GEMM implementation (default: the device's, reported)")
+    t = p.add_argument_group("optimisation and data")
+    t.add_argument("--steps", type=_positive(int), default=40)
+    t.add_argument("--micro-batches", type=_positive(int), default=2)
+    t.add_argument("--batch-size", type=_positive(int), default=8,
+                   help="sequences per rank and micro-batch")
+    t.add_argument("--seq-len", type=_positive(int), default=32)
+    t.add_argument("--lr", type=_positive(float), default=3e-3)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--seed", type=_non_negative_int, default=0)
+    t.add_argument("--data", default="markov",
+                   help="'markov' (exact loss floor), 'stdlib' (the Python standard library's "
+                        "sources as bytes) or a text file / directory of text files")
+    t.add_argument("--eval-batches", type=_positive(int), default=4,
+                   help="held-out batches evaluated at the end")
+    o = p.add_argument_group("outputs and checkpoints")
+    o.add_argument("--metrics", default=None, help="JSONL metrics file (one object per step)")
+    o.add_argument("--plot", default=None, help="PNG of the loss curves, drawn at the end")
+    o.add_argument("--save-dir", default=None, help="directory for sharded checkpoints")
+    o.add_argument("--save-every", type=_non_negative_int, default=0,
+                   help="steps between checkpoints (0: one at the end, with --save-dir)")
+    o.add_argument("--resume", default=None,
+                   help="a --save-dir (its latest checkpoint) or a step_* directory")
+    o.add_argument("--compare", action="store_true",
+                   help="also run the fp32-linear control with the same seed and data")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m apps.training", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="tiny", choices=["tiny", "small"], help="GPTConfig preset")
-    p.add_argument("--world-size", type=int, default=2, help="data-parallel ranks (processes)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
-    p.add_argument("--strategy", default="optim_grads_params",
-                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    p.add_argument("--weights", default="mxfp8", choices=["mxfp8", "fp32"],
-                   help="linear layers: MXFP8 weights and GEMMs, or the fp32 control")
-    p.add_argument("--compare", action="store_true",
-                   help="also run the fp32 control with the same seed and print both curves")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--print-every", type=int, default=5)
-    return p.parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if under_torchrun() and args.nproc is not None:
+        p.error("--nproc is for local launches; under torchrun use --nproc_per_node")
+    if args.save_every and not args.save_dir:
+        p.error("--save-every needs --save-dir")
+    if args.compare and (args.resume or args.save_dir):
+        p.error("--compare runs two trainings; use it without --resume / --save-dir")
+    if args.nproc is None:
+        args.nproc = 2 if args.device == "cpu" else 1
+    return args
 
 
-def _job(args, weights):
-    from apps.training.loop import TrainJob, WeightMode
-    from torch_side.strategy import ShardingStrategy
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in _TORCHRUN_VARS)
 
+
+def _job(args, weights: str):
+    from apps.training.job import TrainJob
+    from common.kernels import KernelConfig
+
+    kernels = None if args.backend is None and args.gemm is None else KernelConfig(
+        args.backend, args.gemm)
     return TrainJob(
-        config=args.config, weights=WeightMode(weights), strategy=ShardingStrategy(args.strategy),
-        steps=args.steps, micro_batches=args.micro_batches, batch_size=args.batch_size,
-        seq_len=args.seq_len, lr=args.lr, seed=args.seed, device=args.device,
+        config=args.config, weights=weights, activations=args.activations,
+        strategy=args.strategy, recompute=args.recompute, steps=args.steps,
+        micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, data=args.data,
+        eval_batches=args.eval_batches, device=args.device, kernels=kernels,
     )
 
 
-def _run(args, weights):
-    from apps.training.loop import train_rank
-    from torch_side.launch import run_local_ranks
+def _runs(args) -> list[tuple[str, object, object]]:
+    """(label, job, RunOptions) of every training this command runs."""
+    from apps.training.loop import RunOptions, result_path
 
-    t0 = time.perf_counter()
-    result = run_local_ranks(train_rank, args.world_size, (_job(args, weights),),
-                             device=args.device)[0]
-    return result, time.perf_counter() - t0
+    runs = [(args.weights, _job(args, args.weights), RunOptions(
+        metrics=args.metrics, save_dir=args.save_dir, save_every=args.save_every,
+        resume=args.resume, progress=not args.no_progress, label=args.weights))]
+    if args.compare and args.weights != "fp32":
+        runs.append(("fp32", _job(args, "fp32"), RunOptions(
+            metrics=result_path(args.metrics, "fp32"), progress=not args.no_progress,
+            label="fp32 control")))
+    return runs
+
+
+def _rank_entry(runs):
+    """What every rank runs: the trainings in order, then the results (rank 0's matter)."""
+    from apps.training.loop import train_rank
+
+    return [train_rank(job, opts) for _, job, opts in runs]
+
+
+def _torchrun_main(args, runs) -> list:
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        chosen = visible.split(",")[local] if visible else str(local)
+        os.environ["CUDA_VISIBLE_DEVICES"] = chosen  # before CUDA starts: this rank's GPU only
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        torch.cuda.set_device(0)
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    kwargs = {"device_id": torch.device("cuda", 0)} if args.device == "cuda" else {}
+    dist.init_process_group(
+        backend, timeout=datetime.timedelta(seconds=args.collective_timeout), **kwargs
+    )
+    try:
+        results = _rank_entry(runs)
+    finally:
+        dist.destroy_process_group()
+    return results if int(os.environ["RANK"]) == 0 else []
+
+
+def _print_summary(args, runs, results, wall: float) -> None:
+    first = results[0]
+    job = first.job
+    print(f"\nGPT {args.config!r} ({job.resolved_activations.value} activations), data "
+          f"{first.corpus}", flush=True)
+    floor = "" if first.loss_floor is None else f", exact floor {first.loss_floor:.3f}"
+    print(f"uniform loss {first.initial_loss:.3f}{floor} nats/token; {first.world_size} "
+          f"{args.device} ranks, {job.strategy.value}")
+    labels = [label for label, _, _ in runs]
+    if not first.steps:
+        print(f"nothing to train: the run was already at step {first.start_step} >= --steps "
+              f"{job.steps}; held-out loss {first.heldout_loss:.4f}")
+        return
+    print("step  " + "  ".join(f"{w:>8s} loss" for w in labels))
+    n = len(first.steps)
+    every = max(1, n // 8)
+    for i in sorted({*range(0, n, every), n - 1}):
+        row = "  ".join(f"{r.steps[i].loss:13.4f}" for r in results)
+        print(f"{first.steps[i].step:4d}  {row}")
+    for label, r in zip(labels, results, strict=True):
+        steady = sorted(s.seconds for s in r.steps[len(r.steps) // 2:]) or [float("nan")]
+        tps = sorted(s.tokens_per_s for s in r.steps[len(r.steps) // 2:]) or [float("nan")]
+        print(f"{label:>8s}: held-out loss {r.heldout_loss:.4f}; median step "
+              f"{steady[len(steady) // 2]:.3f} s ({tps[len(tps) // 2]:,.0f} tokens/s); first "
+              f"step {r.first_step_s:.1f} s")
+    print(f"wall {wall:.1f} s (spawn and compilation included)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [args.weights] + (["fp32"] if args.compare and args.weights != "fp32" else [])
-    results = {}
-    for weights in runs:
-        print(f"training: {weights} linears, {args.world_size} {args.device} ranks, "
-              f"{args.strategy}, {args.steps} steps ...", flush=True)
-        results[weights] = _run(args, weights)
-    first = results[runs[0]][0]
-    print(f"\nGPT '{args.config}', Markov corpus: uniform loss {first.initial_loss:.3f}, "
-          f"exact floor {first.loss_floor:.3f} nats/token")
-    header = "step  " + "  ".join(f"{w:>8s} loss" for w in runs)
-    print(header)
-    for i in range(0, args.steps, max(1, args.print_every)):
-        row = "  ".join(f"{results[w][0].steps[i].loss:13.4f}" for w in runs)
-        print(f"{i:4d}  {row}")
-    last = "  ".join(f"{results[w][0].steps[-1].loss:13.4f}" for w in runs)
-    print(f"{args.steps - 1:4d}  {last}")
-    for w in runs:
-        r, wall = results[w]
-        steady = [s.seconds for s in r.steps[len(r.steps) // 2:]]
-        print(f"{w:>6s}: held-out loss {r.eval_loss_start:.3f} -> {r.eval_loss_end:.3f} "
-              f"(floor {r.loss_floor:.3f}); median step {sorted(steady)[len(steady) // 2]:.3f} s; "
-              f"wall {wall:.1f} s incl. spawn and compilation")
+    try:
+        runs = _runs(args)
+    except (ValueError, TypeError) as e:
+        print(f"mxfp8-train: error: {e}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    if under_torchrun():
+        results = _torchrun_main(args, runs)
+    else:
+        from torch_side.launch import run_local_ranks
+
+        print(f"mxfp8-train: {args.nproc} local {args.device} ranks; runs: "
+              f"{', '.join(label for label, _, _ in runs)}", flush=True)
+        results = run_local_ranks(
+            _rank_entry, args.nproc, (runs,), device=args.device, timeout=args.timeout,
+            collective_timeout=args.collective_timeout,
+        )[0]
+    if results:  # rank 0 (or the launching process)
+        _print_summary(args, runs, results, time.perf_counter() - start)
+        if args.plot:
+            from apps.training.plot import plot_runs
+
+            paths = [o.metrics for _, _, o in runs if o.metrics]
+            if not paths:
+                print("mxfp8-train: --plot needs --metrics (the curves are drawn from it)",
+                      file=sys.stderr)
+                return 2
+            print(f"loss curves: {plot_runs(paths, args.plot)}")
     return 0
 
 

@@ -1,119 +1,64 @@
-"""The hybrid training prototype: the GPT twin under ``torch_side`` FSDP, MXFP8 GEMMs in JAX.
+"""The hybrid training loop: the Torch GPT under ``torch_side`` FSDP, MXFP8 GEMMs in JAX.
 
 Tensors and roles (DESIGN.md 5): Torch FSDP owns the fp32 main weights, gradients and optimizer;
 every linear layer's GEMMs are JAX MXFP8 kernels reached through the bridge op, reading the MXFP8
 planes that FSDP all-gathers. After each optimizer step the planes are re-quantized from
 bf16(main) by the distributed recipe.
 
-Data: ``MarkovCorpus``, a seeded random Markov chain over the vocabulary (each token has a few
-successors). It needs no download, is learnable by a tiny model in tens of steps, and has an
-exact loss floor: the expected conditional entropy of the next token, which a perfect model
-reaches (``loss_floor``). Each rank samples its own micro-batches (seeded by rank).
-
-``train_rank(job)`` is what every rank runs; ``apps.training.cli`` spawns the ranks
-(``torch_side.launch.run_local_ranks``) and prints the result.
+``train_rank(job, run)`` is what every rank runs, inside an initialised process group (torchrun's,
+or the one ``torch_side.launch.run_local_ranks`` makes). Data come from ``apps.training.data``:
+sample ids are global, so rank r's micro-batch m of the step at data position p is a fixed set of
+ids, and a checkpoint needs only the position. Rank 0 shows progress (tqdm), writes the metrics
+(``apps.training.metrics``) and the checkpoint metadata.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
+from apps.training import checkpoint as ckpt
+from apps.training.data import (
+    BYTE_VOCAB,
+    Corpus,
+    DataPosition,
+    Split,
+    advance,
+    heldout_ids,
+    make_corpus,
+    sample_ids,
+)
+from apps.training.job import Recompute, TrainJob
+from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from common.model_config import PRESETS
-from common.modes import LinearMode
-from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch_side import FSDPOptimizer, fully_shard
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
-__all__ = ["MarkovCorpus", "StepLog", "TrainJob", "TrainResult", "WeightMode", "train_rank"]
+__all__ = ["MARKOV_MAX_VOCAB", "RunOptions", "StepLog", "TrainResult", "train_rank"]
 
-
-class WeightMode(enum.Enum):
-    """What the linear layers compute with: MXFP8 GEMMs on MXFP8 weights, or the fp32 control."""
-
-    MXFP8 = "mxfp8"
-    FP32 = "fp32"
-
-
-class MarkovCorpus:
-    """Sequences from a random Markov chain: V tokens, ``branching`` successors each.
-
-    The chain (successors and their probabilities) depends only on ``seed``; sequences start from
-    a uniformly random token.
-    """
-
-    def __init__(self, vocab_size: int, *, branching: int = 4, seed: int = 0):
-        if not 1 <= branching <= vocab_size:
-            raise ValueError(
-                f"MarkovCorpus: branching={branching} must be in [1, vocab_size={vocab_size}]"
-            )
-        rng = np.random.default_rng(seed)
-        self.vocab_size = vocab_size
-        self.transition = np.zeros((vocab_size, vocab_size))  # (V, V), rows sum to 1
-        for i in range(vocab_size):
-            succ = rng.choice(vocab_size, size=branching, replace=False)
-            self.transition[i, succ] = rng.dirichlet(np.ones(branching))
-        self._cdf = np.cumsum(self.transition, axis=1)
-
-    def sample(self, batch: int, seq_len: int, rng: np.random.Generator):
-        """(tokens, targets) int64 (batch, seq_len): targets are tokens shifted by one."""
-        seq = np.empty((batch, seq_len + 1), np.int64)
-        seq[:, 0] = rng.integers(0, self.vocab_size, size=batch)
-        for t in range(seq_len):
-            u = rng.random((batch, 1))
-            nxt = (self._cdf[seq[:, t]] < u).sum(axis=1)  # inverse-CDF sampling per row
-            seq[:, t + 1] = np.minimum(nxt, self.vocab_size - 1)
-        return torch.from_numpy(seq[:, :-1].copy()), torch.from_numpy(seq[:, 1:].copy())
-
-    def loss_floor(self, seq_len: int) -> float:
-        """Expected cross-entropy (nats/token) of the true conditional distribution.
-
-        Position t's token is distributed as u P^t (u uniform); predicting position t+1 costs
-        the entropy of the row of the current token. Averaged over the seq_len predictions.
-        """
-        p = self.transition
-        with np.errstate(divide="ignore", invalid="ignore"):
-            row_entropy = -np.sum(np.where(p > 0, p * np.log(p), 0.0), axis=1)  # (V,)
-        dist_t = np.full(self.vocab_size, 1.0 / self.vocab_size)
-        total = 0.0
-        for _ in range(seq_len):
-            total += float(dist_t @ row_entropy)
-            dist_t = dist_t @ p
-        return total / seq_len
+# A Markov corpus keeps a dense (V, V) transition matrix: presets with a GPT-2 vocabulary train on
+# a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
+MARKOV_MAX_VOCAB = 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainJob:
-    """Everything a rank needs (picklable)."""
+class RunOptions:
+    """Where a run writes and what it resumes from (not part of the numerics)."""
 
-    config: str = "tiny"  # jax_side.models.PRESETS key
-    weights: WeightMode = WeightMode.MXFP8
-    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
-    steps: int = 40
-    micro_batches: int = 2
-    batch_size: int = 8  # per rank and micro-batch
-    seq_len: int = 32
-    lr: float = 3e-3
-    seed: int = 0
-    branching: int = 4
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.config not in PRESETS:
-            raise ValueError(f"TrainJob.config={self.config!r}: expected one of {list(PRESETS)}")
-        for name in ("steps", "micro_batches", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainJob.{name}={getattr(self, name)} must be >= 1")
-        if self.seq_len > PRESETS[self.config].max_seq_len:
-            raise ValueError(
-                f"TrainJob.seq_len={self.seq_len} exceeds max_seq_len="
-                f"{PRESETS[self.config].max_seq_len} of config {self.config!r}"
-            )
+    metrics: str | None = None  # JSONL path (rank 0)
+    save_dir: str | None = None
+    save_every: int = 0  # steps between checkpoints (0: only at the end when save_dir is set)
+    resume: str | None = None  # a save dir (its latest checkpoint) or a step_* directory
+    progress: bool = True  # rank 0's progress bar
+    label: str = ""  # shown in the progress bar and the run record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,63 +66,167 @@ class StepLog:
     step: int
     loss: float  # mean over ranks and micro-batches
     seconds: float  # wall time of the step on rank 0 (forward, backward, optimizer, requant)
+    tokens_per_s: float
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     job: TrainJob
     world_size: int
-    steps: list[StepLog]
-    eval_loss_start: float  # on a fixed held-out batch, before training
-    eval_loss_end: float  # the same batch, after training
-    loss_floor: float  # MarkovCorpus.loss_floor(seq_len)
-    initial_loss: float  # ln(vocab_size): a uniform prediction
+    steps: list[StepLog]  # the steps this run executed (after the resumed step, if any)
+    start_step: int  # 0, or the step a resume continued from
+    heldout_loss: float  # on the fixed held-out set, after training
+    loss_floor: float | None  # exact for the Markov corpus, None for text
+    initial_loss: float  # ln(vocab): a uniform prediction
+    first_step_s: float  # wall time of the first executed step (compilation included)
+    corpus: str
 
 
-def _build(job: TrainJob):
-    cfg = PRESETS[job.config]
-    mode = LinearMode.MXFP8 if job.weights is WeightMode.MXFP8 else LinearMode.HIGH_PRECISION
-    model = TorchGPT(cfg, mode, seed=job.seed, device=job.device)  # same init on every rank
-    fsdp = fully_shard(
-        model, unit_modules=(Block,), strategy=job.strategy, policy=MixedPrecisionPolicy()
-    )
-    return cfg, fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=0.0)
+class _Model:
+    """The wrapped model, its optimizer and the corpus of one job."""
+
+    def __init__(self, job: TrainJob):
+        # The model's vocabulary follows the corpus: bytes for text, the preset's (capped) for
+        # the Markov chain.
+        vocab = BYTE_VOCAB
+        if job.data == "markov":
+            vocab = min(PRESETS[job.config].vocab_size, MARKOV_MAX_VOCAB)
+        self.corpus: Corpus = make_corpus(job.data, vocab_size=vocab, seed=job.seed)
+        self.cfg = job.model_config(self.corpus.vocab_size)
+        model = TorchGPT(
+            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,
+            activations=job.resolved_activations,
+        )
+        if job.recompute is Recompute.BLOCK:
+            for block in model.blocks:
+                block.forward = _checkpointed(block.forward)
+        self.fsdp = fully_shard(
+            model, unit_modules=(Block,), strategy=job.strategy, policy=job.policy(),
+            kernels=job.kernels,
+        )
+        self.opt = FSDPOptimizer(
+            self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,
+            foreach=False,
+        )
 
 
-def _eval_loss(fsdp, tokens, targets) -> float:
-    with torch.no_grad():
-        return float(cross_entropy(fsdp(tokens), targets))
+def _checkpointed(forward):
+    def run(x):
+        return checkpoint(forward, x, use_reentrant=False)
+
+    return run
 
 
-def train_rank(job: TrainJob) -> TrainResult:
-    """Train on this rank's part of the data parallel group; collective (call on every rank)."""
+def _batch(corpus: Corpus, split: Split, ids: np.ndarray, job: TrainJob):
+    b = corpus.batch(split, ids, job.seq_len)
+    return (torch.from_numpy(b.tokens).to(job.device), torch.from_numpy(b.targets).to(job.device))
+
+
+def _sync(job: TrainJob) -> None:
+    if job.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def heldout_loss(m: _Model, job: TrainJob) -> float:
+    """Mean token loss on the fixed held-out set (``eval_batches`` x ``batch_size`` sequences),
+    split across ranks round-robin; a collective. Every rank runs the same number of forwards
+    (FSDP gathers weights in each): a rank past the end repeats a batch with weight 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, fsdp, opt = _build(job)
-    corpus = MarkovCorpus(cfg.vocab_size, branching=job.branching, seed=job.seed)
-    held_out = corpus.sample(16, job.seq_len, np.random.default_rng([job.seed, 10_000]))
-    held_out = tuple(t.to(job.device) for t in held_out)
-    rng = np.random.default_rng([job.seed, rank])
-    eval_start = _eval_loss(fsdp, *held_out)
-    logs = []
-    for step in range(job.steps):
-        t0 = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float32, device=job.device)
-        for _ in range(job.micro_batches):
-            tokens, targets = (t.to(job.device) for t in corpus.sample(
-                job.batch_size, job.seq_len, rng))
-            loss = cross_entropy(fsdp(tokens), targets) / job.micro_batches
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        logs.append(StepLog(step, float(total) / world, time.perf_counter() - t0))
+    ids = heldout_ids(job.eval_batches * job.batch_size).reshape(job.eval_batches, -1)
+    total = torch.zeros(2, dtype=torch.float64, device=job.device)  # (sum of losses, count)
+    with torch.no_grad():
+        for k in range(-(-job.eval_batches // world)):
+            i = rank + k * world
+            tokens, targets = _batch(m.corpus, Split.HELDOUT, ids[min(i, len(ids) - 1)], job)
+            weight = 1.0 if i < len(ids) else 0.0
+            total[0] += weight * cross_entropy(m.fsdp(tokens), targets).double()
+            total[1] += weight
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _progress(job: TrainJob, opts: RunOptions, start: int):
+    if not opts.progress or dist.get_rank() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=job.steps, initial=start, desc=opts.label or job.weights.value,
+                unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
+    """Train on this rank's part of the data-parallel group; a collective (every rank calls it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = _Model(job)
+    desc = job.describe()
+    start, position = 0, DataPosition(0)
+    if opts.resume:
+        resumed = ckpt.load(opts.resume, fsdp=m.fsdp, opt=m.opt, job=desc)
+        start, position = resumed.step, resumed.position
+    writer = None
+    if rank == 0 and opts.metrics:
+        writer = MetricsWriter(opts.metrics, append=bool(opts.resume))
+        writer.write(run_record(
+            job=desc, world_size=world, label=opts.label, corpus=m.corpus.describe(),
+            loss_floor=m.corpus.loss_floor(job.seq_len), resumed_from=start,
+            params=m.cfg.num_parameters(),
+        ))
+    bar = _progress(job, opts, start)
+    logs: list[StepLog] = []
+    tokens_per_step = job.tokens_per_step(world)
+    try:
+        for step in range(start, job.steps):
+            t0 = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float32, device=job.device)
+            for mb in range(job.micro_batches):
+                ids = sample_ids(position, rank=rank, world_size=world, micro_batch=mb,
+                                 micro_batches=job.micro_batches, batch_size=job.batch_size)
+                tokens, targets = _batch(m.corpus, Split.TRAIN, ids, job)
+                loss = cross_entropy(m.fsdp(tokens), targets) / job.micro_batches
+                loss.backward()
+                total += loss.detach()
+            m.opt.step()
+            m.opt.zero_grad()
+            position = advance(position, world_size=world, micro_batches=job.micro_batches,
+                               batch_size=job.batch_size)
+            dist.all_reduce(total)
+            _sync(job)
+            seconds = time.perf_counter() - t0
+            log = StepLog(step, float(total) / world, seconds, tokens_per_step / seconds)
+            logs.append(log)
+            if writer is not None:
+                writer.write(step_record(step=step, loss=log.loss, tokens_per_s=log.tokens_per_s,
+                                         step_s=seconds))
+            if bar is not None:
+                bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
+                                step_s=f"{seconds:.3f}")
+                bar.update(1)
+            done = step + 1
+            if opts.save_dir and opts.save_every and done % opts.save_every == 0:
+                ckpt.save(opts.save_dir, step=done, fsdp=m.fsdp, opt=m.opt, position=position,
+                          job=desc)
+        final = job.steps if job.steps > start else start
+        if opts.save_dir and (not opts.save_every or final % opts.save_every):
+            ckpt.save(opts.save_dir, step=final, fsdp=m.fsdp, opt=m.opt, position=position,
+                      job=desc)
+        held = heldout_loss(m, job)
+        if writer is not None:
+            writer.write(eval_record(step=final, heldout_loss=held))
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
     return TrainResult(
-        job=job,
-        world_size=world,
-        steps=logs,
-        eval_loss_start=eval_start,
-        eval_loss_end=_eval_loss(fsdp, *held_out),
-        loss_floor=corpus.loss_floor(job.seq_len),
-        initial_loss=math.log(cfg.vocab_size),
+        job=job, world_size=world, steps=logs, start_step=start, heldout_loss=held,
+        loss_floor=m.corpus.loss_floor(job.seq_len), initial_loss=math.log(m.cfg.vocab_size),
+        first_step_s=logs[0].seconds if logs else float("nan"), corpus=m.corpus.describe(),
     )
+
+
+def result_path(metrics: str | None, suffix: str) -> str | None:
+    """``run.jsonl`` -> ``run.<suffix>.jsonl`` (the --compare control's metrics file)."""
+    if metrics is None:
+        return None
+    p = Path(metrics)
+    return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))

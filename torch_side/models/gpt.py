@@ -12,6 +12,12 @@ attention, GELU, residuals) is plain Torch in float32, written with the same for
 twin; those ops are the only ones whose bytes can differ between the twins (different kernels,
 summation orders).
 
+Two activation modes (``Activations``): ``FP32``, the twin (fp32 activations, attention written
+out with the Flax twin's formula: what the parity tests compare), and ``BF16``, the training path
+(bf16 activations, fused attention ``F.scaled_dot_product_attention``, LayerNorm and the loss
+computed in fp32 from bf16 inputs). ``LinearImpl.TORCH`` builds plain ``nn.Linear`` layers instead
+of the bridge's (no JAX at all): the model PyTorch-only baselines such as FSDP2 run.
+
 FSDP: the linear weights are the MXFP8 parameters (2-D, dims multiples of 32); embeddings and
 LayerNorm stay in a high-precision group. ``torch_side`` FSDP supplies the MXFP8 planes to each
 ``MXFP8Linear`` through its ``weight_planes`` argument.
@@ -19,7 +25,9 @@ LayerNorm stay in a high-precision group. ``torch_side`` FSDP supplies the MXFP8
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,11 +39,52 @@ from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
 
-__all__ = ["TorchGPT", "cross_entropy", "load_flat_params", "mxfp8_linears"]
+__all__ = [
+    "Activations",
+    "LinearImpl",
+    "TorchGPT",
+    "cross_entropy",
+    "load_flat_params",
+    "mxfp8_linears",
+]
 
 
-def _linear(fin: int, fout: int, mode: LinearMode, kernels: KernelConfig | None) -> MXFP8Linear:
-    return MXFP8Linear(fin, fout, bias=False, mode=mode, kernels=kernels)
+class Activations(enum.Enum):
+    """Activation dtype and attention kernel of the Torch GPT (see the module docstring)."""
+
+    FP32 = "fp32"  # the twin of FlaxGPT: fp32 everywhere, attention written out
+    BF16 = "bf16"  # training speed: bf16 activations, SDPA attention, fp32 norm/loss math
+
+
+class LinearImpl(enum.Enum):
+    BRIDGE = "bridge"  # bridge.MXFP8Linear: JAX GEMMs (MXFP8 or high precision, by LinearMode)
+    TORCH = "torch"  # torch.nn.Linear: PyTorch only, for baselines
+
+
+class _Spec(NamedTuple):
+    """How a model's layers are built (shared by every block)."""
+
+    mode: LinearMode
+    kernels: KernelConfig | None
+    activations: Activations
+    linear_impl: LinearImpl
+
+
+class TorchLinear(nn.Linear):
+    """``nn.Linear`` (no bias) computing in the input's dtype (a no-op cast when the weight
+    already has it, e.g. under FSDP2's bf16 ``param_dtype``)."""
+
+    def __init__(self, fin: int, fout: int):
+        super().__init__(fin, fout, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+def _linear(fin: int, fout: int, spec: _Spec) -> nn.Module:
+    if spec.linear_impl is LinearImpl.TORCH:
+        return TorchLinear(fin, fout)
+    return MXFP8Linear(fin, fout, bias=False, mode=spec.mode, kernels=spec.kernels)
 
 
 class LayerNorm(nn.Module):
@@ -48,23 +97,29 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:  # training path: fp32 statistics, output in x's dtype
+            w, b = self.weight.float(), self.bias.float()
+            return F.layer_norm(x.float(), w.shape, w, b, self.eps).to(x.dtype)
         mean = x.mean(dim=-1, keepdim=True)
         var = (x - mean).square().mean(dim=-1, keepdim=True)
         return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None):
+    def __init__(self, cfg: GPTConfig, spec: _Spec):
         super().__init__()
-        self.cfg = cfg
-        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, mode, kernels)
-        self.proj = _linear(cfg.d_model, cfg.d_model, mode, kernels)
+        self.cfg, self.fused = cfg, spec.activations is Activations.BF16
+        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, spec)
+        self.proj = _linear(cfg.d_model, cfg.d_model, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h, hd = self.cfg.n_head, self.cfg.head_dim
         q, k, v = self.qkv(x).split(d, dim=-1)  # 3 x (B, S, D)
         q, k, v = (t.reshape(b, s, h, hd).transpose(1, 2) for t in (q, k, v))  # (B, H, S, hd)
+        if self.fused:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
+            return self.proj(out.transpose(1, 2).reshape(b, s, d))  # (B, S, D)
         att = torch.einsum("bhqd,bhkd->bhqk", q, k) * hd**-0.5
         causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (B, H, S, S)
@@ -73,22 +128,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None):
+    def __init__(self, cfg: GPTConfig, spec: _Spec):
         super().__init__()
-        self.fc = _linear(cfg.d_model, cfg.d_ff, mode, kernels)
-        self.proj = _linear(cfg.d_ff, cfg.d_model, mode, kernels)
+        self.fc = _linear(cfg.d_model, cfg.d_ff, spec)
+        self.proj = _linear(cfg.d_ff, cfg.d_model, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, mode: LinearMode, kernels: KernelConfig | None = None):
+    def __init__(self, cfg: GPTConfig, spec: _Spec):
         super().__init__()
         self.ln_1 = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.attn = Attention(cfg, mode, kernels)
+        self.attn = Attention(cfg, spec)
         self.ln_2 = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.mlp = MLP(cfg, mode, kernels)
+        self.mlp = MLP(cfg, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -96,10 +151,12 @@ class Block(nn.Module):
 
 
 class TorchGPT(nn.Module):
-    """tokens int64 (B, S), S <= max_seq_len -> logits float32 (B, S, vocab_size).
+    """tokens int64 (B, S), S <= max_seq_len -> logits (B, S, vocab_size) in the activation dtype.
 
     Initialised like GPT-2 (normal(0, init_std) weights, LayerNorm ones/zeros) from ``seed``;
-    ``load_flat_params`` replaces that with a Flax checkpoint.
+    ``load_flat_params`` replaces that with a Flax checkpoint. Parameters are fp32 (FSDP's policy
+    decides the model weights' format); ``activations`` picks the twin (FP32) or the training path
+    (BF16); ``linear_impl=TORCH`` builds plain ``nn.Linear`` layers (no JAX).
     """
 
     def __init__(
@@ -110,15 +167,19 @@ class TorchGPT(nn.Module):
         seed: int = 0,
         device: torch.device | str = "cpu",
         kernels: KernelConfig | None = None,
+        activations: Activations | str = Activations.FP32,
+        linear_impl: LinearImpl | str = LinearImpl.BRIDGE,
     ):
         super().__init__()
         self.cfg, self.mode, self.kernels = cfg, LinearMode.parse(mode), kernels
+        self.activations = Activations(activations)
+        spec = _Spec(self.mode, kernels, self.activations, LinearImpl(linear_impl))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         for i in range(cfg.n_layer):
-            self.add_module(f"h_{i}", Block(cfg, self.mode, kernels))
+            self.add_module(f"h_{i}", Block(cfg, spec))
         self.ln_f = LayerNorm(cfg.d_model, cfg.ln_eps)
-        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, self.mode, kernels)
+        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, spec)
         gen = torch.Generator().manual_seed(seed)
         for p in self.parameters():
             if p.dim() == 2:
@@ -139,6 +200,8 @@ class TorchGPT(nn.Module):
             )
         pos = torch.arange(s, device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)  # (B, S, D)
+        if self.activations is Activations.BF16:
+            x = x.to(torch.bfloat16)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))  # (B, S, V)
@@ -147,9 +210,10 @@ class TorchGPT(nn.Module):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, fp32 scalar; logits (B, S, V), targets int (B, S).
 
-    Same formula as the Flax twin: ``-mean(log_softmax(logits)[target])``.
+    Same formula as the Flax twin: ``-mean(log_softmax(logits)[target])``, computed in fp32
+    (bf16 logits of the training path are widened first).
     """
-    logp = logits.log_softmax(dim=-1)
+    logp = logits.float().log_softmax(dim=-1)
     return -logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1).mean()
 
 

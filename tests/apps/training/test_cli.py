@@ -1,0 +1,83 @@
+"""``mxfp8-train``: option checking, the job it builds, and a run under torchrun (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apps.training import cli
+from apps.training.job import TrainJob
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "nan"], "expected a finite number > 0, got 'nan'"),
+        (["--lr", "0"], "expected a finite number > 0"),
+        (["--steps", "0"], "expected a finite number > 0"),
+        (["--seed", "-1"], "expected an integer >= 0"),
+        (["--save-every", "5"], "--save-every needs --save-dir"),
+        (["--compare", "--resume", "x"], "--compare runs two trainings"),
+        (["--config", "huge"], "invalid choice"),
+    ],
+)
+def test_bad_options_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_defaults_are_the_embedded_cpu_demo():
+    args = cli.parse_args([])
+    assert (args.device, args.nproc, args.config, args.weights) == ("cpu", 2, "tiny", "mxfp8")
+    runs = cli._runs(cli.parse_args(["--compare", "--metrics", "out/run.jsonl"]))
+    assert [label for label, _, _ in runs] == ["mxfp8", "fp32"]
+    assert runs[1][2].metrics == str(Path("out/run.fp32.jsonl"))
+    assert runs[0][1] == TrainJob()  # the CLI's defaults are the job's defaults
+
+
+def test_job_validation():
+    with pytest.raises(ValueError, match=r"lr=nan: expected a finite learning rate"):
+        TrainJob(lr=float("nan"))
+    with pytest.raises(ValueError, match="seq_len=100 exceeds max_seq_len=64"):
+        TrainJob(seq_len=100)
+    with pytest.raises(ValueError, match="config='huge'"):
+        TrainJob(config="huge")
+    with pytest.raises(ValueError, match="steps=0: expected an integer >= 1"):
+        TrainJob(steps=0)
+    assert TrainJob(device="cuda").resolved_activations.value == "bf16"
+    assert TrainJob().policy().other_format.value == "fp32"
+    assert TrainJob(device="cuda").policy().other_format.value == "bf16"
+    assert TrainJob(weights="bf16").policy().other_format.value == "bf16"
+
+
+@pytest.mark.slow
+def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
+    data = tmp_path / "text"
+    (data / "sub").mkdir(parents=True)
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 3000)
+    (data / "sub" / "b.md").write_text("# notes\n" + "pack my box with five dozen jugs\n" * 3000)
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun, "torchrun is installed with torch"
+    metrics = tmp_path / "run.jsonl"
+    out = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "apps.training",
+         "--data", str(data), "--steps", "3", "--batch-size", "2", "--micro-batches", "1",
+         "--metrics", str(metrics), "--plot", str(tmp_path / "run.png"), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out loss" in out.stdout and "vocab 256" in out.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[0]["world_size"] == 2 and records[0]["job"]["data"] == str(data)
+    assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
