@@ -2,7 +2,7 @@
 
     mxfp8-train                                   # CPU, 2 gloo ranks it spawns, tiny GPT, MXFP8
     mxfp8-train --compare                         # ... and the same run with fp32 linears
-    mxfp8-train --data stdlib --config small --steps 200 --metrics runs/small.jsonl --plot runs/small.png
+    mxfp8-train --data stdlib --config small --steps 200 --metrics runs/s.jsonl --plot runs/s.png
     mxfp8-train --save-dir ckpt --save-every 20 ; mxfp8-train --resume ckpt --steps 80
     torchrun --nproc_per_node 2 -m apps.training --device cuda --config gpt2-124m --data stdlib
 

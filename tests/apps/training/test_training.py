@@ -17,7 +17,6 @@ import pickle
 from pathlib import Path
 
 import pytest
-import torch
 
 from apps.training.checkpoint import CheckpointError
 from apps.training.job import TrainJob, Weights
