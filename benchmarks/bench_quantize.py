@@ -19,7 +19,8 @@ GB/s = (bytes read + bytes written) / median seconds per call; quantize moves 2 
 warm-up; the median over repetitions is reported.
 
 GPU: ``python -m benchmarks.bench_quantize --out bench_quantize.json``
-Tune tiles in the same launch: ``--tiles 32x256x4,32x512x4,64x256x8,32x1024x8`` (BMxBKxwarps).
+Tune tiles in the same launch: ``--tiles 32x128x1p,32x256x4,64x256x8`` (BMxBKxWARPS, a trailing
+``p`` = preload: all chunk loads issued first). The default list includes the module default.
 CPU smoke (interpret mode): ``python -m benchmarks.bench_quantize --interpret --shapes 64x64``.
 """
 
@@ -45,7 +46,7 @@ GPT_SHAPES = [
     (3072, 1024), (4096, 1024), (1024, 4096), (50304, 1024),  # GPT-2 350M weights
     (4096, 8192), (8192, 8192),
 ]
-DEFAULT_TILES = "32x256x4,32x512x4,64x256x4,32x512x8"
+DEFAULT_TILES = "32x128x1p,32x128x1,32x64x1p,32x256x2p,32x256x4,64x256x4p,32x512x8"
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -53,15 +54,17 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def parse_tiles(text: str) -> list[pk.Tiles]:
+    """"32x128x1p" -> Tiles(32, 128, num_warps=1, preload=True); no "p": preload=False."""
     out = []
     for s in text.split(","):
-        parts = [int(d) for d in s.split("x")]
-        out.append(pk.Tiles(*parts))  # BM x BK [x num_warps [x num_stages]]
+        preload = s.endswith("p")
+        bm, bk, *warps = (int(d) for d in s.rstrip("p").split("x"))
+        out.append(pk.Tiles(bm, bk, warps[0] if warps else 4, preload))
     return out
 
 
 def tiles_name(t: pk.Tiles) -> str:
-    return f"{t.block_m}x{t.block_k}x{t.num_warps}"
+    return f"{t.block_m}x{t.block_k}x{t.num_warps}{'p' if t.preload else ''}"
 
 
 def time_per_call(fn, x, *, calls: int, reps: int) -> float:
@@ -129,13 +132,13 @@ def _copy_kernel(x_ref, a_ref, b_ref):
 
 
 def make_pallas_copy(shape, tiles: pk.Tiles, interpret: bool):
-    g = pk._Grid.make(shape, tiles)
+    g = pk._Grid.make(shape, tiles, jnp.bfloat16)
     spec = g.full()
     out = jax.ShapeDtypeStruct(shape, jnp.uint8)
     call = pl.pallas_call(
         _copy_kernel, out_shape=[out, out], grid=g.grid(shape), in_specs=[spec],
         out_specs=[spec, spec], interpret=interpret,
-        compiler_params=pk._triton_params(tiles.num_warps, tiles.num_stages))
+        compiler_params=pk._triton_params(tiles.num_warps))
     return jax.jit(call)
 
 
@@ -219,7 +222,7 @@ def main() -> None:
                         help="comma-separated MxK (default: GPT-2 step shapes + 4096x8192, "
                              "8192x8192)")
     parser.add_argument("--tiles", default=DEFAULT_TILES,
-                        help="comma-separated BMxBK[xWARPS[xSTAGES]] Pallas tile variants")
+                        help="comma-separated BMxBKxWARPS[p] Pallas tile variants (p: preload)")
     parser.add_argument("--casts", default="float,int", help="e4m3 paths: float,int")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--reps", type=int, default=10, help="timings; the median is reported")

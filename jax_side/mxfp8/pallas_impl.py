@@ -9,22 +9,25 @@ both block amaxes are plain reductions over one axis of a 2-D value (no in-kerne
 is read once for both planes.
 
 Numerics, FTZ-proof (interpret mode runs on XLA:CPU, which flushes subnormal floats; Triton may
-or may not): every value that can be subnormal is handled on int32 bit patterns.
+or may not): every value that can be subnormal is handled on int32 bit patterns, and every float
+operation has normal operands and an exact normal (or discarded) result.
 
 - x is widened to fp32 bits by a shift (bf16) or a bitcast (fp32); ``a = bits & 0x7FFFFFFF``.
 - amax: max over ``a`` with NaN patterns zeroed (non-negative floats order like their bits).
 - scale byte (``_scale_bytes``): byte >= 2 exactly when amax_bits >= T[1] (T = formats'
   threshold table); then amax and s = fp32_rn(amax * fp32(1/448)) are normal, so one float
-  multiply is exact under any denormal mode and RCEIL is ``E + (m != 0)``. Below T[1] the byte is
-  ``amax_bits >= T[0]``; amax_bits >= +Inf bits (as uint32) gives 0xFE.
-- element (``_cast_block``), v = |x| * 2**k with k = 127 - E:
-  normal x: v's bits are ``min(a, sat) + (k << 23)`` (an exponent add; ``sat`` = bits of
-  448 * 2**-k clamps saturating values to exactly 448; a result below 2**-126 maps to e4m3 +-0
-  whatever its bits, so it is only clamped at 0); subnormal x (a < 2**23):
-  ``f * 2**k' - 2**(k' - 126)`` with ``f = bitcast(a | 2**23)`` = 2**-126 + |x| and k' = max(k,
-  0): every operand is normal and the exact result is representable, so it is exact (or < 2**-126,
-  flushed or not, -> e4m3 0). Then v (in [0, 448]) -> e4m3 by the hardware cast (``"float"``) or
-  by integer RNE (``"int"``); +-Inf -> +-448, NaN or E == 0xFF -> S.1111.111, sign or-ed back.
+  multiply is exact under any denormal mode and RCEIL is ``(s_bits + 0x7FFFFF) >> 23``. Below
+  T[1] the byte is ``amax_bits >= T[0]``; +Inf (and, as in ``xla``, NaN or negative) -> 0xFE.
+- element, v = |x| * 2**k with k = 127 - E, as an exponent add on "extended" bits
+  (``_elements``): ``ext`` = a for normal x; for subnormal x the bits of |x| * 2**64 (computed
+  as ``bitcast(a | 2**23) * 2**64 - 2**-62``, exact and normal) less ``64 << 23``, i.e. |x| with
+  an exponent field <= 0. ``ext + (k << 23)`` is then the exact fp32 bits of v whenever
+  v >= 2**-126; anything smaller is clamped at 0 (v < 2**-126 rounds to e4m3 0 anyway).
+  ``_cast_own`` (scale from the block's own amax) needs no saturation clamp; ``_cast_any``
+  (given scales) clamps ``ext`` at the bits of 448 * 2**-k first. v in [0, 448] -> e4m3 by the
+  hardware cast (``"float"``: cvt.rn.satfinite.e4m3x2.f32) or integer RNE (``"int"``);
+  Inf and NaN are cast as 448 (0x7E), then an or-ed byte adds the sign and, for NaN (or scale
+  0xFF), the low bit (0x7F). All selects act on 32-bit values (byte selects cost unpacking).
 """
 
 from __future__ import annotations
@@ -74,12 +77,18 @@ class Tiles(NamedTuple):
     """Tile sizes: upper bounds, shrunk per call to the largest power of two dividing M or K."""
 
     block_m: int = 32  # rows per program (power of two >= 32)
-    block_k: int = 256  # columns per program (power of two >= 32)
-    num_warps: int = 4
-    num_stages: int | None = None  # Triton software pipelining (no loop here: no effect)
+    block_k: int = 128  # columns per program (power of two >= 32)
+    num_warps: int = 1  # Triton warps per program
+    preload: bool = True  # issue every chunk's load before any math (more bytes in flight)
 
 
-DEFAULT_TILES = Tiles()
+# Defaults per input dtype (docs/pallas_kernel.md): one warp per program keeps each thread's
+# share of a 32x32 chunk at 2 rows x 16 columns (fewest instructions per element in the sm_90
+# SASS), and 8 KiB of x per program keeps the registers below 168 without spills.
+DEFAULT_TILES = {
+    "bfloat16": Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
+    "float32": Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+}
 
 
 class Planes(NamedTuple):
@@ -112,24 +121,57 @@ def _fp32_bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-def _abs_nan_zero(a: jax.Array) -> jax.Array:
-    return jnp.where(a > _INF, jnp.int32(0), a)
+class _Elements(NamedTuple):
+    """Per-element values of a chunk that both planes share."""
+
+    amax_in: jax.Array  # int32 |x| bits, NaN patterns zeroed: the block-amax operand
+    ext: jax.Array  # int32 |x| as extended fp32 bits (exponent field <= 0 for subnormal x)
+    special: jax.Array  # bool: x is +-Inf or NaN (cast as 448, then or8 makes NaN 0x7F)
+    or8: jax.Array  # uint8 or-ed into the e4m3 byte: the sign bit, and 0x01 for NaN x
 
 
-def _scale_bytes(amax_bits: jax.Array) -> jax.Array:
-    """int32 E8M0 byte (0..254) from int32 fp32 amax bits; exact, see the module docstring."""
+def _elements(bits: jax.Array) -> _Elements:
+    """From int32 fp32 bits. Subnormal x: |x| * 2**64 = f * 2**64 - 2**-62 with
+    f = bitcast(a | 2**23) = 2**-126 + |x|; all operands and the (exact) result are normal or 0, so
+    no denormal mode changes it, and its bits less 64 << 23 encode |x| with exponent field <= 0."""
+    a = bits & _ABS
+    nan = a > _INF
+    f = lax.bitcast_convert_type(a | _MIN_NORMAL, jnp.float32)
+    scaled = f * jnp.float32(2.0**64) - jnp.float32(2.0**-62)
+    sub = lax.bitcast_convert_type(scaled, jnp.int32) - jnp.int32(64 << 23)
+    sign_nan = lax.shift_right_logical(bits, jnp.int32(24)) & jnp.int32(0x80)
+    return _Elements(
+        amax_in=jnp.where(nan, jnp.int32(0), a),
+        ext=jnp.where(a < _MIN_NORMAL, sub, a),
+        special=a >= _INF,
+        or8=(sign_nan | jnp.where(nan, jnp.int32(1), jnp.int32(0))).astype(jnp.uint8),
+    )
+
+
+def _scale_bytes(amax_bits: jax.Array, *, any_bits: bool = True) -> jax.Array:
+    """int32 E8M0 byte (0..254) from int32 fp32 amax bits; exact, see the module docstring.
+
+    any_bits=False: amax_bits are known to lie in [0, +Inf bits] (kernel amax), one check less.
+    """
     s = lax.bitcast_convert_type(lax.bitcast_convert_type(amax_bits, jnp.float32) * _RECIP,
                                  jnp.int32)
-    e = lax.shift_right_logical(s, jnp.int32(23))
-    hi = jnp.minimum(jnp.where((s & jnp.int32(0x7FFFFF)) != 0, e + 1, e), jnp.int32(0xFE))
+    # RCEIL of a normal s: E + (m != 0) is (s + 0x7FFFFF) >> 23; +Inf s gives 0xFF -> 0xFE.
+    hi = jnp.minimum(lax.shift_right_logical(s + jnp.int32(0x7FFFFF), jnp.int32(23)),
+                     jnp.int32(0xFE))
     lo = jnp.where(amax_bits >= _T0, jnp.int32(1), jnp.int32(0))
     byte = jnp.where(amax_bits >= _T1, hi, lo)
-    big = (amax_bits < 0) | (amax_bits >= _INF)  # +Inf, NaN, negative: >= +Inf as uint32
-    return jnp.where(big, jnp.int32(0xFE), byte)
+    if any_bits:  # NaN or negative amax: >= +Inf as uint32, so 0xFE as in ``xla``
+        byte = jnp.where((amax_bits < 0) | (amax_bits > _INF), jnp.int32(0xFE), byte)
+    return byte
+
+
+def _kshift(scale: jax.Array) -> jax.Array:
+    """int32 (127 - E) << 23: adding it to fp32 bits multiplies by 2**(127 - E)."""
+    return lax.shift_left(jnp.int32(127) - scale, jnp.int32(23))
 
 
 def _e4m3_from_v(v: jax.Array, mode: str) -> jax.Array:
-    """uint8 e4m3 magnitude of non-negative fp32 v <= 448 (subnormal v may be flushed: -> 0)."""
+    """uint8 e4m3 magnitude of non-negative fp32 v < 464 (subnormal v may be flushed: -> 0)."""
     if mode == "float":
         return lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
     vb = lax.bitcast_convert_type(v, jnp.int32)
@@ -142,28 +184,34 @@ def _e4m3_from_v(v: jax.Array, mode: str) -> jax.Array:
     return jnp.where(vb < jnp.int32(0x3C800000), sub, normal).astype(jnp.uint8)
 
 
-def _cast_block(a, sign8, scale, mode: str) -> jax.Array:
-    """uint8 e4m3 bytes of x * 2**(127 - E); a: int32 |x| bits, sign8: uint8 0x80 or 0,
-    scale: int32 E (0..255) broadcastable to a."""
+def _cast_own(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
+    """uint8 e4m3 bytes of x * 2**(127 - E) where E came from the block's own amax.
+
+    Then E < 0xFF, Inf only occurs with E = 0xFE, and |x| * 2**(127 - E) < 448 * (1 + 2**-20)
+    for finite x (RCEIL never rounds the scale down), so nothing needs clamping: the exponent
+    add is exact for results >= 2**-126, anything smaller rounds to e4m3 0 (it is clamped at 0
+    only to keep the sign bit clear). Specials are cast as 448 (0x7E); or8 adds sign and NaN bit.
+    Every select is on 32-bit values: byte-wise selects cost byte unpacking on the GPU.
+    """
+    v = jnp.maximum(el.ext + _kshift(scale), jnp.int32(0))
+    v = jnp.where(el.special, _E4M3_MAX_BITS, v)
+    return _e4m3_from_v(lax.bitcast_convert_type(v, jnp.float32), mode) | el.or8
+
+
+def _cast_any(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
+    """uint8 e4m3 bytes of x * 2**(127 - E) for any E8M0 byte E (0xFF gives NaN).
+
+    ``sat`` = bits of 448 * 2**-k (k = 127 - E) clamps saturating |x| to exactly 448 after the
+    shift; where that is above fp32 max (k < -119) no finite x saturates and there is no clamp.
+    """
     k = jnp.int32(127) - scale
     sat = jnp.where(k >= -119, lax.shift_left(jnp.int32(135) - k, jnp.int32(23)) | 0x600000,
-                    _ABS)  # bits of 448 * 2**-k, or no clamp where that is above fp32 max
-    vn = jnp.maximum(jnp.minimum(a, sat) + lax.shift_left(k, jnp.int32(23)), jnp.int32(0))
-    kp = jnp.maximum(k, jnp.int32(0))
-    p = lax.bitcast_convert_type(lax.shift_left(kp + 127, jnp.int32(23)), jnp.float32)
-    q = lax.bitcast_convert_type(lax.shift_left(kp + 1, jnp.int32(23)), jnp.float32)
-    f = lax.bitcast_convert_type(a | _MIN_NORMAL, jnp.float32)  # 2**-126 + |x| for subnormal x
-    vs = f * p - q
-    v = jnp.where(a < _MIN_NORMAL, vs, lax.bitcast_convert_type(vn, jnp.float32))
-    y = _e4m3_from_v(v, mode)
-    y = jnp.where(a == _INF, jnp.uint8(0x7E), y)  # Inf saturates (also where sat is no clamp)
-    nan_above = jnp.where(scale == 0xFF, jnp.int32(-1), _INF)
-    y = jnp.where(a > nan_above, jnp.uint8(0x7F), y)
-    return y | sign8
-
-
-def _sign8(bits: jax.Array) -> jax.Array:
-    return (lax.shift_right_logical(bits, jnp.int32(24)) & jnp.int32(0x80)).astype(jnp.uint8)
+                    _ABS)
+    v = jnp.maximum(jnp.minimum(el.ext, sat) + lax.shift_left(k, jnp.int32(23)), jnp.int32(0))
+    nan_scale = scale == 0xFF
+    v = jnp.where(el.special | nan_scale, _E4M3_MAX_BITS, v)
+    y = _e4m3_from_v(lax.bitcast_convert_type(v, jnp.float32), mode) | el.or8
+    return y | jnp.where(nan_scale, jnp.int32(1), jnp.int32(0)).astype(jnp.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,37 +219,40 @@ def _sign8(bits: jax.Array) -> jax.Array:
 # (BM/32, BK). Chunk (i, j) = rows [32i, 32i+32), columns [32j, 32j+32) of the tile.
 
 
-def _chunks(bm: int, bk: int):
-    for i in range(bm // _BS):
-        for j in range(bk // _BS):
-            yield i, j, pl.ds(i * _BS, _BS), pl.ds(j * _BS, _BS)
+def _chunks(x_ref, bm: int, bk: int, preload: bool):
+    """(i, j, rows, cols, x chunk) for every chunk of the tile. preload: all loads are issued
+    before any math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
+    idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * _BS, _BS))
+           for i in range(bm // _BS) for j in range(bk // _BS)]
+    if not preload:
+        return ((*ix, x_ref[ix[2], ix[3]]) for ix in idx)  # lazily: each load right before use
+    loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
+    return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
 
 
-def _quantize_kernel(x_ref, *refs, rowwise, colwise, bm, bk, mode):
+def _quantize_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload, mode):
     refs = list(refs)
     rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
     cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
-    for i, j, rows, cols in _chunks(bm, bk):
-        bits = _fp32_bits(x_ref[rows, cols])
-        a = bits & _ABS
-        a0 = _abs_nan_zero(a)
-        sign8 = _sign8(bits)
+    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+        el = _elements(_fp32_bits(x))
         if rowwise:
-            e = _scale_bytes(jnp.max(a0, axis=1, keepdims=True))  # (32, 1)
-            rs[rows, pl.ds(j, 1)] = e.astype(jnp.uint8)
-            rd[rows, cols] = _cast_block(a, sign8, e, mode)
+            e = _scale_bytes(jnp.max(el.amax_in, axis=1, keepdims=True), any_bits=False)
+            rs[rows, pl.ds(j, 1)] = e.astype(jnp.uint8)  # (32, 1): one per row of the chunk
+            rd[rows, cols] = _cast_own(el, e, mode)
         if colwise:
-            e = _scale_bytes(jnp.max(a0, axis=0, keepdims=True))  # (1, 32)
-            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)
-            cd[rows, cols] = _cast_block(a, sign8, e, mode)
+            e = _scale_bytes(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
+            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, 32): one per column
+            cd[rows, cols] = _cast_own(el, e, mode)
 
 
-def _amax_kernel(x_ref, *refs, rowwise, colwise, bm, bk):
+def _amax_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload):
     refs = list(refs)
     ra = refs.pop(0) if rowwise else None
     ca = refs.pop(0) if colwise else None
-    for i, j, rows, cols in _chunks(bm, bk):
-        a0 = _abs_nan_zero(_fp32_bits(x_ref[rows, cols]) & _ABS)
+    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+        a = _fp32_bits(x) & _ABS
+        a0 = jnp.where(a > _INF, jnp.int32(0), a)
         if rowwise:
             m = jnp.max(a0, axis=1, keepdims=True)
             ra[rows, pl.ds(j, 1)] = lax.bitcast_convert_type(m, jnp.float32)
@@ -210,22 +261,18 @@ def _amax_kernel(x_ref, *refs, rowwise, colwise, bm, bk):
             ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(m, jnp.float32)
 
 
-def _cast_kernel(x_ref, *refs, rowwise, colwise, bm, bk, mode):
+def _cast_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload, mode):
     refs = list(refs)
     rs = refs.pop(0) if rowwise else None
     cs = refs.pop(0) if colwise else None
     rd = refs.pop(0) if rowwise else None
     cd = refs.pop(0) if colwise else None
-    for i, j, rows, cols in _chunks(bm, bk):
-        bits = _fp32_bits(x_ref[rows, cols])
-        a = bits & _ABS
-        sign8 = _sign8(bits)
+    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+        el = _elements(_fp32_bits(x))
         if rowwise:
-            e = rs[rows, pl.ds(j, 1)].astype(jnp.int32)
-            rd[rows, cols] = _cast_block(a, sign8, e, mode)
+            rd[rows, cols] = _cast_any(el, rs[rows, pl.ds(j, 1)].astype(jnp.int32), mode)
         if colwise:
-            e = cs[pl.ds(i, 1), cols].astype(jnp.int32)
-            cd[rows, cols] = _cast_block(a, sign8, e, mode)
+            cd[rows, cols] = _cast_any(el, cs[pl.ds(i, 1), cols].astype(jnp.int32), mode)
 
 
 def _scale_kernel(a_ref, o_ref):
@@ -236,12 +283,12 @@ def _scale_kernel(a_ref, o_ref):
 # pallas_call plumbing.
 
 
-def _triton_params(num_warps: int | None, num_stages: int | None):
+def _triton_params(num_warps: int):
     # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
     # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
     from jax.experimental.pallas import triton as plt
 
-    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return plt.CompilerParams(num_warps=num_warps)
 
 
 def _fit(limit: int, dim: int) -> int:
@@ -258,10 +305,13 @@ class _Grid(NamedTuple):
     tiles: Tiles
 
     @classmethod
-    def make(cls, shape: tuple[int, int], tiles: Tiles | None) -> _Grid:
-        tiles = DEFAULT_TILES if tiles is None else tiles
+    def make(cls, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
+        tiles = DEFAULT_TILES[jnp.dtype(dtype).name] if tiles is None else tiles
         m, k = shape
         return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
+
+    def kernel(self, fn, **kw):
+        return functools.partial(fn, bm=self.bm, bk=self.bk, preload=self.tiles.preload, **kw)
 
     def grid(self, shape):
         return (shape[0] // self.bm, shape[1] // self.bk)
@@ -283,7 +333,7 @@ class _Grid(NamedTuple):
             grid=self.grid(shape),
             in_specs=in_specs,
             out_specs=[o[0] for o in outs],
-            compiler_params=_triton_params(self.tiles.num_warps, self.tiles.num_stages),
+            compiler_params=_triton_params(self.tiles.num_warps),
             interpret=interpret,
             name="mxfp8_" + kernel.func.__name__.strip("_"),
         )
@@ -324,7 +374,7 @@ def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
     if not (rowwise or colwise):
         raise ValueError("quantize_2d: rowwise=False and colwise=False asks for nothing")
     return _quantize_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                        _Grid.make(shape, tiles), _mode(e4m3_cast))
+                        _Grid.make(shape, tiles, x.dtype), _mode(e4m3_cast))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
@@ -337,8 +387,7 @@ def _quantize_2d(x, rowwise, colwise, interpret, g: _Grid, mode) -> Planes:
     if colwise:
         outs += [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8)),
                  (g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.uint8))]
-    kernel = functools.partial(_quantize_kernel, rowwise=rowwise, colwise=colwise,
-                               bm=g.bm, bk=g.bk, mode=mode)
+    kernel = g.kernel(_quantize_kernel, rowwise=rowwise, colwise=colwise, mode=mode)
     res = list(g.call(kernel, (m, k), [g.full()], outs, interpret)(x))
     rd, rs = (res.pop(0), res.pop(0)) if rowwise else (None, None)
     cd, cs = (res.pop(0), res.pop(0)) if colwise else (None, None)
@@ -356,7 +405,7 @@ def block_amax_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
     if not (rowwise or colwise):
         raise ValueError("block_amax_2d: rowwise=False and colwise=False asks for nothing")
     return _block_amax_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                          _Grid.make(shape, tiles))
+                          _Grid.make(shape, tiles, x.dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -367,7 +416,7 @@ def _block_amax_2d(x, rowwise, colwise, interpret, g: _Grid) -> BlockAmax:
         outs.append((g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.float32)))
     if colwise:
         outs.append((g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.float32)))
-    kernel = functools.partial(_amax_kernel, rowwise=rowwise, colwise=colwise, bm=g.bm, bk=g.bk)
+    kernel = g.kernel(_amax_kernel, rowwise=rowwise, colwise=colwise)
     res = list(g.call(kernel, (m, k), [g.full()], outs, interpret)(x))
     return BlockAmax(res.pop(0) if rowwise else None, res.pop(0) if colwise else None)
 
@@ -396,7 +445,8 @@ def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = Fals
     cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
     if rs is None and cs is None:
         raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
-    return _cast_2d(x, rs, cs, bool(interpret), _Grid.make((m, k), tiles), _mode(e4m3_cast))
+    g = _Grid.make((m, k), tiles, x.dtype)
+    return _cast_2d(x, rs, cs, bool(interpret), g, _mode(e4m3_cast))
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
@@ -411,8 +461,7 @@ def _cast_2d(x, rs, cs, interpret, g: _Grid, mode) -> SliceCast:
         in_specs.append(g.col_scale())
         args.append(cs)
     outs = [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8))] * (int(rowwise) + int(colwise))
-    kernel = functools.partial(_cast_kernel, rowwise=rowwise, colwise=colwise,
-                               bm=g.bm, bk=g.bk, mode=mode)
+    kernel = g.kernel(_cast_kernel, rowwise=rowwise, colwise=colwise, mode=mode)
     res = list(g.call(kernel, (m, k), in_specs, outs, interpret)(*args))
     e4 = jnp.float8_e4m3fn
     return SliceCast(_as_f8(res.pop(0), e4) if rowwise else None,
@@ -444,7 +493,7 @@ def _scales_from_amax(amax, interpret):
     out = pl.pallas_call(
         _scale_kernel, out_shape=jax.ShapeDtypeStruct((padded,), jnp.uint8),
         grid=(padded // block,), in_specs=[spec], out_specs=spec, interpret=interpret,
-        compiler_params=_triton_params(4, None), name="mxfp8_scales_from_amax",
+        compiler_params=_triton_params(4), name="mxfp8_scales_from_amax",
     )(flat)
     return lax.bitcast_convert_type(out[:n].reshape(amax.shape), jnp.float8_e8m0fnu)
 
