@@ -132,7 +132,7 @@ def _copy_kernel(x_ref, a_ref, b_ref):
 
 
 def make_pallas_copy(shape, tiles: pk.Tiles, interpret: bool):
-    g = pk._Grid.make(shape, tiles, jnp.bfloat16)
+    g = pk._Grid.make("quantize", shape, tiles, jnp.bfloat16)
     spec = g.full()
     out = jax.ShapeDtypeStruct(shape, jnp.uint8)
     call = pl.pallas_call(

@@ -82,12 +82,17 @@ class Tiles(NamedTuple):
     preload: bool = True  # issue every chunk's load before any math (more bytes in flight)
 
 
-# Defaults per input dtype (docs/pallas_kernel.md): one warp per program keeps each thread's
-# share of a 32x32 chunk at 2 rows x 16 columns (fewest instructions per element in the sm_90
-# SASS), and 8 KiB of x per program keeps the registers below 168 without spills.
+# Defaults per (kernel, input dtype), from the sm_90 SASS of each (docs/pallas_kernel.md): one
+# warp per program gives quantize and amax the fewest instructions per element (a thread holds
+# 2 rows x 16 columns of a 32x32 chunk), with 8 KiB of x per program (no register spills);
+# cast_2d, which loads its scales, spills with one warp and prefers four.
 DEFAULT_TILES = {
-    "bfloat16": Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
-    "float32": Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    ("quantize", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
+    ("quantize", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
+    ("amax", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    ("cast", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=4, preload=True),
+    ("cast", "float32"): Tiles(block_m=32, block_k=64, num_warps=4, preload=True),
 }
 
 
@@ -305,8 +310,8 @@ class _Grid(NamedTuple):
     tiles: Tiles
 
     @classmethod
-    def make(cls, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
-        tiles = DEFAULT_TILES[jnp.dtype(dtype).name] if tiles is None else tiles
+    def make(cls, kind: str, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
+        tiles = DEFAULT_TILES[kind, jnp.dtype(dtype).name] if tiles is None else tiles
         m, k = shape
         return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
 
@@ -374,7 +379,7 @@ def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
     if not (rowwise or colwise):
         raise ValueError("quantize_2d: rowwise=False and colwise=False asks for nothing")
     return _quantize_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                        _Grid.make(shape, tiles, x.dtype), _mode(e4m3_cast))
+                        _Grid.make("quantize", shape, tiles, x.dtype), _mode(e4m3_cast))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
@@ -405,7 +410,7 @@ def block_amax_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
     if not (rowwise or colwise):
         raise ValueError("block_amax_2d: rowwise=False and colwise=False asks for nothing")
     return _block_amax_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                          _Grid.make(shape, tiles, x.dtype))
+                          _Grid.make("amax", shape, tiles, x.dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -445,7 +450,7 @@ def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = Fals
     cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
     if rs is None and cs is None:
         raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
-    g = _Grid.make((m, k), tiles, x.dtype)
+    g = _Grid.make("cast", (m, k), tiles, x.dtype)
     return _cast_2d(x, rs, cs, bool(interpret), g, _mode(e4m3_cast))
 
 
@@ -486,8 +491,8 @@ def _scales_from_amax(amax, interpret):
     n = amax.size
     if n == 0:
         return jnp.zeros(amax.shape, jnp.float8_e8m0fnu)
-    block = min(_SCALE_BLOCK, pl.next_power_of_2(n))
-    padded = pl.cdiv(n, block) * block
+    block = min(_SCALE_BLOCK, 1 << (n - 1).bit_length())  # power of two >= n, capped
+    padded = -(-n // block) * block
     flat = jnp.pad(amax.reshape(-1), (0, padded - n))  # (padded,) zeros after the n values
     spec = pl.BlockSpec((block,), lambda i: (i,))
     out = pl.pallas_call(

@@ -221,10 +221,13 @@ def test_random_with_specials(shape, dtype, mode):
                        mode=mode)
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="compiled")])
 @pytest.mark.parametrize("planes", [(True, False), (False, True)], ids=["rowwise", "colwise"])
-def test_single_plane(planes):
+def test_single_plane(planes, interpret):
     x = special_mix((64, 96), ml_dtypes.bfloat16, seed=11)
-    assert_same_as_xla(x, rowwise=planes[0], colwise=planes[1], tiles=SMALL_TILES)
+    assert_same_as_xla(x, rowwise=planes[0], colwise=planes[1], tiles=SMALL_TILES,
+                       interpret=interpret)
 
 
 @pytest.mark.parametrize("tiles", [pk.Tiles(32, 32), pk.Tiles(64, 64, preload=False)], ids=str)
@@ -233,17 +236,21 @@ def test_tile_sizes_do_not_change_bytes(tiles):
 
 
 
-def test_block_amax_matches_xla():
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="compiled")])
+def test_block_amax_matches_xla(interpret):
     x = jnp.asarray(special_mix((96, 160), np.float32, seed=4))
-    got = pk.block_amax_2d(x, rowwise=True, colwise=True, interpret=True, tiles=SMALL_TILES)
+    got = pk.block_amax_2d(x, rowwise=True, colwise=True, interpret=interpret, tiles=SMALL_TILES)
     want = mxfp8.partial_block_amax(x.reshape(-1), x.shape, 0)
     assert got.rowwise.dtype == jnp.float32
     assert_bytes_equal(got.rowwise, want.rowwise, "rowwise amax")
     assert_bytes_equal(got.colwise, want.colwise, "colwise amax")
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
+                                       pytest.param(False, marks=pytest.mark.gpu, id="compiled")])
 @pytest.mark.parametrize("mode", MODES)
-def test_cast_2d_with_arbitrary_scale_bytes(mode):
+def test_cast_2d_with_arbitrary_scale_bytes(mode, interpret):
     # Scales that are not the blocks' own (saturation, NaN byte 0xFF, tiny and huge scales).
     rng = np.random.default_rng(9)
     x = jnp.asarray(special_mix((64, 96), ml_dtypes.bfloat16, seed=9))
@@ -251,11 +258,11 @@ def test_cast_2d_with_arbitrary_scale_bytes(mode):
     cs = rng.integers(0, 256, size=(2, 96)).astype(np.uint8)
     rs[0, :] = [0, 0xFE, 0xFF]
     got = pk.cast_2d(x, jnp.asarray(rs).view(jnp.float8_e8m0fnu), jnp.asarray(cs),
-                     interpret=True, tiles=SMALL_TILES, e4m3_cast=mode)
+                     interpret=interpret, tiles=SMALL_TILES, e4m3_cast=mode)
     bits = xla_impl.fp32_bits(x)
     assert_bytes_equal(got.rowwise, xla_cast(bits, xla_impl.expand_rowwise(rs)), "row")
     assert_bytes_equal(got.colwise, xla_cast(bits, xla_impl.expand_colwise(cs)), "col")
-    only_col = pk.cast_2d(x, None, jnp.asarray(cs), interpret=True)
+    only_col = pk.cast_2d(x, None, jnp.asarray(cs), interpret=interpret)
     assert only_col.rowwise is None
     assert_bytes_equal(only_col.colwise, got.colwise, "colwise alone")
 
@@ -385,8 +392,9 @@ def test_gpu_corners_and_thresholds(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [pk.Tiles(32, 128), pk.Tiles(32, 512, num_warps=8),
-                                   pk.Tiles(64, 256, num_warps=2), pk.Tiles(128, 128)], ids=str)
+@pytest.mark.parametrize("tiles", [pk.Tiles(32, 256, 4, preload=False), pk.Tiles(64, 256, 2),
+                                   pk.Tiles(128, 128, 4), pk.Tiles(32, 512, 8, preload=False)],
+                         ids=str)
 def test_gpu_tiles(tiles):
     assert_same_as_xla(special_mix((4096, 3072), ml_dtypes.bfloat16, seed=2), interpret=False,
                        tiles=tiles)
