@@ -16,11 +16,14 @@ Per shape, in one process (shared clocks and conditions):
 GB/s = (bytes read + bytes written) / median seconds per call; quantize moves 2 (bf16 in) + 2
 (two e4m3 planes) + 2/32 (two scale planes) bytes per element. Timing: ``--reps`` repetitions of
 ``--calls`` back-to-back calls, wall clock around ``jax.block_until_ready`` of the last, after
-warm-up; the median over repetitions is reported.
+warm-up; the median over repetitions is reported. Async dispatch overlaps the calls, so large
+shapes measure the device; a ``dispatch_floor`` row (a 1-element op) per shape shows the
+per-call floor, and times within 1.5x of it are marked dispatch-bound.
 
 GPU: ``python -m benchmarks.bench_quantize --out bench_quantize.json``
-Tune tiles in the same launch: ``--tiles 32x128x1p,32x256x4,64x256x8`` (BMxBKxWARPS, a trailing
-``p`` = preload: all chunk loads issued first). The default list includes the module default.
+Tile sweep (same launch, a few large shapes to keep it short):
+``--shapes 8192x8192,8192x768,50304x768 --tiles sweep --casts float,int``; tiles are
+``default`` (the module's DEFAULT_TILES) or BMxBKxWARPS with a trailing ``p`` for preload.
 CPU smoke (interpret mode): ``python -m benchmarks.bench_quantize --interpret --shapes 64x64``.
 """
 
@@ -46,24 +49,31 @@ GPT_SHAPES = [
     (3072, 1024), (4096, 1024), (1024, 4096), (50304, 1024),  # GPT-2 350M weights
     (4096, 8192), (8192, 8192),
 ]
-DEFAULT_TILES = "32x128x1p,32x128x1,32x64x1p,32x256x2p,32x256x4,64x256x4p,32x512x8"
+DEFAULT_TILES = "default,32x256x4,64x256x4p"
+SWEEP_TILES = "32x128x1p,32x128x1,32x64x1p,32x256x2p,32x256x4,64x256x4p,32x512x8"
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s]
 
 
-def parse_tiles(text: str) -> list[pk.Tiles]:
-    """"32x128x1p" -> Tiles(32, 128, num_warps=1, preload=True); no "p": preload=False."""
-    out = []
+def parse_tiles(text: str) -> list[pk.Tiles | None]:
+    """"default" -> None (the module's DEFAULT_TILES); "32x128x1p" -> Tiles(32, 128,
+    num_warps=1, preload=True); without the trailing "p", preload=False."""
+    out: list[pk.Tiles | None] = []
     for s in text.split(","):
+        if s == "default":
+            out.append(None)
+            continue
         preload = s.endswith("p")
         bm, bk, *warps = (int(d) for d in s.rstrip("p").split("x"))
         out.append(pk.Tiles(bm, bk, warps[0] if warps else 4, preload))
     return out
 
 
-def tiles_name(t: pk.Tiles) -> str:
+def tiles_name(t: pk.Tiles | None) -> str:
+    if t is None:
+        return "default"
     return f"{t.block_m}x{t.block_k}x{t.num_warps}{'p' if t.preload else ''}"
 
 
@@ -131,14 +141,14 @@ def _copy_kernel(x_ref, a_ref, b_ref):
     b_ref[...] = lax.shift_right_logical(v, jnp.int32(8)).astype(jnp.uint8)
 
 
-def make_pallas_copy(shape, tiles: pk.Tiles, interpret: bool):
+def make_pallas_copy(shape, tiles: pk.Tiles | None, interpret: bool):
     g = pk._Grid.make("quantize", shape, tiles, jnp.bfloat16)
     spec = g.full()
     out = jax.ShapeDtypeStruct(shape, jnp.uint8)
     call = pl.pallas_call(
         _copy_kernel, out_shape=[out, out], grid=g.grid(shape), in_specs=[spec],
         out_specs=[spec, spec], interpret=interpret,
-        compiler_params=pk._triton_params(tiles.num_warps))
+        compiler_params=pk._triton_params(g.tiles.num_warps))
     return jax.jit(call)
 
 
@@ -151,7 +161,7 @@ def byte_check(got: pk.Planes, want, what: str) -> None:
             raise SystemExit(f"BYTE MISMATCH {what} {f}: {n} bytes differ from xla; not timing")
 
 
-def test_input(shape, seed: int) -> jax.Array:
+def make_input(shape, seed: int) -> jax.Array:
     """bf16 normal values with per-row magnitudes, a few NaN/Inf/subnormals (edge paths run)."""
     rng = np.random.default_rng(seed)
     m, k = shape
@@ -164,7 +174,7 @@ def test_input(shape, seed: int) -> jax.Array:
 
 def bench_shape(shape, args, tiles_list, casts) -> list[dict]:
     m, k = shape
-    x = test_input(shape, seed=m + k)
+    x = make_input(shape, seed=m + k)
     want = mxfp8.quantize(x, backend="xla")
     qbytes = quantize_bytes(m, k)
     variants: list[tuple[str, object, int]] = []
@@ -199,9 +209,14 @@ def bench_shape(shape, args, tiles_list, casts) -> list[dict]:
         rows.append({"shape": f"{m}x{k}", "variant": name, "us": t * 1e6,
                      "GBps": nbytes / t / 1e9, "bytes": nbytes})
     copy = next((r["GBps"] for r in rows if r["variant"] == "copy" and "GBps" in r), None)
+    floor = time_per_call(jax.jit(lambda v: v[:1, :1] + 1), x, calls=args.calls, reps=args.reps)
     for r in rows:
         if copy and "GBps" in r:
             r["pct_of_copy"] = 100.0 * r["GBps"] / copy
+        if "us" in r:  # within 1.5x of a 1-element op: the time is dispatch, not the kernel
+            r["dispatch_bound"] = r["us"] < 1.5 * floor * 1e6
+    rows.append({"shape": f"{m}x{k}", "variant": "dispatch_floor", "us": floor * 1e6,
+                 "GBps": 0.0, "bytes": 0})
     return rows
 
 
@@ -211,8 +226,9 @@ def markdown(rows: list[dict]) -> str:
         if "skipped" in r:
             lines.append(f"| {r['shape']} | {r['variant']} | skipped: {r['skipped']} | | |")
         else:
-            lines.append(f"| {r['shape']} | {r['variant']} | {r['us']:.1f} | {r['GBps']:.1f} | "
-                         f"{r.get('pct_of_copy', float('nan')):.0f} |")
+            mark = " (dispatch-bound)" if r.get("dispatch_bound") else ""
+            lines.append(f"| {r['shape']} | {r['variant']} | {r['us']:.1f}{mark} | "
+                         f"{r['GBps']:.1f} | {r.get('pct_of_copy', float('nan')):.0f} |")
     return "\n".join(lines)
 
 
@@ -222,18 +238,21 @@ def main() -> None:
                         help="comma-separated MxK (default: GPT-2 step shapes + 4096x8192, "
                              "8192x8192)")
     parser.add_argument("--tiles", default=DEFAULT_TILES,
-                        help="comma-separated BMxBKxWARPS[p] Pallas tile variants (p: preload)")
-    parser.add_argument("--casts", default="float,int", help="e4m3 paths: float,int")
+                        help="comma-separated Pallas tile variants: 'default' (the module's "
+                             "DEFAULT_TILES) or BMxBKxWARPS[p] (p: preload); 'sweep' = "
+                             + SWEEP_TILES)
+    parser.add_argument("--casts", default="float", help="e4m3 paths: float and/or int")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--reps", type=int, default=10, help="timings; the median is reported")
     parser.add_argument("--interpret", action="store_true",
                         help="Pallas interpret mode (CPU smoke run; the numbers mean nothing)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    shapes, tiles_list = parse_shapes(args.shapes), parse_tiles(args.tiles)
+    shapes = parse_shapes(args.shapes)
+    tiles_list = parse_tiles(SWEEP_TILES if args.tiles == "sweep" else args.tiles)
     casts = [c for c in args.casts.split(",") if c]
     meta = {"device": str(jax.devices()[0]), "jax": jax.__version__,
-            "interpret": args.interpret, "tiles": [t._asdict() for t in tiles_list],
+            "interpret": args.interpret, "tiles": [tiles_name(t) for t in tiles_list],
             "casts": casts, "calls": args.calls, "reps": args.reps}
     print(json.dumps(meta), flush=True)
     rows: list[dict] = []
