@@ -23,7 +23,8 @@ per-call floor, and times within 1.5x of it are marked dispatch-bound.
 GPU: ``python -m benchmarks.bench_quantize --out bench_quantize.json``
 Tile sweep (same launch, a few large shapes to keep it short):
 ``--shapes 8192x8192,8192x768,50304x768 --tiles sweep --casts float,int``; tiles are
-``default`` (the module's DEFAULT_TILES) or BMxBKxWARPS with a trailing ``p`` for preload.
+``default`` (the module's DEFAULT_TILES) or BMxBKxWARPS, then ``p`` for preload and ``cCK`` for
+the chunk width (``32x64x1pc64``).
 CPU smoke (interpret mode): ``python -m benchmarks.bench_quantize --interpret --shapes 64x64``.
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 import traceback
 
@@ -49,32 +51,39 @@ GPT_SHAPES = [
     (3072, 1024), (4096, 1024), (1024, 4096), (50304, 1024),  # GPT-2 350M weights
     (4096, 8192), (8192, 8192),
 ]
-DEFAULT_TILES = "default,32x256x4,64x256x4p"
-SWEEP_TILES = "32x128x1p,32x128x1,32x64x1p,32x256x2p,32x256x4,64x256x4p,32x512x8"
+DEFAULT_TILES = "default,32x64x1pc64,32x128x2pc128"
+SWEEP_TILES = ("32x128x1p,32x128x1,32x64x1p,32x64x1pc64,32x128x1c64,32x128x2pc128,"
+               "32x256x2c128,32x256x4,64x256x4p,32x512x8")
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(d) for d in s.split("x")) for s in text.split(",") if s]
 
 
+_TILE_RE = re.compile(r"(\d+)x(\d+)(?:x(\d+))?(p?)(?:c(\d+))?")
+
+
 def parse_tiles(text: str) -> list[pk.Tiles | None]:
-    """"default" -> None (the module's DEFAULT_TILES); "32x128x1p" -> Tiles(32, 128,
-    num_warps=1, preload=True); without the trailing "p", preload=False."""
+    """"default" -> None (the module's DEFAULT_TILES); "BMxBKxWARPS[p][cCK]" -> Tiles, e.g.
+    "32x64x1pc64" = Tiles(32, 64, num_warps=1, preload=True, chunk_k=64)."""
     out: list[pk.Tiles | None] = []
     for s in text.split(","):
         if s == "default":
             out.append(None)
             continue
-        preload = s.endswith("p")
-        bm, bk, *warps = (int(d) for d in s.rstrip("p").split("x"))
-        out.append(pk.Tiles(bm, bk, warps[0] if warps else 4, preload))
+        match = _TILE_RE.fullmatch(s)
+        if match is None:
+            raise SystemExit(f"--tiles: cannot parse {s!r}; expected e.g. 32x128x1p or 32x64x1pc64")
+        bm, bk, warps, p, ck = match.groups()
+        out.append(pk.Tiles(int(bm), int(bk), int(warps or 4), p == "p", int(ck or 32)))
     return out
 
 
 def tiles_name(t: pk.Tiles | None) -> str:
     if t is None:
         return "default"
-    return f"{t.block_m}x{t.block_k}x{t.num_warps}{'p' if t.preload else ''}"
+    chunk = "" if t.chunk_k == 32 else f"c{t.chunk_k}"
+    return f"{t.block_m}x{t.block_k}x{t.num_warps}{'p' if t.preload else ''}{chunk}"
 
 
 def time_per_call(fn, x, *, calls: int, reps: int) -> float:
@@ -239,8 +248,8 @@ def main() -> None:
                              "8192x8192)")
     parser.add_argument("--tiles", default=DEFAULT_TILES,
                         help="comma-separated Pallas tile variants: 'default' (the module's "
-                             "DEFAULT_TILES) or BMxBKxWARPS[p] (p: preload); 'sweep' = "
-                             + SWEEP_TILES)
+                             "DEFAULT_TILES) or BMxBKxWARPS[p][cCK] (p: preload, CK: chunk "
+                             "width); 'sweep' = " + SWEEP_TILES)
     parser.add_argument("--casts", default="float", help="e4m3 paths: float and/or int")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--reps", type=int, default=10, help="timings; the median is reported")

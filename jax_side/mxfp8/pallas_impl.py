@@ -80,17 +80,20 @@ class Tiles(NamedTuple):
     block_k: int = 128  # columns per program (power of two >= 32)
     num_warps: int = 1  # Triton warps per program
     preload: bool = True  # issue every chunk's load before any math (more bytes in flight)
+    chunk_k: int = 32  # chunk width (32, 64, 128): wider chunks reshape (32, CK) -> (32, CK/32,
+    #                   32) for the rowwise amax but give each thread more rows (fewer shuffles)
 
 
-# Defaults per (kernel, input dtype), from the sm_90 SASS of each (docs/pallas_kernel.md): one
-# warp per program gives quantize and amax the fewest instructions per element (a thread holds
-# 2 rows x 16 columns of a 32x32 chunk), with 8 KiB of x per program (no register spills);
-# cast_2d, which loads its scales, spills with one warp and prefers four.
+# Defaults per (kernel, input dtype), from the sm_90 SASS of each (docs/pallas_kernel.md), to be
+# replaced by measured ones: one warp per program gives quantize and amax the fewest
+# instructions per element, with 8 KiB of x per program and no register spills; wider chunks
+# (chunk_k 64/128) cut shuffles and instructions further for ~1.4x the registers (fewer warps
+# per SM), so they are left to the benchmark's sweep. cast_2d spills with one warp: four.
 DEFAULT_TILES = {
     ("quantize", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
     ("quantize", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
-    ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
-    ("amax", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True, chunk_k=64),
+    ("amax", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True, chunk_k=64),
     ("cast", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=4, preload=True),
     ("cast", "float32"): Tiles(block_m=32, block_k=64, num_warps=4, preload=True),
 }
@@ -224,58 +227,85 @@ def _cast_any(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
 # (BM/32, BK). Chunk (i, j) = rows [32i, 32i+32), columns [32j, 32j+32) of the tile.
 
 
-def _chunks(x_ref, bm: int, bk: int, preload: bool):
-    """(i, j, rows, cols, x chunk) for every chunk of the tile. preload: all loads are issued
-    before any math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
-    idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * _BS, _BS))
-           for i in range(bm // _BS) for j in range(bk // _BS)]
-    if not preload:
-        return ((*ix, x_ref[ix[2], ix[3]]) for ix in idx)  # lazily: each load right before use
-    loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
-    return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
+class _Chunking(NamedTuple):
+    """How a program walks its (BM, BK) tile: (32, CK) chunks, CK = 32 * nb."""
+
+    bm: int
+    bk: int
+    ck: int
+    preload: bool
+
+    @property
+    def nb(self) -> int:  # rowwise blocks per chunk row
+        return self.ck // _BS
+
+    def chunks(self, x_ref):
+        """(i, j, rows, cols, x chunk) for every chunk. preload: all loads are issued before any
+        math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
+        idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * self.ck, self.ck))
+               for i in range(self.bm // _BS) for j in range(self.bk // self.ck)]
+        if not self.preload:
+            return ((*ix, x_ref[ix[2], ix[3]]) for ix in idx)  # each load right before use
+        loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
+        return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
+
+    def row_scales(self, j: int):  # this chunk's columns of a (BM, BK/32) rowwise-scale block
+        return pl.ds(j * self.nb, self.nb)
+
+    def row_max(self, v):
+        """(32, CK) -> (32, CK/32): max over each 1x32 block."""
+        if self.nb == 1:
+            return jnp.max(v, axis=1, keepdims=True)
+        return jnp.max(v.reshape(_BS, self.nb, _BS), axis=2)  # (32, nb, 32): blocks on axis 2
+
+    def row_expand(self, e):
+        """(32, CK/32) -> (32, CK), or broadcastable to it: each block's value over its 32."""
+        if self.nb == 1:
+            return e
+        return jnp.broadcast_to(e[:, :, None], (_BS, self.nb, _BS)).reshape(_BS, self.ck)
 
 
-def _quantize_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload, mode):
+def _quantize_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     refs = list(refs)
     rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
     cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
-    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+    for i, j, rows, cols, x in ch.chunks(x_ref):
         el = _elements(_fp32_bits(x))
         if rowwise:
-            e = _scale_bytes(jnp.max(el.amax_in, axis=1, keepdims=True), any_bits=False)
-            rs[rows, pl.ds(j, 1)] = e.astype(jnp.uint8)  # (32, 1): one per row of the chunk
-            rd[rows, cols] = _cast_own(el, e, mode)
+            e = _scale_bytes(ch.row_max(el.amax_in), any_bits=False)  # (32, CK/32)
+            rs[rows, ch.row_scales(j)] = e.astype(jnp.uint8)
+            rd[rows, cols] = _cast_own(el, ch.row_expand(e), mode)
         if colwise:
             e = _scale_bytes(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
-            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, 32): one per column
+            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
             cd[rows, cols] = _cast_own(el, e, mode)
 
 
-def _amax_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload):
+def _amax_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking):
     refs = list(refs)
     ra = refs.pop(0) if rowwise else None
     ca = refs.pop(0) if colwise else None
-    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+    for i, j, rows, cols, x in ch.chunks(x_ref):
         a = _fp32_bits(x) & _ABS
         a0 = jnp.where(a > _INF, jnp.int32(0), a)
         if rowwise:
-            m = jnp.max(a0, axis=1, keepdims=True)
-            ra[rows, pl.ds(j, 1)] = lax.bitcast_convert_type(m, jnp.float32)
+            ra[rows, ch.row_scales(j)] = lax.bitcast_convert_type(ch.row_max(a0), jnp.float32)
         if colwise:
             m = jnp.max(a0, axis=0, keepdims=True)
             ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(m, jnp.float32)
 
 
-def _cast_kernel(x_ref, *refs, rowwise, colwise, bm, bk, preload, mode):
+def _cast_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     refs = list(refs)
     rs = refs.pop(0) if rowwise else None
     cs = refs.pop(0) if colwise else None
     rd = refs.pop(0) if rowwise else None
     cd = refs.pop(0) if colwise else None
-    for i, j, rows, cols, x in _chunks(x_ref, bm, bk, preload):
+    for i, j, rows, cols, x in ch.chunks(x_ref):
         el = _elements(_fp32_bits(x))
         if rowwise:
-            rd[rows, cols] = _cast_any(el, rs[rows, pl.ds(j, 1)].astype(jnp.int32), mode)
+            e = rs[rows, ch.row_scales(j)].astype(jnp.int32)  # (32, CK/32)
+            rd[rows, cols] = _cast_any(el, ch.row_expand(e), mode)
         if colwise:
             cd[rows, cols] = _cast_any(el, cs[pl.ds(i, 1), cols].astype(jnp.int32), mode)
 
@@ -312,11 +342,14 @@ class _Grid(NamedTuple):
     @classmethod
     def make(cls, kind: str, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
         tiles = DEFAULT_TILES[kind, jnp.dtype(dtype).name] if tiles is None else tiles
+        if tiles.chunk_k not in (32, 64, 128):
+            raise ValueError(f"Tiles.chunk_k: expected 32, 64 or 128, got {tiles.chunk_k}")
         m, k = shape
         return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
 
     def kernel(self, fn, **kw):
-        return functools.partial(fn, bm=self.bm, bk=self.bk, preload=self.tiles.preload, **kw)
+        ch = _Chunking(self.bm, self.bk, min(self.tiles.chunk_k, self.bk), self.tiles.preload)
+        return functools.partial(fn, ch=ch, **kw)
 
     def grid(self, shape):
         return (shape[0] // self.bm, shape[1] // self.bk)
