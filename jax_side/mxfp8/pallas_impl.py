@@ -224,7 +224,7 @@ def _cast_any(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # Kernels. Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
-# (BM/32, BK). Chunk (i, j) = rows [32i, 32i+32), columns [32j, 32j+32) of the tile.
+# (BM/32, BK). Chunk (i, j) = rows [32 i, 32 i + 32), columns [CK j, CK j + CK) of the tile.
 
 
 class _Chunking(NamedTuple):
