@@ -1,0 +1,632 @@
+"""The ``pallas`` kernels: MXFP8 quantize in Pallas (Triton lowering), byte-identical to ``xla``.
+
+Design note: docs/pallas_kernel.md. Contract: DESIGN.md 3 (numerics) and 4 (layout).
+
+Tiling. A grid program owns a (BM, BK) tile of x (BM, BK power-of-two multiples of 32; row tiles
+on grid axis 0, column tiles on axis 1) and walks it in static (32, 32) chunks loaded straight
+from the ref: a chunk holds 32 rowwise blocks (its rows) and 32 colwise blocks (its columns), so
+both block amaxes are plain reductions over one axis of a 2-D value (no in-kernel reshape), and x
+is read once for both planes.
+
+Numerics, FTZ-proof (interpret mode runs on XLA:CPU, which flushes subnormal floats; Triton may
+or may not): every value that can be subnormal is handled on int32 bit patterns, and every float
+operation has normal operands and an exact normal (or discarded) result.
+
+- x is widened to fp32 bits by a shift (bf16) or a bitcast (fp32); ``a = bits & 0x7FFFFFFF``.
+- amax: max over ``a`` with NaN patterns zeroed (non-negative floats order like their bits).
+- scale byte (``_scale_bytes``): byte >= 2 exactly when amax_bits >= T[1] (T = formats'
+  threshold table); then amax and s = fp32_rn(amax * fp32(1/448)) are normal, so one float
+  multiply is exact under any denormal mode and RCEIL is ``(s_bits + 0x7FFFFF) >> 23``. Below
+  T[1] the byte is ``amax_bits >= T[0]``; +Inf (and, as in ``xla``, NaN or negative) -> 0xFE.
+- element, v = |x| * 2**k with k = 127 - E, as an exponent add on "extended" bits
+  (``_elements``): ``ext`` = a for normal x; for subnormal x the bits of |x| * 2**64 (computed
+  as ``bitcast(a | 2**23) * 2**64 - 2**-62``, exact and normal) less ``64 << 23``, i.e. |x| with
+  an exponent field <= 0. ``ext + (k << 23)`` is then the exact fp32 bits of v whenever
+  v >= 2**-126; anything smaller is clamped at 0 (v < 2**-126 rounds to e4m3 0 anyway).
+  ``_cast_own`` (scale from the block's own amax) needs no saturation clamp; ``_cast_any``
+  (given scales) clamps ``ext`` at the bits of 448 * 2**-k first. v in [0, 448] -> e4m3 by the
+  hardware cast (``"float"``: cvt.rn.satfinite.e4m3x2.f32) or integer RNE (``"int"``);
+  Inf and NaN are cast as 448 (0x7E), then an or-ed byte adds the sign and, for NaN (or scale
+  0xFF), the low bit (0x7F). All selects act on 32-bit values (byte selects cost unpacking).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_side.mxfp8.formats import BLOCK_SIZE, E4M3_MAX, e8m0_thresholds, fp32_reciprocal_of_max
+
+__all__ = [
+    "E4M3_CAST",
+    "E4M3_CASTS",
+    "BlockAmax",
+    "Planes",
+    "SliceCast",
+    "Tiles",
+    "block_amax_2d",
+    "cast_2d",
+    "cast_slice_flat",
+    "partial_block_amax_slice",
+    "quantize_2d",
+    "scales_from_amax",
+]
+
+_BS = BLOCK_SIZE
+_ABS = np.int32(0x7FFFFFFF)
+_INF = np.int32(0x7F800000)
+_MIN_NORMAL = np.int32(0x00800000)
+_T0 = np.int32(e8m0_thresholds()[0])  # smallest amax bits with byte >= 1
+_T1 = np.int32(e8m0_thresholds()[1])  # smallest amax bits with byte >= 2 (s normal from here)
+_RECIP = np.float32(fp32_reciprocal_of_max())
+_E4M3_MAX_BITS = np.int32(np.float32(E4M3_MAX).view(np.int32))  # 448 = 1.75 * 2**8
+
+# How v in [0, 448] becomes e4m3: "float" = lax convert (Triton: tt.fp_to_fp rtne, PTX
+# cvt.rn.satfinite.e4m3x2.f32 on sm_89+), "int" = integer round-to-nearest-even on v's bits.
+E4M3_CASTS = ("float", "int")
+E4M3_CAST = "float"
+
+
+class Tiles(NamedTuple):
+    """Tile sizes: upper bounds, shrunk per call to the largest power of two dividing M or K."""
+
+    block_m: int = 32  # rows per program (power of two >= 32)
+    block_k: int = 128  # columns per program (power of two >= 32)
+    num_warps: int = 1  # Triton warps per program
+    preload: bool = True  # issue every chunk's load before any math (more bytes in flight)
+    chunk_k: int = 32  # chunk width (32, 64, 128): wider chunks reshape (32, CK) -> (32, CK/32,
+    #                   32) for the rowwise amax but give each thread more rows (fewer shuffles)
+
+
+# Defaults per (kernel, input dtype), from the sm_90 SASS of each (docs/pallas_kernel.md), to be
+# replaced by measured ones: one warp per program gives quantize and amax the fewest
+# instructions per element, with 8 KiB of x per program and no register spills; wider chunks
+# (chunk_k 64/128) cut shuffles and instructions further for ~1.4x the registers (fewer warps
+# per SM), so they are left to the benchmark's sweep. cast_2d spills with one warp: four.
+DEFAULT_TILES = {
+    ("quantize", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
+    ("quantize", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True, chunk_k=64),
+    ("amax", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True, chunk_k=64),
+    ("cast", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=4, preload=True),
+    ("cast", "float32"): Tiles(block_m=32, block_k=64, num_warps=4, preload=True),
+}
+
+
+class Planes(NamedTuple):
+    """Output of ``quantize_2d``: a plane not asked for is (None, None)."""
+
+    rowwise_data: jax.Array | None  # float8_e4m3fn (M, K), blocks 1x32 along K
+    rowwise_scale: jax.Array | None  # float8_e8m0fnu (M, K // 32)
+    colwise_data: jax.Array | None  # float8_e4m3fn (M, K), not transposed, blocks 32x1 along M
+    colwise_scale: jax.Array | None  # float8_e8m0fnu (M // 32, K)
+
+
+class BlockAmax(NamedTuple):
+    rowwise: jax.Array | None  # float32 (M, K // 32)
+    colwise: jax.Array | None  # float32 (M // 32, K)
+
+
+class SliceCast(NamedTuple):
+    rowwise: jax.Array | None  # float8_e4m3fn, 1-D (plane (M, K) or slice length)
+    colwise: jax.Array | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Element math on int32 bit patterns (used inside the kernels; plain jnp, so also testable).
+
+
+def _fp32_bits(x: jax.Array) -> jax.Array:
+    """int32 bits of fp32(x) for bf16 / fp32 x, without a float convert."""
+    if x.dtype == jnp.bfloat16:
+        return lax.shift_left(lax.bitcast_convert_type(x, jnp.int16).astype(jnp.int32), 16)
+    return lax.bitcast_convert_type(x, jnp.int32)
+
+
+class _Elements(NamedTuple):
+    """Per-element values of a chunk that both planes share."""
+
+    amax_in: jax.Array  # int32 |x| bits, NaN patterns zeroed: the block-amax operand
+    ext: jax.Array  # int32 |x| as extended fp32 bits (exponent field <= 0 for subnormal x)
+    special: jax.Array  # bool: x is +-Inf or NaN (cast as 448, then or8 makes NaN 0x7F)
+    or8: jax.Array  # uint8 or-ed into the e4m3 byte: the sign bit, and 0x01 for NaN x
+
+
+def _elements(bits: jax.Array) -> _Elements:
+    """From int32 fp32 bits. Subnormal x: |x| * 2**64 = f * 2**64 - 2**-62 with
+    f = bitcast(a | 2**23) = 2**-126 + |x|; all operands and the (exact) result are normal or 0, so
+    no denormal mode changes it, and its bits less 64 << 23 encode |x| with exponent field <= 0."""
+    a = bits & _ABS
+    nan = a > _INF
+    f = lax.bitcast_convert_type(a | _MIN_NORMAL, jnp.float32)
+    scaled = f * jnp.float32(2.0**64) - jnp.float32(2.0**-62)
+    sub = lax.bitcast_convert_type(scaled, jnp.int32) - jnp.int32(64 << 23)
+    sign_nan = lax.shift_right_logical(bits, jnp.int32(24)) & jnp.int32(0x80)
+    return _Elements(
+        amax_in=jnp.where(nan, jnp.int32(0), a),
+        ext=jnp.where(a < _MIN_NORMAL, sub, a),
+        special=a >= _INF,
+        or8=(sign_nan | jnp.where(nan, jnp.int32(1), jnp.int32(0))).astype(jnp.uint8),
+    )
+
+
+def _scale_bytes(amax_bits: jax.Array, *, any_bits: bool = True) -> jax.Array:
+    """int32 E8M0 byte (0..254) from int32 fp32 amax bits; exact, see the module docstring.
+
+    any_bits=False: amax_bits are known to lie in [0, +Inf bits] (kernel amax), one check less.
+    """
+    s = lax.bitcast_convert_type(lax.bitcast_convert_type(amax_bits, jnp.float32) * _RECIP,
+                                 jnp.int32)
+    # RCEIL of a normal s: E + (m != 0) is (s + 0x7FFFFF) >> 23; +Inf s gives 0xFF -> 0xFE.
+    hi = jnp.minimum(lax.shift_right_logical(s + jnp.int32(0x7FFFFF), jnp.int32(23)),
+                     jnp.int32(0xFE))
+    lo = jnp.where(amax_bits >= _T0, jnp.int32(1), jnp.int32(0))
+    byte = jnp.where(amax_bits >= _T1, hi, lo)
+    if any_bits:  # NaN or negative amax: >= +Inf as uint32, so 0xFE as in ``xla``
+        byte = jnp.where((amax_bits < 0) | (amax_bits > _INF), jnp.int32(0xFE), byte)
+    return byte
+
+
+def _kshift(scale: jax.Array) -> jax.Array:
+    """int32 (127 - E) << 23: adding it to fp32 bits multiplies by 2**(127 - E)."""
+    return lax.shift_left(jnp.int32(127) - scale, jnp.int32(23))
+
+
+def _e4m3_from_v(v: jax.Array, mode: str) -> jax.Array:
+    """uint8 e4m3 magnitude of non-negative fp32 v < 464 (subnormal v may be flushed: -> 0)."""
+    if mode == "float":
+        return lax.bitcast_convert_type(v.astype(jnp.float8_e4m3fn), jnp.uint8)
+    vb = lax.bitcast_convert_type(v, jnp.int32)
+    # Normal e4m3 (v >= 2**-6): RNE of the mantissa to 3 bits, then rebias 127 -> 7 (120 << 3).
+    odd = lax.shift_right_logical(vb, jnp.int32(20)) & jnp.int32(1)
+    normal = lax.shift_right_logical(vb + jnp.int32(0x7FFFF) + odd, jnp.int32(20)) - 960
+    # Subnormal e4m3: adding 2**14 (ulp 2**-9, the e4m3 subnormal step) rounds v RNE; all normal.
+    magic = v + jnp.float32(16384.0)
+    sub = lax.bitcast_convert_type(magic, jnp.int32) - jnp.int32(0x46800000)
+    return jnp.where(vb < jnp.int32(0x3C800000), sub, normal).astype(jnp.uint8)
+
+
+def _cast_own(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
+    """uint8 e4m3 bytes of x * 2**(127 - E) where E came from the block's own amax.
+
+    Then E < 0xFF, Inf only occurs with E = 0xFE, and |x| * 2**(127 - E) < 448 * (1 + 2**-20)
+    for finite x (RCEIL never rounds the scale down), so nothing needs clamping: the exponent
+    add is exact for results >= 2**-126, anything smaller rounds to e4m3 0 (it is clamped at 0
+    only to keep the sign bit clear). Specials are cast as 448 (0x7E); or8 adds sign and NaN bit.
+    Every select is on 32-bit values: byte-wise selects cost byte unpacking on the GPU.
+    """
+    v = jnp.maximum(el.ext + _kshift(scale), jnp.int32(0))
+    v = jnp.where(el.special, _E4M3_MAX_BITS, v)
+    return _e4m3_from_v(lax.bitcast_convert_type(v, jnp.float32), mode) | el.or8
+
+
+def _cast_any(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
+    """uint8 e4m3 bytes of x * 2**(127 - E) for any E8M0 byte E (0xFF gives NaN).
+
+    ``sat`` = bits of 448 * 2**-k (k = 127 - E) clamps saturating |x| to exactly 448 after the
+    shift; where that is above fp32 max (k < -119) no finite x saturates and there is no clamp.
+    """
+    k = jnp.int32(127) - scale
+    sat = jnp.where(k >= -119, lax.shift_left(jnp.int32(135) - k, jnp.int32(23)) | 0x600000,
+                    _ABS)
+    v = jnp.maximum(jnp.minimum(el.ext, sat) + lax.shift_left(k, jnp.int32(23)), jnp.int32(0))
+    nan_scale = scale == 0xFF
+    v = jnp.where(el.special | nan_scale, _E4M3_MAX_BITS, v)
+    y = _e4m3_from_v(lax.bitcast_convert_type(v, jnp.float32), mode) | el.or8
+    return y | jnp.where(nan_scale, jnp.int32(1), jnp.int32(0)).astype(jnp.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
+# (BM/32, BK). Chunk (i, j) = rows [32 i, 32 i + 32), columns [CK j, CK j + CK) of the tile.
+
+
+class _Chunking(NamedTuple):
+    """How a program walks its (BM, BK) tile: (32, CK) chunks, CK = 32 * nb."""
+
+    bm: int
+    bk: int
+    ck: int
+    preload: bool
+
+    @property
+    def nb(self) -> int:  # rowwise blocks per chunk row
+        return self.ck // _BS
+
+    def chunks(self, x_ref):
+        """(i, j, rows, cols, x chunk) for every chunk. preload: all loads are issued before any
+        math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
+        idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * self.ck, self.ck))
+               for i in range(self.bm // _BS) for j in range(self.bk // self.ck)]
+        if not self.preload:
+            return ((*ix, x_ref[ix[2], ix[3]]) for ix in idx)  # each load right before use
+        loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
+        return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
+
+    def row_scales(self, j: int):  # this chunk's columns of a (BM, BK/32) rowwise-scale block
+        return pl.ds(j * self.nb, self.nb)
+
+    def row_max(self, v):
+        """(32, CK) -> (32, CK/32): max over each 1x32 block."""
+        if self.nb == 1:
+            return jnp.max(v, axis=1, keepdims=True)
+        return jnp.max(v.reshape(_BS, self.nb, _BS), axis=2)  # (32, nb, 32): blocks on axis 2
+
+    def row_expand(self, e):
+        """(32, CK/32) -> (32, CK), or broadcastable to it: each block's value over its 32."""
+        if self.nb == 1:
+            return e
+        return jnp.broadcast_to(e[:, :, None], (_BS, self.nb, _BS)).reshape(_BS, self.ck)
+
+
+def _quantize_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
+    refs = list(refs)
+    rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
+    cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        el = _elements(_fp32_bits(x))
+        if rowwise:
+            e = _scale_bytes(ch.row_max(el.amax_in), any_bits=False)  # (32, CK/32)
+            rs[rows, ch.row_scales(j)] = e.astype(jnp.uint8)
+            rd[rows, cols] = _cast_own(el, ch.row_expand(e), mode)
+        if colwise:
+            e = _scale_bytes(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
+            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
+            cd[rows, cols] = _cast_own(el, e, mode)
+
+
+def _amax_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking):
+    refs = list(refs)
+    ra = refs.pop(0) if rowwise else None
+    ca = refs.pop(0) if colwise else None
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        a = _fp32_bits(x) & _ABS
+        a0 = jnp.where(a > _INF, jnp.int32(0), a)
+        if rowwise:
+            ra[rows, ch.row_scales(j)] = lax.bitcast_convert_type(ch.row_max(a0), jnp.float32)
+        if colwise:
+            m = jnp.max(a0, axis=0, keepdims=True)
+            ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(m, jnp.float32)
+
+
+def _cast_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
+    refs = list(refs)
+    rs = refs.pop(0) if rowwise else None
+    cs = refs.pop(0) if colwise else None
+    rd = refs.pop(0) if rowwise else None
+    cd = refs.pop(0) if colwise else None
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        el = _elements(_fp32_bits(x))
+        if rowwise:
+            e = rs[rows, ch.row_scales(j)].astype(jnp.int32)  # (32, CK/32)
+            rd[rows, cols] = _cast_any(el, ch.row_expand(e), mode)
+        if colwise:
+            cd[rows, cols] = _cast_any(el, cs[pl.ds(i, 1), cols].astype(jnp.int32), mode)
+
+
+def _scale_kernel(a_ref, o_ref):
+    o_ref[...] = _scale_bytes(lax.bitcast_convert_type(a_ref[...], jnp.int32)).astype(jnp.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call plumbing.
+
+
+def _triton_params(num_warps: int):
+    # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
+    # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps)
+
+
+def _fit(limit: int, dim: int) -> int:
+    """Largest power-of-two multiple of 32 that is <= limit and divides dim (dim % 32 == 0)."""
+    b = _BS
+    while b * 2 <= limit and dim % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+class _Grid(NamedTuple):
+    bm: int
+    bk: int
+    tiles: Tiles
+
+    @classmethod
+    def make(cls, kind: str, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
+        tiles = DEFAULT_TILES[kind, jnp.dtype(dtype).name] if tiles is None else tiles
+        if tiles.chunk_k not in (32, 64, 128):
+            raise ValueError(f"Tiles.chunk_k: expected 32, 64 or 128, got {tiles.chunk_k}")
+        m, k = shape
+        return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
+
+    def kernel(self, fn, **kw):
+        ch = _Chunking(self.bm, self.bk, min(self.tiles.chunk_k, self.bk), self.tiles.preload)
+        return functools.partial(fn, ch=ch, **kw)
+
+    def grid(self, shape):
+        return (shape[0] // self.bm, shape[1] // self.bk)
+
+    def full(self):  # (BM, BK) blocks of (M, K) arrays
+        return pl.BlockSpec((self.bm, self.bk), lambda i, j: (i, j))
+
+    def row_scale(self):  # (BM, BK/32) blocks of (M, K/32) arrays
+        return pl.BlockSpec((self.bm, self.bk // _BS), lambda i, j: (i, j))
+
+    def col_scale(self):  # (BM/32, BK) blocks of (M/32, K) arrays
+        return pl.BlockSpec((self.bm // _BS, self.bk), lambda i, j: (i, j))
+
+    def call(self, kernel, shape, in_specs, outs, interpret):
+        """outs: list of (BlockSpec, ShapeDtypeStruct)."""
+        return pl.pallas_call(
+            kernel,
+            out_shape=[o[1] for o in outs],
+            grid=self.grid(shape),
+            in_specs=in_specs,
+            out_specs=[o[0] for o in outs],
+            compiler_params=_triton_params(self.tiles.num_warps),
+            interpret=interpret,
+            name="mxfp8_" + kernel.func.__name__.strip("_"),
+        )
+
+
+def _check_2d(x, what: str) -> tuple[int, int]:
+    if x.ndim != 2 or x.shape[0] % _BS or x.shape[1] % _BS or 0 in x.shape:
+        raise ValueError(f"{what}: expected 2-D (M, K) with M, K multiples of 32, got {x.shape}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"{what}: expected bfloat16 or float32 x, got {x.dtype}")
+    return int(x.shape[0]), int(x.shape[1])
+
+
+def _mode(e4m3_cast: str | None) -> str:
+    mode = E4M3_CAST if e4m3_cast is None else e4m3_cast
+    if mode not in E4M3_CASTS:
+        raise ValueError(f"e4m3_cast: expected one of {E4M3_CASTS}, got {mode!r}")
+    return mode
+
+
+def _as_f8(y, dtype):
+    return None if y is None else lax.bitcast_convert_type(y, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public 2-D entry points.
+
+
+def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
+                tiles: Tiles | None = None, e4m3_cast: str | None = None) -> Planes:
+    """MXFP8 planes of a 2-D (M, K) bf16/fp32 x (M, K multiples of 32), x read once.
+
+    rowwise: data float8_e4m3fn (M, K), scale float8_e8m0fnu (M, K/32), blocks 1x32 along K.
+    colwise: data float8_e4m3fn (M, K) (not transposed), scale (M/32, K), blocks 32x1 along M.
+    Bytes equal the ``xla`` backend's (DESIGN.md 3).
+    """
+    shape = _check_2d(x, "quantize_2d")
+    if not (rowwise or colwise):
+        raise ValueError("quantize_2d: rowwise=False and colwise=False asks for nothing")
+    return _quantize_2d(x, bool(rowwise), bool(colwise), bool(interpret),
+                        _Grid.make("quantize", shape, tiles, x.dtype), _mode(e4m3_cast))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_2d(x, rowwise, colwise, interpret, g: _Grid, mode) -> Planes:
+    m, k = x.shape
+    outs = []
+    if rowwise:
+        outs += [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8)),
+                 (g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.uint8))]
+    if colwise:
+        outs += [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8)),
+                 (g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.uint8))]
+    kernel = g.kernel(_quantize_kernel, rowwise=rowwise, colwise=colwise, mode=mode)
+    res = list(g.call(kernel, (m, k), [g.full()], outs, interpret)(x))
+    rd, rs = (res.pop(0), res.pop(0)) if rowwise else (None, None)
+    cd, cs = (res.pop(0), res.pop(0)) if colwise else (None, None)
+    e4, e8 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+    return Planes(_as_f8(rd, e4), _as_f8(rs, e8), _as_f8(cd, e4), _as_f8(cs, e8))
+
+
+def block_amax_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
+                  tiles: Tiles | None = None) -> BlockAmax:
+    """float32 block amax of 2-D (M, K) bf16/fp32 x, NaN ignored, Inf counts (subnormals kept).
+
+    rowwise (M, K/32) over 1x32 blocks along K; colwise (M/32, K) over 32x1 blocks along M.
+    """
+    shape = _check_2d(x, "block_amax_2d")
+    if not (rowwise or colwise):
+        raise ValueError("block_amax_2d: rowwise=False and colwise=False asks for nothing")
+    return _block_amax_2d(x, bool(rowwise), bool(colwise), bool(interpret),
+                          _Grid.make("amax", shape, tiles, x.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _block_amax_2d(x, rowwise, colwise, interpret, g: _Grid) -> BlockAmax:
+    m, k = x.shape
+    outs = []
+    if rowwise:
+        outs.append((g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.float32)))
+    if colwise:
+        outs.append((g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.float32)))
+    kernel = g.kernel(_amax_kernel, rowwise=rowwise, colwise=colwise)
+    res = list(g.call(kernel, (m, k), [g.full()], outs, interpret)(x))
+    return BlockAmax(res.pop(0) if rowwise else None, res.pop(0) if colwise else None)
+
+
+def _scale_u8(scale, expected, what: str):
+    if scale is None:
+        return None
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: expected scale shape {expected}, got {tuple(scale.shape)}")
+    if scale.dtype == jnp.float8_e8m0fnu:
+        return lax.bitcast_convert_type(scale, jnp.uint8)
+    if scale.dtype == jnp.uint8:
+        return scale
+    raise TypeError(f"{what}: expected float8_e8m0fnu (or uint8) scales, got {scale.dtype}")
+
+
+def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = False,
+            tiles: Tiles | None = None, e4m3_cast: str | None = None) -> SliceCast:
+    """e4m3 planes (M, K) of 2-D bf16/fp32 x with GIVEN E8M0 scales (float8_e8m0fnu or uint8).
+
+    rowwise_scale (M, K/32) for 1x32 blocks along K, colwise_scale (M/32, K) for 32x1 blocks
+    along M; either may be None (that plane is None). Any byte is valid (0xFF gives NaN).
+    """
+    m, k = _check_2d(x, "cast_2d")
+    rs = _scale_u8(rowwise_scale, (m, k // _BS), "cast_2d rowwise_scale")
+    cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
+    if rs is None and cs is None:
+        raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
+    g = _Grid.make("cast", (m, k), tiles, x.dtype)
+    return _cast_2d(x, rs, cs, bool(interpret), g, _mode(e4m3_cast))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _cast_2d(x, rs, cs, interpret, g: _Grid, mode) -> SliceCast:
+    m, k = x.shape
+    rowwise, colwise = rs is not None, cs is not None
+    in_specs, args, outs = [g.full()], [x], []
+    if rowwise:
+        in_specs.append(g.row_scale())
+        args.append(rs)
+    if colwise:
+        in_specs.append(g.col_scale())
+        args.append(cs)
+    outs = [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8))] * (int(rowwise) + int(colwise))
+    kernel = g.kernel(_cast_kernel, rowwise=rowwise, colwise=colwise, mode=mode)
+    res = list(g.call(kernel, (m, k), in_specs, outs, interpret)(*args))
+    e4 = jnp.float8_e4m3fn
+    return SliceCast(_as_f8(res.pop(0), e4) if rowwise else None,
+                     _as_f8(res.pop(0), e4) if colwise else None)
+
+
+_SCALE_BLOCK = 1024  # elements per program of the scale kernel
+
+
+def scales_from_amax(amax, *, interpret: bool = False):
+    """float8_e8m0fnu E8M0 bytes (same shape) from float32 block amax (any shape), as ``xla``.
+
+    amax should be >= 0; +Inf (and, as in ``xla``, NaN or negative) gives 0xFE.
+    """
+    if amax.dtype != jnp.float32:
+        raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
+    return _scales_from_amax(amax, bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _scales_from_amax(amax, interpret):
+    n = amax.size
+    if n == 0:
+        return jnp.zeros(amax.shape, jnp.float8_e8m0fnu)
+    block = min(_SCALE_BLOCK, 1 << (n - 1).bit_length())  # power of two >= n, capped
+    padded = -(-n // block) * block
+    flat = jnp.pad(amax.reshape(-1), (0, padded - n))  # (padded,) zeros after the n values
+    spec = pl.BlockSpec((block,), lambda i: (i,))
+    out = pl.pallas_call(
+        _scale_kernel, out_shape=jax.ShapeDtypeStruct((padded,), jnp.uint8),
+        grid=(padded // block,), in_specs=[spec], out_specs=spec, interpret=interpret,
+        compiler_params=_triton_params(4), name="mxfp8_scales_from_amax",
+    )(flat)
+    return lax.bitcast_convert_type(out[:n].reshape(amax.shape), jnp.float8_e8m0fnu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat slices (semantics of jax_side.mxfp8.quantize.partial_block_amax / cast_slice): the 32-row
+# band the slice touches is materialised with zero padding and run through the 2-D kernels.
+
+
+class _Band(NamedTuple):
+    row0: int  # first row of the band (multiple of 32)
+    row1: int  # one past its last row (multiple of 32, <= M)
+    pad_left: int  # band elements before the slice
+    pad_right: int  # band elements after it
+
+
+def _band(m: int, k: int, start: int, n: int) -> _Band:
+    row0 = (start // k) // _BS * _BS
+    row1 = min(m, ((start + n - 1) // k // _BS + 1) * _BS)
+    return _Band(row0, row1, start - row0 * k, row1 * k - (start + n))
+
+
+def _check_slice(flat, shape, start: int, what: str) -> tuple[int, int, int]:
+    m, k = (int(d) for d in shape)
+    if m % _BS or k % _BS or m <= 0 or k <= 0:
+        raise ValueError(f"{what}: shape must be (M, K) with M, K multiples of 32, got {shape}")
+    if flat.ndim != 1 or flat.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"{what}: expected a 1-D bf16/fp32 slice, got {flat.shape} {flat.dtype}")
+    n = int(flat.shape[0])
+    if start < 0 or start + n > m * k:
+        raise ValueError(f"{what}: slice [{start}, {start + n}) lies outside {m * k} elements")
+    return m, k, n
+
+
+def _band_x(flat, k: int, band: _Band):
+    return jnp.pad(flat, (band.pad_left, band.pad_right)).reshape(band.row1 - band.row0, k)
+
+
+def partial_block_amax_slice(flat, shape, start: int, rowwise: bool = True,
+                             colwise: bool = True, *, interpret: bool = False,
+                             tiles: Tiles | None = None) -> BlockAmax:
+    """Block amax (float32, full shapes (M, K/32) / (M/32, K)) of the part of a row-major (M, K)
+    tensor held in the 1-D slice ``flat`` = elements [start, start + n); 0 outside the slice."""
+    m, k, n = _check_slice(flat, shape, int(start), "partial_block_amax_slice")
+    return _partial_amax(flat, (m, k), int(start), bool(rowwise), bool(colwise),
+                         bool(interpret), tiles)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _partial_amax(flat, shape, start, rowwise, colwise, interpret, tiles) -> BlockAmax:
+    m, k = shape
+    n = int(flat.shape[0])
+    row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
+    col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
+    if n == 0:
+        return BlockAmax(row, col)
+    band = _band(m, k, start, n)
+    part = block_amax_2d(_band_x(flat, k, band), rowwise=rowwise, colwise=colwise,
+                         interpret=interpret, tiles=tiles)  # zero padding never raises an amax
+    if rowwise:
+        row = lax.dynamic_update_slice(row, part.rowwise, (band.row0, 0))
+    if colwise:
+        col = lax.dynamic_update_slice(col, part.colwise, (band.row0 // _BS, 0))
+    return BlockAmax(row, col)
+
+
+def cast_slice_flat(flat, shape, start: int, rowwise_scale=None, colwise_scale=None, *,
+                    interpret: bool = False, tiles: Tiles | None = None,
+                    e4m3_cast: str | None = None) -> SliceCast:
+    """1-D float8_e4m3fn planes (length n) of the slice [start, start + n) of a row-major (M, K)
+    tensor, cast with the full tensor's scales (float8_e8m0fnu or uint8; either may be None)."""
+    m, k, n = _check_slice(flat, shape, int(start), "cast_slice_flat")
+    rs = _scale_u8(rowwise_scale, (m, k // _BS), "cast_slice_flat rowwise_scale")
+    cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_slice_flat colwise_scale")
+    if rs is None and cs is None:
+        raise ValueError("cast_slice_flat: pass rowwise_scale and/or colwise_scale")
+    return _cast_slice(flat, rs, cs, (m, k), int(start), bool(interpret), tiles,
+                       _mode(e4m3_cast))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _cast_slice(flat, rs, cs, shape, start, interpret, tiles, mode) -> SliceCast:
+    m, k = shape
+    n = int(flat.shape[0])
+    if n == 0:
+        empty = jnp.zeros((0,), jnp.float8_e4m3fn)
+        return SliceCast(None if rs is None else empty, None if cs is None else empty)
+    band = _band(m, k, start, n)
+    r0, r1 = band.row0, band.row1
+    out = cast_2d(_band_x(flat, k, band),
+                  None if rs is None else rs[r0:r1],
+                  None if cs is None else cs[r0 // _BS : r1 // _BS],
+                  interpret=interpret, tiles=tiles, e4m3_cast=mode)
+
+    def finish(y):  # (R, K) band plane -> the slice's n elements
+        return None if y is None else y.reshape(-1)[band.pad_left : band.pad_left + n]
+
+    return SliceCast(finish(out.rowwise), finish(out.colwise))
