@@ -6,9 +6,11 @@ reaches JAX through it, not the reverse). Read the ownership note at the top of
 """
 
 from bridge.dlpack import (
+    CrossingStats,
     DlpackSupport,
     Fp8Transport,
     ZeroCopyError,
+    count_crossings,
     dlpack_support,
     required_alignment,
     start_jax_backend,
@@ -22,18 +24,23 @@ from bridge.mxfp8_tensor import (
     to_jax_mxfp8,
     to_torch_mxfp8,
 )
+from bridge.shared import SharedBuffer, SharedPlane
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 
 __all__ = [
+    "CrossingStats",
     "DlpackSupport",
     "Fp8Transport",
     "KernelConfig",
     "LinearMode",
     "MXFP8Linear",
     "MXFP8WeightPlanes",
+    "SharedBuffer",
+    "SharedPlane",
     "TorchMXFP8Tensor",
     "ZeroCopyError",
+    "count_crossings",
     "dlpack_support",
     "mxfp8_linear",
     "required_alignment",

@@ -37,6 +37,16 @@ Names: the *Torch buffer* is the storage behind a ``torch.Tensor``; the *JAX vie
 Alignment: JAX on CPU only aliases buffers aligned to 64 bytes (it copies silently otherwise);
 XLA GPU kernels assume entry parameters are 16-byte aligned. The bridge checks both itself.
 
+Cost on CUDA (host time per crossing; the H200 figures are in BENCHMARKS.md): the public
+``jax.dlpack.from_dlpack`` spends most of its ~100 us in Python -- ``Tensor.__dlpack__(stream=)``
+builds a ``torch.cuda.ExternalStream`` and a fresh event every call, and ``jnp.asarray`` re-wraps
+the result. The bridge does the same steps with cached objects: one ``ExternalStream`` of JAX's
+ready-events stream and one reusable event per device (re-recorded on Torch's current stream,
+waited on by JAX's stream: ordering rule 3, unchanged), then ``__dlpack__(stream=-1)`` (no second
+sync) and JAX's own capsule import with that stream. ``to_torch`` likewise imports the capsule of
+``jax.Array.__dlpack__(stream=<Torch's current stream>)`` directly. Where JAX's internals differ
+from the version this was written for, the public ``from_dlpack`` path is used (same semantics).
+
 1-byte floats (float8_e4m3fn, float8_e5m2, float8_e8m0fnu) travel as their native DLPack dtype where
 both libraries support it, else as uint8 bytes whose capsule is relabeled (``bridge.capsule``) for
 the consumer; both transports are zero-copy. ``dlpack_support()`` reports which one is used.
@@ -45,9 +55,12 @@ the consumer; both transports are zero-copy. ``dlpack_support()`` reports which 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import os
+import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -59,10 +72,21 @@ import torch  # noqa: E402
 
 from bridge.capsule import DLDataTypeCode, relabel  # noqa: E402
 
+try:  # JAX's capsule import, as jax.dlpack.from_dlpack calls it (fast path, see the module note)
+    from jax._src import xla_bridge as _xla_bridge  # noqa: E402
+    from jax._src.lib import _jax as _jaxlib  # noqa: E402
+    from jax._src.lib import jaxlib_extension_version as _JAXLIB_EXT  # noqa: E402
+
+    _IMPORT_CAPSULE = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
+except ImportError:  # pragma: no cover -- another JAX layout: the public path is used
+    _IMPORT_CAPSULE, _JAXLIB_EXT, _xla_bridge = None, 0, None
+
 __all__ = [
+    "CrossingStats",
     "DlpackSupport",
     "Fp8Transport",
     "ZeroCopyError",
+    "count_crossings",
     "dlpack_support",
     "jax_dtype_for",
     "required_alignment",
@@ -70,6 +94,44 @@ __all__ = [
     "to_jax",
     "to_torch",
 ]
+
+
+@dataclasses.dataclass
+class CrossingStats:
+    """Bridge crossings counted by ``count_crossings`` (calls and host seconds per direction)."""
+
+    to_jax: int = 0
+    to_torch: int = 0
+    to_jax_s: float = 0.0
+    to_torch_s: float = 0.0
+
+    @property
+    def calls(self) -> int:
+        return self.to_jax + self.to_torch
+
+    @property
+    def seconds(self) -> float:
+        return self.to_jax_s + self.to_torch_s
+
+
+_COUNTING: list[CrossingStats] = []
+
+
+@contextlib.contextmanager
+def count_crossings() -> Iterator[CrossingStats]:
+    """Count every ``to_jax`` / ``to_torch`` call (and its host time) inside the block."""
+    stats = CrossingStats()
+    _COUNTING.append(stats)
+    try:
+        yield stats
+    finally:
+        _COUNTING.remove(stats)
+
+
+def _record(direction: str, seconds: float) -> None:
+    for stats in _COUNTING:
+        setattr(stats, direction, getattr(stats, direction) + 1)
+        setattr(stats, direction + "_s", getattr(stats, direction + "_s") + seconds)
 
 
 class ZeroCopyError(BufferError):
@@ -316,7 +378,52 @@ class _TorchExport:
 
 def _device_ctx(device: torch.device):
     """Make ``device`` current, so Torch's "current stream" in ``__dlpack__`` is that device's."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda" or torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+class _CudaSync(NamedTuple):
+    """Cached per (Torch device, JAX device): JAX's ready-events stream and one reusable event."""
+
+    jax_device: object
+    stream_ptr: int
+    stream: torch.cuda.ExternalStream
+    event: torch.cuda.Event
+
+
+@functools.cache
+def _cuda_sync(index: int) -> _CudaSync | None:
+    """None where the fast path does not apply (no matching JAX GPU, or other JAX internals)."""
+    if _IMPORT_CAPSULE is None:
+        return None
+    try:
+        backend = _xla_bridge.get_backend("cuda")
+        jdev = backend.device_from_local_hardware_id(index)
+        ptr = jdev.get_stream_for_external_ready_events()
+    except Exception:  # noqa: BLE001 -- any failure: use the public path
+        return None
+    if not ptr:
+        return None
+    with torch.cuda.device(index):
+        return _CudaSync(jdev, ptr, torch.cuda.ExternalStream(ptr), torch.cuda.Event())
+
+
+def _fast_cuda_import(t: torch.Tensor, code: DLDataTypeCode | None):
+    """``to_jax`` of a checked, canonical CUDA tensor with cached stream objects; None if the
+    fast path is unavailable here."""
+    sync = _cuda_sync(t.device.index)
+    if sync is None:
+        return None
+    with _device_ctx(t.device):
+        sync.event.record(torch.cuda.current_stream(t.device))  # producer: Torch's stream
+        sync.stream.wait_event(sync.event)  # consumer: JAX's stream waits (DLPack rule)
+        capsule = (t if code is None else t.view(torch.uint8)).__dlpack__(stream=-1)
+    if code is not None:
+        relabel(capsule, code)
+    if _JAXLIB_EXT >= 467:
+        return _IMPORT_CAPSULE(capsule, sync.jax_device, sync.stream_ptr, False, 2)  # kDLCUDA
+    return _IMPORT_CAPSULE(capsule, sync.jax_device, sync.stream_ptr, False)
 
 
 def to_jax(
@@ -330,6 +437,16 @@ def to_jax(
     ``transport`` forces how 1-byte floats travel (default: ``dlpack_support()``). Read the
     ownership note at the top of this module before overwriting or freeing ``t``.
     """
+    if not _COUNTING:
+        return _to_jax(t, copy, transport)
+    t0 = time.perf_counter()
+    try:
+        return _to_jax(t, copy, transport)
+    finally:
+        _record("to_jax", time.perf_counter() - t0)
+
+
+def _to_jax(t, copy, transport) -> jax.Array:
     spec = _check_torch_input(t, "to_jax")
     start_jax_backend()
     if copy:
@@ -337,13 +454,12 @@ def to_jax(
     _check_shareable(t)
     t = _canonical(t)
     mode = _transport(spec, transport, "torch_to_jax")
-    src = (
-        _TorchExport(t)
-        if mode in (None, Fp8Transport.NATIVE)
-        else _TorchExport(t.view(torch.uint8), spec.byte_code)
-    )
-    with _device_ctx(t.device):
-        a = jax.dlpack.from_dlpack(src, copy=False)
+    code = None if mode in (None, Fp8Transport.NATIVE) else spec.byte_code
+    a = _fast_cuda_import(t, code) if t.device.type == "cuda" else None
+    if a is None:
+        src = _TorchExport(t) if code is None else _TorchExport(t.view(torch.uint8), code)
+        with _device_ctx(t.device):
+            a = jax.dlpack.from_dlpack(src, copy=False)
     if a.dtype != spec.jax or (t.numel() and a.unsafe_buffer_pointer() != t.data_ptr()):
         raise ZeroCopyError(
             f"to_jax: JAX imported {describe_tensor(t)} as {a.dtype} at a different address "
@@ -395,15 +511,26 @@ def to_torch(
     Same dtype table as ``to_jax``. The tensor is contiguous, on a's device, and Torch's current
     stream waits for ``a`` to be ready. ``copy=True`` returns a Torch-owned copy instead.
     """
+    if not _COUNTING:
+        return _to_torch(a, copy, transport)
+    t0 = time.perf_counter()
+    try:
+        return _to_torch(a, copy, transport)
+    finally:
+        _record("to_torch", time.perf_counter() - t0)
+
+
+def _to_torch(a, copy, transport) -> torch.Tensor:
     spec = _check_jax_input(a, "to_torch")
     start_jax_backend()
     mode = _transport(spec, transport, "jax_to_torch")
+    # the capsule, exported with Torch's current stream waiting for ``a`` (DLPack rule)
+    capsule = a.__dlpack__(stream=_torch_stream_for(a.__dlpack_device__()))
     if mode in (None, Fp8Transport.NATIVE):
-        t = torch.from_dlpack(a)
+        t = torch.utils.dlpack.from_dlpack(capsule)
     else:
-        capsule = a.__dlpack__(stream=_torch_stream_for(a.__dlpack_device__()))
         relabel(capsule, DLDataTypeCode.UINT)
-        t = torch.from_dlpack(capsule).view(spec.torch)
+        t = torch.utils.dlpack.from_dlpack(capsule).view(spec.torch)
     if t.dtype != spec.torch or (t.numel() and a.unsafe_buffer_pointer() != t.data_ptr()):
         raise ZeroCopyError(
             f"to_torch: Torch imported {_describe_array(a)} as {t.dtype} at a different address "

@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
+from bridge.shared import SharedPlane, to_flat_plane
 from common.formats import BLOCK_SIZE, Plane
 from common.kernels import KernelConfig
 from common.modes import LinearMode
@@ -51,7 +52,20 @@ def _share(t: torch.Tensor):
 
 
 def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane):
-    """Call the provider for one plane and share it with JAX (validated, zero-copy)."""
+    """Call the provider for one plane and share it with JAX (validated, zero-copy): from its
+    already-shared buffers (``shared``), else by crossing its (data, scale) tensors."""
+    shared = getattr(planes, "shared", None)
+    if shared is not None:
+        sp = shared(plane)
+        if not isinstance(sp, SharedPlane) or sp.plane is not plane or (
+            tuple(sp.shape) != tuple(weight.shape)
+        ):
+            raise ValueError(
+                f"mxfp8_linear: weight_planes.shared({plane.value}) returned {sp!r}; expected a "
+                f"bridge.shared.SharedPlane of the {plane.value} plane of shape "
+                f"{tuple(weight.shape)}"
+            )
+        return to_flat_plane(sp)
     data, scale = planes.rowwise() if plane is Plane.ROWWISE else planes.colwise()
     shape = tuple(weight.shape)
     check_plane(f"mxfp8_linear weight_planes.{plane.value}()", shape, plane, data, scale)
@@ -125,7 +139,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
             # The parameter itself, not a detached alias: under FSDP its storage is the unsharded
             # bucket, which reshard frees after forward and pre-backward gathers again.
             ctx.save_for_backward(x2d, weight)
-            y = L.hp_forward(_share(x2d), _share(weight), out_dtype=out_j)
+            y = L.hp_forward(_share(x2d), _share(weight), out_dtype=out_j, kernels=kernels)
             return to_torch(y).reshape(*lead, n)
         # needs_input_grad stays True under torch.no_grad(); nothing is kept for backward then.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
@@ -149,7 +163,10 @@ class _MXFP8LinearFn(torch.autograd.Function):
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
-            out = L.hp_backward(dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw)
+            out = L.hp_backward(
+                dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw,
+                kernels=ctx.kernels,
+            )
         else:
             w_col = None
             if need_dx:

@@ -48,6 +48,10 @@ class MXFP8WeightPlanes(Protocol):
     ``shape`` is the logical (N, K). ``rowwise()`` -> (data (N, K), scale (N, K/32));
     ``colwise()`` -> (data (N, K), scale (N/32, K)). Each call may all-gather; callers must not
     keep the returned tensors beyond the computation that reads them.
+
+    A provider may also offer ``shared(plane) -> bridge.shared.SharedPlane`` (FSDP does): the
+    plane inside buffers already shared with JAX, which ``mxfp8_linear`` then prefers (no
+    per-call crossing for the weight).
     """
 
     shape: tuple[int, int]

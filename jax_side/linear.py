@@ -12,7 +12,10 @@ the two stacks agree by construction: same programs, same bytes.
 
 W is either given as MXFP8 planes (e.g. FSDP's all-gathered planes, used as they are) or
 quantized here as ``quantize(bf16(weight))`` (DESIGN.md 3: master weights are quantized from their
-bf16 rounding).
+bf16 rounding). Given planes are an ``MXFP8Tensor`` or a ``FlatPlane``: one plane of the weight
+inside flat byte buffers (FSDP's unsharded bucket and its group's scale buffer, shared with JAX
+once per bucket lifetime), cut out inside the jitted program -- so no per-call transfer or slice
+dispatch is needed for weights.
 
 Tokens (the flattened leading dims of x, the M of x and dy) need not be a multiple of 32: x and dy
 are **zero-padded along the token dim** to the next multiple of 32 (at least 32) before they are
@@ -27,11 +30,15 @@ kernels (``ResolvedKernels``, from a ``KernelConfig``) are a static argument. Ro
 result dtype happens once, after the fp32 GEMM.
 
 ``LinearMode.HIGH_PRECISION`` runs the same graph with plain dots (no quantization), accumulating
-in float32 (float64 if an input is float64), for the control and gradcheck-style tests.
+in float32 (float64 if an input is float64), for the control and gradcheck-style tests: exact
+fp32 products at HIGHEST precision, except that bf16 operands run on bf16 tensor cores (fp32
+accumulation) when the kernels' GEMM is not the exact reference (``dequant_dot``) -- the same
+"accumulation order only" trade as the MXFP8 ``dequant_bf16_dot`` path.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Protocol
 
@@ -39,15 +46,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import BLOCK_SIZE, Plane
+from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.gemm_roles import GemmRole
-from common.kernels import KernelConfig
+from common.kernels import GemmImpl, KernelConfig
 from common.modes import LinearMode
 from jax_side.mxfp8 import MXFP8Tensor, matmul, quantize
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_kernels
 
 __all__ = [
     "BackwardOut",
+    "FlatPlane",
     "ForwardOut",
     "LinearFn",
     "backward",
@@ -62,6 +70,51 @@ __all__ = [
     "quantize_activation",
     "quantize_weight",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPlane:
+    """One MXFP8 plane of an (N, K) weight held in flat byte buffers.
+
+    data: 1-D uint8 (or float8_e4m3fn) buffer whose elements ``[data_offset, data_offset + N*K)``
+    are the plane's (N, K) data, row-major; scale: 1-D uint8 (or float8_e8m0fnu) buffer whose
+    elements from ``scale_offset`` are its compact scales ((N, K/32) rowwise, (N/32, K) colwise).
+    Offsets, shape and plane are static (part of the compiled program).
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    data_offset: int
+    scale_offset: int
+    shape: tuple[int, int]
+    plane: Plane
+
+    def tensor(self) -> MXFP8Tensor:
+        """The plane as an ``MXFP8Tensor`` (slices and bitcasts, fused by XLA under jit)."""
+        n, k = self.shape
+        ss = scale_shape(self.shape, self.plane)
+        data = lax.slice(self.data, (self.data_offset,), (self.data_offset + n * k,))
+        scale = lax.slice(self.scale, (self.scale_offset,), (self.scale_offset + ss[0] * ss[1],))
+        data = _bitcast(data, jnp.float8_e4m3fn).reshape(n, k)
+        scale = _bitcast(scale, jnp.float8_e8m0fnu).reshape(ss)
+        if self.plane is Plane.ROWWISE:
+            return MXFP8Tensor(data, scale, None, None, self.shape, jnp.dtype(jnp.bfloat16))
+        return MXFP8Tensor(None, None, data, scale, self.shape, jnp.dtype(jnp.bfloat16))
+
+
+jax.tree_util.register_dataclass(
+    FlatPlane,
+    data_fields=["data", "scale"],
+    meta_fields=["data_offset", "scale_offset", "shape", "plane"],
+)
+
+
+def _bitcast(a: jax.Array, dtype) -> jax.Array:
+    return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
+
+
+def _as_tensor(w: MXFP8Tensor | FlatPlane | None) -> MXFP8Tensor | None:
+    return w.tensor() if isinstance(w, FlatPlane) else w
 
 
 class ForwardOut(NamedTuple):
@@ -127,7 +180,7 @@ def quantize_activation(
 @functools.partial(jax.jit, static_argnames=("out_dtype", "keep_x_colwise", "kernels"))
 def forward(
     x2d: jax.Array,
-    w_rowwise: MXFP8Tensor,
+    w_rowwise: MXFP8Tensor | FlatPlane,
     *,
     out_dtype,
     keep_x_colwise: bool,
@@ -136,14 +189,14 @@ def forward(
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
     xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise, backend=kernels.backend)
-    y = _gemm(xq, w_rowwise, GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
+    y = _gemm(xq, _as_tensor(w_rowwise), GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
 
 @functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels"))
 def backward(
     dy2d: jax.Array,
-    w_colwise: MXFP8Tensor | None,
+    w_colwise: MXFP8Tensor | FlatPlane | None,
     x_colwise: MXFP8Tensor | None,
     *,
     dx_dtype,
@@ -156,6 +209,7 @@ def backward(
     padded x (T_pad, K) from ``forward``. dx (T, K) dx_dtype, dW (N, K) dw_dtype.
     """
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
+    w_colwise = _as_tensor(w_colwise)
     dyq = quantize(pad_tokens(dy2d), rowwise=need_dx, colwise=need_dw, backend=kernels.backend)
     dx = dw = None
     if need_dx:
@@ -169,28 +223,40 @@ def _acc_dtype(*dtypes):
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
 
 
-def _dot(a, b, contract_a: int, contract_b: int, acc):
+def _dot(a, b, contract_a: int, contract_b: int, acc, kernels: ResolvedKernels | None = None):
+    dims = (((contract_a,), (contract_b,)), ((), ()))
+    tensor_cores = (
+        kernels is not None
+        and kernels.gemm is not GemmImpl.DEQUANT_DOT
+        and a.dtype == b.dtype == jnp.bfloat16
+    )
+    if tensor_cores:  # exact bf16 products, fp32 accumulation in the tensor cores' order
+        return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     return lax.dot_general(
         a.astype(acc),
         b.astype(acc),
-        (((contract_a,), (contract_b,)), ((), ())),
+        dims,
         precision=lax.Precision.HIGHEST,
         preferred_element_type=acc,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def hp_forward(x2d: jax.Array, w: jax.Array, *, out_dtype) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "kernels"))
+def hp_forward(
+    x2d: jax.Array, w: jax.Array, *, out_dtype, kernels: ResolvedKernels | None = None
+) -> jax.Array:
     """y = x W^T without quantization. x2d (T, K), w (N, K) -> (T, N) out_dtype."""
-    return _dot(x2d, w, 1, 1, _acc_dtype(x2d.dtype, w.dtype)).astype(out_dtype)
+    return _dot(x2d, w, 1, 1, _acc_dtype(x2d.dtype, w.dtype), kernels).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("need_dx", "need_dw"))
-def hp_backward(dy2d, x2d, w, *, need_dx: bool, need_dw: bool) -> BackwardOut:
+@functools.partial(jax.jit, static_argnames=("need_dx", "need_dw", "kernels"))
+def hp_backward(
+    dy2d, x2d, w, *, need_dx: bool, need_dw: bool, kernels: ResolvedKernels | None = None
+) -> BackwardOut:
     """dx = dy W (T, K) in x's dtype, dW = dy^T x (N, K) in w's dtype, without quantization."""
     acc = _acc_dtype(dy2d.dtype, x2d.dtype, w.dtype)
-    dx = _dot(dy2d, w, 1, 0, acc).astype(x2d.dtype) if need_dx else None
-    dw = _dot(dy2d, x2d, 0, 0, acc).astype(w.dtype) if need_dw else None
+    dx = _dot(dy2d, w, 1, 0, acc, kernels).astype(x2d.dtype) if need_dx else None
+    dw = _dot(dy2d, x2d, 0, 0, acc, kernels).astype(w.dtype) if need_dw else None
     return BackwardOut(dx, dw)
 
 

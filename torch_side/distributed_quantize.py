@@ -23,11 +23,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from bridge.mxfp8_slices import SliceBytes, packed_partial_amax, scales_and_cast
+from bridge.mxfp8_slices import Piece, SliceBytes, packed_partial_amax, scales_and_cast
+from bridge.shared import SharedBuffer
 from common.formats import BLOCK_SIZE
 from common.kernels import KernelConfig
 
-__all__ = ["QuantizedShard", "distributed_mxfp8_quantize"]
+__all__ = ["Piece", "QuantizedShard", "distributed_mxfp8_quantize", "quantize_with_reducer"]
 
 
 # One parameter's result: this rank's rowwise / colwise bytes of its flat slice (uint8, 1-D) and the
@@ -75,42 +76,53 @@ def distributed_mxfp8_quantize(
     columnwise bytes of the owned slice (uint8, 1-D, the slice's length; empty for None) and the
     full rowwise (M, K/32) and columnwise (M/32, K) E8M0 scale bytes, identical on every rank.
     kernels: whose slice kernels run (None: the device default; every backend is byte-identical).
+    The slices are gathered into one buffer first (a copy), so that they cross to JAX at once.
     """
+    shapes = _check_inputs(main_shards, shapes, start_offsets)
 
     def all_reduce_max(packed: torch.Tensor) -> None:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
 
     device = next((s.device for s in main_shards if s is not None), None) or _group_device(group)
-    return quantize_with_reducer(
-        main_shards, shapes, start_offsets, all_reduce_max, device, kernels=kernels
+    owned = [s for s in main_shards if s is not None and s.numel()]
+    buffer = (
+        torch.cat([s.detach().reshape(-1) for s in owned])
+        if owned else torch.zeros(1, dtype=torch.float32, device=device)
     )
+    pieces, offset = [], 0
+    for shard, shape, start in zip(main_shards, shapes, start_offsets, strict=True):
+        n = 0 if shard is None else shard.numel()
+        pieces.append(Piece(shape, int(start), offset, n))
+        offset += n
+    return quantize_with_reducer(buffer, pieces, all_reduce_max, device, kernels=kernels)
 
 
 def quantize_with_reducer(
-    main_shards: Sequence[torch.Tensor | None],
-    shapes: Sequence[tuple[int, int]],
-    start_offsets: Sequence[int],
+    buffer: torch.Tensor,
+    pieces: Sequence[Piece],
     all_reduce_max: Callable[[torch.Tensor], None],
     device: torch.device,
     *,
     kernels: KernelConfig | None = None,
     source_dtype: torch.dtype = torch.bfloat16,
 ) -> list[QuantizedShard]:
-    """``distributed_mxfp8_quantize`` with the amax all-reduce injected.
+    """``distributed_mxfp8_quantize`` on slices held in one fp32 ``buffer`` (e.g. an FSDP group's
+    main shard), with the amax all-reduce injected.
 
-    all_reduce_max(packed) must replace the 1-D fp32 packed partial amax by its elementwise max
-    over the group, in place (FSDP passes its logging communicator; a no-op when every rank holds
-    whole parameters, as under ``no_shard``). device: where the packed buffer lives.
-    source_dtype: the high-precision dtype the planes are quantized from (the format's
-    ``source_dtype``: bf16 for MXFP8, DESIGN.md 3), applied to the fp32 shards inside JAX.
+    pieces[i]: where parameter i's slice sits in ``buffer`` (``Piece(shape, start, offset,
+    numel)``; numel 0 when this rank owns none of it). all_reduce_max(packed) must replace the 1-D
+    fp32 packed partial amax by its elementwise max over the group, in place (FSDP passes its
+    logging communicator; a no-op when every rank holds whole parameters, as under
+    ``no_shard``). device: where the packed buffer lives. source_dtype: the high-precision dtype
+    the planes are quantized from (the format's ``source_dtype``: bf16 for MXFP8, DESIGN.md 3).
+    The buffer crosses to JAX once for both numerics steps.
     """
-    shapes = _check_inputs(main_shards, shapes, start_offsets)
-    starts = tuple(int(s) for s in start_offsets)
+    shared = SharedBuffer(buffer)
     kw = {"kernels": kernels, "source_dtype": source_dtype}
-    packed = packed_partial_amax(main_shards, shapes, starts, device, **kw)
+    packed = packed_partial_amax(shared, pieces, device, **kw)
     all_reduce_max(packed)
-    return scales_and_cast(main_shards, packed, shapes, starts, device, **kw)
+    return scales_and_cast(shared, packed, pieces, device, **kw)
 
 
 def _group_device(group) -> torch.device:

@@ -67,6 +67,16 @@ class MXFP8Planes:
         self.group.unshard([Plane.COLWISE], Phase.BACKWARD)
         return self.group.plane_views(self.index, Plane.COLWISE)
 
+    def shared(self, plane: Plane):
+        """The plane inside the group's buffers shared with JAX (``bridge.shared.SharedPlane``):
+        the bridge op reads it without a per-layer crossing."""
+        if plane is Plane.ROWWISE:
+            phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
+        else:
+            phase = Phase.BACKWARD
+        self.group.unshard([plane], phase)
+        return self.group.shared_plane(self.index, plane)
+
 
 def check_finite(name: str, grad: torch.Tensor) -> None:
     """Raise, naming the parameter and rank, if a local gradient holds NaN/Inf."""

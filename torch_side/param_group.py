@@ -9,7 +9,8 @@ Tensors of a group (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLa
   fp32/bf16 one (rowwise) plane holding the weights. The rank's shard under ZeRO-3, else the full
   replicated buffer.
 - **scale tensors** (``scales[plane][i]``, MXFP8: rowwise (M, K/32), columnwise (M/32, K), uint8):
-  full and replicated, recomputed identically by every rank at each quantization.
+  full and replicated, recomputed identically by every rank at each quantization; views of one
+  flat buffer per plane (``scale_buffers``).
 - **main grad** (``main_grad``): the reduced gradient, shard (ZeRO-2/3) or full, policy dtype.
 - **unsharded bucket**: from the ``BucketAllocator``, one per plane, all-gathered on unshard and
   freed on reshard (ZeRO-3 only); **grad bucket**: full-size staging of this micro-batch's local
@@ -18,6 +19,11 @@ Tensors of a group (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLa
 What the weights are made of, and how, comes from the group's ``WeightCodec`` (a table keyed by
 the format; ``torch_side.weight_codecs``), never from a derived boolean. Each plane's lifecycle is
 a :class:`PlaneState`, checked by ``_expect_state`` whose error names the rank, group and plane.
+
+Sharing with JAX (``shared_plane``): a plane's full buffer (the unsharded bucket, or the replicated
+model buffer) and the plane's scale buffer cross the bridge once per lifetime as
+``bridge.shared.SharedBuffer``; every layer of the group reads its weight from them by offset.
+The shares are dropped when the bucket is freed (reshard) or the buffers are rewritten (refresh).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bridge.shared import SharedBuffer, SharedPlane
 from common.formats import Plane, WeightFormat
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
@@ -104,6 +111,7 @@ class ParamGroup:
         self._allocate_buffers()
         self._work: dict[Plane, object] = {}  # in-flight async all-gathers (prefetch)
         self._bucket: dict[Plane, torch.Tensor] = {}
+        self._shared: dict[tuple[str, Plane], SharedBuffer] = {}  # ("data"|"scale", plane)
         start = PlaneState.SHARDED if self.facts.model_weights_sharded else PlaneState.REPLICATED
         self.state: dict[Plane, PlaneState] = {p: start for p in self.planes}
 
@@ -150,7 +158,10 @@ class ParamGroup:
             self.main_grad = torch.zeros(
                 self._local(f.grads_sharded), dtype=self.policy.main_grad_dtype, device=dev
             )
-        self.scales = self.codec.make_scales([s.shape for s in self.layout.slots], dev)
+        scales = self.codec.make_scales([s.shape for s in self.layout.slots], dev)
+        self.scales, self.scale_buffers, self.scale_offsets = (
+            scales.views, scales.buffers, scales.offsets
+        )
 
     def main_pieces(self) -> list[OwnedPiece]:
         """Pieces of parameters held in ``main`` (offsets into ``main``)."""
@@ -179,6 +190,7 @@ class ParamGroup:
         """Model weight buffers (and scales) from ``main``; all-gather where replicated."""
         for plane in self.planes:
             self._expect_state(plane, PlaneState.REPLICATED, PlaneState.SHARDED)
+        self._shared.clear()  # scales (and replicated planes) are rewritten below
         f = self.facts
         staged = f.main_weights_sharded and not f.model_weights_sharded
         # Local targets: the model buffers themselves, or shard staging areas then gathered.
@@ -244,6 +256,7 @@ class ParamGroup:
                 continue
             self._wait(plane)
             if self.state[plane] is PlaneState.UNSHARDED:
+                self._shared.pop(("data", plane), None)
                 del self._bucket[plane]
                 self.allocator.free(self.label, plane.value)
                 self.state[plane] = PlaneState.SHARDED
@@ -282,6 +295,19 @@ class ParamGroup:
         s = self.layout.slots[index]
         data = self.full_buffer(plane)[s.start : s.end].view(s.shape)
         return data, self.scales[plane][index]
+
+    def shared_plane(self, index: int, plane: Plane) -> SharedPlane:
+        """Block-scaled parameter ``index``'s plane inside this group's buffers, shared with JAX
+        once per buffer lifetime (the plane must be unsharded or replicated)."""
+        full = self.full_buffer(plane)  # waits for an in-flight gather; checks the state
+        data = self._shared.get(("data", plane))
+        if data is None or data.tensor is not full:
+            data = self._shared[("data", plane)] = SharedBuffer(full)
+        scale = self._shared.get(("scale", plane))
+        if scale is None:
+            scale = self._shared[("scale", plane)] = SharedBuffer(self.scale_buffers[plane])
+        s = self.layout.slots[index]
+        return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane)
 
     def param_view(self, index: int) -> torch.Tensor:
         """The full weights of (unscaled) parameter ``index``, a view of the full buffer."""

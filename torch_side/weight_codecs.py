@@ -17,16 +17,25 @@ implemented here) with a clear error. A codec answers, from the format's table r
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch
 
 from common.formats import FormatSpec, Plane, WeightFormat, format_spec, scale_shape
 from common.kernels import KernelConfig
 from torch_side.collectives import Collective, Phase
-from torch_side.distributed_quantize import quantize_with_reducer
+from torch_side.distributed_quantize import Piece, quantize_with_reducer
 from torch_side.policy import MixedPrecisionPolicy, torch_dtype
 
-__all__ = ["CODECS", "CastCodec", "MXFP8Codec", "ParamStorage", "WeightCodec", "codec_for"]
+__all__ = [
+    "CODECS",
+    "CastCodec",
+    "MXFP8Codec",
+    "ParamStorage",
+    "Scales",
+    "WeightCodec",
+    "codec_for",
+]
 
 
 class ParamStorage(enum.Enum):
@@ -34,6 +43,20 @@ class ParamStorage(enum.Enum):
 
     BUFFER_VIEW = "buffer_view"  # a view of the full weights buffer (empty while sharded)
     PLACEHOLDER = "placeholder"  # a storage-free (N, K) tensor that only receives dW
+
+
+class Scales(NamedTuple):
+    """A group's scale tensors: one flat uint8 buffer per plane, and per parameter its view and
+    its offset in that buffer (the same offset in every plane's buffer: both planes of an (M, K)
+    weight have M*K/32 scales). One buffer per plane lets the whole group's scales cross to JAX
+    once per quantization instead of once per layer."""
+
+    buffers: dict[Plane, torch.Tensor]
+    views: dict[Plane, list[torch.Tensor]]  # views[plane][i]: scale_shape(shape_i, plane)
+    offsets: list[int]
+
+
+_NO_SCALES = Scales({}, {}, [])
 
 
 class WeightCodec:
@@ -51,9 +74,9 @@ class WeightCodec:
     def planes(self) -> tuple[Plane, ...]:
         return self.spec.planes
 
-    def make_scales(self, shapes, device) -> dict[Plane, list[torch.Tensor]]:
+    def make_scales(self, shapes, device) -> Scales:
         """Scale tensors per plane, one per parameter (none for unscaled formats)."""
-        return {}
+        return _NO_SCALES
 
     def fill(self, group, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         """Write ``targets[plane]`` (laid out like ``group.main``) from ``group.main``."""
@@ -75,21 +98,26 @@ class MXFP8Codec(WeightCodec):
 
     param_storage = ParamStorage.PLACEHOLDER
 
-    def make_scales(self, shapes, device) -> dict[Plane, list[torch.Tensor]]:
-        return {
-            p: [torch.zeros(scale_shape(s, p), dtype=torch.uint8, device=device) for s in shapes]
+    def make_scales(self, shapes, device) -> Scales:
+        offsets, total = [], 0
+        for s in shapes:
+            offsets.append(total)
+            total += -(-(s[0] * s[1] // self.spec.blocks.block_size) // 256) * 256  # aligned
+        buffers = {p: torch.zeros(total, dtype=torch.uint8, device=device) for p in self.planes}
+        views = {
+            p: [buffers[p][o:o + s[0] * s[1] // self.spec.blocks.block_size].view(
+                scale_shape(s, p)) for s, o in zip(shapes, offsets, strict=True)]
             for p in self.planes
         }
+        return Scales(buffers, views, offsets)
 
     def fill(self, group, targets, phase) -> None:
-        pieces = {p.slot_index: p for p in group.main_pieces()}
-        shards, starts = [], []
-        for i in range(len(group.layout.slots)):
-            p = pieces.get(i)
-            shards.append(
-                None if p is None else group.main[p.shard_offset : p.shard_offset + p.numel]
-            )
-            starts.append(0 if p is None else p.param_offset)
+        owned = {p.slot_index: p for p in group.main_pieces()}
+        pieces = []
+        for i, slot in enumerate(group.layout.slots):
+            p = owned.get(i)
+            pieces.append(Piece(slot.shape, 0, 0, 0) if p is None
+                          else Piece(slot.shape, p.param_offset, p.shard_offset, p.numel))
 
         def reduce_max(packed: torch.Tensor) -> None:
             if group.facts.main_weights_sharded:  # else every rank holds whole parameters
@@ -97,16 +125,15 @@ class MXFP8Codec(WeightCodec):
                     packed, Collective.ALL_REDUCE_MAX, phase, f"{group.label}/amax"
                 )
 
-        shapes = [s.shape for s in group.layout.slots]
         kernels: KernelConfig = group.kernels
         results = quantize_with_reducer(
-            shards, shapes, starts, reduce_max, group.device, kernels=kernels,
+            group.main, pieces, reduce_max, group.device, kernels=kernels,
             source_dtype=self.source_dtype,
         )
         for i, res in enumerate(results):
             group.scales[Plane.ROWWISE][i].copy_(res.rowwise_scale)
             group.scales[Plane.COLWISE][i].copy_(res.colwise_scale)
-            p = pieces.get(i)
+            p = owned.get(i)
             if p is not None:
                 lo, hi = p.shard_offset, p.shard_offset + p.numel
                 targets[Plane.ROWWISE][lo:hi].copy_(res.rowwise)

@@ -1,6 +1,8 @@
 """Kernel backend choice for ``jax_side.mxfp8`` (DESIGN.md 7): explicit, reported, never silent.
 
 - ``xla``: the project's pure-JAX implementation; bit-exact to the contract on every platform.
+- ``pallas``: the project's fused Pallas kernels (``pallas_backend``), byte-identical to ``xla``;
+  compiled through Triton on a CUDA GPU, run in (slow) interpret mode elsewhere.
 - ``te``: Transformer Engine for JAX (``te_backend``), only where it is importable (GPU machines
   with the ``[te]`` extra). It runs one of two TE paths (:class:`TEPath`): TE's MXFP8 CUDA custom
   calls where TE itself reports MXFP8 support on a compute capability 10.x device, and TE's own
@@ -11,8 +13,9 @@
 The decision is a pure function, :func:`decide_backend`, of the request and a :class:`TEProbe`
 (TE importable?, TE's own MXFP8 support answer, compute capability), so it is tested on CPU
 without TE. ``backend=None`` resolves to the automatic default: the environment variable
-``MXFP8_BACKEND`` if set, else TE's kernels where they are supported, else ``xla``. It never
-picks TE's pure-JAX path (slower than ``xla`` and not the contract on its own).
+``MXFP8_BACKEND`` if set, else TE's kernels where they are supported, else ``pallas`` on a CUDA
+GPU, else ``xla``. It never picks TE's pure-JAX path (slower than ``xla`` and not the contract
+on its own).
 ``backend_report()`` says what was chosen and why.
 """
 
@@ -95,6 +98,12 @@ def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendCh
             return BackendChoice(
                 Backend.TE, "automatic default; " + _te_path_reason(probe), TEPath.KERNELS
             )
+        if probe.compute_capability is not None:
+            return BackendChoice(
+                Backend.PALLAS,
+                f"automatic default on a CUDA GPU: the project's Pallas kernels compiled with "
+                f"Triton ({_why_no_kernels(probe)}; TE kernels not used)",
+            )
         return BackendChoice(
             Backend.XLA,
             f"automatic default: project pure-JAX path ({_why_no_kernels(probe)}; "
@@ -103,8 +112,13 @@ def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendCh
     requested = Backend.parse(requested)
     if requested is Backend.XLA:
         return BackendChoice(Backend.XLA, "requested explicitly")
-    if requested is not Backend.TE:
-        backend_module(requested)  # raises: no implementation in this build
+    if requested is Backend.PALLAS:
+        where = (
+            f"compiled with Triton on {_cc_text(probe.compute_capability)}"
+            if probe.compute_capability is not None
+            else "interpret mode (no CUDA GPU in JAX): the kernel code evaluated by XLA, slow"
+        )
+        return BackendChoice(Backend.PALLAS, f"requested explicitly; {where}")
     if not probe.importable:
         raise RuntimeError(
             "MXFP8 backend 'te' was requested but Transformer Engine for JAX "
@@ -123,8 +137,12 @@ def decide_backend(requested: Backend | str | None, probe: TEProbe) -> BackendCh
 
 def _probe_for(requested: Backend | str | None) -> TEProbe:
     """Probe TE only when it can matter: 'te' requested, or the automatic default on a GPU."""
-    if requested is not None and Backend.parse(requested) is not Backend.TE:
-        return NO_TE
+    if requested is not None:
+        requested = Backend.parse(requested)
+        if requested is Backend.XLA:
+            return NO_TE
+        if requested is Backend.PALLAS:  # where it runs, without importing TE
+            return NO_TE._replace(compute_capability=te_probe.jax_compute_capability())
     return te_probe.probe()  # imports TE lazily, and only on a GPU
 
 
@@ -165,6 +183,7 @@ def backend_report(backend: Backend | str | None = None) -> dict[str, str]:
 # and named here rather than imported so that no backend module imports the dispatcher back.
 _MODULES: dict[Backend, str] = {
     Backend.XLA: "jax_side.mxfp8.xla_backend",
+    Backend.PALLAS: "jax_side.mxfp8.pallas_backend",
     Backend.TE: "jax_side.mxfp8.te_backend",
 }
 

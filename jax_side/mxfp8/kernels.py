@@ -34,7 +34,7 @@ GEMM_ENV_VAR = "MXFP8_GEMM"
 # ``backends.resolve_backend(None)`` (TE's kernels where they are supported, else ``xla``).
 DEVICE_DEFAULTS: dict[str, GemmImpl] = {
     "cpu": GemmImpl.DEQUANT_DOT,
-    "gpu": GemmImpl.DEQUANT_DOT,
+    "gpu": GemmImpl.DEQUANT_BF16_DOT,  # tensor cores; accumulation order differs (gemm.py)
 }
 _GPU_ONLY_GEMMS = (GemmImpl.SCALED_MATMUL,)
 

@@ -1,6 +1,8 @@
 """The ``pallas`` kernels: MXFP8 quantize in Pallas (Triton lowering), byte-identical to ``xla``.
 
-Design note: docs/pallas_kernel.md. Contract: DESIGN.md 3 (numerics) and 4 (layout).
+Design note: docs/pallas_kernel.md. Contract: DESIGN.md 3 (numerics) and 4 (layout). The
+backend interface (whole tensors and flat slices, interpret mode off the GPU) is
+``pallas_backend``; this module holds the 2-D kernels.
 
 Tiling. A grid program owns a (BM, BK) tile of x (BM, BK power-of-two multiples of 32; row tiles
 on grid axis 0, column tiles on axis 1) and walks it in static (32, 32) chunks loaded straight
@@ -41,7 +43,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_side.mxfp8.formats import BLOCK_SIZE, E4M3_MAX, e8m0_thresholds, fp32_reciprocal_of_max
+from common.formats import BLOCK_SIZE, E4M3_MAX
+from jax_side.mxfp8.e8m0 import e8m0_thresholds, fp32_reciprocal_of_max
+from jax_side.mxfp8.tensor import BlockAmax, SliceCast
 
 __all__ = [
     "E4M3_CAST",
@@ -52,8 +56,6 @@ __all__ = [
     "Tiles",
     "block_amax_2d",
     "cast_2d",
-    "cast_slice_flat",
-    "partial_block_amax_slice",
     "quantize_2d",
     "scales_from_amax",
 ]
@@ -106,16 +108,6 @@ class Planes(NamedTuple):
     rowwise_scale: jax.Array | None  # float8_e8m0fnu (M, K // 32)
     colwise_data: jax.Array | None  # float8_e4m3fn (M, K), not transposed, blocks 32x1 along M
     colwise_scale: jax.Array | None  # float8_e8m0fnu (M // 32, K)
-
-
-class BlockAmax(NamedTuple):
-    rowwise: jax.Array | None  # float32 (M, K // 32)
-    colwise: jax.Array | None  # float32 (M // 32, K)
-
-
-class SliceCast(NamedTuple):
-    rowwise: jax.Array | None  # float8_e4m3fn, 1-D (plane (M, K) or slice length)
-    colwise: jax.Array | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,99 +526,3 @@ def _scales_from_amax(amax, interpret):
         compiler_params=_triton_params(4), name="mxfp8_scales_from_amax",
     )(flat)
     return lax.bitcast_convert_type(out[:n].reshape(amax.shape), jnp.float8_e8m0fnu)
-
-
-# ---------------------------------------------------------------------------------------------
-# Flat slices (semantics of jax_side.mxfp8.quantize.partial_block_amax / cast_slice): the 32-row
-# band the slice touches is materialised with zero padding and run through the 2-D kernels.
-
-
-class _Band(NamedTuple):
-    row0: int  # first row of the band (multiple of 32)
-    row1: int  # one past its last row (multiple of 32, <= M)
-    pad_left: int  # band elements before the slice
-    pad_right: int  # band elements after it
-
-
-def _band(m: int, k: int, start: int, n: int) -> _Band:
-    row0 = (start // k) // _BS * _BS
-    row1 = min(m, ((start + n - 1) // k // _BS + 1) * _BS)
-    return _Band(row0, row1, start - row0 * k, row1 * k - (start + n))
-
-
-def _check_slice(flat, shape, start: int, what: str) -> tuple[int, int, int]:
-    m, k = (int(d) for d in shape)
-    if m % _BS or k % _BS or m <= 0 or k <= 0:
-        raise ValueError(f"{what}: shape must be (M, K) with M, K multiples of 32, got {shape}")
-    if flat.ndim != 1 or flat.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"{what}: expected a 1-D bf16/fp32 slice, got {flat.shape} {flat.dtype}")
-    n = int(flat.shape[0])
-    if start < 0 or start + n > m * k:
-        raise ValueError(f"{what}: slice [{start}, {start + n}) lies outside {m * k} elements")
-    return m, k, n
-
-
-def _band_x(flat, k: int, band: _Band):
-    return jnp.pad(flat, (band.pad_left, band.pad_right)).reshape(band.row1 - band.row0, k)
-
-
-def partial_block_amax_slice(flat, shape, start: int, rowwise: bool = True,
-                             colwise: bool = True, *, interpret: bool = False,
-                             tiles: Tiles | None = None) -> BlockAmax:
-    """Block amax (float32, full shapes (M, K/32) / (M/32, K)) of the part of a row-major (M, K)
-    tensor held in the 1-D slice ``flat`` = elements [start, start + n); 0 outside the slice."""
-    m, k, n = _check_slice(flat, shape, int(start), "partial_block_amax_slice")
-    return _partial_amax(flat, (m, k), int(start), bool(rowwise), bool(colwise),
-                         bool(interpret), tiles)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _partial_amax(flat, shape, start, rowwise, colwise, interpret, tiles) -> BlockAmax:
-    m, k = shape
-    n = int(flat.shape[0])
-    row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
-    col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
-    if n == 0:
-        return BlockAmax(row, col)
-    band = _band(m, k, start, n)
-    part = block_amax_2d(_band_x(flat, k, band), rowwise=rowwise, colwise=colwise,
-                         interpret=interpret, tiles=tiles)  # zero padding never raises an amax
-    if rowwise:
-        row = lax.dynamic_update_slice(row, part.rowwise, (band.row0, 0))
-    if colwise:
-        col = lax.dynamic_update_slice(col, part.colwise, (band.row0 // _BS, 0))
-    return BlockAmax(row, col)
-
-
-def cast_slice_flat(flat, shape, start: int, rowwise_scale=None, colwise_scale=None, *,
-                    interpret: bool = False, tiles: Tiles | None = None,
-                    e4m3_cast: str | None = None) -> SliceCast:
-    """1-D float8_e4m3fn planes (length n) of the slice [start, start + n) of a row-major (M, K)
-    tensor, cast with the full tensor's scales (float8_e8m0fnu or uint8; either may be None)."""
-    m, k, n = _check_slice(flat, shape, int(start), "cast_slice_flat")
-    rs = _scale_u8(rowwise_scale, (m, k // _BS), "cast_slice_flat rowwise_scale")
-    cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_slice_flat colwise_scale")
-    if rs is None and cs is None:
-        raise ValueError("cast_slice_flat: pass rowwise_scale and/or colwise_scale")
-    return _cast_slice(flat, rs, cs, (m, k), int(start), bool(interpret), tiles,
-                       _mode(e4m3_cast))
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
-def _cast_slice(flat, rs, cs, shape, start, interpret, tiles, mode) -> SliceCast:
-    m, k = shape
-    n = int(flat.shape[0])
-    if n == 0:
-        empty = jnp.zeros((0,), jnp.float8_e4m3fn)
-        return SliceCast(None if rs is None else empty, None if cs is None else empty)
-    band = _band(m, k, start, n)
-    r0, r1 = band.row0, band.row1
-    out = cast_2d(_band_x(flat, k, band),
-                  None if rs is None else rs[r0:r1],
-                  None if cs is None else cs[r0 // _BS : r1 // _BS],
-                  interpret=interpret, tiles=tiles, e4m3_cast=mode)
-
-    def finish(y):  # (R, K) band plane -> the slice's n elements
-        return None if y is None else y.reshape(-1)[band.pad_left : band.pad_left + n]
-
-    return SliceCast(finish(out.rowwise), finish(out.colwise))

@@ -16,7 +16,15 @@ from typing import NamedTuple
 
 import jax
 
-__all__ = ["NO_TE", "TEPath", "TEProbe", "import_te", "is_available", "probe"]
+__all__ = [
+    "NO_TE",
+    "TEPath",
+    "TEProbe",
+    "import_te",
+    "is_available",
+    "jax_compute_capability",
+    "probe",
+]
 
 
 class TEPath(enum.Enum):
@@ -49,7 +57,7 @@ def is_available() -> bool:
     return any((Path(p) / "jax" / "__init__.py").is_file() for p in spec.submodule_search_locations)
 
 
-def _jax_compute_capability() -> int | None:
+def jax_compute_capability() -> int | None:
     """Compute capability of JAX's first device as TE encodes it (9.0 -> 90); None if not GPU."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -61,7 +69,7 @@ def _jax_compute_capability() -> int | None:
 @functools.lru_cache(maxsize=1)
 def probe() -> TEProbe:
     """TE facts for ``backends.decide_backend``. Imports TE only when JAX shows a CUDA GPU."""
-    cc = _jax_compute_capability()
+    cc = jax_compute_capability()
     if not is_available():
         return TEProbe(False, "transformer_engine.jax is not installed", False, cc)
     if cc is None:

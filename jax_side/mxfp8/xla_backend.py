@@ -7,14 +7,13 @@ building blocks (``partial_block_amax`` over the whole tensor, ``scales_from_ama
 MAX, scales everywhere, cast of owned elements -- is the same code path split differently.
 
 Flat slices: a slice of a row-major (M, K) tensor is a 1-D array holding flat elements
-``[start, start + n)``. Only the 32-row band of blocks the slice touches is materialised, never
-the whole tensor. Inputs are validated by the callers (``slices.py``, ``quantize.py``).
+``[start, start + n)``; only its 32-row band (``bands``) is materialised. Inputs are validated by
+the callers (``slices.py``, ``quantize.py``).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,34 +22,16 @@ from jax import lax
 
 from common.formats import BLOCK_SIZE
 from jax_side.mxfp8 import xla_impl
+from jax_side.mxfp8.bands import Band, band, band_values
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
-__all__ = ["band", "cast_slice", "partial_block_amax", "quantize", "scales_from_amax"]
+__all__ = ["cast_slice", "partial_block_amax", "quantize", "scales_from_amax"]
 
 _BS = BLOCK_SIZE
 
 
-class Band(NamedTuple):
-    """The 32-row-aligned band of rows [row0, row1) that covers a flat slice."""
-
-    row0: int
-    row1: int
-    pad_left: int
-    pad_right: int
-
-
-def band(m: int, k: int, start: int, n: int) -> Band:
-    first_row = start // k
-    last_row = (start + n - 1) // k
-    row0 = (first_row // _BS) * _BS
-    row1 = min(m, (last_row // _BS + 1) * _BS)
-    return Band(row0, row1, start - row0 * k, row1 * k - (start + n))
-
-
 def _band_bits(flat, k: int, b: Band) -> jax.Array:
-    bits = xla_impl.fp32_bits(flat)
-    bits = jnp.pad(bits, (b.pad_left, b.pad_right))  # zero bits never raise an amax
-    return bits.reshape(b.row1 - b.row0, k)
+    return band_values(xla_impl.fp32_bits(flat), k, b)  # zero bits never raise an amax
 
 
 @partial(jax.jit, static_argnums=(1, 2, 3, 4))

@@ -28,11 +28,15 @@ IMPORT_BROKEN = TEProbe(False, "import failed: OSError: libcuda.so.1", False, 10
 
 # (name, requested, probe, expected backend, expected TE path, words the reason must contain)
 DECISIONS = [
-    ("auto_h200", None, H200, Backend.XLA, None, ["unsupported", "9.0", "9.9 or higher"]),
+    # on a GPU without TE's MXFP8 kernels the default is the project's Pallas kernels
+    ("auto_h200", None, H200, Backend.PALLAS, None, ["unsupported", "9.0", "9.9 or higher",
+                                                     "Pallas", "Triton"]),
     ("auto_b200", None, B200, Backend.TE, TEPath.KERNELS, ["support", "10.0", "kernels"]),
-    ("auto_sm120", None, RTX5090, Backend.XLA, None, ["12.0", "not 10.x"]),
-    ("auto_not_installed", None, NOT_INSTALLED, Backend.XLA, None, ["not importable"]),
+    ("auto_sm120", None, RTX5090, Backend.PALLAS, None, ["12.0", "not 10.x"]),
+    ("auto_not_installed", None, NOT_INSTALLED, Backend.PALLAS, None, ["not importable"]),
     ("auto_cpu", None, CPU_ONLY, Backend.XLA, None, ["not importable"]),
+    ("pallas_h200", "pallas", H200, Backend.PALLAS, None, ["explicitly", "Triton", "9.0"]),
+    ("pallas_cpu", "pallas", CPU_ONLY, Backend.PALLAS, None, ["explicitly", "interpret mode"]),
     ("te_h200", "te", H200, Backend.TE, TEPath.PURE_JAX, ["unsupported", "pure-JAX", "off"]),
     ("te_b200", Backend.TE, B200, Backend.TE, TEPath.KERNELS, ["kernels"]),
     ("te_sm120", "TE", RTX5090, Backend.TE, TEPath.PURE_JAX, ["not 10.x", "pure-JAX"]),

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_side import mxfp8
-from jax_side.mxfp8 import formats, xla_impl
+from jax_side.mxfp8 import e8m0, xla_impl
 from jax_side.mxfp8 import pallas_impl as pk
 from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
 
@@ -143,7 +143,7 @@ def test_e4m3_rounding_at_every_e4m3_boundary(mode):
 
 def threshold_probes() -> np.ndarray:
     """fp32 amax values at every E8M0 threshold and its two neighbours either side."""
-    t = formats.e8m0_thresholds().astype(np.int64)
+    t = e8m0.e8m0_thresholds().astype(np.int64)
     probes = np.unique(np.clip(np.concatenate([t - 2, t - 1, t, t + 1, t + 2]), 0, 0x7F800000))
     return probes.astype(np.uint32).view(np.float32)
 
@@ -283,21 +283,22 @@ def test_cast_2d_with_arbitrary_scale_bytes(mode, interpret):
 
 
 # ---------------------------------------------------------------------------------------------
-# Flat slices against jax_side.mxfp8.quantize's slice functions.
+# Flat slices: the public slice functions with backend="pallas" (pallas_backend, interpret mode
+# on CPU) against backend="xla".
 
 
 def check_slice(x: np.ndarray, start: int, n: int) -> None:
     m, k = x.shape
     flat = jnp.asarray(x.reshape(-1)[start : start + n])
-    got = pk.partial_block_amax_slice(flat, (m, k), start, interpret=True, tiles=SMALL_TILES)
-    want = mxfp8.partial_block_amax(flat, (m, k), start)
+    got = mxfp8.partial_block_amax(flat, (m, k), start, backend="pallas")
+    want = mxfp8.partial_block_amax(flat, (m, k), start, backend="xla")
     assert_bytes_equal(got.rowwise, want.rowwise, f"row amax [{start}, +{n})")
     assert_bytes_equal(got.colwise, want.colwise, f"col amax [{start}, +{n})")
     whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-    c = pk.cast_slice_flat(flat, (m, k), start, whole.rowwise_scale, whole.colwise_scale,
-                           interpret=True, tiles=SMALL_TILES)
+    c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
+                         colwise_scale=whole.colwise_scale, backend="pallas")
     ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                           colwise_scale=whole.colwise_scale)
+                           colwise_scale=whole.colwise_scale, backend="xla")
     assert c.rowwise.dtype == jnp.float8_e4m3fn and c.rowwise.shape == (n,)
     assert_bytes_equal(c.rowwise, ref.rowwise, f"row cast [{start}, +{n})")
     assert_bytes_equal(c.colwise, ref.colwise, f"col cast [{start}, +{n})")
@@ -318,10 +319,13 @@ def test_split_into_slices_reproduces_whole_quantize():
     bounds = [0, 701, 64 * 33 + 3, m * k]  # cuts mid-block and across the band edge
     flat = x.reshape(-1)
     parts = [(s, jnp.asarray(flat[s:e])) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-    amax = [pk.partial_block_amax_slice(p, (m, k), s, interpret=True) for s, p in parts]
-    rs = pk.scales_from_amax(jnp.max(jnp.stack([a.rowwise for a in amax]), 0), interpret=True)
-    cs = pk.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), 0), interpret=True)
-    casts = [pk.cast_slice_flat(p, (m, k), s, rs, cs, interpret=True) for s, p in parts]
+    amax = [mxfp8.partial_block_amax(p, (m, k), s, backend="pallas") for s, p in parts]
+    rs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.rowwise for a in amax]), 0),
+                                backend="pallas")
+    cs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), 0),
+                                backend="pallas")
+    casts = [mxfp8.cast_slice(p, (m, k), s, rowwise_scale=rs, colwise_scale=cs,
+                              backend="pallas") for s, p in parts]
     want = mxfp8.quantize(jnp.asarray(x), backend="xla")
     assert_bytes_equal(rs, want.rowwise_scale, "rowwise_scale")
     assert_bytes_equal(cs, want.colwise_scale, "colwise_scale")
@@ -347,7 +351,7 @@ def test_bad_input_is_refused():
         pk.quantize_2d(jnp.zeros((32, 32), jnp.float32), rowwise=True, colwise=True,
                        e4m3_cast="fast")
     with pytest.raises(ValueError, match="outside"):
-        pk.partial_block_amax_slice(jnp.zeros((8,), jnp.float32), (32, 32), 1020)
+        mxfp8.partial_block_amax(jnp.zeros((8,), jnp.float32), (32, 32), 1020, backend="pallas")
     with pytest.raises(ValueError, match="chunk_k"):
         pk.quantize_2d(jnp.zeros((32, 32), jnp.float32), rowwise=True, colwise=True,
                        tiles=pk.Tiles(chunk_k=48))
@@ -431,13 +435,14 @@ def test_gpu_amax_cast_and_slices():
     for start, n in [(0, 0), (77, 1), (768 * 31 + 5, 768 * 3), (0, 256 * 768)]:
         m, k = x.shape
         flat = jnp.asarray(x.reshape(-1)[start : start + n])
-        got = pk.partial_block_amax_slice(flat, (m, k), start)
-        want = mxfp8.partial_block_amax(flat, (m, k), start)
+        got = mxfp8.partial_block_amax(flat, (m, k), start, backend="pallas")
+        want = mxfp8.partial_block_amax(flat, (m, k), start, backend="xla")
         assert_bytes_equal(got.rowwise, want.rowwise, "row amax")
         assert_bytes_equal(got.colwise, want.colwise, "col amax")
         whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-        c = pk.cast_slice_flat(flat, (m, k), start, whole.rowwise_scale, whole.colwise_scale)
+        c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
+                             colwise_scale=whole.colwise_scale, backend="pallas")
         ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                               colwise_scale=whole.colwise_scale)
+                               colwise_scale=whole.colwise_scale, backend="xla")
         assert_bytes_equal(c.rowwise, ref.rowwise, "row cast")
         assert_bytes_equal(c.colwise, ref.colwise, "col cast")

@@ -1,0 +1,354 @@
+"""One training step, side by side in one launch: this project (MXFP8 and BF16 linears) vs
+PyTorch FSDP2 in BF16, on the same Torch GPT, config and batch.
+
+Runs (``--runs``):
+- ``mxfp8``: ``torch_side.fully_shard`` (ZeRO-3, one unit per block), MXFP8 linears (JAX GEMMs
+  through the bridge, planes all-gathered as 1 byte/element), bf16 activations, fused attention;
+  ``FSDPOptimizer`` (AdamW on fp32 main shards) and the distributed MXFP8 requantization.
+- ``bf16``: the same with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
+  layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
+
+Per run: step time (median, min-max after warm-up), first step, tokens/s, peak GPU memory (Torch
+and JAX), all-gather / reduce-scatter bytes per step counted at the collective calls, the
+distributed-quantization time, bridge crossings per step and their host time, and the ratio to
+fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's top costs.
+
+    python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
+    python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
+        --batch-size 8 --seq-len 1024 --steps 12 --warmup 3 --profile --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+
+RUNS = ("mxfp8", "bf16", "fsdp2")
+
+
+@dataclasses.dataclass
+class RunResult:
+    run: str
+    step_ms_median: float
+    step_ms_min: float
+    step_ms_max: float
+    first_step_s: float
+    tokens_per_s: float
+    peak_torch_gib: float
+    peak_jax_gib: float
+    gather_mb_per_step: float
+    reduce_mb_per_step: float
+    requant_ms: float
+    crossings_per_step: float
+    crossing_host_ms_per_step: float
+    losses: list
+    ratio_to_fsdp2: float | None = None
+
+
+class _CollectiveBytes:
+    """Counts bytes this rank sends in all-gathers and reduce-scatters (any torch spelling)."""
+
+    NAMES = {"all_gather_into_tensor": "gather", "all_gather_single": "gather",
+             "reduce_scatter_tensor": "reduce", "reduce_scatter_single": "reduce"}
+
+    def __init__(self):
+        self.bytes = {"gather": 0, "reduce": 0}
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name, kind in self.NAMES.items():
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def counted(*args, _fn=fn, _kind=kind, **kwargs):
+                t = kwargs.get("input_tensor", kwargs.get("input"))
+                if t is None and len(args) >= 2:
+                    t = args[1]
+                if t is not None:
+                    self.bytes[_kind] += t.numel() * t.element_size()
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _sync(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _batch(cfg, args, rank, step):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=g)
+    return tokens[:, :-1].to(args.device), tokens[:, 1:].to(args.device)
+
+
+def _build(run, cfg, args):
+    """(model, step_fn, requant_fn or None)."""
+    import torch
+
+    from common.modes import LinearMode
+    from torch_side import FSDPOptimizer, MixedPrecisionPolicy, WeightFormat, fully_shard
+    from torch_side.models.gpt import Block, TorchGPT, cross_entropy
+
+    if run == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as MP
+        from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+        model = TorchGPT(cfg, seed=0, device=args.device, activations="bf16", linear_impl="torch")
+        mp = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fsdp2_shard(block, mp_policy=mp)
+        fsdp2_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+
+        def step(tokens, targets):
+            loss = cross_entropy(model(tokens), targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return model, step, None
+
+    mode = LinearMode.MXFP8 if run == "mxfp8" else LinearMode.HIGH_PRECISION
+    model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16")
+    policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16)
+    fsdp = fully_shard(model, unit_modules=(Block,), policy=policy)
+    opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
+    timing = {"requant_s": 0.0}
+    refresh = fsdp.refresh_model_weights
+
+    def timed_refresh():
+        _sync(args.device)
+        t0 = time.perf_counter()
+        refresh()
+        _sync(args.device)
+        timing["requant_s"] += time.perf_counter() - t0
+
+    fsdp.refresh_model_weights = timed_refresh  # FSDPOptimizer.step calls it after the update
+
+    def step(tokens, targets):
+        loss = cross_entropy(fsdp(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return fsdp, step, timing
+
+
+def _peaks(device):
+    import torch
+
+    if device != "cuda":
+        return 0.0, 0.0
+    jax_peak = 0.0
+    try:
+        import jax
+
+        stats = jax.devices()[0].memory_stats() or {}
+        jax_peak = stats.get("peak_bytes_in_use", 0) / 2**30
+    except Exception:  # noqa: BLE001 -- a statistic, not a requirement
+        pass
+    return torch.cuda.max_memory_allocated() / 2**30, jax_peak
+
+
+def _run_one(run, cfg, args, rank) -> RunResult:
+    import torch
+
+    from bridge import count_crossings
+
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model, step, timing = _build(run, cfg, args)
+    times, losses = [], []
+    first = None
+    counter = _CollectiveBytes()
+    crossings = None
+    with counter:
+        for i in range(args.warmup + args.steps):
+            tokens, targets = _batch(cfg, args, rank, i)
+            measured = i >= args.warmup
+            if i == args.warmup:
+                counter.bytes = {"gather": 0, "reduce": 0}
+                if timing is not None:
+                    timing["requant_s"] = 0.0
+            _sync(args.device)
+            t0 = time.perf_counter()
+            ctx = count_crossings() if measured and run != "fsdp2" else contextlib.nullcontext()
+            with ctx as stats:
+                loss = step(tokens, targets)
+                _sync(args.device)
+            dt = time.perf_counter() - t0
+            if stats is not None:
+                crossings = stats if crossings is None else _add(crossings, stats)
+            if first is None:
+                first = dt
+            if measured:
+                times.append(dt)
+                if run != "fsdp2":  # our FSDP logs every collective (WireRecord), per step
+                    for kind, b in _wire_bytes(model.wire_log()).items():
+                        counter.bytes[kind] += b
+            if run != "fsdp2":
+                model.clear_wire_log()
+            losses.append(float(loss))
+    torch_peak, jax_peak = _peaks(args.device)
+    n = max(1, args.steps)
+
+    tokens_per_step = args.batch_size * args.seq_len * args.world_size
+    med = statistics.median(times)
+    result = RunResult(
+        run=run, step_ms_median=1e3 * med, step_ms_min=1e3 * min(times),
+        step_ms_max=1e3 * max(times), first_step_s=first, tokens_per_s=tokens_per_step / med,
+        peak_torch_gib=torch_peak, peak_jax_gib=jax_peak,
+        gather_mb_per_step=counter.bytes["gather"] / n / 2**20,
+        reduce_mb_per_step=counter.bytes["reduce"] / n / 2**20,
+        requant_ms=1e3 * timing["requant_s"] / n if timing else 0.0,
+        crossings_per_step=(crossings.calls / n) if crossings else 0.0,
+        crossing_host_ms_per_step=(1e3 * crossings.seconds / n) if crossings else 0.0,
+        losses=losses,
+    )
+    if args.profile and run == "mxfp8":
+        result_table = _profile(step, cfg, args, rank)
+        print(result_table, flush=True)
+    del model, step
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _wire_bytes(records) -> dict:
+    from torch_side import Collective, Phase
+
+    out = {"gather": 0, "reduce": 0}
+    for r in records:
+        if r.op is Collective.ALL_GATHER and r.phase is not Phase.STATE:
+            out["gather"] += r.bytes_sent
+        elif r.op is Collective.REDUCE_SCATTER or (
+            r.op is Collective.ALL_REDUCE_SUM and r.phase is Phase.GRAD_REDUCE
+        ):
+            out["reduce"] += r.bytes_sent
+    return out
+
+
+def _add(a, b):
+    a.to_jax += b.to_jax
+    a.to_torch += b.to_torch
+    a.to_jax_s += b.to_jax_s
+    a.to_torch_s += b.to_torch_s
+    return a
+
+
+def _profile(step, cfg, args, rank) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    tokens, targets = _batch(cfg, args, rank, 10_000)
+    with profile(activities=acts) as prof:
+        step(tokens, targets)
+        _sync(args.device)
+    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    except Exception:  # noqa: BLE001 -- older/newer profiler key names
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return "=== profile of one warm mxfp8 step (top 25 by self device time)\n" + table
+
+
+def _rank_main(args):
+    import torch.distributed as dist
+
+    from common.model_config import PRESETS
+
+    rank = dist.get_rank()
+    args.world_size = dist.get_world_size()
+    cfg = PRESETS[args.config]
+    results = []
+    for run in args.runs:
+        if rank == 0:
+            print(f"--- {run}", flush=True)
+        results.append(_run_one(run, cfg, args, rank))
+    base = next((r for r in results if r.run == "fsdp2"), None)
+    for r in results:
+        if base is not None:
+            r.ratio_to_fsdp2 = r.step_ms_median / base.step_ms_median
+    return [dataclasses.asdict(r) for r in results]
+
+
+def _table(rows, args) -> str:
+    head = ("| run | step ms (median) | min-max | first step s | tokens/s | peak GiB torch+jax | "
+            "gather MB/step | reduce-scatter MB/step | requant ms | crossings/step | "
+            "crossing host ms | vs fsdp2 |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        ratio = "-" if r["ratio_to_fsdp2"] is None else f"{r['ratio_to_fsdp2']:.2f}x"
+        lines.append(
+            f"| {r['run']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
+            f"{r['step_ms_max']:.1f} | {r['first_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
+            f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
+            f"{r['crossings_per_step']:.0f} | {r['crossing_host_ms_per_step']:.2f} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    bad = [r for r in args.runs if r not in RUNS]
+    if bad or args.steps < 1 or args.warmup < 0:
+        p.error(f"--runs from {RUNS}, --steps >= 1, --warmup >= 0 (got {bad or args.runs})")
+    from torch_side.launch import run_local_ranks
+
+    rows = run_local_ranks(_rank_main, args.nproc, (args,), device=args.device)[0]
+    import jax
+    import torch
+
+    header = (f"device {args.device}, {args.nproc} rank(s), config {args.config}, batch "
+              f"{args.batch_size} x {args.seq_len} tokens per rank, {args.steps} timed steps "
+              f"after {args.warmup} warm-up; torch {torch.__version__}, jax {jax.__version__}")
+    print(header)
+    print(_table(rows, args))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Torch buffers shared with JAX once per lifetime, and weight planes that live inside them.
+
+``SharedBuffer(t)`` holds a Torch buffer and, from its first use, the zero-copy JAX view of it
+(``to_jax``): every later reader gets the same JAX array, so a buffer that many linear layers read
+(an FSDP bucket holding a whole unit's planes, a group's scale buffer) crosses the bridge once per
+lifetime instead of once per layer and plane. The owner (FSDP) drops the ``SharedBuffer`` when the
+buffer is freed or rewritten; the ownership rules of ``bridge/dlpack.py`` apply unchanged (the JAX
+view keeps the storage alive; Torch does not overwrite it while JAX work reading it is pending).
+
+``SharedPlane`` says where one weight's plane sits in two such buffers; ``to_flat_plane`` turns it
+into the ``jax_side.linear.FlatPlane`` the jitted linear cuts the plane out of.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from bridge.dlpack import to_jax
+from common.formats import Plane
+from jax_side.linear import FlatPlane
+
+__all__ = ["SharedBuffer", "SharedPlane", "to_flat_plane"]
+
+
+class SharedBuffer:
+    """A 1-D Torch buffer and its JAX view, made on first use and then reused."""
+
+    __slots__ = ("_jax", "tensor")
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(
+                f"SharedBuffer: expected a contiguous 1-D buffer, got shape {tuple(tensor.shape)} "
+                f"strides {tuple(tensor.stride())}"
+            )
+        self.tensor = tensor
+        self._jax = None
+
+    def jax(self):
+        if self._jax is None:
+            self._jax = to_jax(self.tensor)
+        return self._jax
+
+    @property
+    def shared(self) -> bool:
+        """Whether the JAX view exists (the buffer has crossed the bridge)."""
+        return self._jax is not None
+
+
+class SharedPlane(NamedTuple):
+    """One MXFP8 plane of an (N, K) weight inside shared buffers (offsets in elements)."""
+
+    data: SharedBuffer  # uint8 buffer: the (N, K) plane at data_offset, row-major
+    data_offset: int
+    scale: SharedBuffer  # uint8 buffer: the compact scales at scale_offset
+    scale_offset: int
+    shape: tuple[int, int]
+    plane: Plane
+
+
+def to_flat_plane(p: SharedPlane) -> FlatPlane:
+    """The JAX side of a ``SharedPlane`` (the buffers' JAX views; no copy, no per-call crossing
+    once the buffers are shared)."""
+    return FlatPlane(p.data.jax(), p.scale.jax(), p.data_offset, p.scale_offset, p.shape, p.plane)

@@ -1,0 +1,98 @@
+"""The ``pallas`` backend: the 2-D Pallas kernels of ``pallas_impl`` behind the backend interface.
+
+Same functions, arguments and results as ``xla_backend`` (``quantize``, ``partial_block_amax``,
+``scales_from_amax``, ``cast_slice``; inputs validated by ``quantize.py`` / ``slices.py``), and
+byte-identical results: tested against ``xla`` on the corner-case table, NaN/Inf/subnormal inputs,
+both dtypes, both planes, odd valid shapes and partial slices.
+
+Where it runs: on a CUDA GPU the kernels are compiled through Pallas's Triton lowering; anywhere
+else (CPU) they run in Pallas **interpret mode** -- the same kernel code evaluated by XLA, slow,
+for tests and CI (``backend_report`` says so). Flat slices (the distributed recipe) materialise
+the 32-row band the slice touches (``bands``), zero-padded, and run the 2-D kernels on it: one
+extra copy of the band in and out, small next to a whole parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from common.formats import BLOCK_SIZE
+from jax_side.mxfp8 import pallas_impl
+from jax_side.mxfp8.bands import band, band_values
+from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
+
+__all__ = ["cast_slice", "interpret_mode", "partial_block_amax", "quantize", "scales_from_amax"]
+
+_BS = BLOCK_SIZE
+
+
+def interpret_mode() -> bool:
+    """True where the kernels cannot be compiled (no CUDA GPU in JAX): interpret them."""
+    return jax.devices()[0].platform != "gpu"
+
+
+def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
+    """Both or one plane of a validated (M, K) bf16/fp32 x, x read once."""
+    p = pallas_impl.quantize_2d(x, rowwise=rowwise, colwise=colwise, interpret=interpret_mode())
+    return MXFP8Tensor(p.rowwise_data, p.rowwise_scale, p.colwise_data, p.colwise_scale,
+                       tuple(x.shape), np.dtype(x.dtype))
+
+
+def scales_from_amax(amax: jax.Array) -> jax.Array:
+    """float8_e8m0fnu scales of validated fp32 amax (any shape)."""
+    return pallas_impl.scales_from_amax(amax, interpret=interpret_mode())
+
+
+def partial_block_amax(flat, shape, start, rowwise, colwise) -> BlockAmax:
+    """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
+    return _partial_amax(flat, tuple(shape), int(start), bool(rowwise), bool(colwise),
+                         interpret_mode())
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _partial_amax(flat, shape, start, rowwise, colwise, interpret) -> BlockAmax:
+    m, k = shape
+    n = int(flat.shape[0])
+    row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
+    col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
+    if n == 0:
+        return BlockAmax(row, col)
+    b = band(m, k, start, n)
+    part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise, colwise=colwise,
+                                     interpret=interpret)  # zero padding never raises an amax
+    if rowwise:
+        row = lax.dynamic_update_slice(row, part.rowwise, (b.row0, 0))
+    if colwise:
+        col = lax.dynamic_update_slice(col, part.colwise, (b.row0 // _BS, 0))
+    return BlockAmax(row, col)
+
+
+def cast_slice(flat, shape, start, row_b, col_b) -> SliceCast:
+    """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
+    return _cast_slice(flat, row_b, col_b, tuple(shape), int(start), interpret_mode())
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _cast_slice(flat, rs, cs, shape, start, interpret) -> SliceCast:
+    m, k = shape
+    n = int(flat.shape[0])
+    if n == 0:
+        empty = jnp.zeros((0,), jnp.float8_e4m3fn)
+        return SliceCast(None if rs is None else empty, None if cs is None else empty)
+    b = band(m, k, start, n)
+    out = pallas_impl.cast_2d(
+        band_values(flat, k, b),
+        None if rs is None else rs[b.row0:b.row1],
+        None if cs is None else cs[b.row0 // _BS:b.row1 // _BS],
+        interpret=interpret,
+    )
+
+    def finish(y):  # (R, K) band plane -> the slice's n elements
+        return None if y is None else y.reshape(-1)[b.pad_left:b.pad_left + n]
+
+    return SliceCast(finish(out.rowwise), finish(out.colwise))
