@@ -49,6 +49,8 @@ class RunResult:
     requant_ms: float
     crossings_per_step: float
     crossing_host_ms_per_step: float
+    first_step_compiles: int
+    first_step_compile_s: float
     losses: list
     ratio_to_fsdp2: float | None = None
 
@@ -197,6 +199,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
                 if timing is not None:
                     timing["requant_s"] = 0.0
             _sync(args.device)
+            compiles0 = (_COMPILES.count, _COMPILES.seconds)
             t0 = time.perf_counter()
             ctx = count_crossings() if measured and run != "fsdp2" else contextlib.nullcontext()
             with ctx as stats:
@@ -207,6 +210,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
                 crossings = stats if crossings is None else _add(crossings, stats)
             if first is None:
                 first = dt
+                first_compiles = (_COMPILES.count - compiles0[0], _COMPILES.seconds - compiles0[1])
             if measured:
                 times.append(dt)
                 if run != "fsdp2":  # our FSDP logs every collective (WireRecord), per step
@@ -229,11 +233,14 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         requant_ms=1e3 * timing["requant_s"] / n if timing else 0.0,
         crossings_per_step=(crossings.calls / n) if crossings else 0.0,
         crossing_host_ms_per_step=(1e3 * crossings.seconds / n) if crossings else 0.0,
+        first_step_compiles=first_compiles[0], first_step_compile_s=first_compiles[1],
         losses=losses,
     )
     if args.profile and run == "mxfp8":
         result_table = _profile(step, cfg, args, rank)
         print(result_table, flush=True)
+    if args.pyprofile and run == "mxfp8" and rank == 0:
+        print(_pyprofile(step, cfg, args, rank), flush=True)
     del model, step
     gc.collect()
     if args.device == "cuda":
@@ -279,11 +286,49 @@ def _profile(step, cfg, args, rank) -> str:
     return "=== profile of one warm mxfp8 step (top 25 by self device time)\n" + table
 
 
+def _pyprofile(step, cfg, args, rank) -> str:
+    """Host time by Python function over ``--pyprofile`` warm steps (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    batches = [_batch(cfg, args, rank, 20_000 + i) for i in range(args.pyprofile)]
+    prof = cProfile.Profile()
+    prof.enable()
+    for tokens, targets in batches:
+        step(tokens, targets)
+    _sync(args.device)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    stats.print_stats(35)
+    out.write("\n--- by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats(45)
+    return f"=== cProfile of {args.pyprofile} warm mxfp8 steps\n" + out.getvalue()
+
+
+class _CompileLog:
+    """Backend compilations (count and seconds) reported by jax.monitoring."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, event, duration, **kw):
+        if event.endswith("backend_compile_duration"):
+            self.count += 1
+            self.seconds += duration
+
+
+_COMPILES = _CompileLog()
+
+
 def _rank_main(args):
+    import jax
     import torch.distributed as dist
 
     from common.model_config import PRESETS
 
+    jax.monitoring.register_event_duration_secs_listener(_COMPILES)
     rank = dist.get_rank()
     args.world_size = dist.get_world_size()
     cfg = PRESETS[args.config]
@@ -300,7 +345,8 @@ def _rank_main(args):
 
 
 def _table(rows, args) -> str:
-    head = ("| run | step ms (median) | min-max | first step s | tokens/s | peak GiB torch+jax | "
+    head = ("| run | step ms (median) | min-max | first step s (compiles, s) | tokens/s | "
+            "peak GiB torch+jax | "
             "gather MB/step | reduce-scatter MB/step | requant ms | crossings/step | "
             "crossing host ms | vs fsdp2 |")
     lines = [head, "|" + "---|" * 12]
@@ -308,7 +354,8 @@ def _table(rows, args) -> str:
         ratio = "-" if r["ratio_to_fsdp2"] is None else f"{r['ratio_to_fsdp2']:.2f}x"
         lines.append(
             f"| {r['run']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
-            f"{r['step_ms_max']:.1f} | {r['first_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['step_ms_max']:.1f} | {r['first_step_s']:.1f} ({r['first_step_compiles']}, "
+            f"{r['first_step_compile_s']:.1f}) | {r['tokens_per_s']:,.0f} | "
             f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
             f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
             f"{r['crossings_per_step']:.0f} | {r['crossing_host_ms_per_step']:.2f} | {ratio} |"
@@ -326,7 +373,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", default=",".join(RUNS))
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of a warm step")
+    p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]

@@ -165,7 +165,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
             x2d, weight = ctx.saved_tensors
             out = L.hp_backward(
                 dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw,
-                kernels=ctx.kernels,
+                kernels=ctx.kernels, packed=True,
             )
         else:
             w_col = None
@@ -180,11 +180,29 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 dx_dtype=jax_dtype_for(ctx.x_dtype),
                 dw_dtype=jax_dtype_for(ctx.w_dtype),
                 kernels=ctx.kernels,
+                packed=True,
             )
             ctx.x_colwise = ctx.w_colwise = None  # release JAX memory as soon as possible
-        dx = None if out.dx is None else to_torch(out.dx).reshape(*ctx.lead, -1)
-        dw = None if out.dw is None else to_torch(out.dw)
+        dx, dw = _unpack(out.packed, ctx, dy, need_dx, need_dw)
         return dx, dw, None, None, None, None, None
+
+
+def _unpack(packed, ctx, dy, need_dx: bool, need_dw: bool):
+    """dx (lead..., K) and dW (N, K): views of the one uint8 array backward returned."""
+    if packed is None:
+        return None, None
+    raw = to_torch(packed)  # one crossing for both gradients
+    n_w, k = ctx.w_shape
+    tokens = dy.numel() // dy.shape[-1]
+    dx = dw = None
+    cursor = 0
+    if need_dx:
+        nbytes = tokens * k * ctx.x_dtype.itemsize
+        dx = raw[:nbytes].view(ctx.x_dtype).view(*ctx.lead, k)
+        cursor = nbytes
+    if need_dw:
+        dw = raw[cursor:cursor + n_w * k * ctx.w_dtype.itemsize].view(ctx.w_dtype).view(n_w, k)
+    return dx, dw
 
 
 class _PlaneShape:

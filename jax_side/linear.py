@@ -125,6 +125,15 @@ class ForwardOut(NamedTuple):
 class BackwardOut(NamedTuple):
     dx: jax.Array | None  # (T, K)
     dw: jax.Array | None  # (N, K)
+    # with packed=True: dx's bytes then dw's bytes in one uint8 array (one crossing back to Torch
+    # instead of two; dx and dw are then None)
+    packed: jax.Array | None = None
+
+
+def _packed(out: BackwardOut) -> BackwardOut:
+    parts = [lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+             for a in (out.dx, out.dw) if a is not None]
+    return BackwardOut(None, None, jnp.concatenate(parts) if parts else None)
 
 
 def padded_tokens(tokens: int) -> int:
@@ -193,7 +202,7 @@ def forward(
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
 
-@functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels"))
+@functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels", "packed"))
 def backward(
     dy2d: jax.Array,
     w_colwise: MXFP8Tensor | FlatPlane | None,
@@ -202,11 +211,13 @@ def backward(
     dx_dtype,
     dw_dtype,
     kernels: ResolvedKernels,
+    packed: bool = False,
 ) -> BackwardOut:
     """dgrad (if ``w_colwise`` is given) and wgrad (if ``x_colwise`` is given).
 
     dy2d (T, N) bf16/fp32; w_colwise: colwise plane of W (N, K); x_colwise: colwise plane of the
-    padded x (T_pad, K) from ``forward``. dx (T, K) dx_dtype, dW (N, K) dw_dtype.
+    padded x (T_pad, K) from ``forward``. dx (T, K) dx_dtype, dW (N, K) dw_dtype; with
+    ``packed`` their bytes come back in one uint8 array (``BackwardOut.packed``).
     """
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     w_colwise = _as_tensor(w_colwise)
@@ -216,7 +227,8 @@ def backward(
         dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels)[: dy2d.shape[0]].astype(dx_dtype)
     if need_dw:
         dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels).astype(dw_dtype)
-    return BackwardOut(dx, dw)
+    out = BackwardOut(dx, dw)
+    return _packed(out) if packed else out
 
 
 def _acc_dtype(*dtypes):
@@ -249,15 +261,18 @@ def hp_forward(
     return _dot(x2d, w, 1, 1, _acc_dtype(x2d.dtype, w.dtype), kernels).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("need_dx", "need_dw", "kernels"))
+@functools.partial(jax.jit, static_argnames=("need_dx", "need_dw", "kernels", "packed"))
 def hp_backward(
-    dy2d, x2d, w, *, need_dx: bool, need_dw: bool, kernels: ResolvedKernels | None = None
+    dy2d, x2d, w, *, need_dx: bool, need_dw: bool, kernels: ResolvedKernels | None = None,
+    packed: bool = False,
 ) -> BackwardOut:
-    """dx = dy W (T, K) in x's dtype, dW = dy^T x (N, K) in w's dtype, without quantization."""
+    """dx = dy W (T, K) in x's dtype, dW = dy^T x (N, K) in w's dtype, without quantization
+    (``packed``: as in ``backward``)."""
     acc = _acc_dtype(dy2d.dtype, x2d.dtype, w.dtype)
     dx = _dot(dy2d, w, 1, 0, acc, kernels).astype(x2d.dtype) if need_dx else None
     dw = _dot(dy2d, x2d, 0, 0, acc, kernels).astype(w.dtype) if need_dw else None
-    return BackwardOut(dx, dw)
+    out = BackwardOut(dx, dw)
+    return _packed(out) if packed else out
 
 
 # ------------------------------------------------------------------ the Flax-facing functions

@@ -24,6 +24,10 @@ for part in "${parts[@]}"; do
     compile)
       timeout 200 python3 -m benchmarks.bench_compile --shape 8192x768x3072 \
         --out "$OUT/compile.json" 2>&1 | tail -8 ;;
+    sweep)
+      timeout 200 python3 -m benchmarks.bench_quantize --reps 7 --calls 10 \
+        --shapes 8192x8192,8192x768 --tiles sweep --casts float,int \
+        --out "$OUT/sweep.json" 2>&1 | tail -30 ;;
     step)
       # the XLA flags of the compile part with the fastest compile among those whose steady
       # forward+backward time is within 10% of the best (or none if compile did not run)
@@ -38,7 +42,7 @@ print('' if r['flags']=='(default)' else r['flags'])")
       echo "XLA_FLAGS=${XLA_FLAGS:-}"
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 8 --warmup 2 --profile \
-        --out "$OUT/step.json" 2>&1 | tail -60 ;;
+        ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | tail -60 ;;
   esac
   echo "== $part: $((SECONDS - t0)) s"
 done
