@@ -31,11 +31,15 @@ w = jax.random.normal(jax.random.key(1), (n, k)) * 0.02
 dy = (jax.random.normal(jax.random.key(2), (t, n)) * 0.01).astype(jnp.bfloat16)
 wq = L.quantize_weight(w, kernels=kern); jax.block_until_ready(wq)
 def fwd():
-    return L.forward(x, wq.only("rowwise"), out_dtype=jnp.bfloat16, keep_x_colwise=True, kernels=kern)
-t0 = time.perf_counter(); out = fwd(); jax.block_until_ready(out); first_f = time.perf_counter() - t0
+    return L.forward(x, wq.only("rowwise"), out_dtype=jnp.bfloat16, keep_x_colwise=True,
+                     kernels=kern)
+t0 = time.perf_counter(); out = fwd(); jax.block_until_ready(out)
+first_f = time.perf_counter() - t0
 def bwd():
-    return L.backward(dy, wq.only("colwise"), out.x_colwise, dx_dtype=jnp.bfloat16, dw_dtype=jnp.float32, kernels=kern)
-t0 = time.perf_counter(); g = bwd(); jax.block_until_ready(g); first_b = time.perf_counter() - t0
+    return L.backward(dy, wq.only("colwise"), out.x_colwise, dx_dtype=jnp.bfloat16,
+                      dw_dtype=jnp.float32, kernels=kern)
+t0 = time.perf_counter(); g = bwd(); jax.block_until_ready(g)
+first_b = time.perf_counter() - t0
 def steady(fn, n=20):
     jax.block_until_ready(fn())
     t0 = time.perf_counter()
