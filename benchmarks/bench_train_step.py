@@ -329,6 +329,10 @@ def _rank_main(args):
     from common.model_config import PRESETS
 
     jax.monitoring.register_event_duration_secs_listener(_COMPILES)
+    if args.compile_cache:
+        from jax_side.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(args.compile_cache)
     rank = dist.get_rank()
     args.world_size = dist.get_world_size()
     cfg = PRESETS[args.config]
@@ -375,6 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--profile", action="store_true", help="torch.profiler table of a warm step")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
+    p.add_argument("--compile-cache", default="",
+                   help="persistent JAX compilation cache directory (a second launch is warm)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]

@@ -154,6 +154,9 @@ def _runs(args) -> list[tuple[str, object, object]]:
 def _rank_entry(runs):
     """What every rank runs: the trainings in order, then the results (rank 0's matter)."""
     from apps.training.loop import train_rank
+    from jax_side.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
 
     return [train_rank(job, opts) for _, job, opts in runs]
 

@@ -92,7 +92,8 @@ class Tiles(NamedTuple):
 # (chunk_k 64/128) cut shuffles and instructions further for ~1.4x the registers (fewer warps
 # per SM), so they are left to the benchmark's sweep. cast_2d spills with one warp: four.
 DEFAULT_TILES = {
-    ("quantize", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True),
+    # 32x64 measured fastest of 11 tilings at 8192x8192 bf16 on the H200 (BENCHMARKS.md)
+    ("quantize", "bfloat16"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
     ("quantize", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
     ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True, chunk_k=64),
     ("amax", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True, chunk_k=64),

@@ -73,6 +73,24 @@ def case_wire_forward_rowwise_backward_colwise(ctx):
         assert amax.numel == sum(2 * s.numel // 32 for s in g.layout.slots), amax
 
 
+def case_bridge_crossings_per_step(ctx):
+    """Weights cross the bridge once per bucket lifetime, not per layer: a ZeRO-3 step of ToyNet
+    (2 MXFP8 groups of 2 linears) crosses activations once per linear and direction, each group's
+    bucket and scale buffer once per plane, and the requantization 2 + 2 times per group."""
+    model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = make_batch(0, T, ctx.device)
+    with bridge.count_crossings() as c:
+        mse(model(x), y).backward()
+    linears, groups = 4, 2
+    # to_jax: x and dy per linear; rowwise then colwise (data + scales) per group
+    assert c.to_jax == 2 * linears + groups * 2 * 2, c
+    assert c.to_torch == 2 * linears, c  # y per linear; dx and dW together per linear
+    with bridge.count_crossings() as c:
+        opt.step()
+    assert (c.to_jax, c.to_torch) == (2 * groups, 2 * groups), c
+
+
 def case_wire_recompute_gathers_both_planes_once(ctx):
     model = fully_shard(
         make_net(0, recompute=Recompute.UNIT, device=ctx.device),
@@ -276,6 +294,7 @@ _M = "tests.torch_side.cases_wire"
 CASES = {
     f"{_M}:case_wire_forward_rowwise_backward_colwise": (2,),
     f"{_M}:case_wire_recompute_gathers_both_planes_once": (2,),
+    f"{_M}:case_bridge_crossings_per_step": (2,),
     f"{_M}:case_wire_no_shard_forward_is_silent": (2,),
     f"{_M}:case_bad_input_errors": (2,),
     f"{_M}:case_nan_grad_check_names_param_and_rank": (2,),

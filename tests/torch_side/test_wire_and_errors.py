@@ -14,6 +14,10 @@ def test_forward_gathers_rowwise_bytes_backward_colwise_only(spawned):
     check_case(spawned, cw, cw.case_wire_forward_rowwise_backward_colwise, 2)
 
 
+def test_weights_cross_the_bridge_once_per_bucket_not_per_layer(spawned):
+    check_case(spawned, cw, cw.case_bridge_crossings_per_step, 2)
+
+
 def test_recompute_forward_gathers_both_planes_once(spawned):
     check_case(spawned, cw, cw.case_wire_recompute_gathers_both_planes_once, 2)
 

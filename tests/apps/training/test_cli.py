@@ -73,7 +73,7 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
          "--data", str(data), "--steps", "3", "--batch-size", "2", "--micro-batches", "1",
          "--metrics", str(metrics), "--plot", str(tmp_path / "run.png"), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MXFP8_JAX_CACHE": str(tmp_path / "cache")},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held-out loss" in out.stdout and "vocab 256" in out.stdout
@@ -81,3 +81,4 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
     assert records[0]["world_size"] == 2 and records[0]["job"]["data"] == str(data)
     assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any((tmp_path / "cache").iterdir()), "the persistent compilation cache was not written"

@@ -3,6 +3,7 @@ checkpoint loading with clear errors, and the capture used by the parity report.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from apps.parity.torch_run import run_torch
 from bridge import MXFP8Linear
 from common import GPTConfig, LinearMode
-from torch_side.models import TorchGPT, load_flat_params, mxfp8_linears
+from torch_side.models import TorchGPT, cross_entropy, load_flat_params, mxfp8_linears
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
 
@@ -81,3 +82,40 @@ def test_capture_sees_every_linear_with_token_major_shapes():
     )
     # the captured lm_head output is the logits
     assert torch.equal(run.linear_io["lm_head"].y, run.logits.reshape(21, 64))
+
+
+class _Compiles:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event, duration, **kw):
+        if event.endswith("backend_compile_duration"):
+            self.count += 1
+
+
+_COMPILES = _Compiles()
+jax.monitoring.register_event_duration_secs_listener(_COMPILES)
+
+
+def _steps_compiles(n_layer: int, steps: int = 2) -> list[int]:
+    cfg = GPTConfig(vocab_size=96, max_seq_len=32, n_layer=n_layer, n_head=2, d_model=64,
+                    d_ff=160)  # shapes no other test uses: every program here is compiled anew
+    model = TorchGPT(cfg, LinearMode.MXFP8, seed=1)
+    out = []
+    for i in range(steps):
+        before = _COMPILES.count
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+        cross_entropy(model(tokens), tokens).backward()
+        out.append(_COMPILES.count - before)
+    return out
+
+
+def test_linears_of_equal_shape_compile_once():
+    """A 4-layer model compiles exactly as many programs as a 2-layer one (the extra layers'
+    linears reuse them), and a second step compiles nothing."""
+    two = _steps_compiles(2)
+    four = _steps_compiles(4)
+    assert two[1] == 0 and four[1] == 0, (two, four)
+    assert four[0] == 0, ("the 4-layer model's linears have the 2-layer model's shapes", four)
+    assert two[0] > 0
