@@ -1,4 +1,5 @@
-"""Every notebook in notebooks/ executes top to bottom on CPU with no error output.
+"""Every notebook in notebooks/ executes top to bottom on CPU with no error output and shows its
+plots (at least one image/png output each).
 
 Notebooks are kept without outputs in git; this runs them in a fresh kernel (the venv's
 ipykernel) with the repository root importable, exactly as a user opening them would.
@@ -29,10 +30,14 @@ def test_notebook_executes(path, monkeypatch):
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
     client.execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-              if o.output_type == "error"]
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
+    plots = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert plots, f"{path.name}: executed, but no cell displayed a plot (image/png output)"
 
 
 def test_there_are_notebooks():
-    assert NOTEBOOKS, "notebooks/ should hold the exploration notebooks"
+    names = {p.name for p in NOTEBOOKS}
+    assert names >= {"mxfp8_numerics.ipynb", "fsdp_buffers.ipynb", "parity.ipynb",
+                     "training.ipynb"}, names
