@@ -28,6 +28,24 @@ for part in "${parts[@]}"; do
       timeout 200 python3 -m benchmarks.bench_quantize --reps 7 --calls 10 \
         --shapes 8192x8192,8192x768 --tiles sweep --casts float,int \
         --out "$OUT/sweep.json" 2>&1 | tail -30 ;;
+    step-warm)  # a second launch with the compilation cache the "step" part filled
+      timeout 200 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
+        --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 2 --warmup 0 --runs mxfp8 \
+        --compile-cache /tmp/jax_cache --out "$OUT/step_warm.json" 2>&1 | tail -5 ;;
+    step350)
+      timeout 400 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
+        --config gpt2-350m --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 \
+        --out "$OUT/step350.json" 2>&1 | tail -8 ;;
+    train)  # the training command under torchrun, one GPU: MXFP8 and the two controls
+      for w in mxfp8 bf16 fp32; do
+        timeout 150 torchrun --standalone --nproc_per_node 1 -m apps.training --device cuda \
+          --config gpt2-124m --data stdlib --seq-len 1024 --batch-size 8 --micro-batches 1 \
+          --steps 30 --lr 6e-4 --weights $w --metrics "$OUT/train_$w.jsonl" --no-progress \
+          2>&1 | grep -v "^W1\|^\s*$" | tail -6
+      done ;;
+    parity)
+      OUT="$OUT" timeout 240 bash scripts/gpu/parity.sh > "$OUT/parity.log" 2>&1
+      grep -E "passed|failed|verdict|rc=" "$OUT/parity.log" | tail -8 ;;
     step)
       # the XLA flags of the compile part with the fastest compile among those whose steady
       # forward+backward time is within 10% of the best (or none if compile did not run)
@@ -42,7 +60,8 @@ print('' if r['flags']=='(default)' else r['flags'])")
       echo "XLA_FLAGS=${XLA_FLAGS:-}"
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 8 --warmup 2 --profile \
-        ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 | tee "$OUT/step.log" | tail -60 ;;
+        --compile-cache /tmp/jax_cache ${STEP_ARGS:-} --out "$OUT/step.json" 2>&1 \
+        | tee "$OUT/step.log" | tail -8 ;;
   esac
   echo "== $part: $((SECONDS - t0)) s"
 done
