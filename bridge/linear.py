@@ -12,8 +12,16 @@ Tensors in one call (names used below):
   ``rowwise()`` is called in forward and ``colwise()`` only in backward; both are shared zero-copy
   (never re-quantized or copied) and no reference to them outlives the call that reads them.
   Without planes, W = quantize(bf16(weight)) in forward, and its colwise plane is kept for dgrad.
-- x colwise: the colwise MXFP8 plane of the (token-padded) x, computed in forward and kept (in JAX
-  memory) for wgrad, as Transformer Engine does.
+- x colwise: the colwise MXFP8 plane of the (token-padded) x, computed in forward and kept for
+  wgrad, as Transformer Engine does.
+
+Saved for backward: the x colwise plane (and, without planes, the weight's colwise plane) are
+JAX arrays shared with Torch zero-copy and saved with ``ctx.save_for_backward``, so autograd owns
+their lifetime exactly as ``nn.Linear``'s saved tensors: freed after backward, kept when the graph
+is retained (``backward(retain_graph=True)``; a second backward accumulates the same gradients
+again, and after a backward that freed the graph Torch's own "backward through the graph a second
+time" error is raised), dropped and recomputed under ``torch.utils.checkpoint``, and visible to
+``saved_tensors_hooks``. Zero tokens (x of shape (..., 0, K)) give an empty y and dx and a zero dW.
 
 Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
 JAX linear (the Flax twin runs it too). Kernels: a ``KernelConfig`` (None: the default for the
@@ -35,7 +43,7 @@ from common.formats import BLOCK_SIZE, Plane
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
-from jax_side.mxfp8 import ResolvedKernels, resolve_kernels
+from jax_side.mxfp8 import MXFP8Tensor, ResolvedKernels, resolve_kernels
 
 __all__ = ["LinearMode", "MXFP8Linear", "mxfp8_linear", "resolve_for"]
 
@@ -62,6 +70,22 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
         )
     kw = {"rowwise" if plane is Plane.ROWWISE else "colwise": (data, scale)}
     return planes_to_jax(shape, torch.bfloat16, **kw)  # weights are quantized as bf16(master)
+
+
+def _colwise_to_torch(t: MXFP8Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(data, scale) of a JAX colwise plane as Torch tensors over the same memory, to be saved
+    for backward (autograd then owns their lifetime); (None, None) for no plane."""
+    if t is None:
+        return None, None
+    data, scale = t.plane(Plane.COLWISE)
+    return to_torch(data), to_torch(scale)
+
+
+def _colwise_to_jax(shape, dtype: torch.dtype, data, scale) -> MXFP8Tensor | None:
+    """The saved Torch (data, scale) back as a JAX colwise-only ``MXFP8Tensor`` (zero-copy)."""
+    if data is None:
+        return None
+    return planes_to_jax(shape, dtype, colwise=(data, scale))
 
 
 def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedKernels:
@@ -131,41 +155,47 @@ class _MXFP8LinearFn(torch.autograd.Function):
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         if planes is not None:
-            w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
+            w_row, w_col = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
             wq = L.quantize_weight(_share(weight), rowwise=True, colwise=need_dx, kernels=kernels)
-            w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
+            w_row, w_col = wq, (wq.only(Plane.COLWISE) if need_dx else None)
         out = L.forward(
             _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw, kernels=kernels
         )
-        ctx.x_colwise = out.x_colwise
-        return to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
+        y = to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
+        # (T_pad, K) and (N, K) colwise planes; weights are quantized as bf16(master).
+        ctx.x_col_shape = None if out.x_colwise is None else tuple(out.x_colwise.shape)
+        ctx.save_for_backward(*_colwise_to_torch(out.x_colwise), *_colwise_to_torch(w_col))
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = dy.shape[-1]
+        k = ctx.w_shape[1]
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
             out = L.hp_backward(dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw)
         else:
+            x_data, x_scale, w_data, w_scale = ctx.saved_tensors
             w_col = None
             if need_dx:
-                w_col = ctx.w_colwise
+                w_col = _colwise_to_jax(ctx.w_shape, torch.bfloat16, w_data, w_scale)
                 if ctx.planes is not None:
                     w_col = _weight_plane(ctx.planes, _PlaneShape(ctx), Plane.COLWISE)
+            x_col = _colwise_to_jax(ctx.x_col_shape, ctx.x_dtype, x_data, x_scale)
             out = L.backward(
                 dy2d,
                 w_col,
-                ctx.x_colwise if need_dw else None,
+                x_col if need_dw else None,
                 dx_dtype=jax_dtype_for(ctx.x_dtype),
                 dw_dtype=jax_dtype_for(ctx.w_dtype),
                 kernels=ctx.kernels,
             )
-            ctx.x_colwise = ctx.w_colwise = None  # release JAX memory as soon as possible
-        dx = None if out.dx is None else to_torch(out.dx).reshape(*ctx.lead, -1)
+        # (*lead, K): spelled out, since -1 is ambiguous when there are zero tokens
+        dx = None if out.dx is None else to_torch(out.dx).reshape(*ctx.lead, k)
         dw = None if out.dw is None else to_torch(out.dw)
         return dx, dw, None, None, None, None, None
 
