@@ -12,7 +12,6 @@ import pytest
 from tests.torch_side import cases_quantize as cq
 from tests.torch_side.conftest import check_case
 
-
 SLOW = pytest.mark.slow  # worlds of 3 and 4 ranks: run by `make test-all` (CI), not `make test`
 
 
