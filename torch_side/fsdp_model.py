@@ -17,7 +17,7 @@ those pieces. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` modules in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -106,15 +106,22 @@ class FSDPModel(nn.Module):
         return [g for u in self.units for g in u.groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 -- nn.Module signature
-        """Zero the main gradients (the module parameters never keep ``.grad``)."""
+        """Zero the main gradients, drop gradients staged by a backward that an exception
+        aborted (and reset FSDP's backward state after it), and clear any ``param.grad``."""
+        self.state.recover("zero_grad()", quiet=True)
         for g in self.param_groups:
+            g.drop_staged_grads()
             if g.main_grad is not None:
                 g.main_grad.zero_()
+            for e in g.entries:
+                e.param.grad = None
+        self.state.grads_incomplete = False
 
     def refresh_model_weights(self) -> None:
         """After the main weights changed: requantize / recast the model weight buffers."""
         for g in self.param_groups:
             g.refresh_model_weights(Phase.OPTIMIZER)
+        self.state.weights_changed()
 
     def wire_log(self) -> list[WireRecord]:
         return [r for c in self.comms.values() for r in c.records]
@@ -128,10 +135,11 @@ class FSDPModel(nn.Module):
         """{qualified name: full fp32 main weight}."""
         return sd.full_state_dict(self.param_groups)
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Set the main weights from full values (names and shapes checked first) and refresh
         the model weights."""
         sd.load_full_state_dict(self.param_groups, state)
+        self.state.weights_changed()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{qualified name: full reduced gradient, fp32} (after backward)."""

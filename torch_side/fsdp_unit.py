@@ -10,10 +10,15 @@ Lifecycle of a unit in one iteration (``TrainingState``):
 - pre-backward (first gradient reaching an output): unshard the backward planes (MXFP8: colwise;
   high precision: the weights), and start the same gathers for the unit that ran before this one
   in forward (backward prefetch; forward prefetch starts the next unit's rowwise gather).
-- post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket; when
+- post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket
+  (``param.grad`` is taken first, so it is cleared even when ``GradCheck.FINITE`` raises); when
   the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
   reshard. The final callback (``FSDPState.finish_backward``) does the same for units whose
   parameters got no gradient.
+
+The backward hook carries the ``weights_version`` its forward read; a different version at
+pre-backward (an optimizer step or a state load in between) raises instead of differentiating
+the forward's activations against new weights.
 
 "Already unsharded" is tracked per plane in each ``ParamGroup`` (``PlaneState``); a plane asked
 for outside these hooks (a recompute of a submodule inside the unit, a user reading weights) is
@@ -23,6 +28,7 @@ gathered lazily by ``MXFP8Planes`` with the phase of the moment.
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 import torch.distributed as dist
@@ -68,13 +74,16 @@ class MXFP8Planes:
         return self.group.plane_views(self.index, Plane.COLWISE)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def check_finite(name: str, grad: torch.Tensor) -> None:
     """Raise, naming the parameter and rank, if a local gradient holds NaN/Inf."""
     if not torch.isfinite(grad).all():
         bad = int((~torch.isfinite(grad)).sum())
-        rank = dist.get_rank() if dist.is_initialized() else 0
         raise FloatingPointError(
-            f"rank {rank}: gradient of parameter {name!r} has {bad} non-finite "
+            f"rank {_rank()}: gradient of parameter {name!r} has {bad} non-finite "
             f"values (NaN/Inf) this micro-batch; check the loss and learning rate. Other "
             f"ranks may now hang in their next collective."
         )
@@ -107,7 +116,7 @@ class FSDPUnit:
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
-        if self.fsdp.backward_active:
+        if self.fsdp.in_backward():
             for g in self.groups:
                 g.unshard(g.planes, Phase.RECOMPUTE)
             return None
@@ -127,11 +136,24 @@ class FSDPUnit:
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if tensors and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            hook = functools.partial(self._pre_backward, self.fsdp.weights_version)
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return None
 
     # ---- backward ---------------------------------------------------------------------------
-    def _pre_backward(self, grad) -> None:
+    def _check_weights_version(self, version: int) -> None:
+        now = self.fsdp.weights_version
+        if version != now:
+            raise RuntimeError(
+                f"rank {_rank()}: FSDP unit {self.name!r}: the model weights changed between "
+                f"this forward and its backward (weights version {version} at forward, {now} "
+                f"now: FSDPOptimizer.step(), refresh_model_weights() or load_full_state_dict() "
+                f"ran in between), so backward would differentiate against the new weights. "
+                f"Call backward before opt.step() (and redo this forward)"
+            )
+
+    def _pre_backward(self, version: int, grad) -> None:
+        self._check_weights_version(version)
         self.fsdp.on_pre_backward()
         if self.state is TrainingState.BACKWARD:
             return
@@ -143,12 +165,12 @@ class FSDPUnit:
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
+            grad, param.grad = param.grad, None  # FSDP owns it now, even if the check raises
+            if grad is None:
                 return
             if self.grad_check is GradCheck.FINITE:
-                check_finite(group.entries[index].name, param.grad)
-            group.stage_grad(index, param.grad)
-            param.grad = None
+                check_finite(group.entries[index].name, grad)
+            group.stage_grad(index, grad)
             if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
                 self.state, self._pending = TrainingState.BACKWARD, self._grad_params
             self._pending -= 1
@@ -172,6 +194,16 @@ class FSDPUnit:
         for g in self.groups:
             g.reshard()
         self.state = TrainingState.IDLE
+
+    def abort_backward(self) -> None:
+        """After a backward that an exception aborted: drop its staged gradients and buckets,
+        clear gradients the hooks did not consume, and go back to IDLE (no collective)."""
+        for g in self.groups:
+            g.drop_staged_grads()
+            g.reshard()
+            for e in g.entries:
+                e.param.grad = None
+        self.state, self._pending = TrainingState.IDLE, 0
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -326,6 +326,10 @@ class ParamGroup:
         self.main_grad.add_(out.to(self.main_grad.dtype))
         self.allocator.free(self.label, "grad")
 
+    def drop_staged_grads(self) -> None:
+        """Free this micro-batch's grad bucket without reducing it (an aborted backward)."""
+        self.allocator.free(self.label, "grad")
+
     # ---- full values (state dict, inspection) --------------------------------------------------
     def full_main(self, phase: Phase = Phase.STATE) -> torch.Tensor:
         """The full padded fp32 main weights (all-gathered when sharded)."""

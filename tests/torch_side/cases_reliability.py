@@ -1,0 +1,158 @@
+"""Spawned-rank cases: misuse and edge cases that used to give silently wrong results (issue 10).
+
+Each case states the misuse, what FSDP does now (recover, refuse with a clear error, or support
+it), and compares against a run without the misuse where there is one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tests.torch_side.toy_models import Block, make_batch, make_net, mse
+from torch_side import (
+    Collective,
+    FSDPOptimizer,
+    GradCheck,
+    Phase,
+    ShardingStrategy,
+    WeightFormat,
+    fully_shard,
+)
+
+T = 32
+ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+
+
+def _wrap(ctx, **kw):
+    kw.setdefault("unit_modules", (Block,))
+    kw.setdefault("strategy", ZERO3)
+    return fully_shard(make_net(0, device=ctx.device), **kw)
+
+
+def _train_step(model, opt, step: int, ctx) -> torch.Tensor:
+    """One global-batch step; returns the loss averaged over ranks."""
+    x, y = make_batch(100 + step, T * ctx.world_size, ctx.device)
+    mine = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    loss = mse(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    out = loss.detach().clone()
+    dist.all_reduce(out)
+    return out / ctx.world_size
+
+
+def _expect(error, match: str, fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        assert match in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"expected {error.__name__} matching {match!r}")
+
+
+# ---- item 1: an exception escaping backward ---------------------------------------------------
+def case_exception_in_backward_recovers(ctx):
+    """NaN loss on every rank with GradCheck.FINITE: the check raises out of backward (autograd
+    drops FSDP's end-of-backward callback). The next forward resets FSDP (with a warning), the
+    optimizer refuses partial gradients until zero_grad, and training then continues exactly like
+    a run that never saw the bad batch."""
+    clean = _wrap(ctx, grad_check=GradCheck.FINITE)
+    hit = _wrap(ctx, grad_check=GradCheck.FINITE)
+    opt_clean = FSDPOptimizer(clean, torch.optim.Adam, lr=1e-2, foreach=False)
+    opt_hit = FSDPOptimizer(hit, torch.optim.Adam, lr=1e-2, foreach=False)
+    assert torch.equal(_train_step(clean, opt_clean, 0, ctx), _train_step(hit, opt_hit, 0, ctx))
+    x, y = make_batch(7, T, ctx.device)
+    y[0, 0] = float("nan")  # every rank: a NaN loss, so every rank raises (none hangs)
+    _expect(FloatingPointError, f"rank {ctx.rank}:", lambda: mse(hit(x), y).backward())
+    assert hit.state.backward_active  # the callback that ends backward never ran
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            hit(x)  # an eval forward: must be a normal forward again, not a "recompute"
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "previous backward did not finish" in msgs[0], msgs
+    assert not hit.state.backward_active
+    assert hit.allocator.live_keys() == [], hit.allocator.live_keys()  # no stale buckets
+    assert all(e.param.grad is None for g in hit.param_groups for e in g.entries)
+    _expect(RuntimeError, "call zero_grad()", opt_hit.step)
+    opt_hit.zero_grad()
+    for step in (1, 2, 3):
+        want, got = _train_step(clean, opt_clean, step, ctx), _train_step(hit, opt_hit, step, ctx)
+        assert torch.equal(got, want), (step, got.item(), want.item())
+    a, b = clean.full_state_dict(), hit.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights diverged after the recovery"
+    assert hit.allocator.live_keys() == []
+
+
+def case_zero_grad_after_an_aborted_backward_resets_quietly(ctx):
+    """The documented recovery (catch, zero_grad) needs no warning, and a new backward over a
+    graph built before the failure also finds FSDP reset (its end callback runs again)."""
+    model = _wrap(ctx, grad_check=GradCheck.FINITE)
+    x, y = make_batch(3, T, ctx.device)
+    good = mse(model(x), y)
+    bad_y = y.clone()
+    bad_y[0, 0] = float("inf")
+    _expect(FloatingPointError, "non-finite", lambda: mse(model(x), bad_y).backward())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the case
+        model.zero_grad()
+    assert not model.state.backward_active and not model.state.grads_incomplete
+    assert model.allocator.live_keys() == []
+    good.backward()  # the graph built before the failure
+    assert not model.state.backward_active and model.allocator.live_keys() == []
+    assert all(torch.isfinite(g).all() for g in model.full_grads().values())
+
+
+# ---- item 2: a second backward over a retained graph -----------------------------------------
+def case_second_backward_over_retained_graph(ctx):
+    """backward(retain_graph=True) then backward(): the main grads hold twice one backward's
+    gradient (as for nn.Linear parameters); the second backward gathers the colwise planes again
+    and frees every bucket."""
+    once, twice = _wrap(ctx), _wrap(ctx)
+    x, y = make_batch(5, T * ctx.world_size, ctx.device)
+    mine = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    mse(once(x[mine]), y[mine]).backward()
+    loss = mse(twice(x[mine]), y[mine])
+    loss.backward(retain_graph=True)
+    twice.clear_wire_log()
+    loss.backward()
+    again = {
+        r.label for r in twice.wire_log() if r.op is Collective.ALL_GATHER
+        and r.phase is Phase.BACKWARD and r.label.endswith("/colwise")
+    }
+    mx = {f"{g.label}/colwise" for g in twice.param_groups if g.format is WeightFormat.MXFP8_E4M3}
+    assert again == mx, (again, mx)
+    g1, g2 = once.full_grads(), twice.full_grads()
+    for name, g in g1.items():
+        assert g.abs().max() > 0 or name.startswith("shift"), name
+        assert torch.equal(g2[name], 2 * g), f"{name}: max diff {(g2[name] - 2 * g).abs().max()}"
+    assert twice.allocator.live_keys() == [], twice.allocator.live_keys()
+
+
+# ---- item 6: a step between forward and backward ------------------------------------------------
+def case_step_between_forward_and_backward_is_refused(ctx):
+    model = _wrap(ctx)
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = make_batch(2, T, ctx.device)
+    mse(model(x), y).backward()
+    loss = mse(model(x), y)
+    opt.step()  # new weights, while loss's graph holds the old forward's activations
+    msg = _expect(RuntimeError, "changed between this forward and its backward", loss.backward)
+    assert msg.startswith(f"rank {ctx.rank}: FSDP unit ") and "weights version 0" in msg, msg
+    opt.zero_grad()
+    assert not model.state.backward_active and model.allocator.live_keys() == []
+    mse(model(x), y).backward()  # a forward after the step is fine
+    opt.step()
+
+
+_M = "tests.torch_side.cases_reliability"
+CASES = {
+    f"{_M}:case_exception_in_backward_recovers": (2,),
+    f"{_M}:case_zero_grad_after_an_aborted_backward_resets_quietly": (2,),
+    f"{_M}:case_second_backward_over_retained_graph": (2,),
+    f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
+}

@@ -1,0 +1,28 @@
+"""Misuse and edge cases that used to give silently wrong results (issue 10; cases_reliability.py).
+
+Each test reads as the rule it pins: an exception escaping backward is recovered from; a second
+backward over a retained graph accumulates; an optimizer step between forward and backward is
+refused.
+"""
+
+from __future__ import annotations
+
+from tests.torch_side import cases_reliability as cr
+from tests.torch_side.conftest import check_case
+
+
+def test_exception_escaping_backward_is_recovered_from(spawned):
+    """NaN loss + GradCheck.FINITE on every rank, caught; training then matches a clean run."""
+    check_case(spawned, cr, cr.case_exception_in_backward_recovers, 2)
+
+
+def test_zero_grad_resets_after_an_aborted_backward(spawned):
+    check_case(spawned, cr, cr.case_zero_grad_after_an_aborted_backward_resets_quietly, 2)
+
+
+def test_second_backward_over_a_retained_graph_accumulates(spawned):
+    check_case(spawned, cr, cr.case_second_backward_over_retained_graph, 2)
+
+
+def test_optimizer_step_between_forward_and_backward_is_refused(spawned):
+    check_case(spawned, cr, cr.case_step_between_forward_and_backward_is_refused, 2)
