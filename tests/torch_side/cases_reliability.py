@@ -6,6 +6,8 @@ it), and compares against a run without the misuse where there is one.
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import torch
@@ -133,6 +135,79 @@ def case_second_backward_over_retained_graph(ctx):
     assert twice.allocator.live_keys() == [], twice.allocator.live_keys()
 
 
+# ---- items 3 and 4: state dicts ---------------------------------------------------------------
+def case_load_full_state_dict_checks_shapes(ctx):
+    model = _wrap(ctx)
+    before = model.full_state_dict()
+    name = "blocks.0.mlp.fc1.weight"  # (96, 64)
+    for bad, what in (
+        (torch.zeros(97, 64), "(97, 64)"),  # oversized: used to be truncated
+        (before[name].T.contiguous(), "(64, 96)"),  # same numel, transposed: used to load
+    ):
+        state = {**before, name: bad}
+        msg = _expect(
+            ValueError, f"parameter {name!r} has shape {what}", model.load_full_state_dict, state
+        )
+        assert "(96, 64) in the model; nothing was loaded" in msg, msg
+    after = model.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before), "a refused load wrote values"
+
+
+def case_state_dict_is_full_and_round_trips(ctx):
+    """state_dict() = the wrapped module's state dict (same keys, buffers included) with full fp32
+    main weights, not placeholders; torch.save round-trips it into another wrapped model and it
+    loads into an unwrapped copy of the model."""
+    net = make_net(0, device=ctx.device)
+    net.register_buffer("counter", torch.arange(3.0, device=ctx.device))
+    plain = copy.deepcopy(net)
+    model = fully_shard(net, unit_modules=(Block,), strategy=ZERO3)
+    sd = model.state_dict()
+    assert list(sd) == list(plain.state_dict()), (list(sd), list(plain.state_dict()))
+    full = model.full_state_dict()
+    for k, v in sd.items():
+        want = full.get(k, plain.state_dict()[k])
+        assert torch.equal(v, want) and v.stride() == want.stride(), k  # no stride-0 / empty
+        assert torch.equal(v, plain.state_dict()[k]), k  # the replicated (unwrapped) model
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    other_net = make_net(1, device=ctx.device)
+    other_net.register_buffer("counter", torch.zeros(3, device=ctx.device))
+    other = fully_shard(other_net, unit_modules=(Block,), strategy=ZERO3)
+    buf.seek(0)
+    result = other.load_state_dict(torch.load(buf, weights_only=True))
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    back = other.state_dict()
+    assert all(torch.equal(back[k], sd[k]) for k in sd), "round trip changed values"
+    plain2 = make_net(2, device=ctx.device)
+    plain2.register_buffer("counter", torch.zeros(3, device=ctx.device))
+    plain2.load_state_dict(sd)  # keys are the module's own: loads into the unwrapped model
+    _expect(RuntimeError, "missing keys ['counter']", other.load_state_dict,
+            {k: v for k, v in sd.items() if k != "counter"})
+    _expect(RuntimeError, "unexpected keys ['module.head.bias']", other.load_state_dict,
+            {**sd, "module.head.bias": sd["head.bias"]})
+    partial = other.load_state_dict({"head.bias": sd["head.bias"] + 1}, strict=False)
+    assert "counter" in partial.missing_keys and "inp.weight" in partial.missing_keys
+    now = other.full_state_dict()
+    assert torch.equal(now["head.bias"], sd["head.bias"] + 1)
+    assert torch.equal(now["inp.weight"], sd["inp.weight"])  # missing: kept
+
+
+# ---- item 5: a plain optimizer -----------------------------------------------------------------
+def case_plain_optimizer_is_refused(ctx):
+    model = _wrap(ctx)
+    before = model.full_state_dict()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batch(1, T, ctx.device)
+    mse(model(x), y).backward()
+    msg = _expect(TypeError, "FSDPOptimizer(fsdp_model, torch.optim.SGD", opt.step)
+    assert f"rank {ctx.rank}: SGD.step(): parameter '" in msg, msg
+    after = model.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert sum(p.numel() for p in model.parameters()) > 0  # parameters() still works
+    fsdp_opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    fsdp_opt.step()  # the inner optimizer over the main shards is not refused
+
+
 # ---- item 6: a step between forward and backward ------------------------------------------------
 def case_step_between_forward_and_backward_is_refused(ctx):
     model = _wrap(ctx)
@@ -154,5 +229,8 @@ CASES = {
     f"{_M}:case_exception_in_backward_recovers": (2,),
     f"{_M}:case_zero_grad_after_an_aborted_backward_resets_quietly": (2,),
     f"{_M}:case_second_backward_over_retained_graph": (2,),
+    f"{_M}:case_load_full_state_dict_checks_shapes": (2,),
+    f"{_M}:case_state_dict_is_full_and_round_trips": (2,),
+    f"{_M}:case_plain_optimizer_is_refused": (2,),
     f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
 }

@@ -1,8 +1,8 @@
 """Misuse and edge cases that used to give silently wrong results (issue 10; cases_reliability.py).
 
 Each test reads as the rule it pins: an exception escaping backward is recovered from; a second
-backward over a retained graph accumulates; an optimizer step between forward and backward is
-refused.
+backward over a retained graph accumulates; state dicts are full and checked; a plain optimizer
+and an optimizer step between forward and backward are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +22,18 @@ def test_zero_grad_resets_after_an_aborted_backward(spawned):
 
 def test_second_backward_over_a_retained_graph_accumulates(spawned):
     check_case(spawned, cr, cr.case_second_backward_over_retained_graph, 2)
+
+
+def test_load_full_state_dict_refuses_other_shapes(spawned):
+    check_case(spawned, cr, cr.case_load_full_state_dict_checks_shapes, 2)
+
+
+def test_state_dict_is_the_full_model_and_round_trips(spawned):
+    check_case(spawned, cr, cr.case_state_dict_is_full_and_round_trips, 2)
+
+
+def test_plain_optimizer_over_fsdp_parameters_is_refused(spawned):
+    check_case(spawned, cr, cr.case_plain_optimizer_is_refused, 2)
 
 
 def test_optimizer_step_between_forward_and_backward_is_refused(spawned):
