@@ -16,6 +16,17 @@ Lifecycle of a unit in one iteration (``TrainingState``):
   reshard. The final callback (``FSDPState.finish_backward``) does the same for units whose
   parameters got no gradient.
 
+Every rank must issue the same collectives in the same order, whatever tokens it routed: the
+triggers above are rank-independent for units whose parameters all get gradients on every rank.
+A unit holding **expert** parameters may see some of them get no gradient on one rank only (an
+expert that received no tokens, or was not called), so counting gradients would reduce it at a
+rank-dependent moment. Such a unit is instead reduced when backward leaves it: the gradient of
+its forward inputs (``_PostBackward``, an identity on the inputs whose backward runs after the
+unit's own backward), or, when no input takes gradients, in the final callback -- on every rank
+at the same point of the dense graph. Zeros stand in for the gradients that never came.
+(Expert modules are therefore never units of their own: ``unit_builder`` refuses it, since a
+unit whose module is not called on some rank would skip its all-gathers there.)
+
 The backward hook carries the ``weights_version`` its forward read; a different version at
 pre-backward (an optimizer step or a state load in between) raises instead of differentiating
 the forward's activations against new weights.
@@ -33,7 +44,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from common.formats import Plane
 from torch_side.collectives import Phase
@@ -74,6 +85,21 @@ class MXFP8Planes:
         return self.group.plane_views(self.index, Plane.COLWISE)
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the gradients of all of them
+    are complete, i.e. after the unit's own backward, and reduces the unit's gradients."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.on_inputs_grad()
+        return (None, *grads)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -103,6 +129,11 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self._pending = 0
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
+        # Gradients of expert parameters may not arrive on every rank: reduce when backward
+        # leaves the unit (or at the end), never when the count of gradients completes.
+        self.reduce_on_exit = any(
+            g.key.dp_group == "expert_dp" and g.key.requires_grad for g in groups
+        )
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward),
             module.register_forward_hook(self._post_forward),
@@ -125,7 +156,19 @@ class FSDPUnit:
         for g in self.groups:
             g.unshard([g.forward_plane], Phase.FORWARD)
         self.fsdp.prefetch_after(self)
+        if self.reduce_on_exit and torch.is_grad_enabled():
+            return self._register_post_backward(args)
         return None
+
+    def _register_post_backward(self, args):
+        flat, spec = tree_flatten(args)
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None  # no input takes gradients: reduced in the final callback
+        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output):
         if self.fsdp.backward_active:
@@ -174,7 +217,7 @@ class FSDPUnit:
             if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
                 self.state, self._pending = TrainingState.BACKWARD, self._grad_params
             self._pending -= 1
-            if self._pending == 0:
+            if self._pending == 0 and not self.reduce_on_exit:
                 self.post_backward()
 
         return hook
@@ -186,6 +229,11 @@ class FSDPUnit:
                 g.reduce_grads()
             g.reshard()
         self.state = TrainingState.REDUCED
+
+    def on_inputs_grad(self) -> None:
+        """``_PostBackward``: backward has left this unit (expert units reduce here)."""
+        if self.state is TrainingState.BACKWARD:
+            self.post_backward()
 
     def finish_backward(self) -> None:
         """Root's end-of-backward callback: reduce if some gradients never arrived; reset."""

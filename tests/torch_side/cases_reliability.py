@@ -13,11 +13,21 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tests.torch_side.toy_models import Block, make_batch, make_net, mse
+from tests.torch_side.toy_models import (
+    N_EXPERTS,
+    Block,
+    ExpertMLP,
+    MoEBlock,
+    MoENet,
+    make_batch,
+    make_net,
+    mse,
+)
 from torch_side import (
     Collective,
     FSDPOptimizer,
     GradCheck,
+    MixedPrecisionPolicy,
     Phase,
     ShardingStrategy,
     WeightFormat,
@@ -224,6 +234,122 @@ def case_step_between_forward_and_backward_is_refused(ctx):
     opt.step()
 
 
+# ---- item 7: experts that get no tokens -------------------------------------------------------
+def _routes(world_size: int) -> list[torch.Tensor]:
+    """Per rank: the expert of each of its T tokens. Rank 0 routes everything to expert 2
+    (expert 0 is not called, expert 1 is called on an empty tensor); rank 1 uses all three;
+    rank 2 leaves expert 1 empty (called empty), rank 3 leaves expert 0 empty (not called)."""
+    t = torch.arange(T)
+    table = [
+        torch.full((T,), 2),
+        t % N_EXPERTS,
+        torch.where(t % 2 == 0, 0, 2),
+        torch.where(t % 2 == 0, 1, 2),
+    ]
+    return table[:world_size]
+
+
+def _expert_groups(world_size: int):
+    """Expert-DP groups: one group of all ranks at world 2, {0,1} and {2,3} at world 4 (each
+    group holds its own experts). Collective: every rank creates every group."""
+    size = 2
+    ranks = [list(range(i, i + size)) for i in range(0, world_size, size)]
+    return [dist.new_group(r) for r in ranks], size
+
+
+def _moe_net(device, group_index: int) -> MoENet:
+    torch.manual_seed(0)
+    net = MoENet()
+    torch.manual_seed(10 + group_index)
+    net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
+    return net.to(device)
+
+
+def _wire_sequences(model) -> dict[str, list[tuple]]:
+    return {
+        c.name: [(r.op.value, r.phase.value, r.label, r.numel) for r in c.records]
+        for c in model.comms.values()
+    }
+
+
+def case_moe_experts_without_tokens(ctx):
+    """Some experts get no tokens on some ranks (not called, or called on an empty tensor): every
+    rank issues the same collectives in the same order (compared across ranks), and training
+    matches a replicated single-process reference over all ranks' micro-batches."""
+    w, r = ctx.world_size, ctx.rank
+    egroups, gsize = _expert_groups(w)
+    mine = r // gsize
+    n_groups = len(egroups)
+    model = fully_shard(
+        _moe_net(ctx.device, mine), unit_modules=(Block, MoEBlock), strategy=ZERO3,
+        expert_modules=(ExpertMLP,), expert_group=egroups[mine],
+    )
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.5, foreach=False)
+    # Reference: one dense net, one expert set per expert group, all on this rank.
+    ref = _moe_net("cpu", 0)
+    experts = [_moe_net("cpu", g).moe.experts for g in range(n_groups)]
+    dense = [p for n, p in ref.named_parameters() if not n.startswith("moe.experts.")]
+    ref_params = dense + [p for e in experts for p in e.parameters()]
+    ref_opt = torch.optim.SGD(ref_params, lr=0.5, foreach=False)
+    routes = _routes(w)
+    exact = w == 2
+    for step in range(2):
+        x, y = make_batch(50 + step, T * w, ctx.device)
+        rows = slice(r * T, (r + 1) * T)
+        model.clear_wire_log()
+        loss = mse(model(x[rows], routes[r].to(ctx.device)), y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seqs = _wire_sequences(model)
+        every = [None] * w
+        dist.all_gather_object(every, seqs)
+        for other in range(w):
+            assert every[other]["dp"] == seqs["dp"], f"rank {r} vs {other}: dense collectives"
+            if other // gsize == mine:
+                assert every[other]["expert_dp"] == seqs["expert_dp"], (
+                    f"rank {r} vs {other}: expert collectives"
+                )
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_loss = torch.zeros(())
+        for rr in range(w):
+            ref.moe.experts = experts[rr // gsize]
+            lr_ = mse(ref(x[rr * T:(rr + 1) * T].cpu(), routes[rr]), y[rr * T:(rr + 1) * T].cpu())
+            (lr_ / w).backward()
+            ref_loss += lr_.detach() / w
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _close(f"loss step {step}", (total / w).cpu(), ref_loss, exact)
+    ref.moe.experts = experts[mine]
+    state = model.full_state_dict()
+    for name, p in ref.named_parameters():
+        _close(name, state[name].cpu(), p.detach(), exact)
+    assert model.allocator.live_keys() == [], model.allocator.live_keys()
+
+
+def _close(what, got, want, exact: bool) -> None:
+    if exact:
+        assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
+    else:  # four ranks: gradient sums in another order (as cases_training.RTOL/ATOL)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+# ---- item 8: arguments that used to be accepted without a word ---------------------------------
+def case_bad_wrapping_arguments(ctx):
+    _expect(ValueError, "unit_modules entry ExpertMLP matches no module", _wrap, ctx,
+            unit_modules=(Block, ExpertMLP))
+    _expect(TypeError, "policy must be a MixedPrecisionPolicy, got {}", _wrap, ctx, policy={})
+    _wrap(ctx, policy=MixedPrecisionPolicy())  # the real thing is accepted
+    moe_group, _ = _expert_groups(ctx.world_size)
+    msg = _expect(
+        ValueError, "it is (inside) the expert module 'moe.experts.0'", fully_shard,
+        _moe_net(ctx.device, 0), unit_modules=(MoEBlock, ExpertMLP),
+        expert_modules=(ExpertMLP,), expert_group=moe_group[ctx.rank // 2],
+    )
+    assert "list the block / MoE layer in unit_modules" in msg, msg
+
+
 _M = "tests.torch_side.cases_reliability"
 CASES = {
     f"{_M}:case_exception_in_backward_recovers": (2,),
@@ -233,4 +359,6 @@ CASES = {
     f"{_M}:case_state_dict_is_full_and_round_trips": (2,),
     f"{_M}:case_plain_optimizer_is_refused": (2,),
     f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
+    f"{_M}:case_moe_experts_without_tokens": (2, 4),
+    f"{_M}:case_bad_wrapping_arguments": (2,),
 }

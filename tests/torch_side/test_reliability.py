@@ -2,10 +2,13 @@
 
 Each test reads as the rule it pins: an exception escaping backward is recovered from; a second
 backward over a retained graph accumulates; state dicts are full and checked; a plain optimizer
-and an optimizer step between forward and backward are refused.
+and an optimizer step between forward and backward are refused; experts that get no tokens keep
+every rank's collectives in step; wrapping arguments that match nothing are refused.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from tests.torch_side import cases_reliability as cr
 from tests.torch_side.conftest import check_case
@@ -38,3 +41,12 @@ def test_plain_optimizer_over_fsdp_parameters_is_refused(spawned):
 
 def test_optimizer_step_between_forward_and_backward_is_refused(spawned):
     check_case(spawned, cr, cr.case_step_between_forward_and_backward_is_refused, 2)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_experts_without_tokens_keep_ranks_in_step(spawned, world_size):
+    check_case(spawned, cr, cr.case_moe_experts_without_tokens, world_size)
+
+
+def test_wrapping_arguments_that_match_nothing_are_refused(spawned):
+    check_case(spawned, cr, cr.case_bad_wrapping_arguments, 2)
