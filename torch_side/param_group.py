@@ -99,7 +99,7 @@ class ParamGroup:
         self.layout = FlatLayout.build(
             [e.name for e in entries], [e.shape for e in entries], comm.world_size
         )
-        check_layout(self.layout)
+        self.layout_stats = check_layout(self.layout, label)
         self.device = key.device
         self._allocate_buffers()
         self._work: dict[Plane, object] = {}  # in-flight async all-gathers (prefetch)
