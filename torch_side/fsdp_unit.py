@@ -23,7 +23,9 @@ expert that received no tokens, or was not called), so counting gradients would 
 rank-dependent moment. Such a unit is instead reduced when backward leaves it: the gradient of
 its forward inputs (``_PostBackward``, an identity on the inputs whose backward runs after the
 unit's own backward), or, when no input takes gradients, in the final callback -- on every rank
-at the same point of the dense graph. Zeros stand in for the gradients that never came.
+at the same point of the dense graph. Zeros stand in for the gradients that never came. (A
+gradient that reaches such a unit after that point -- one whose path does not run through the
+unit's inputs -- is staged again and reduced in the final callback.)
 (Expert modules are therefore never units of their own: ``unit_builder`` refuses it, since a
 unit whose module is not called on some rank would skip its all-gathers there.)
 
