@@ -15,6 +15,15 @@ Tensors in one call (names used below):
 - x colwise: the colwise MXFP8 plane of the (token-padded) x, computed in forward and kept (in JAX
   memory) for wgrad, as Transformer Engine does.
 
+Saved for backward: the JAX planes (x colwise; without ``weight_planes`` also W's colwise plane)
+live on the autograd ``ctx`` until the graph is freed -- after backward, or kept when the graph is
+retained (``backward(retain_graph=True)``: a second backward accumulates the same gradients again,
+with FSDP re-gathering W's colwise plane). A sentinel saved tensor makes a backward through a
+freed graph raise Torch's own "backward through the graph a second time" error, as ``nn.Linear``
+does. They stay JAX arrays (no crossing back to Torch and again to JAX per layer); the price:
+under ``torch.utils.checkpoint`` the x colwise plane is held, not recomputed. Backward returns dx
+and dW in one crossing. Zero tokens (x of shape (..., 0, K)) give an empty y and dx and a zero dW.
+
 Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
 JAX linear (the Flax twin runs it too). Kernels: a ``KernelConfig`` (None: the default for the
 device the tensors are on), resolved once per call. Lifetime: every JAX result is brought back
@@ -153,6 +162,10 @@ class _MXFP8LinearFn(torch.autograd.Function):
             _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw, kernels=kernels
         )
         ctx.x_colwise = out.x_colwise
+        # A sentinel saved tensor: autograd frees it with the graph, so a backward through a
+        # freed graph raises Torch's own error (nn.Linear's behaviour); the JAX planes above stay
+        # on ctx until the graph (and ctx) is freed, so a retained graph can run backward again.
+        ctx.save_for_backward(x.new_empty(0))
         return to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
 
     @staticmethod
@@ -168,6 +181,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 kernels=ctx.kernels, packed=True,
             )
         else:
+            ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed (see forward)
             w_col = None
             if need_dx:
                 w_col = ctx.w_colwise
@@ -182,7 +196,6 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 kernels=ctx.kernels,
                 packed=True,
             )
-            ctx.x_colwise = ctx.w_colwise = None  # release JAX memory as soon as possible
         dx, dw = _unpack(out.packed, ctx, dy, need_dx, need_dw)
         return dx, dw, None, None, None, None, None
 

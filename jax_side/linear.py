@@ -116,6 +116,8 @@ def _bitcast(a: jax.Array, dtype) -> jax.Array:
 def _as_tensor(w: MXFP8Tensor | FlatPlane | None) -> MXFP8Tensor | None:
     return w.tensor() if isinstance(w, FlatPlane) else w
 
+_MXFP8_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
 
 class ForwardOut(NamedTuple):
     y: jax.Array  # (T, N), out_dtype
@@ -286,6 +288,18 @@ class LinearFn(Protocol):
     ) -> jax.Array: ...
 
 
+def _check_dtypes(what: str, allowed: tuple, **arrays) -> None:
+    """Refuse dtypes outside ``allowed`` before JAX converts anything: a float64 numpy array
+    would be narrowed to fp32 silently when x64 is off (then rounded again to bf16 or E4M3)."""
+    for name, a in arrays.items():
+        if jnp.dtype(a.dtype) not in allowed:
+            raise TypeError(
+                f"{what}: {name} has dtype {a.dtype}, expected "
+                f"{' or '.join(jnp.dtype(d).name for d in allowed)}; cast it explicitly first "
+                f"(e.g. {name}.astype(jnp.float32))"
+            )
+
+
 def _check(x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None) -> None:
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -338,8 +352,7 @@ def mxfp8_linear(
     only the slot that receives dW), or None to quantize ``bf16(weight)`` here.
     """
     _check(x, weight, weight_q)
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise TypeError(f"mxfp8_linear: x must be float32 or bfloat16, got {x.dtype}")
+    _check_dtypes("mxfp8_linear", _MXFP8_DTYPES, x=x, weight=weight)
     return _mxfp8_linear(x, weight, weight_q, _kernels(kernels))
 
 
@@ -351,6 +364,8 @@ def high_precision_linear(
     weight_q must be None (the control has no MXFP8 planes to use).
     """
     _check(x, weight, weight_q)
+    hp = _MXFP8_DTYPES + ((jnp.dtype(jnp.float64),) if jax.config.jax_enable_x64 else ())
+    _check_dtypes("high_precision_linear", hp, x=x, weight=weight)
     if weight_q is not None:
         raise ValueError(
             "high_precision_linear: got MXFP8 planes (weight_q); the high-precision control "

@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "distributed_mxfp8_quantize": "torch_side.distributed_quantize",
     "FlatLayout": "torch_side.flat_layout",
     "LayoutError": "torch_side.flat_layout",
+    "LayoutPaddingWarning": "torch_side.flat_layout",
+    "LayoutStats": "torch_side.flat_layout",
     "check_layout": "torch_side.flat_layout",
     "GradCheck": "torch_side.fsdp_unit",
     "FSDPModel": "torch_side.fsdp_model",

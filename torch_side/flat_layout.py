@@ -13,21 +13,66 @@ weights, main grads) shares ONE element-index layout:
   a rank may own part of a parameter, several parameters, or none.
 
 Padding elements belong to no parameter; they are zero in every buffer and never quantized.
+
+Padding overhead: ``padding_ratio`` = buffer elements / parameter elements. Row sizes that
+share few factors with 256 and with each other (conv kernels ``in * kh * kw`` = 147, 576, ...)
+make ``U`` large, and the layout can then be mostly padding (ResNet-18 as one unit: 2.05x; the
+first conv of a small CNN as its own unit: 30x; GPT-style models: <= 1.06x; measured in
+docs/fsdp.md with ``benchmarks/layout_padding.py``). ``check_layout`` returns the numbers
+(:class:`LayoutStats`) and warns (:class:`LayoutPaddingWarning`) when a group pads more than
+``PADDING_WARN_RATIO`` times and by at least ``PADDING_WARN_MIN_ELEMENTS`` elements: the
+256-element alignment alone gives small groups of 1-D parameters a large ratio but only a few
+KiB of padding, which is not worth a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import NamedTuple
 
-__all__ = ["ALIGN_ELEMENTS", "FlatLayout", "LayoutError", "OwnedPiece", "ParamSlot", "check_layout"]
+__all__ = [
+    "ALIGN_ELEMENTS",
+    "PADDING_WARN_MIN_ELEMENTS",
+    "PADDING_WARN_RATIO",
+    "FlatLayout",
+    "LayoutError",
+    "LayoutPaddingWarning",
+    "LayoutStats",
+    "OwnedPiece",
+    "ParamSlot",
+    "check_layout",
+]
 
 ALIGN_ELEMENTS = 256  # >= 256 bytes for every element size >= 1 byte
+PADDING_WARN_RATIO = 1.25  # buffer elements / parameter elements above which check_layout warns
+PADDING_WARN_MIN_ELEMENTS = 1 << 20  # ... when the padding is at least this many elements
 
 
 class LayoutError(ValueError):
     """A flat layout that breaks an invariant (overlap, gap in ownership, split row)."""
+
+
+class LayoutPaddingWarning(UserWarning):
+    """A group's flat layout is mostly padding (see the module note)."""
+
+
+class LayoutStats(NamedTuple):
+    """What a layout costs: elements of the parameters vs of every buffer of the group."""
+
+    real_numel: int  # elements of the parameters
+    padded_numel: int  # elements of each buffer of the group (world_size * shard_numel)
+    unit: int  # U = lcm(256, row sizes): every parameter start and the shard size are multiples
+
+    @property
+    def padding_numel(self) -> int:
+        return self.padded_numel - self.real_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """Buffer elements per parameter element (1.0 means no padding)."""
+        return self.padded_numel / self.real_numel if self.real_numel else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +130,20 @@ class FlatLayout:
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
+    @property
+    def real_numel(self) -> int:
+        """Elements of the parameters (the rest of ``padded_numel`` is padding)."""
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def padding_ratio(self) -> float:
+        """``padded_numel / real_numel``: buffer elements per parameter element."""
+        return self.stats.padding_ratio
+
+    @property
+    def stats(self) -> LayoutStats:
+        return LayoutStats(self.real_numel, self.padded_numel, self.unit)
+
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
@@ -102,9 +161,12 @@ class FlatLayout:
         return next((p for p in self.owned(rank) if p.slot_index == slot_index), None)
 
 
-def check_layout(layout: FlatLayout) -> None:
+def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:
     """Raise :class:`LayoutError` unless: slots are aligned and disjoint, inside the padded
     buffer; every element of every parameter is owned by exactly one rank; no shard splits a row.
+
+    Returns the layout's :class:`LayoutStats`, and warns (:class:`LayoutPaddingWarning`, naming
+    ``label``, the group) when the buffers are mostly padding (module note).
     """
     prev_end = 0
     for s in layout.slots:
@@ -136,3 +198,23 @@ def check_layout(layout: FlatLayout) -> None:
     for s, n in zip(layout.slots, owned, strict=True):
         if n != s.numel:
             raise LayoutError(f"{s.name!r}: {n} of {s.numel} elements owned by some rank")
+    stats = layout.stats
+    if (
+        stats.padding_ratio > PADDING_WARN_RATIO
+        and stats.padding_numel >= PADDING_WARN_MIN_ELEMENTS
+    ):
+        rows = sorted({s.row_size for s in layout.slots})
+        warnings.warn(
+            LayoutPaddingWarning(
+                f"flat layout of group {label or '<unnamed>'!r}: its buffers hold "
+                f"{stats.padded_numel} elements for {stats.real_numel} parameter elements "
+                f"({stats.padding_ratio:.2f}x, {stats.padding_numel} padding elements in every "
+                f"buffer of the group) at world size {layout.world_size}. The layout unit "
+                f"U = lcm(256, row sizes {rows}) = {stats.unit} sets every parameter start and "
+                f"the shard size. Give the parameters whose row size (prod(shape[1:])) shares "
+                f"few factors with 256 and with the others units of their own (fewer row sizes "
+                f"per group), or use row sizes that divide 256 or a common multiple"
+            ),
+            stacklevel=2,
+        )
+    return stats

@@ -11,17 +11,22 @@ The pieces, one noun each (see each file's note):
 
 ``FSDPModel`` is the ``nn.Module`` the user holds: it forwards to the wrapped module and exposes
 those pieces. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` modules in
-``LinearMode.MXFP8``. See docs/fsdp.md for the user guide.
+``LinearMode.MXFP8``. Its ``state_dict()`` / ``load_state_dict()`` speak the wrapped module's
+names with full fp32 main weights (collectives, like ``full_state_dict``); the module parameters
+themselves hold working storage only and are guarded against plain optimizers (``param_guard``).
+See docs/fsdp.md for the user guide.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from bridge import TorchMXFP8Tensor
 from common.kernels import KernelConfig
@@ -31,6 +36,7 @@ from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
 from torch_side.param_group import ParamGroup
+from torch_side.param_guard import mark
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import ShardingStrategy
 from torch_side.unit_builder import ModuleSpec, UnitConfig, build_units, install_plane_hooks
@@ -95,6 +101,8 @@ class FSDPModel(nn.Module):
             g.load_main_from([e.param for e in g.entries])
             g.refresh_model_weights(Phase.STATE)
             g.install_params()
+            for e in g.entries:
+                mark(e.param, e.name)
         self._planes_handles = install_plane_hooks(self.units)
 
     def forward(self, *args, **kwargs):
@@ -106,15 +114,22 @@ class FSDPModel(nn.Module):
         return [g for u in self.units for g in u.groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 -- nn.Module signature
-        """Zero the main gradients (the module parameters never keep ``.grad``)."""
+        """Zero the main gradients, drop gradients staged by a backward that an exception
+        aborted (and reset FSDP's backward state after it), and clear any ``param.grad``."""
+        self.state.recover("zero_grad()", quiet=True)
         for g in self.param_groups:
+            g.drop_staged_grads()
             if g.main_grad is not None:
                 g.main_grad.zero_()
+            for e in g.entries:
+                e.param.grad = None
+        self.state.grads_incomplete = False
 
     def refresh_model_weights(self) -> None:
         """After the main weights changed: requantize / recast the model weight buffers."""
         for g in self.param_groups:
             g.refresh_model_weights(Phase.OPTIMIZER)
+        self.state.weights_changed()
 
     def wire_log(self) -> list[WireRecord]:
         return [r for c in self.comms.values() for r in c.records]
@@ -128,10 +143,66 @@ class FSDPModel(nn.Module):
         """{qualified name: full fp32 main weight}."""
         return sd.full_state_dict(self.param_groups)
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Set the main weights from full values (names and shapes checked first) and refresh
         the model weights."""
         sd.load_full_state_dict(self.param_groups, state)
+        self.state.weights_changed()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """COLLECTIVE (call on every rank): the wrapped module's ``state_dict()`` with every
+        parameter replaced by its full fp32 main weight (``full_state_dict``); buffers as
+        they are. Keys are the wrapped module's own (no ``module.`` prefix), so it loads into an
+        unwrapped copy of the model. Not a placeholder: ``torch.save`` of it is a checkpoint."""
+        if args:
+            raise TypeError("FSDPModel.state_dict: pass destination/prefix/keep_vars by keyword")
+        full = self.full_state_dict()
+        local = self.module.state_dict(keep_vars=keep_vars)
+        out = collections.OrderedDict() if destination is None else destination
+        for key, value in local.items():
+            out[prefix + key] = full.get(key, value)
+        if destination is None and not prefix and hasattr(local, "_metadata"):
+            out._metadata = local._metadata
+        return out
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
+    ):
+        """COLLECTIVE: load what ``state_dict()`` returns (the wrapped module's names). Parameters
+        go through ``load_full_state_dict`` (shapes checked, planes requantized); buffers are
+        copied. strict: missing or unexpected keys raise, naming them; with ``strict=False``
+        missing parameters keep their current values (one more collective) and unexpected keys
+        are ignored. Returns ``(missing_keys, unexpected_keys)`` like ``nn.Module``."""
+        rank = self.comms["dp"].rank
+        if assign:
+            raise ValueError(
+                f"rank {rank}: FSDPModel.load_state_dict: assign=True is not supported (FSDP "
+                f"copies values into its fp32 main weights); use assign=False"
+            )
+        params, buffers = sd.split_state_keys(self.param_groups, self.module)
+        missing = sorted((params | buffers) - set(state_dict))
+        unexpected = sorted(set(state_dict) - (params | buffers))
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"rank {rank}: FSDPModel.load_state_dict: missing keys {missing}, unexpected "
+                f"keys {unexpected}; pass the wrapped module's parameter and buffer names (what "
+                f"FSDPModel.state_dict() returns), or strict=False; nothing was loaded"
+            )
+        sd.check_buffers(self.module, {k: v for k, v in state_dict.items() if k in buffers})
+        values = {k: state_dict[k] for k in params if k in state_dict}
+        if len(values) < len(params):
+            values = {**self.full_state_dict(), **values}
+        self.load_full_state_dict(values)
+        with torch.no_grad():
+            for name in buffers & set(state_dict):
+                self.module.get_buffer(name).copy_(state_dict[name])
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        raise RuntimeError(
+            "FSDPModel: a parent module cannot load an FSDPModel's state (it would write into "
+            "working storage); call fsdp_model.load_state_dict(...) on the FSDPModel itself"
+        )
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{qualified name: full reduced gradient, fp32} (after backward)."""

@@ -10,10 +10,28 @@ Lifecycle of a unit in one iteration (``TrainingState``):
 - pre-backward (first gradient reaching an output): unshard the backward planes (MXFP8: colwise;
   high precision: the weights), and start the same gathers for the unit that ran before this one
   in forward (backward prefetch; forward prefetch starts the next unit's rowwise gather).
-- post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket; when
+- post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket
+  (``param.grad`` is taken first, so it is cleared even when ``GradCheck.FINITE`` raises); when
   the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
   reshard. The final callback (``FSDPState.finish_backward``) does the same for units whose
   parameters got no gradient.
+
+Every rank must issue the same collectives in the same order, whatever tokens it routed: the
+triggers above are rank-independent for units whose parameters all get gradients on every rank.
+A unit holding **expert** parameters may see some of them get no gradient on one rank only (an
+expert that received no tokens, or was not called), so counting gradients would reduce it at a
+rank-dependent moment. Such a unit is instead reduced when backward leaves it: the gradient of
+its forward inputs (``_PostBackward``, an identity on the inputs whose backward runs after the
+unit's own backward), or, when no input takes gradients, in the final callback -- on every rank
+at the same point of the dense graph. Zeros stand in for the gradients that never came. (A
+gradient that reaches such a unit after that point -- one whose path does not run through the
+unit's inputs -- is staged again and reduced in the final callback.)
+(Expert modules are therefore never units of their own: ``unit_builder`` refuses it, since a
+unit whose module is not called on some rank would skip its all-gathers there.)
+
+The backward hook carries the ``weights_version`` its forward read; a different version at
+pre-backward (an optimizer step or a state load in between) raises instead of differentiating
+the forward's activations against new weights.
 
 "Already unsharded" is tracked per plane in each ``ParamGroup`` (``PlaneState``); a plane asked
 for outside these hooks (a recompute of a submodule inside the unit, a user reading weights) is
@@ -23,11 +41,12 @@ gathered lazily by ``MXFP8Planes`` with the phase of the moment.
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from common.formats import Plane
 from torch_side.collectives import Phase
@@ -78,13 +97,31 @@ class MXFP8Planes:
         return self.group.shared_plane(self.index, plane)
 
 
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the gradients of all of them
+    are complete, i.e. after the unit's own backward, and reduces the unit's gradients."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.on_inputs_grad()
+        return (None, *grads)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def check_finite(name: str, grad: torch.Tensor) -> None:
     """Raise, naming the parameter and rank, if a local gradient holds NaN/Inf."""
     if not torch.isfinite(grad).all():
         bad = int((~torch.isfinite(grad)).sum())
-        rank = dist.get_rank() if dist.is_initialized() else 0
         raise FloatingPointError(
-            f"rank {rank}: gradient of parameter {name!r} has {bad} non-finite "
+            f"rank {_rank()}: gradient of parameter {name!r} has {bad} non-finite "
             f"values (NaN/Inf) this micro-batch; check the loss and learning rate. Other "
             f"ranks may now hang in their next collective."
         )
@@ -104,6 +141,11 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self._pending = 0
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
+        # Gradients of expert parameters may not arrive on every rank: reduce when backward
+        # leaves the unit (or at the end), never when the count of gradients completes.
+        self.reduce_on_exit = any(
+            g.key.dp_group == "expert_dp" and g.key.requires_grad for g in groups
+        )
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward),
             module.register_forward_hook(self._post_forward),
@@ -117,7 +159,7 @@ class FSDPUnit:
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
-        if self.fsdp.backward_active:
+        if self.fsdp.in_backward():
             for g in self.groups:
                 g.unshard(g.planes, Phase.RECOMPUTE)
             return None
@@ -126,7 +168,19 @@ class FSDPUnit:
         for g in self.groups:
             g.unshard([g.forward_plane], Phase.FORWARD)
         self.fsdp.prefetch_after(self)
+        if self.reduce_on_exit and torch.is_grad_enabled():
+            return self._register_post_backward(args)
         return None
+
+    def _register_post_backward(self, args):
+        flat, spec = tree_flatten(args)
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None  # no input takes gradients: reduced in the final callback
+        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output):
         if self.fsdp.backward_active:
@@ -137,11 +191,24 @@ class FSDPUnit:
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
         if tensors and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            hook = functools.partial(self._pre_backward, self.fsdp.weights_version)
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return None
 
     # ---- backward ---------------------------------------------------------------------------
-    def _pre_backward(self, grad) -> None:
+    def _check_weights_version(self, version: int) -> None:
+        now = self.fsdp.weights_version
+        if version != now:
+            raise RuntimeError(
+                f"rank {_rank()}: FSDP unit {self.name!r}: the model weights changed between "
+                f"this forward and its backward (weights version {version} at forward, {now} "
+                f"now: FSDPOptimizer.step(), refresh_model_weights() or load_full_state_dict() "
+                f"ran in between), so backward would differentiate against the new weights. "
+                f"Call backward before opt.step() (and redo this forward)"
+            )
+
+    def _pre_backward(self, version: int, grad) -> None:
+        self._check_weights_version(version)
         self.fsdp.on_pre_backward()
         if self.state is TrainingState.BACKWARD:
             return
@@ -153,16 +220,16 @@ class FSDPUnit:
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
-            if param.grad is None:
+            grad, param.grad = param.grad, None  # FSDP owns it now, even if the check raises
+            if grad is None:
                 return
             if self.grad_check is GradCheck.FINITE:
-                check_finite(group.entries[index].name, param.grad)
-            group.stage_grad(index, param.grad)
-            param.grad = None
+                check_finite(group.entries[index].name, grad)
+            group.stage_grad(index, grad)
             if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
                 self.state, self._pending = TrainingState.BACKWARD, self._grad_params
             self._pending -= 1
-            if self._pending == 0:
+            if self._pending == 0 and not self.reduce_on_exit:
                 self.post_backward()
 
         return hook
@@ -175,6 +242,11 @@ class FSDPUnit:
             g.reshard()
         self.state = TrainingState.REDUCED
 
+    def on_inputs_grad(self) -> None:
+        """``_PostBackward``: backward has left this unit (expert units reduce here)."""
+        if self.state is TrainingState.BACKWARD:
+            self.post_backward()
+
     def finish_backward(self) -> None:
         """Root's end-of-backward callback: reduce if some gradients never arrived; reset."""
         if self.state is TrainingState.BACKWARD:
@@ -182,6 +254,16 @@ class FSDPUnit:
         for g in self.groups:
             g.reshard()
         self.state = TrainingState.IDLE
+
+    def abort_backward(self) -> None:
+        """After a backward that an exception aborted: drop its staged gradients and buckets,
+        clear gradients the hooks did not consume, and go back to IDLE (no collective)."""
+        for g in self.groups:
+            g.drop_staged_grads()
+            g.reshard()
+            for e in g.entries:
+                e.param.grad = None
+        self.state, self._pending = TrainingState.IDLE, 0
 
     def remove_hooks(self) -> None:
         for h in self._handles:

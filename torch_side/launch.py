@@ -180,6 +180,7 @@ def _sigterm_as_exit():
 
 
 def _terminate(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a failed start left the rest unstarted
     for p in procs:
         if p.is_alive():
             p.terminate()

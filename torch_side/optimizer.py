@@ -5,6 +5,9 @@ optimizer, step it, then refresh the model weights from the new main weights -- 
 distributed MXFP8 quantization for MXFP8 groups (one amax all-reduce per group), a cast for the
 others, and under ZeRO-1/2 an all-gather of the refreshed shards into the replicated buffers.
 Optimizer states live next to the main-weight shards (1/DP per rank when sharded).
+
+A step refuses to run on partial gradients: after a backward that an exception aborted (e.g.
+``GradCheck.FINITE``), until ``zero_grad()`` (``FSDPState.grads_incomplete``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ class FSDPOptimizer:
         self.optimizer = optimizer_cls([g.main for g in self.groups], **kwargs)
 
     def step(self) -> None:
+        state = self.model.state
+        state.recover("FSDPOptimizer.step()")
+        if state.grads_incomplete:
+            raise RuntimeError(
+                f"rank {self.model.comms['dp'].rank}: FSDPOptimizer.step(): the last backward "
+                f"was aborted by an exception, so the main gradients hold part of a micro-batch "
+                f"at most; call zero_grad() (drops them) and redo or skip this step"
+            )
         for g in self.groups:
             g.main.grad = g.main_grad_for_optimizer()
         self.optimizer.step()

@@ -106,7 +106,7 @@ class ParamGroup:
         self.layout = FlatLayout.build(
             [e.name for e in entries], [e.shape for e in entries], comm.world_size
         )
-        check_layout(self.layout)
+        self.layout_stats = check_layout(self.layout, label)
         self.device = key.device
         self._allocate_buffers()
         self._work: dict[Plane, object] = {}  # in-flight async all-gathers (prefetch)
@@ -350,6 +350,10 @@ class ParamGroup:
             )
             out = bucket
         self.main_grad.add_(out.to(self.main_grad.dtype))
+        self.allocator.free(self.label, "grad")
+
+    def drop_staged_grads(self) -> None:
+        """Free this micro-batch's grad bucket without reducing it (an aborted backward)."""
         self.allocator.free(self.label, "grad")
 
     # ---- full values (state dict, inspection) --------------------------------------------------

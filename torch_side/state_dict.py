@@ -3,6 +3,8 @@
 All functions here are collectives over each group's process group: call them on every rank.
 
 - ``full_state_dict``: {name: full fp32 main weight} (what a checkpoint or a user wants);
+  ``FSDPModel.state_dict()`` is the wrapped module's state dict with these values
+  (``split_state_keys`` / ``check_buffers`` serve its ``load_state_dict``);
 - ``load_full_state_dict``: main weights from full high-precision values, then the model weights
   are refreshed (the distributed MXFP8 quantization for MXFP8 groups); every name and shape is
   checked before anything is written;
@@ -24,7 +26,14 @@ from torch_side.collectives import Phase
 from torch_side.param_group import ParamGroup
 from torch_side.weight_codecs import ParamStorage
 
-__all__ = ["full_grads", "full_state_dict", "gathered_weights", "load_full_state_dict"]
+__all__ = [
+    "check_buffers",
+    "full_grads",
+    "full_state_dict",
+    "gathered_weights",
+    "load_full_state_dict",
+    "split_state_keys",
+]
 
 
 def full_state_dict(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
@@ -71,6 +80,24 @@ def load_full_state_dict(groups: list[ParamGroup], state: Mapping[str, torch.Ten
     for g in groups:
         g.load_main_from([state[s.name] for s in g.layout.slots])
         g.refresh_model_weights(Phase.STATE)
+
+
+def split_state_keys(groups: list[ParamGroup], module: torch.nn.Module) -> tuple[set, set]:
+    """(parameter names, persistent buffer names) of ``module.state_dict()``'s keys."""
+    params = {s.name for g in groups for s in g.layout.slots}
+    return params, set(module.state_dict()) - params
+
+
+def check_buffers(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse, before anything is written, a buffer value whose shape differs from the module's."""
+    for name, value in state.items():
+        have = module.get_buffer(name)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(have.shape):
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"load_state_dict: buffer {name!r} is {got} in the state dict but has shape "
+                f"{tuple(have.shape)} in the model; nothing was loaded"
+            )
 
 
 def full_grads(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:

@@ -5,9 +5,10 @@ parameters under it that no nested unit owns; the root unit owns the rest. Insid
 parameters are grouped by ``GroupKey`` = (device, weight format, requires_grad, DP group), so
 parameters of different formats never share a group; each group gets the codec of its format
 (``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Parameters under
-``expert_modules`` are sharded over the expert-DP group. For groups whose parameters are
-placeholders (MXFP8), a forward pre-hook on each owning layer injects its planes through the
-layer's ``weight_planes`` argument, so the model code calls the layer as usual.
+``expert_modules`` are sharded over the expert-DP group; an expert module may not be a unit
+itself (``_check_expert_units``; see ``fsdp_unit`` on experts without tokens). For groups whose
+parameters are placeholders (MXFP8), a forward pre-hook on each owning layer injects its planes
+through the layer's ``weight_planes`` argument, so the model code calls the layer as usual.
 """
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def _check_specs(root: nn.Module, unit_modules: ModuleSpec, what: str) -> list[s
     return names
 
 
+def _check_expert_units(unit_names: list[str], expert_prefixes: list[str]) -> None:
+    """An expert module must not be (or lie inside) a unit of its own: a unit issues its
+    all-gathers when its module runs, and an expert that gets no tokens may not run on some rank,
+    which would leave the other ranks waiting in (or mixing up) collectives."""
+    for u in unit_names:
+        inside = [e for e in expert_prefixes if u == e or u.startswith(e + ".")]
+        if u and inside:
+            raise ValueError(
+                f"fully_shard: unit_modules makes {u!r} an FSDP unit, but it is (inside) the "
+                f"expert module {inside[0]!r}; an expert that gets no tokens may not run on "
+                f"some rank, and its unit's collectives would then differ between ranks. Keep "
+                f"experts inside an enclosing unit (list the block / MoE layer in unit_modules, "
+                f"not the expert)"
+            )
+
+
 def _owned_params(root: nn.Module, unit_names: list[str]):
     """{unit name: [(qualified name, module, param name, parameter)]}; refuses tied weights."""
     per_unit: dict[str, list] = {u: [] for u in unit_names}
@@ -138,6 +155,7 @@ def build_units(
     """The units of ``root`` (root unit first), their groups built and registered with ``fsdp``."""
     unit_names = [""] + [n for n in _check_specs(root, unit_modules, "unit_modules") if n]
     expert_prefixes = _check_specs(root, expert_modules, "expert_modules")
+    _check_expert_units(unit_names, expert_prefixes)
     per_unit = _owned_params(root, unit_names)
     units = []
     for uname in unit_names:

@@ -8,7 +8,15 @@
 """
 
 from apps.parity.flax_run import Batch, FlaxRun, init_flax_params, make_batch, run_flax
-from apps.parity.report import Diff, LayerBytes, ParityReport, Quantity, ZeroCopy, compare
+from apps.parity.report import (
+    Diff,
+    GradExactness,
+    LayerBytes,
+    ParityReport,
+    Quantity,
+    ZeroCopy,
+    compare,
+)
 from apps.parity.sharded import parity_on_gathered, sharded_parity_report
 from apps.parity.single import parity_report
 from apps.parity.torch_run import LinearIO, TorchRun, run_sharded, run_torch, shard_gpt
@@ -17,6 +25,7 @@ __all__ = [
     "Batch",
     "Diff",
     "FlaxRun",
+    "GradExactness",
     "LayerBytes",
     "LinearIO",
     "ParityReport",

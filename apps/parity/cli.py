@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                    help="FSDP sharding strategy (world size > 1)")
     args = p.parse_args(argv)
+    for flag in ("world_size", "batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.world_size > 1 and args.device != "cpu":
         p.error("--device cuda is for --world-size 1 (the sharded report runs gloo CPU ranks)")
     return args

@@ -12,8 +12,9 @@ What equality holds at which world size: the forward (x, y, logits, loss), the M
 the teacher-forced linears do not depend on the world size. Gradients are the DP average of equal
 per-rank gradients, ``sum_r fl(g / W)``: exactly ``g`` for W = 1, 2, 4 (division by a power of
 two and sums of equal values are exact while nothing overflows), but only to fp32 rounding for
-other W (at W = 3, ``fl(g/3) * 3`` need not be ``g``). The report states this next to its verdict
-(``ParityReport.grad_exactness``).
+other W (at W = 3, ``fl(g/3) * 3`` need not be ``g``). The report states this in its header and
+verdict (``ParityReport.grad_exactness``) and checks teacher-forced dW within that rounding
+(``report.dp_average_matches``) where W makes the average inexact.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def parity_on_gathered(
     flax_planes = nested_params(planes) if planes else None
     flax_run = run_flax(cfg, mode, nested_params(shared), batch.tokens, batch.targets,
                         planes=flax_planes, kernels=kernels)
-    diffs, layers = compare(cfg, mode, torch_run, flax_run, weights, planes or None, kernels)
+    diffs, layers = compare(
+        cfg, mode, torch_run, flax_run, weights, planes or None, kernels, world_size
+    )
     # The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
     # bf16(master) on one device: FSDP's distributed quantization is exact.
     def single_device(name: str) -> MXFP8Tensor:
@@ -140,8 +143,9 @@ def sharded_parity_report(
     planes and fp32 weights FSDP all-gathered (zero-copy). ``mode=HIGH_PRECISION``: the
     control, every weight an fp32 FSDP group.
 
-    Every rank runs the same batch, so the DP-averaged gradient is exactly the batch gradient
-    and the report is comparable row for row with ``apps.parity.single.parity_report``. batch:
+    Every rank runs the same batch, so the report is comparable row for row with
+    ``apps.parity.single.parity_report`` (gradients exactly for world sizes 1, 2, 4, to fp32
+    rounding otherwise: ``ParityReport.grad_exactness``). batch:
     explicit (tokens, targets) int (B, S), else ``make_batch(cfg, seed, batch_size, seq_len)``.
     """
     if world_size < 2:

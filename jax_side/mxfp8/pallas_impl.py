@@ -161,8 +161,12 @@ def _scale_bytes(amax_bits: jax.Array, *, any_bits: bool = True) -> jax.Array:
                      jnp.int32(0xFE))
     lo = jnp.where(amax_bits >= _T0, jnp.int32(1), jnp.int32(0))
     byte = jnp.where(amax_bits >= _T1, hi, lo)
-    if any_bits:  # NaN or negative amax: >= +Inf as uint32, so 0xFE as in ``xla``
+    if any_bits:  # as ``xla``: NaN (either sign) -> 0xFF, -0.0 -> 0, other negatives -> 0xFE
+        nan = (amax_bits & _ABS) > _INF
+        neg_zero = amax_bits == jnp.int32(-(2**31))
         byte = jnp.where((amax_bits < 0) | (amax_bits > _INF), jnp.int32(0xFE), byte)
+        byte = jnp.where(neg_zero, jnp.int32(0), byte)
+        byte = jnp.where(nan, jnp.int32(0xFF), byte)
     return byte
 
 
@@ -505,7 +509,7 @@ _SCALE_BLOCK = 1024  # elements per program of the scale kernel
 def scales_from_amax(amax, *, interpret: bool = False):
     """float8_e8m0fnu E8M0 bytes (same shape) from float32 block amax (any shape), as ``xla``.
 
-    amax should be >= 0; +Inf (and, as in ``xla``, NaN or negative) gives 0xFE.
+    amax should be >= 0; +Inf gives 0xFE, NaN 0xFF, -0.0 0x00 (other negatives 0xFE, as ``xla``).
     """
     if amax.dtype != jnp.float32:
         raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")

@@ -39,6 +39,8 @@ def quantize(
     colwise_scale (M/32, K) e8m0. backend: None (automatic, see ``backend_report``), "xla",
     "te" (or another implemented backend).
     """
+    if hasattr(x, "dtype"):  # before jnp.asarray, which narrows float64 to fp32 when x64 is off
+        check_dtype(x, "quantize")
     x = jnp.asarray(x)
     check_mxfp8_shape(x.shape, "quantize")
     check_dtype(x, "quantize")

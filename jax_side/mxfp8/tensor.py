@@ -9,6 +9,15 @@ Layout (DESIGN.md 4) for a logical tensor of shape (M, K):
   blocks of 32x1 along M; ``colwise_scale`` float8_e8m0fnu (M // 32, K).
 
 Scales are compact and unswizzled. A plane that was not requested is ``None``.
+
+Construction checks every plane that is an array (``__post_init__``): data must be
+float8_e4m3fn and scales float8_e8m0fnu (uint8 bytes are refused, not guessed: ``astype`` would
+turn byte 0x44 into 68.0, not the E4M3 value 3.0; reinterpret them with
+``lax.bitcast_convert_type``), with the trailing (M, K) / scale shapes of the layout above.
+JAX rebuilds the dataclass through ``__init__`` whenever it unflattens it (jit, vmap,
+``tree_map``), with whatever leaves the transformation carries: tracers and
+``ShapeDtypeStruct`` are checked like arrays (leading batch dims, as ``vmap`` stacks them, are
+allowed), anything without ``dtype`` and ``shape`` (placeholders, ``in_axes`` specs) is skipped.
 """
 
 from __future__ import annotations
@@ -19,9 +28,36 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from common.formats import Plane, scale_shape
+from common.formats import Plane, check_mxfp8_shape, scale_shape
 
 __all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "SliceCast"]
+
+_DATA_DTYPE = np.dtype(jax.numpy.float8_e4m3fn)
+_SCALE_DTYPE = np.dtype(jax.numpy.float8_e8m0fnu)
+_SOURCE_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16))
+
+
+def _is_array_like(leaf) -> bool:
+    return hasattr(leaf, "dtype") and hasattr(leaf, "shape")
+
+
+def _check_leaf(owner: str, field: str, leaf, dtype: np.dtype, shape: tuple[int, int]) -> None:
+    if not _is_array_like(leaf):
+        return
+    got = np.dtype(leaf.dtype)
+    if got != dtype:
+        hint = (
+            f"; reinterpret the bytes with jax.lax.bitcast_convert_type({field}, "
+            f"jnp.{dtype.name}) (a value cast such as astype changes them)"
+            if got == np.uint8 else ""
+        )
+        raise TypeError(f"{owner}: {field} has dtype {got}, expected {dtype.name}{hint}")
+    if len(leaf.shape) < 2 or tuple(leaf.shape)[-2:] != shape:
+        raise ValueError(
+            f"{owner}: {field} has shape {tuple(leaf.shape)}, expected {shape} (after any "
+            f"leading batch dims); DESIGN.md 4: data (M, K) not transposed, scales rowwise "
+            f"(M, K/32) and colwise (M/32, K)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +70,28 @@ class MXFP8Tensor:
     colwise_scale: jax.Array | None
     shape: tuple[int, int]
     dtype: np.dtype  # dtype of the high-precision tensor that was quantized
+
+    def __post_init__(self):
+        shape = check_mxfp8_shape(self.shape, "MXFP8Tensor")
+        object.__setattr__(self, "shape", shape)
+        if np.dtype(self.dtype) not in _SOURCE_DTYPES:
+            raise TypeError(
+                f"MXFP8Tensor{shape}: dtype (of the quantized source) must be float32 or "
+                f"bfloat16, got {self.dtype}"
+            )
+        owner = f"MXFP8Tensor{shape}"
+        for plane, data, scale in (
+            (Plane.ROWWISE, self.rowwise_data, self.rowwise_scale),
+            (Plane.COLWISE, self.colwise_data, self.colwise_scale),
+        ):
+            if (data is None) != (scale is None):
+                raise ValueError(
+                    f"{owner}: {plane.value} data and scale must both be given or both be None"
+                )
+            _check_leaf(owner, f"{plane.value}_data", data, _DATA_DTYPE, shape)
+            _check_leaf(
+                owner, f"{plane.value}_scale", scale, _SCALE_DTYPE, scale_shape(shape, plane)
+            )
 
     def has_plane(self, plane: Plane | str) -> bool:
         plane = Plane.parse(plane)

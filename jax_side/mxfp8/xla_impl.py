@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS
+from common.formats import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, E8M0_NAN
 from jax_side.mxfp8.e8m0 import e8m0_thresholds
 
 __all__ = [
@@ -74,11 +74,18 @@ def block_amax_2d(bits: jax.Array, *, rowwise: bool, colwise: bool) -> BlockAmax
 
 
 def scale_bytes_from_amax(amax: jax.Array) -> jax.Array:
-    """uint8 E8M0 bytes for fp32 block amax values (any shape). amax must be >= 0 or NaN-free."""
+    """uint8 E8M0 bytes for fp32 block amax values (any shape), DESIGN.md 3 step 3.
+
+    amax >= 0 (a block amax): 0 and -0.0 -> 0x00, +Inf -> 0xFE, NaN (either sign) -> 0xFF.
+    """
     amax_bits = lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+    is_nan = (amax_bits & jnp.uint32(_ABS)) > jnp.uint32(_INF_BITS)
+    # -0.0 orders above every positive float as a bit pattern; it is the amax 0.
+    amax_bits = jnp.where(amax_bits == jnp.uint32(_SIGN), jnp.uint32(0), amax_bits)
     thresholds = jnp.asarray(e8m0_thresholds())
     byte = jnp.searchsorted(thresholds, amax_bits.reshape(-1), side="right")
-    return byte.astype(jnp.uint8).reshape(amax.shape)
+    byte = byte.astype(jnp.uint8).reshape(amax.shape)
+    return jnp.where(is_nan, jnp.uint8(E8M0_NAN), byte)
 
 
 def _pow2(e: jax.Array) -> jax.Array:

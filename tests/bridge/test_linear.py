@@ -160,7 +160,10 @@ def test_planes_cross_as_relabeled_uint8_where_native_float8_is_unavailable(monk
     x2 = x.detach().clone().requires_grad_()
     mxfp8_linear(x2, ph, weight_planes=planes).backward(dy)
     e4m3, e8m0 = DLDataTypeCode.FLOAT8_E4M3FN, DLDataTypeCode.FLOAT8_E8M0FNU
-    assert relabels == [e4m3, e8m0, e4m3, e8m0]  # rowwise planes in forward, colwise in backward
+    assert relabels == [
+        e4m3, e8m0,  # forward: the weight's rowwise plane to JAX
+        e4m3, e8m0,  # backward: the weight's colwise plane to JAX (x's stays in JAX on ctx)
+    ], relabels
     np.testing.assert_array_equal(_np(x2.grad), _np(x.grad))
     np.testing.assert_array_equal(_np(ph.grad), _np(w.grad))
 
@@ -307,3 +310,39 @@ def test_module_wrapper_trains_weight_and_bias():
     np.testing.assert_allclose(_np(layer.bias.grad), _np(dy.sum(dim=(0, 1))), rtol=1e-5)
     _, _, dw_ref = _reference(x, layer.weight, dy)
     _assert_fp32_level(_np(layer.weight.grad), dw_ref, "dw")
+
+
+@pytest.mark.parametrize("with_planes", [False, True], ids=["quantized", "weight-planes"])
+def test_second_backward_over_a_retained_graph_accumulates_like_nn_linear(with_planes):
+    """The saved planes live as long as the graph: ``retain_graph=True`` keeps them, so a second
+    backward adds the same dx and dW again (with planes, the colwise plane is asked for again);
+    once a backward has freed the graph, Torch's own error is raised, as for ``nn.Linear``."""
+    x, w, dy = _inputs()
+    y = mxfp8_linear(x, w)
+    y.backward(dy)
+    once_dx, once_dw = x.grad.clone(), w.grad.clone()
+    x2 = x.detach().clone().requires_grad_()
+    planes = Planes(w) if with_planes else None
+    w2 = _placeholder() if with_planes else w.detach().clone().requires_grad_()
+    y2 = mxfp8_linear(x2, w2, weight_planes=planes)
+    y2.backward(dy, retain_graph=True)
+    y2.backward(dy)
+    assert torch.equal(x2.grad, 2 * once_dx) and torch.equal(w2.grad, 2 * once_dw)
+    if with_planes:
+        assert planes.calls == ["rowwise", "colwise", "colwise"]
+        assert _all_released(planes.handed_out, "cpu")
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y2.backward(dy)
+
+
+@pytest.mark.parametrize("with_planes", [False, True], ids=["quantized", "weight-planes"])
+def test_zero_tokens_give_empty_outputs_and_a_zero_weight_gradient(with_planes):
+    """An MoE expert that receives no tokens: y and dx are empty, dW is zero (not a crash)."""
+    _, w, _ = _inputs()
+    x = torch.zeros(2, 0, K, requires_grad=True)
+    weight = _placeholder() if with_planes else w.detach().clone().requires_grad_()
+    y = mxfp8_linear(x, weight, weight_planes=Planes(w) if with_planes else None)
+    assert tuple(y.shape) == (2, 0, N)
+    y.sum().backward()
+    assert tuple(x.grad.shape) == (2, 0, K)
+    assert tuple(weight.grad.shape) == (N, K) and not weight.grad.any()

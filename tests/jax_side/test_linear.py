@@ -101,3 +101,25 @@ def test_errors_name_the_problem():
         mxfp8_linear(x.astype(jnp.float16), _rand((32, 64), 11))
     with pytest.raises(ValueError, match="unknown linear mode"):
         linear_fn("fp4")
+
+
+@pytest.mark.parametrize("external_planes", [False, True], ids=["quantized", "planes"])
+def test_zero_tokens_give_empty_outputs_and_a_zero_weight_gradient(external_planes):
+    x, w = jnp.zeros((0, 64), jnp.float32), _rand((96, 64), 7) * 0.05
+    planes = quantize_weight(w) if external_planes else None
+    y, vjp = jax.vjp(lambda a, b: mxfp8_linear(a, b, planes), x, w)
+    dx, dw = vjp(jnp.zeros((0, 96), jnp.float32))
+    assert y.shape == (0, 96) and dx.shape == (0, 64)
+    assert dw.shape == (96, 64) and not np.asarray(dw).any()
+
+
+def test_float64_inputs_are_refused_not_narrowed():
+    """With x64 off, JAX would narrow a float64 numpy array to fp32 silently (then round again
+    to bf16 / E4M3): refused up front, naming the argument."""
+    x, w = np.ones((32, 64)), np.ones((96, 64), np.float32)
+    with pytest.raises(TypeError, match=r"mxfp8_linear: x has dtype float64.*astype"):
+        mxfp8_linear(x, w)
+    with pytest.raises(TypeError, match=r"mxfp8_linear: weight has dtype float64"):
+        mxfp8_linear(w[:32].copy(), w.astype(np.float64))
+    with pytest.raises(TypeError, match=r"high_precision_linear: x has dtype float64"):
+        high_precision_linear(x, w)

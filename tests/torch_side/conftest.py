@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.torch_side import cases_quantize, cases_training, cases_wire
+from tests.torch_side import cases_quantize, cases_reliability, cases_training, cases_wire
 from tests.torch_side.multiprocess import CaseOutcome, run_cases
 
 # Every case module registers {"module:function": world sizes}; a world size is spawned once and
 # runs all of its cases.
 REGISTRY: dict[str, tuple[int, ...]] = {
     **cases_quantize.CASES,
+    **cases_reliability.CASES,
     **cases_training.CASES,
     **cases_wire.CASES,
 }

@@ -1,10 +1,10 @@
 """Sharded training matches a replicated single-process reference (cases_training.py).
 
-Every strategy at world sizes 1, 2 and 4 (4: slow) trains ``ToyNet`` (MXFP8 linears + fp32 layers
-+ a frozen parameter) for 2 Adam steps (the second with forward prefetch); losses and main weights
-agree exactly at world size 1 and to a stated fp32 tolerance otherwise. Activation recompute (whole
-unit, submodule inside a unit) and gradient accumulation over micro-batches are covered under
-ZeRO-3 at world sizes 1 and 2, and once under ZeRO-1.
+Every strategy at world sizes 1, 2 and 4 (4: slow) trains ``ToyNet`` (MXFP8 linears + fp32
+layers + a frozen parameter) for 2 Adam steps (the second with forward prefetch); losses and main
+weights agree exactly at world size 1 and to a stated fp32 tolerance otherwise. Activation
+recompute (whole unit, submodule inside a unit) and gradient accumulation over micro-batches are
+covered under ZeRO-3 at world sizes 1 and 2, and once under ZeRO-1.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
 ``head`` nn.Linear(64, 8). Inputs (T, 16) with T a multiple of 32 (MXFP8 token blocks).
 ``Recompute`` picks activation checkpointing: none, whole blocks (unit), or the MLP inside a block.
 An ``ExpertMLP`` can stand in for the MLP (an MoE-style block with one local expert).
+``MoENet``: ``inp`` -> a dense ``Block`` -> ``MoEBlock`` (router + ``N_EXPERTS`` ``ExpertMLP``s,
+tokens routed by an explicit per-token expert index) -> ``head``.
 """
 
 from __future__ import annotations
@@ -90,3 +92,43 @@ def make_batch(seed: int, tokens: int, device: str = "cpu") -> tuple[torch.Tenso
 
 def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((pred - target) ** 2).mean()
+
+
+N_EXPERTS = 3
+
+
+class MoEBlock(nn.Module):
+    """x + sum_e gate_e * expert_e(ln(x)) over the tokens routed to expert e (top-1, routing
+    given). An expert with no tokens is skipped (not called at all) if its index is in
+    ``skip_when_empty``, else called on an empty (0, D) tensor -- both happen in real MoE code."""
+
+    def __init__(self, skip_when_empty: tuple[int, ...] = (0,)):
+        super().__init__()
+        self.skip_when_empty = skip_when_empty
+        self.ln = nn.LayerNorm(D)
+        self.router = nn.Linear(D, N_EXPERTS)
+        self.experts = nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)  # (T, D)
+        gate = torch.sigmoid(self.router(h))  # (T, E)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().squeeze(1)  # (T_e,) tokens of expert e
+            if idx.numel() == 0 and e in self.skip_when_empty:
+                continue
+            y = expert(h[idx]) * gate[idx, e : e + 1]  # (T_e, D)
+            out = out.index_add(0, idx, y)
+        return x + out
+
+
+class MoENet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D)
+        self.dense = Block(Recompute.NONE)
+        self.moe = MoEBlock()
+        self.head = nn.Linear(D, D_OUT)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.dense(self.inp(x)), route))  # (T, D_OUT)

@@ -21,14 +21,18 @@ What must hold, and why (tolerances are justified where they are stated):
   quantization effects from model bugs.
 - The sharded case: FSDP's all-gathered planes are used by Flax zero-copy (data pointers equal),
   equal the single-device quantization of bf16(master), and the report equals the single-process
-  one row for row (every rank runs the same batch, so the DP-averaged gradient is exact).
+  one row for row at world size 2 (every rank runs the same batch, so the DP-averaged gradient
+  ``g/2 + g/2`` is exact). At world size 3 the average ``sum_r fl(g/3)`` is g only to fp32
+  rounding (``GradExactness``): the report says so and does not count it as a failure, and every
+  row but the gradients still equals the single-process one.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from apps.parity import ParityReport, parity_report, sharded_parity_report
+from apps.parity import GradExactness, ParityReport, parity_report, sharded_parity_report
+from apps.parity.report import dp_average_matches
 from common import GPTConfig, LinearMode
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
@@ -58,7 +62,11 @@ def _check_mxfp8(r: ParityReport) -> None:
         if lb.x_equal_fraction == 1.0:
             assert r.get("y", lb.name).identical, lb.name
             if lb.dy_equal_fraction == 1.0:
-                assert r.get("grad", lb.name + ".weight").identical, lb.name
+                grad = r.get("grad", lb.name + ".weight")
+                if r.grad_exactness is GradExactness.EXACT:
+                    assert grad.identical, lb.name
+                else:  # the DP average's fp32 rounding, relative to the largest gradient
+                    assert grad.max_rel <= 2 * r.world_size * 2.0**-24, (lb.name, grad)
     if r.layers[-1].x_equal_fraction == 1.0:
         assert r.get("logits").identical
     no_flips = all(lb.x_equal_fraction == lb.dy_equal_fraction == 1.0 for lb in r.layers)
@@ -116,6 +124,53 @@ def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
     by_key = {(d.quantity, d.name): d for d in single.diffs}
     for d in sharded.diffs:
         assert d == by_key[(d.quantity, d.name)], d
+
+
+@pytest.mark.slow
+def test_sharded_fsdp_world_size_3_reports_gradient_rounding_not_a_failure():
+    """dW at world size 3 is sum_r fl(g/3): the report states that this holds only to fp32
+    rounding, the teacher-forced check still passes (within that bound), and every other row
+    equals the single-process report."""
+    sharded = sharded_parity_report(CFG, seed=0, batch_size=3, seq_len=7, world_size=3)
+    assert sharded.grad_exactness is GradExactness.FP32_ROUNDING
+    _check_mxfp8(sharded)
+    verdict = sharded.verdict()
+    assert "teacher-forced linears all identical" in verdict, verdict
+    assert "only to fp32 rounding (expected, not a failure" in verdict, verdict
+    assert "sum_r fl(g/3)" in sharded.format()
+    single = {(d.quantity, d.name): d for d in _report(3, 7).diffs}
+    for d in sharded.diffs:
+        if d.quantity.value != "grad":
+            assert d == single[(d.quantity, d.name)], d
+
+
+@pytest.mark.parametrize(
+    "world_size, exactness",
+    [(1, "exact"), (2, "exact"), (3, "fp32_rounding"), (4, "exact"), (6, "fp32_rounding"),
+     (8, "fp32_rounding")],
+)
+def test_grad_exactness_by_world_size(world_size, exactness):
+    assert GradExactness.for_world_size(world_size) is GradExactness(exactness)
+
+
+def test_dp_average_bound_accepts_the_average_and_rejects_more():
+    """sum_r fl(g/W) in fp32 (any order) passes; one more ulp-sized error per element at W = 3,
+    or any difference at W = 2, fails."""
+    import numpy as np
+
+    g = (np.random.default_rng(0).standard_normal(4096) * 2.0**-10).astype(np.float32)
+    for w in (2, 3, 4, 5):
+        avg = np.zeros_like(g)
+        for _ in range(w):
+            avg = avg + g / np.float32(w)  # fp32: each division and sum rounded
+        assert dp_average_matches(avg, g, w), w
+    assert not dp_average_matches(np.nextafter(g, np.inf), g, 2)
+    far = g + np.float32(8 * 3 * 2.0**-24) * np.abs(g)
+    assert not dp_average_matches(far, g, 3)
+
+
+def test_single_process_verdict_states_exact_gradients():
+    assert "gradients: the DP average over 1 rank(s) is exact" in _report(3, 7).verdict()
 
 
 @pytest.mark.gpu

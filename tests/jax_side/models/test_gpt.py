@@ -101,3 +101,17 @@ def test_mxfp8_stays_close_to_the_high_precision_control(params):
     mx = FlaxGPT(CFG, LinearMode.MXFP8).apply({"params": params}, TOKENS)
     err = float(jnp.max(jnp.abs(hp - mx)) / jnp.max(jnp.abs(hp)))
     assert 0 < err < 0.1
+
+
+def test_flax_linear_refuses_a_float64_checkpoint_weight():
+    """A float64 (numpy) weight is refused, not narrowed to fp32 before its bf16 / E4M3
+    quantization (a double rounding) when x64 is off."""
+    from jax_side.linear import linear_fn
+    from jax_side.models.gpt import Linear
+
+    layer = Linear(64, 96, linear_fn("mxfp8"), 0.02)
+    x = jnp.ones((32, 64), jnp.float32)
+    with pytest.raises(TypeError, match=r"weight has dtype float64, expected float32 or bfloat16"):
+        layer.apply({"params": {"weight": np.ones((96, 64))}}, x)
+    y = layer.apply({"params": {"weight": np.ones((96, 64), np.float32)}}, x)
+    assert y.shape == (32, 96)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax_side import mxfp8
@@ -78,3 +80,66 @@ def test_scale_inputs_are_checked():
         mxfp8.cast_slice(flat, (32, 32), 0, rowwise_scale=jnp.zeros((32, 1), jnp.float32))
     with pytest.raises(TypeError, match="expected float32 amax"):
         mxfp8.scales_from_amax(jnp.zeros((4,), jnp.bfloat16))
+
+
+def test_hand_built_tensor_with_uint8_planes_is_refused():
+    """uint8 bytes are not E4M3 values: a value cast turns 0x44 (E4M3 3.0) into 68.0, so the
+    constructor refuses them and names the bitcast that reinterprets them."""
+    data, scale = np.full((32, 32), 0x44, np.uint8), np.full((32, 1), 127, np.uint8)
+    e4m3 = jax.lax.bitcast_convert_type(jnp.asarray(data), jnp.float8_e4m3fn)
+    e8m0 = jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.float8_e8m0fnu)
+    f32 = np.dtype(np.float32)
+    with pytest.raises(TypeError, match=r"rowwise_data has dtype uint8.*bitcast_convert_type"):
+        mxfp8.MXFP8Tensor(data, e8m0, None, None, (32, 32), f32)
+    with pytest.raises(TypeError, match=r"rowwise_scale has dtype uint8.*float8_e8m0fnu"):
+        mxfp8.MXFP8Tensor(e4m3, scale, None, None, (32, 32), f32)
+    good = mxfp8.MXFP8Tensor(e4m3, e8m0, None, None, (32, 32), f32)
+    assert float(mxfp8.dequantize(good)[0, 0]) == 3.0
+
+
+def test_hand_built_tensor_with_wrong_shapes_is_refused():
+    t = mxfp8.quantize(jnp.ones((32, 64), jnp.float32))
+    with pytest.raises(ValueError, match=r"colwise_scale has shape \(64, 1\), expected \(1, 64\)"):
+        mxfp8.MXFP8Tensor(None, None, t.colwise_data, t.colwise_scale.reshape(64, 1), t.shape,
+                          t.dtype)
+    with pytest.raises(ValueError, match=r"rowwise_data has shape \(64, 32\), expected \(32, 64\)"):
+        mxfp8.MXFP8Tensor(t.rowwise_data.reshape(64, 32), t.rowwise_scale, None, None, t.shape,
+                          t.dtype)
+    with pytest.raises(ValueError, match="both be given or both be None"):
+        mxfp8.MXFP8Tensor(t.rowwise_data, None, None, None, t.shape, t.dtype)
+    with pytest.raises(ValueError, match=r"M % 32 == 0"):
+        mxfp8.MXFP8Tensor(None, None, None, None, (40, 64), t.dtype)
+
+
+def test_validation_works_under_jit_vmap_and_tree_map():
+    """Tracers and batched (vmap-stacked) leaves pass; non-array leaves are not checked."""
+    x = jnp.ones((2, 32, 64), jnp.float32)
+    stacked = jax.vmap(mxfp8.quantize)(x)  # leaves (2, 32, 64) / (2, 32, 2) with shape (32, 64)
+    assert stacked.rowwise_data.shape == (2, 32, 64)
+    jitted = jax.jit(lambda t: mxfp8.dequantize(t))(mxfp8.quantize(x[0]))
+    assert jitted.shape == (32, 64)
+    shapes = jax.tree_util.tree_map(lambda a: a.shape, mxfp8.quantize(x[0]))
+    assert shapes.rowwise_data == (32, 64)
+
+
+def test_scales_from_amax_special_values():
+    """DESIGN.md 3 step 3: NaN -> 0xFF (either sign), +Inf -> 0xFE, 0 and -0.0 -> 0x00."""
+    amax = jnp.asarray([np.nan, -np.nan, np.inf, 0.0, -0.0], jnp.float32)
+    got = np.asarray(jax.lax.bitcast_convert_type(mxfp8.scales_from_amax(amax), jnp.uint8))
+    np.testing.assert_array_equal(got, [0xFF, 0xFF, 0xFE, 0x00, 0x00])
+
+
+@pytest.mark.parametrize("start", [1.5, np.float32(2.0), "0"])
+def test_slice_start_must_be_an_integer(start):
+    flat = jnp.zeros((64,), jnp.float32)
+    with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
+        mxfp8.partial_block_amax(flat, (32, 32), start)
+    with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
+        mxfp8.cast_slice(flat, (32, 32), start, rowwise_scale=jnp.zeros((32, 1), jnp.uint8))
+
+
+def test_float64_input_is_refused_before_jax_narrows_it():
+    """With x64 off, jnp.asarray would turn a float64 array into fp32 (a first rounding before
+    the bf16 / E4M3 one); quantize refuses it instead, naming the dtype."""
+    with pytest.raises(TypeError, match=r"bfloat16 or float32.*got dtype float64"):
+        mxfp8.quantize(np.ones((32, 32), np.float64))

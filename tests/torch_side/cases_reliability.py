@@ -1,0 +1,364 @@
+"""Spawned-rank cases: misuse and edge cases that used to give silently wrong results (issue 10).
+
+Each case states the misuse, what FSDP does now (recover, refuse with a clear error, or support
+it), and compares against a run without the misuse where there is one.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tests.torch_side.toy_models import (
+    N_EXPERTS,
+    Block,
+    ExpertMLP,
+    MoEBlock,
+    MoENet,
+    make_batch,
+    make_net,
+    mse,
+)
+from torch_side import (
+    Collective,
+    FSDPOptimizer,
+    GradCheck,
+    MixedPrecisionPolicy,
+    Phase,
+    ShardingStrategy,
+    WeightFormat,
+    fully_shard,
+)
+
+T = 32
+ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+
+
+def _wrap(ctx, **kw):
+    kw.setdefault("unit_modules", (Block,))
+    kw.setdefault("strategy", ZERO3)
+    return fully_shard(make_net(0, device=ctx.device), **kw)
+
+
+def _train_step(model, opt, step: int, ctx) -> torch.Tensor:
+    """One global-batch step; returns the loss averaged over ranks."""
+    x, y = make_batch(100 + step, T * ctx.world_size, ctx.device)
+    mine = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    loss = mse(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    out = loss.detach().clone()
+    dist.all_reduce(out)
+    return out / ctx.world_size
+
+
+def _expect(error, match: str, fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        assert match in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"expected {error.__name__} matching {match!r}")
+
+
+# ---- item 1: an exception escaping backward ---------------------------------------------------
+def case_exception_in_backward_recovers(ctx):
+    """NaN loss on every rank with GradCheck.FINITE: the check raises out of backward (autograd
+    drops FSDP's end-of-backward callback). The next forward resets FSDP (with a warning), the
+    optimizer refuses partial gradients until zero_grad, and training then continues exactly like
+    a run that never saw the bad batch."""
+    clean = _wrap(ctx, grad_check=GradCheck.FINITE)
+    hit = _wrap(ctx, grad_check=GradCheck.FINITE)
+    opt_clean = FSDPOptimizer(clean, torch.optim.Adam, lr=1e-2, foreach=False)
+    opt_hit = FSDPOptimizer(hit, torch.optim.Adam, lr=1e-2, foreach=False)
+    assert torch.equal(_train_step(clean, opt_clean, 0, ctx), _train_step(hit, opt_hit, 0, ctx))
+    x, y = make_batch(7, T, ctx.device)
+    y[0, 0] = float("nan")  # every rank: a NaN loss, so every rank raises (none hangs)
+    _expect(FloatingPointError, f"rank {ctx.rank}:", lambda: mse(hit(x), y).backward())
+    assert hit.state.backward_active  # the callback that ends backward never ran
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            hit(x)  # an eval forward: must be a normal forward again, not a "recompute"
+    msgs = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "previous backward did not finish" in msgs[0], msgs
+    assert not hit.state.backward_active
+    assert hit.allocator.live_keys() == [], hit.allocator.live_keys()  # no stale buckets
+    assert all(e.param.grad is None for g in hit.param_groups for e in g.entries)
+    _expect(RuntimeError, "call zero_grad()", opt_hit.step)
+    opt_hit.zero_grad()
+    for step in (1, 2, 3):
+        want, got = _train_step(clean, opt_clean, step, ctx), _train_step(hit, opt_hit, step, ctx)
+        assert torch.equal(got, want), (step, got.item(), want.item())
+    a, b = clean.full_state_dict(), hit.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights diverged after the recovery"
+    assert hit.allocator.live_keys() == []
+
+
+def case_zero_grad_after_an_aborted_backward_resets_quietly(ctx):
+    """The documented recovery (catch, zero_grad) needs no warning, and a new backward over a
+    graph built before the failure also finds FSDP reset (its end callback runs again)."""
+    model = _wrap(ctx, grad_check=GradCheck.FINITE)
+    x, y = make_batch(3, T, ctx.device)
+    good = mse(model(x), y)
+    bad_y = y.clone()
+    bad_y[0, 0] = float("inf")
+    _expect(FloatingPointError, "non-finite", lambda: mse(model(x), bad_y).backward())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the case
+        model.zero_grad()
+    assert not model.state.backward_active and not model.state.grads_incomplete
+    assert model.allocator.live_keys() == []
+    good.backward()  # the graph built before the failure
+    assert not model.state.backward_active and model.allocator.live_keys() == []
+    assert all(torch.isfinite(g).all() for g in model.full_grads().values())
+
+
+# ---- item 2: a second backward over a retained graph -----------------------------------------
+def case_second_backward_over_retained_graph(ctx):
+    """backward(retain_graph=True) then backward(): the main grads hold twice one backward's
+    gradient (as for nn.Linear parameters); the second backward gathers the colwise planes again
+    and frees every bucket."""
+    once, twice = _wrap(ctx), _wrap(ctx)
+    x, y = make_batch(5, T * ctx.world_size, ctx.device)
+    mine = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    mse(once(x[mine]), y[mine]).backward()
+    loss = mse(twice(x[mine]), y[mine])
+    loss.backward(retain_graph=True)
+    twice.clear_wire_log()
+    loss.backward()
+    again = {
+        r.label for r in twice.wire_log() if r.op is Collective.ALL_GATHER
+        and r.phase is Phase.BACKWARD and r.label.endswith("/colwise")
+    }
+    mx = {f"{g.label}/colwise" for g in twice.param_groups if g.format is WeightFormat.MXFP8_E4M3}
+    assert again == mx, (again, mx)
+    g1, g2 = once.full_grads(), twice.full_grads()
+    for name, g in g1.items():
+        assert g.abs().max() > 0 or name.startswith("shift"), name
+        assert torch.equal(g2[name], 2 * g), f"{name}: max diff {(g2[name] - 2 * g).abs().max()}"
+    assert twice.allocator.live_keys() == [], twice.allocator.live_keys()
+
+
+# ---- items 3 and 4: state dicts ---------------------------------------------------------------
+def case_load_full_state_dict_checks_shapes(ctx):
+    model = _wrap(ctx)
+    before = model.full_state_dict()
+    name = "blocks.0.mlp.fc1.weight"  # (96, 64)
+    for bad, what in (
+        (torch.zeros(97, 64), "(97, 64)"),  # oversized: used to be truncated
+        (before[name].T.contiguous(), "(64, 96)"),  # same numel, transposed: used to load
+    ):
+        state = {**before, name: bad}
+        msg = _expect(
+            ValueError, f"parameter {name!r} has shape {what}", model.load_full_state_dict, state
+        )
+        assert "(96, 64) in the model; nothing was loaded" in msg, msg
+    after = model.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before), "a refused load wrote values"
+
+
+def case_state_dict_is_full_and_round_trips(ctx):
+    """state_dict() = the wrapped module's state dict (same keys, buffers included) with full fp32
+    main weights, not placeholders; torch.save round-trips it into another wrapped model and it
+    loads into an unwrapped copy of the model."""
+    net = make_net(0, device=ctx.device)
+    net.register_buffer("counter", torch.arange(3.0, device=ctx.device))
+    plain = copy.deepcopy(net)
+    model = fully_shard(net, unit_modules=(Block,), strategy=ZERO3)
+    sd = model.state_dict()
+    assert list(sd) == list(plain.state_dict()), (list(sd), list(plain.state_dict()))
+    full = model.full_state_dict()
+    for k, v in sd.items():
+        want = full.get(k, plain.state_dict()[k])
+        assert torch.equal(v, want) and v.stride() == want.stride(), k  # no stride-0 / empty
+        assert torch.equal(v, plain.state_dict()[k]), k  # the replicated (unwrapped) model
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    other_net = make_net(1, device=ctx.device)
+    other_net.register_buffer("counter", torch.zeros(3, device=ctx.device))
+    other = fully_shard(other_net, unit_modules=(Block,), strategy=ZERO3)
+    buf.seek(0)
+    result = other.load_state_dict(torch.load(buf, weights_only=True))
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    back = other.state_dict()
+    assert all(torch.equal(back[k], sd[k]) for k in sd), "round trip changed values"
+    plain2 = make_net(2, device=ctx.device)
+    plain2.register_buffer("counter", torch.zeros(3, device=ctx.device))
+    plain2.load_state_dict(sd)  # keys are the module's own: loads into the unwrapped model
+    _expect(RuntimeError, "missing keys ['counter']", other.load_state_dict,
+            {k: v for k, v in sd.items() if k != "counter"})
+    _expect(RuntimeError, "unexpected keys ['module.head.bias']", other.load_state_dict,
+            {**sd, "module.head.bias": sd["head.bias"]})
+    partial = other.load_state_dict({"head.bias": sd["head.bias"] + 1}, strict=False)
+    assert "counter" in partial.missing_keys and "inp.weight" in partial.missing_keys
+    now = other.full_state_dict()
+    assert torch.equal(now["head.bias"], sd["head.bias"] + 1)
+    assert torch.equal(now["inp.weight"], sd["inp.weight"])  # missing: kept
+
+
+# ---- item 5: a plain optimizer -----------------------------------------------------------------
+def case_plain_optimizer_is_refused(ctx):
+    model = _wrap(ctx)
+    before = model.full_state_dict()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_batch(1, T, ctx.device)
+    mse(model(x), y).backward()
+    msg = _expect(TypeError, "FSDPOptimizer(fsdp_model, torch.optim.SGD", opt.step)
+    assert f"rank {ctx.rank}: SGD.step(): parameter '" in msg, msg
+    after = model.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert sum(p.numel() for p in model.parameters()) > 0  # parameters() still works
+    fsdp_opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    fsdp_opt.step()  # the inner optimizer over the main shards is not refused
+
+
+# ---- item 6: a step between forward and backward ------------------------------------------------
+def case_step_between_forward_and_backward_is_refused(ctx):
+    model = _wrap(ctx)
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = make_batch(2, T, ctx.device)
+    mse(model(x), y).backward()
+    loss = mse(model(x), y)
+    opt.step()  # new weights, while loss's graph holds the old forward's activations
+    msg = _expect(RuntimeError, "changed between this forward and its backward", loss.backward)
+    assert msg.startswith(f"rank {ctx.rank}: FSDP unit ") and "weights version 0" in msg, msg
+    opt.zero_grad()
+    assert not model.state.backward_active and model.allocator.live_keys() == []
+    mse(model(x), y).backward()  # a forward after the step is fine
+    opt.step()
+
+
+# ---- item 7: experts that get no tokens -------------------------------------------------------
+def _routes(world_size: int) -> list[torch.Tensor]:
+    """Per rank: the expert of each of its T tokens. Rank 0 routes everything to expert 2
+    (expert 0 is not called, expert 1 is called on an empty tensor); rank 1 uses all three;
+    rank 2 leaves expert 1 empty (called empty), rank 3 leaves expert 0 empty (not called)."""
+    t = torch.arange(T)
+    table = [
+        torch.full((T,), 2),
+        t % N_EXPERTS,
+        torch.where(t % 2 == 0, 0, 2),
+        torch.where(t % 2 == 0, 1, 2),
+    ]
+    return table[:world_size]
+
+
+def _expert_groups(world_size: int):
+    """Expert-DP groups: one group of all ranks at world 2, {0,1} and {2,3} at world 4 (each
+    group holds its own experts). Collective: every rank creates every group."""
+    size = 2
+    ranks = [list(range(i, i + size)) for i in range(0, world_size, size)]
+    return [dist.new_group(r) for r in ranks], size
+
+
+def _moe_net(device, group_index: int) -> MoENet:
+    torch.manual_seed(0)
+    net = MoENet()
+    torch.manual_seed(10 + group_index)
+    net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
+    return net.to(device)
+
+
+def _wire_sequences(model) -> dict[str, list[tuple]]:
+    return {
+        c.name: [(r.op.value, r.phase.value, r.label, r.numel) for r in c.records]
+        for c in model.comms.values()
+    }
+
+
+def case_moe_experts_without_tokens(ctx):
+    """Some experts get no tokens on some ranks (not called, or called on an empty tensor): every
+    rank issues the same collectives in the same order (compared across ranks), and training
+    matches a replicated single-process reference over all ranks' micro-batches."""
+    w, r = ctx.world_size, ctx.rank
+    egroups, gsize = _expert_groups(w)
+    mine = r // gsize
+    n_groups = len(egroups)
+    model = fully_shard(
+        _moe_net(ctx.device, mine), unit_modules=(Block, MoEBlock), strategy=ZERO3,
+        expert_modules=(ExpertMLP,), expert_group=egroups[mine],
+    )
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.5, foreach=False)
+    # Reference: one dense net, one expert set per expert group, all on this rank.
+    ref = _moe_net("cpu", 0)
+    experts = [_moe_net("cpu", g).moe.experts for g in range(n_groups)]
+    dense = [p for n, p in ref.named_parameters() if not n.startswith("moe.experts.")]
+    ref_params = dense + [p for e in experts for p in e.parameters()]
+    ref_opt = torch.optim.SGD(ref_params, lr=0.5, foreach=False)
+    routes = _routes(w)
+    exact = w == 2
+    for step in range(2):
+        x, y = make_batch(50 + step, T * w, ctx.device)
+        rows = slice(r * T, (r + 1) * T)
+        model.clear_wire_log()
+        loss = mse(model(x[rows], routes[r].to(ctx.device)), y[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        seqs = _wire_sequences(model)
+        every = [None] * w
+        dist.all_gather_object(every, seqs)
+        for other in range(w):
+            assert every[other]["dp"] == seqs["dp"], f"rank {r} vs {other}: dense collectives"
+            if other // gsize == mine:
+                assert every[other]["expert_dp"] == seqs["expert_dp"], (
+                    f"rank {r} vs {other}: expert collectives"
+                )
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_loss = torch.zeros(())
+        for rr in range(w):
+            ref.moe.experts = experts[rr // gsize]
+            lr_ = mse(ref(x[rr * T:(rr + 1) * T].cpu(), routes[rr]), y[rr * T:(rr + 1) * T].cpu())
+            (lr_ / w).backward()
+            ref_loss += lr_.detach() / w
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _close(f"loss step {step}", (total / w).cpu(), ref_loss, exact)
+    ref.moe.experts = experts[mine]
+    state = model.full_state_dict()
+    for name, p in ref.named_parameters():
+        _close(name, state[name].cpu(), p.detach(), exact)
+    assert model.allocator.live_keys() == [], model.allocator.live_keys()
+
+
+def _close(what, got, want, exact: bool) -> None:
+    if exact:
+        assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
+    else:  # four ranks: gradient sums in another order (as cases_training.RTOL/ATOL)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+# ---- item 8: arguments that used to be accepted without a word ---------------------------------
+def case_bad_wrapping_arguments(ctx):
+    _expect(ValueError, "unit_modules entry ExpertMLP matches no module", _wrap, ctx,
+            unit_modules=(Block, ExpertMLP))
+    _expect(TypeError, "policy must be a MixedPrecisionPolicy, got {}", _wrap, ctx, policy={})
+    _wrap(ctx, policy=MixedPrecisionPolicy())  # the real thing is accepted
+    moe_group, _ = _expert_groups(ctx.world_size)
+    msg = _expect(
+        ValueError, "it is (inside) the expert module 'moe.experts.0'", fully_shard,
+        _moe_net(ctx.device, 0), unit_modules=(MoEBlock, ExpertMLP),
+        expert_modules=(ExpertMLP,), expert_group=moe_group[ctx.rank // 2],
+    )
+    assert "list the block / MoE layer in unit_modules" in msg, msg
+
+
+_M = "tests.torch_side.cases_reliability"
+CASES = {
+    f"{_M}:case_exception_in_backward_recovers": (2,),
+    f"{_M}:case_zero_grad_after_an_aborted_backward_resets_quietly": (2,),
+    f"{_M}:case_second_backward_over_retained_graph": (2,),
+    f"{_M}:case_load_full_state_dict_checks_shapes": (2,),
+    f"{_M}:case_state_dict_is_full_and_round_trips": (2,),
+    f"{_M}:case_plain_optimizer_is_refused": (2,),
+    f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
+    f"{_M}:case_moe_experts_without_tokens": (2, 4),
+    f"{_M}:case_bad_wrapping_arguments": (2,),
+}
