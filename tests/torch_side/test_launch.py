@@ -44,6 +44,7 @@ def test_a_stalled_rank_fails_the_others_within_the_collective_timeout(tmpdir_fo
     assert _leftovers(tmpdir_for_launches) == []
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_when_the_launch_times_out(tmpdir_for_launches):
     start = time.monotonic()
     with pytest.raises(RanksStalled) as err:
@@ -88,6 +89,7 @@ def _alive(pid: int) -> bool:
     return fields[0] != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_ranks_die_with_a_terminated_launcher_and_its_files_go(tmp_path):
     """SIGTERM the launcher while its ranks run: the ranks are gone and no run_local_ranks_*

@@ -25,7 +25,7 @@ def test_strategy_matches_reference(spawned, case, world_size):
     check_case(spawned, ct, case, world_size)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "case",
     [
@@ -39,6 +39,7 @@ def test_recompute_and_accumulation_match_reference(spawned, case, world_size):
     check_case(spawned, ct, case, world_size)
 
 
+@pytest.mark.slow
 def test_zero1_accumulation_with_recompute(spawned):
     check_case(spawned, ct, ct.case_zero1_grad_accumulation_recompute, 2)
 
@@ -47,8 +48,8 @@ def test_zero1_accumulation_with_recompute(spawned):
     ("case", "world_size"),
     [
         (ct.case_zero3_bf16_mixed_formats, 1),
-        (ct.case_zero3_bf16_mixed_formats, 2),
-        (ct.case_zero2_bf16_mixed_formats, 2),
+        pytest.param(ct.case_zero3_bf16_mixed_formats, 2, marks=pytest.mark.slow),
+        pytest.param(ct.case_zero2_bf16_mixed_formats, 2, marks=pytest.mark.slow),
     ],
     ids=["zero3-w1", "zero3-w2", "zero2-w2"],
 )

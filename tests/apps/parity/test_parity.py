@@ -76,7 +76,9 @@ def _check_mxfp8(r: ParityReport) -> None:
 
 
 @pytest.mark.parametrize(
-    "batch_size, seq_len", [(3, 7), (2, 32)], ids=["21tok", "64tok"]
+    "batch_size, seq_len",
+    [(3, 7), pytest.param(2, 32, marks=pytest.mark.slow)],  # 64 tokens: compiles every program
+    ids=["21tok", "64tok"],
 )
 def test_mxfp8_parity_single_process(batch_size, seq_len):
     """21 tokens is not a multiple of 32 (zero-padded to 32 for quantization), 64 is."""
