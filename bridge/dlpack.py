@@ -88,7 +88,9 @@ __all__ = [
     "ZeroCopyError",
     "count_crossings",
     "dlpack_support",
+    "jax_device",
     "jax_dtype_for",
+    "jax_work_on",
     "required_alignment",
     "start_jax_backend",
     "to_jax",
@@ -381,6 +383,31 @@ def _device_ctx(device: torch.device):
     if device.type != "cuda" or torch.cuda.current_device() == device.index:
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+def jax_device(device: torch.device | str) -> jax.Device:
+    """The JAX device that holds what ``to_jax`` imports from Torch tensors on ``device``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return jax.devices("cpu")[0]
+    if device.type != "cuda":
+        raise ValueError(
+            f"jax_device: Torch device {device} has no JAX counterpart here; use 'cpu' or 'cuda'"
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if index >= len(gpus):
+        raise ValueError(
+            f"jax_device: Torch device cuda:{index} but JAX sees {len(gpus)} GPU(s) "
+            f"({jax.devices()}); install a CUDA jaxlib and keep CUDA_VISIBLE_DEVICES the same"
+        )
+    return gpus[index]
+
+
+def jax_work_on(device: torch.device | str):
+    """Context manager: new JAX work (and the kernels ``resolve_kernels`` picks) goes to the JAX
+    twin of Torch ``device``. Needed for Flax/JAX code on CPU tensors in a GPU process."""
+    return jax.default_device(jax_device(device))
 
 
 class _CudaSync(NamedTuple):

@@ -29,7 +29,7 @@ from apps.parity.flax_run import Batch, init_flax_params, make_batch, run_flax
 from apps.parity.report import ParityReport, ZeroCopy, compare, mxfp8_bytes, same_bits
 from apps.parity.single import flax_params_view
 from apps.parity.torch_run import TorchRun, load_flax_checkpoint, run_sharded, shard_gpt
-from bridge import TorchMXFP8Tensor, to_jax_mxfp8
+from bridge import TorchMXFP8Tensor, jax_work_on, to_jax_mxfp8
 from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
@@ -107,6 +107,13 @@ def parity_on_gathered(
 
 
 def _rank_report(
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode
+) -> ParityReport | None:
+    with jax_work_on("cpu"):  # gloo ranks hold CPU tensors, also on a GPU machine
+        return _rank_report_on_cpu(cfg, seed, batch, strategy, mode)
+
+
+def _rank_report_on_cpu(
     cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode
 ) -> ParityReport | None:
     import torch.distributed as dist

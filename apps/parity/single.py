@@ -12,7 +12,7 @@ import torch
 from apps.parity.flax_run import Batch, check_batch, init_flax_params, make_batch, run_flax
 from apps.parity.report import ParityReport, ZeroCopy, compare
 from apps.parity.torch_run import run_torch
-from bridge import to_jax
+from bridge import jax_work_on, to_jax
 from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
@@ -53,6 +53,11 @@ def parity_report(
     mode = LinearMode.parse(mode)
     batch = check_batch(cfg, batch) if batch is not None else make_batch(
         cfg, seed, batch_size, seq_len)
+    with jax_work_on(device):  # Flax's JAX work on the Torch tensors' device (CPU in a GPU run)
+        return _parity_report(cfg, seed, mode, device, batch, kernels)
+
+
+def _parity_report(cfg, seed, mode, device, batch, kernels) -> ParityReport:
     model = TorchGPT(cfg, mode, device=device, kernels=kernels)
     flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     load_flat_params(model, flat)

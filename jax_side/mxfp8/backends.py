@@ -31,6 +31,7 @@ from jax_side.mxfp8 import te_probe
 from jax_side.mxfp8.te_probe import NO_TE, TEPath, TEProbe
 
 __all__ = [
+    "default_platform",
     "Backend",
     "BackendChoice",
     "TEPath",
@@ -144,6 +145,18 @@ def _probe_for(requested: Backend | str | None) -> TEProbe:
         if requested is Backend.PALLAS:  # where it runs, without importing TE
             return NO_TE._replace(compute_capability=te_probe.jax_compute_capability())
     return te_probe.probe()  # imports TE lazily, and only on a GPU
+
+
+def default_platform() -> str:
+    """The platform ("cpu" or "gpu") new JAX work lands on: ``jax.default_device`` if set (e.g.
+    ``with jax.default_device(jax.devices("cpu")[0])`` on a GPU machine), else JAX's first
+    device."""
+    import jax
+
+    dev = jax.config.jax_default_device
+    if dev is None:
+        return jax.devices()[0].platform
+    return jax.devices(dev)[0].platform if isinstance(dev, str) else dev.platform
 
 
 def resolve_backend(backend: Backend | str | None = None) -> BackendChoice:

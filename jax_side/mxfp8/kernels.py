@@ -14,10 +14,8 @@ import functools
 import os
 from typing import NamedTuple
 
-import jax
-
 from common.kernels import Backend, GemmImpl, KernelConfig
-from jax_side.mxfp8.backends import backend_report, resolve_backend
+from jax_side.mxfp8.backends import backend_report, default_platform, resolve_backend
 
 __all__ = [
     "DEVICE_DEFAULTS",
@@ -31,7 +29,8 @@ __all__ = [
 GEMM_ENV_VAR = "MXFP8_GEMM"
 
 # One default per device kind. The quantize backend of a None field comes from
-# ``backends.resolve_backend(None)`` (TE's kernels where they are supported, else ``xla``).
+# ``backends.resolve_backend(None)`` on a GPU (TE's kernels where supported, else ``pallas``) and
+# is ``xla`` for work on the CPU.
 DEVICE_DEFAULTS: dict[str, GemmImpl] = {
     "cpu": GemmImpl.DEQUANT_DOT,
     "gpu": GemmImpl.DEQUANT_BF16_DOT,  # tensor cores; accumulation order differs (gemm.py)
@@ -46,11 +45,6 @@ class ResolvedKernels(NamedTuple):
     gemm: GemmImpl | None  # None iff backend is TE (TE runs its own GEMM)
     platform: str  # "cpu" or "gpu"
     reason: str
-
-
-def default_platform() -> str:
-    """The platform of JAX's default device ("cpu" or "gpu")."""
-    return jax.devices()[0].platform
 
 
 def _check_platform(platform: str) -> str:
@@ -73,12 +67,29 @@ def resolve_kernels(
         )
     platform = _check_platform(platform or default_platform())
     env = (os.environ.get("MXFP8_BACKEND", ""), os.environ.get(GEMM_ENV_VAR, ""))
-    return _resolve(config, platform, env)
+    return _resolve(config, platform, env, default_platform())
 
 
 @functools.lru_cache(maxsize=64)
-def _resolve(config: KernelConfig, platform: str, env: tuple[str, str]) -> ResolvedKernels:
-    choice = resolve_backend(config.backend)
+def _resolve(
+    config: KernelConfig, platform: str, env: tuple[str, str], jax_default: str
+) -> ResolvedKernels:
+    if config.backend is None and not env[0] and platform == "cpu":
+        # Work on CPU tensors (also in a process whose JAX default device is a GPU, e.g. the
+        # parity report with --device cpu on the GPU machine) runs the reference kernels.
+        choice = resolve_backend(Backend.XLA)
+        choice = choice._replace(reason="automatic default for work on the CPU")
+    else:
+        choice = resolve_backend(config.backend)
+    if platform == "cpu" and choice.backend is not Backend.XLA and jax_default != "cpu":
+        raise ValueError(
+            f"backend {choice.backend.value!r} was asked for work on CPU tensors in a process "
+            f"whose JAX default device is {jax_default!r}: its kernels (and Pallas's "
+            "interpret-or-compile choice) follow the default device, so they would be compiled "
+            "for the wrong device. Use backend='xla' (or leave it None) for CPU work here, run "
+            "it under `with jax.default_device(jax.devices('cpu')[0])`, or put the tensors on "
+            "the GPU"
+        )
     reasons = [f"backend {choice.backend.value}: {choice.reason}"]
     if choice.backend is Backend.TE:
         return ResolvedKernels(Backend.TE, None, platform, "; ".join(reasons + ["TE's GEMM"]))

@@ -23,6 +23,7 @@ from jax import lax
 
 from common.formats import BLOCK_SIZE
 from jax_side.mxfp8 import pallas_impl
+from jax_side.mxfp8.backends import default_platform
 from jax_side.mxfp8.bands import band, band_values
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
@@ -32,8 +33,10 @@ _BS = BLOCK_SIZE
 
 
 def interpret_mode() -> bool:
-    """True where the kernels cannot be compiled (no CUDA GPU in JAX): interpret them."""
-    return jax.devices()[0].platform != "gpu"
+    """True where the kernels cannot be compiled: JAX work lands on the CPU (no CUDA GPU, or
+    ``jax.default_device`` set to the CPU). Work on CPU tensors in a GPU process resolves to the
+    ``xla`` backend instead (``kernels.resolve_kernels``)."""
+    return default_platform() != "gpu"
 
 
 def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:

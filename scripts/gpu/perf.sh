@@ -44,7 +44,7 @@ for part in "${parts[@]}"; do
           2>&1 | grep -v "^W1\|^\s*$" | tail -6
       done ;;
     parity)
-      OUT="$OUT" timeout 240 bash scripts/gpu/parity.sh > "$OUT/parity.log" 2>&1
+      OUT="$OUT" timeout 480 bash scripts/gpu/parity.sh > "$OUT/parity.log" 2>&1
       grep -E "passed|failed|verdict|rc=" "$OUT/parity.log" | tail -8 ;;
     step)
       # the XLA flags of the compile part with the fastest compile among those whose steady

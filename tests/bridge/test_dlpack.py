@@ -227,3 +227,16 @@ def test_dlpack_support_reports_every_one_byte_float_in_both_directions():
         assert all(isinstance(v, Fp8Transport) for v in table.values())
     for key, why in support.notes.items():  # every non-native choice says why
         assert why, key
+
+
+def test_jax_work_on_names_the_jax_twin_of_a_torch_device():
+    from jax_side.mxfp8.backends import default_platform
+
+    cpu = bridge.jax_device("cpu")
+    assert cpu.platform == "cpu"
+    assert to_jax(torch.zeros(64)).devices() == {cpu}
+    with bridge.jax_work_on(torch.device("cpu")):
+        assert default_platform() == "cpu"
+        assert jnp.zeros(3).devices() == {cpu}
+    with pytest.raises(ValueError, match="meta.*no JAX counterpart"):
+        bridge.jax_device("meta")

@@ -84,3 +84,22 @@ def test_jax_does_not_preallocate_the_gpu():
     jnp.ones(1024).block_until_ready()
     free, total = torch.cuda.mem_get_info()
     assert free > 0.5 * total, (free, total)
+
+
+def test_cpu_work_in_a_gpu_process_runs_on_cpu_with_the_reference_kernels():
+    """The parity report's --device cpu on the GPU machine: the bridge op on CPU tensors and the
+    Flax twin under ``jax_work_on("cpu")`` resolve to the xla backend (Pallas compiled for the GPU
+    on CPU arrays failed here with "Only interpret mode is supported on CPU backend")."""
+    from bridge import jax_device, jax_work_on, mxfp8_linear
+    from jax_side.linear import quantize_activation
+    from jax_side.mxfp8 import resolve_kernels
+
+    assert jax_device("cuda:0") == to_jax(torch.zeros(64, device="cuda:0")).devices().pop()
+    assert resolve_kernels(None, "cpu").backend.value == "xla"
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(96, 64, requires_grad=True)
+    mxfp8_linear(x, w).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    with jax_work_on("cpu"):
+        q = quantize_activation(jnp.ones((32, 64), jnp.float32))
+        assert q.rowwise_data.devices() == {jax_device("cpu")}

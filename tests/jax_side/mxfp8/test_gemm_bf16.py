@@ -88,3 +88,27 @@ def test_gemm_environment_variable_overrides_only_the_default(monkeypatch):
     assert "MXFP8_GEMM" in resolve_kernels(None, "cpu").reason
     pinned = resolve_kernels(KernelConfig(gemm="dequant_dot"), "cpu")
     assert pinned.gemm.value == "dequant_dot"
+
+
+def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
+    """On the GPU machine, CPU tensors (the parity report's --device cpu) must not get the GPU's
+    automatic backend: compiled Pallas on CPU arrays failed there ("Only interpret mode is
+    supported on CPU backend"). Simulated here: the default device and the probe say H200."""
+    from jax_side.mxfp8 import backends, kernels
+    from jax_side.mxfp8.te_probe import TEProbe
+
+    h200 = TEProbe(False, "not installed", False, 90)
+    monkeypatch.setattr(backends, "_probe_for", lambda requested: h200)
+    monkeypatch.setattr(kernels, "default_platform", lambda: "gpu")
+    kernels._resolve.cache_clear()
+    try:
+        assert resolve_kernels(None, "gpu").backend.value == "pallas"
+        cpu = resolve_kernels(None, "cpu")
+        assert cpu.backend.value == "xla" and "work on the CPU" in cpu.reason
+        with pytest.raises(ValueError, match="CPU tensors.*backend='xla'"):
+            resolve_kernels(KernelConfig(backend="pallas"), "cpu")
+        monkeypatch.setenv("MXFP8_BACKEND", "pallas")
+        with pytest.raises(ValueError, match="default device is 'gpu'"):
+            resolve_kernels(None, "cpu")
+    finally:
+        kernels._resolve.cache_clear()
