@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from common.formats import BLOCK_SIZE, E4M3_MAX
 from jax_side.mxfp8.e8m0 import e8m0_thresholds, fp32_reciprocal_of_max
-from jax_side.mxfp8.tensor import BlockAmax, SliceCast
+from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
 __all__ = [
     "E4M3_CAST",
@@ -456,18 +456,6 @@ def _block_amax_2d(x, rowwise, colwise, interpret, g: _Grid) -> BlockAmax:
     return BlockAmax(res.pop(0) if rowwise else None, res.pop(0) if colwise else None)
 
 
-def _scale_u8(scale, expected, what: str):
-    if scale is None:
-        return None
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"{what}: expected scale shape {expected}, got {tuple(scale.shape)}")
-    if scale.dtype == jnp.float8_e8m0fnu:
-        return lax.bitcast_convert_type(scale, jnp.uint8)
-    if scale.dtype == jnp.uint8:
-        return scale
-    raise TypeError(f"{what}: expected float8_e8m0fnu (or uint8) scales, got {scale.dtype}")
-
-
 def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = False,
             tiles: Tiles | None = None, e4m3_cast: str | None = None) -> SliceCast:
     """e4m3 planes (M, K) of 2-D bf16/fp32 x with GIVEN E8M0 scales (float8_e8m0fnu or uint8).
@@ -476,8 +464,10 @@ def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = Fals
     along M; either may be None (that plane is None). Any byte is valid (0xFF gives NaN).
     """
     m, k = _check_2d(x, "cast_2d")
-    rs = _scale_u8(rowwise_scale, (m, k // _BS), "cast_2d rowwise_scale")
-    cs = _scale_u8(colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
+    rs = None if rowwise_scale is None else scale_bytes(
+        rowwise_scale, (m, k // _BS), "cast_2d rowwise_scale")
+    cs = None if colwise_scale is None else scale_bytes(
+        colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
     if rs is None and cs is None:
         raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
     g = _Grid.make("cast", (m, k), tiles, x.dtype)

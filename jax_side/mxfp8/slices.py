@@ -15,12 +15,11 @@ import operator
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from common.formats import check_mxfp8_shape, scale_shape
 from common.kernels import Backend
 from jax_side.mxfp8.backends import backend_module, resolve_backend
-from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast
+from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast, scale_bytes
 
 __all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
 
@@ -105,17 +104,6 @@ def scales_from_amax(amax: jax.Array, *, backend: Backend | str | None = None) -
     if amax.dtype != jnp.float32:
         raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
     return slice_backend(backend, "scales_from_amax").scales_from_amax(amax)
-
-
-def scale_bytes(scale: jax.Array, expected: tuple[int, int], what: str) -> jax.Array:
-    """uint8 view of E8M0 scales of the expected shape (float8_e8m0fnu or uint8 accepted)."""
-    if tuple(scale.shape) != expected:
-        raise ValueError(f"{what}: expected scale shape {expected}, got {tuple(scale.shape)}")
-    if scale.dtype == jnp.float8_e8m0fnu:
-        return lax.bitcast_convert_type(scale, jnp.uint8)
-    if scale.dtype == jnp.uint8:
-        return scale
-    raise TypeError(f"{what}: expected float8_e8m0fnu (or uint8) scales, got {scale.dtype}")
 
 
 def cast_slice(

@@ -30,7 +30,7 @@ import numpy as np
 
 from common.formats import Plane, check_mxfp8_shape, scale_shape
 
-__all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "SliceCast"]
+__all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "SliceCast", "scale_bytes"]
 
 _DATA_DTYPE = np.dtype(jax.numpy.float8_e4m3fn)
 _SCALE_DTYPE = np.dtype(jax.numpy.float8_e8m0fnu)
@@ -147,3 +147,14 @@ class SliceCast(NamedTuple):
 
     rowwise: jax.Array | None
     colwise: jax.Array | None
+
+
+def scale_bytes(scale: jax.Array, expected: tuple[int, int], what: str) -> jax.Array:
+    """uint8 view of E8M0 scales of the expected shape (float8_e8m0fnu or uint8 accepted)."""
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: expected scale shape {expected}, got {tuple(scale.shape)}")
+    if scale.dtype == jax.numpy.float8_e8m0fnu:
+        return jax.lax.bitcast_convert_type(scale, jax.numpy.uint8)
+    if scale.dtype == jax.numpy.uint8:
+        return scale
+    raise TypeError(f"{what}: expected float8_e8m0fnu (or uint8) scales, got {scale.dtype}")
