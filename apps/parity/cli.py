@@ -25,9 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=40, help="tokens per sequence (any, <= max)")
     p.add_argument("--mode", default="mxfp8", choices=["mxfp8", "high_precision"])
     p.add_argument("--world-size", type=int, default=2,
-                   help="1: single process, no FSDP; >1: torch_side FSDP on gloo CPU ranks")
+                   help="1: single process, no FSDP; >1: torch_side FSDP on spawned ranks")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="device of the single-process run (world size 1); FSDP runs on CPU/gloo")
+                   help="where Torch and Flax run; with --world-size > 1: cpu = gloo ranks, "
+                        "cuda = NCCL ranks, one GPU each")
     p.add_argument("--strategy", default="optim_grads_params",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                    help="FSDP sharding strategy (world size > 1)")
@@ -35,8 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("world_size", "batch_size", "seq_len"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.world_size > 1 and args.device != "cpu":
-        p.error("--device cuda is for --world-size 1 (the sharded report runs gloo CPU ranks)")
     return args
 
 
@@ -47,18 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     from apps.parity import parity_report, sharded_parity_report
     from bridge import start_jax_backend
     from common.model_config import PRESETS
-    from jax_side.mxfp8 import backend_report
+    from jax_side.mxfp8 import kernel_report
 
     cfg = PRESETS[args.config]
     start_jax_backend()  # before anything else starts JAX: keeps Torch's "cuda" on cuda:0
-    backend = backend_report()
-    print(f"MXFP8 kernels: backend {backend['backend']} ({backend['reason']}) on "
-          f"{backend['jax_device']}; jax {jax.__version__}", flush=True)
+    kernels = kernel_report(None, "gpu" if args.device == "cuda" else "cpu")
+    print(f"MXFP8 kernels for {args.device} tensors: {kernels['kernels']}; jax "
+          f"{jax.__version__}", flush=True)
     start = time.perf_counter()
     if args.world_size > 1:
         report = sharded_parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
             world_size=args.world_size, strategy=args.strategy, mode=args.mode,
+            device=args.device,
         )
     else:
         report = parity_report(

@@ -107,23 +107,25 @@ def parity_on_gathered(
 
 
 def _rank_report(
-    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str
 ) -> ParityReport | None:
-    with jax_work_on("cpu"):  # gloo ranks hold CPU tensors, also on a GPU machine
-        return _rank_report_on_cpu(cfg, seed, batch, strategy, mode)
+    # JAX work on this rank's tensors' device: CPU for gloo ranks (also on a GPU machine), the
+    # rank's only visible GPU for NCCL ranks.
+    with jax_work_on(device):
+        return _rank_report_on(cfg, seed, batch, strategy, mode, device)
 
 
-def _rank_report_on_cpu(
-    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode
+def _rank_report_on(
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str
 ) -> ParityReport | None:
     import torch.distributed as dist
 
     master = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     # Start from Torch's own (different) init, then load the Flax checkpoint into the wrapped
     # model: the "start on the Flax side" path through FSDP's main weights and requantization.
-    fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1), strategy)
+    fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1, device=device), strategy)
     load_flax_checkpoint(fsdp, master)
-    tokens, targets = (torch.from_numpy(a).long() for a in batch)
+    tokens, targets = (torch.from_numpy(a).long().to(device) for a in batch)
     torch_run = run_sharded(fsdp, tokens, targets)
     report = None
     with fsdp.gathered_weights() as gathered:
@@ -145,10 +147,12 @@ def sharded_parity_report(
     strategy: str = "optim_grads_params",
     batch: Batch | None = None,
     mode: LinearMode | str = LinearMode.MXFP8,
+    device: str = "cpu",
 ) -> ParityReport:
-    """TorchGPT under FSDP on ``world_size`` spawned gloo CPU ranks vs FlaxGPT on the MXFP8
-    planes and fp32 weights FSDP all-gathered (zero-copy). ``mode=HIGH_PRECISION``: the
-    control, every weight an fp32 FSDP group.
+    """TorchGPT under FSDP on ``world_size`` spawned ranks vs FlaxGPT on the MXFP8 planes and
+    fp32 weights FSDP all-gathered (zero-copy). ``mode=HIGH_PRECISION``: the control, every
+    weight an fp32 FSDP group. device: "cpu" (gloo ranks) or "cuda" (NCCL, one GPU per rank;
+    Torch and Flax of a rank on its GPU).
 
     Every rank runs the same batch, so the report is comparable row for row with
     ``apps.parity.single.parity_report`` (gradients exactly for world sizes 1, 2, 4, to fp32
@@ -164,5 +168,8 @@ def sharded_parity_report(
         batch = make_batch(cfg, seed, batch_size, seq_len)
     else:
         batch = Batch(*(np.asarray(a, np.int32) for a in batch))
-    job = (cfg, seed, batch, strategy, LinearMode.parse(mode))
-    return run_local_ranks(_rank_report, world_size, job)[0]  # rank 0 builds the report
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"sharded_parity_report: device {device!r}; use 'cpu' or 'cuda'")
+    job = (cfg, seed, batch, strategy, LinearMode.parse(mode), device)
+    # rank 0 builds the report
+    return run_local_ranks(_rank_report, world_size, job, device=device)[0]

@@ -181,6 +181,30 @@ def test_mxfp8_parity_on_cuda():
     _check_mxfp8(r)
 
 
+@pytest.mark.gpu
+def test_sharded_fsdp_on_two_cuda_ranks_matches_the_flax_twin():
+    """Torch FSDP on NCCL (one GPU per rank) vs Flax on the gathered planes, on the GPU."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    sharded = sharded_parity_report(
+        CFG, seed=0, batch_size=3, seq_len=7, world_size=2, device="cuda"
+    )
+    _check_mxfp8(sharded)
+    assert sharded.world_size == 2 and all(z.shared for z in sharded.zero_copy)
+
+
+def test_sharded_report_refuses_devices_it_cannot_use():
+    with pytest.raises(ValueError, match="device 'tpu'"):
+        sharded_parity_report(CFG, world_size=2, device="tpu")
+    import torch
+
+    if torch.cuda.device_count() < 2:  # the launcher says so before spawning anything
+        with pytest.raises(ValueError, match="need 2 GPUs"):
+            sharded_parity_report(CFG, world_size=2, device="cuda")
+
+
 def test_explicit_batch_is_used_and_checked():
     import numpy as np
 
