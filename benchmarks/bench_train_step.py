@@ -10,7 +10,8 @@ Runs (``--runs``):
   reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
   layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
 
-Per run: step time (median, min-max after warm-up), first step, tokens/s, peak GPU memory (Torch
+Per run: step time (median, min-max after warm-up), the parallel precompile (``torch_side.precompile``,
+on unless ``--no-precompile``) and the first step after it, tokens/s, peak GPU memory (Torch
 and JAX), all-gather / reduce-scatter bytes per step counted at the collective calls, the
 distributed-quantization time, bridge crossings per step and their host time, and the ratio to
 fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's top costs.
@@ -53,6 +54,8 @@ class RunResult:
     first_step_compile_s: float
     losses: list
     ratio_to_fsdp2: float | None = None
+    precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
+    precompile_programs: int = 0
 
 
 class _CollectiveBytes:
@@ -186,6 +189,17 @@ def _run_one(run, cfg, args, rank) -> RunResult:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model, step, timing = _build(run, cfg, args)
+    pre_s, pre_programs = 0.0, 0
+    if args.precompile and run != "fsdp2":
+        from torch_side import precompile
+        from torch_side.models.gpt import cross_entropy
+
+        dry = torch.zeros((args.batch_size, args.seq_len), dtype=torch.long, device=args.device)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        report = precompile(model, lambda: cross_entropy(model(dry), dry))
+        _sync(args.device)
+        pre_s, pre_programs = time.perf_counter() - t0, report.programs
     times, losses = [], []
     first = None
     counter = _CollectiveBytes()
@@ -234,7 +248,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         crossings_per_step=(crossings.calls / n) if crossings else 0.0,
         crossing_host_ms_per_step=(1e3 * crossings.seconds / n) if crossings else 0.0,
         first_step_compiles=first_compiles[0], first_step_compile_s=first_compiles[1],
-        losses=losses,
+        losses=losses, precompile_s=pre_s, precompile_programs=pre_programs,
     )
     if args.profile and run == "mxfp8":
         result_table = _profile(step, cfg, args, rank)
@@ -349,16 +363,18 @@ def _rank_main(args):
 
 
 def _table(rows, args) -> str:
-    head = ("| run | step ms (median) | min-max | first step s (compiles, s) | tokens/s | "
+    head = ("| run | step ms (median) | min-max | precompile s (programs) | "
+            "first step s (compiles, s) | tokens/s | "
             "peak GiB torch+jax | "
             "gather MB/step | reduce-scatter MB/step | requant ms | crossings/step | "
             "crossing host ms | vs fsdp2 |")
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         ratio = "-" if r["ratio_to_fsdp2"] is None else f"{r['ratio_to_fsdp2']:.2f}x"
         lines.append(
             f"| {r['run']} | {r['step_ms_median']:.1f} | {r['step_ms_min']:.1f}-"
-            f"{r['step_ms_max']:.1f} | {r['first_step_s']:.1f} ({r['first_step_compiles']}, "
+            f"{r['step_ms_max']:.1f} | {r['precompile_s']:.1f} ({r['precompile_programs']}) | "
+            f"{r['first_step_s']:.1f} ({r['first_step_compiles']}, "
             f"{r['first_step_compile_s']:.1f}) | {r['tokens_per_s']:,.0f} | "
             f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
             f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
@@ -381,6 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
     p.add_argument("--compile-cache", default="",
                    help="persistent JAX compilation cache directory (a second launch is warm)")
+    p.add_argument("--no-precompile", dest="precompile", action="store_false",
+                   help="no torch_side.precompile before the first step (programs compile one "
+                        "after another as the first step reaches them)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]

@@ -5,6 +5,7 @@ reaches JAX through it, not the reverse). Read the ownership note at the top of
 ``bridge/dlpack.py`` before sharing a buffer.
 """
 
+from bridge.compile_ahead import AheadReport, compile_ahead
 from bridge.dlpack import (
     CrossingStats,
     DlpackSupport,
@@ -31,6 +32,7 @@ from common.kernels import KernelConfig
 from common.modes import LinearMode
 
 __all__ = [
+    "AheadReport",
     "CrossingStats",
     "DlpackSupport",
     "Fp8Transport",
@@ -42,6 +44,7 @@ __all__ = [
     "SharedPlane",
     "TorchMXFP8Tensor",
     "ZeroCopyError",
+    "compile_ahead",
     "count_crossings",
     "dlpack_support",
     "jax_device",

@@ -90,6 +90,7 @@ __all__ = [
     "dlpack_support",
     "jax_device",
     "jax_dtype_for",
+    "torch_dtype_for",
     "jax_work_on",
     "required_alignment",
     "start_jax_backend",
@@ -189,6 +190,11 @@ def required_alignment(device_type: str) -> int:
 def jax_dtype_for(dtype: torch.dtype) -> np.dtype:
     """The JAX dtype a Torch dtype maps to (the table the bridge converts with)."""
     return _spec_for_torch(dtype).jax
+
+
+def torch_dtype_for(dtype) -> torch.dtype:
+    """The Torch dtype a JAX dtype maps to (the same table)."""
+    return _spec_for_jax(dtype).torch
 
 
 def _supported_list() -> str:

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 
+import jax
 import torch
 from torch.autograd.function import once_differentiable
 
-from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch
+from bridge.compile_ahead import run_or_compile
+from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
 from common.formats import BLOCK_SIZE, Plane
@@ -148,25 +150,30 @@ class _MXFP8LinearFn(torch.autograd.Function):
             # The parameter itself, not a detached alias: under FSDP its storage is the unsharded
             # bucket, which reshard frees after forward and pre-backward gathers again.
             ctx.save_for_backward(x2d, weight)
-            y = L.hp_forward(_share(x2d), _share(weight), out_dtype=out_j, kernels=kernels)
-            return to_torch(y).reshape(*lead, n)
+            y = run_or_compile(
+                L.hp_forward, _share(x2d), _share(weight), out_dtype=out_j, kernels=kernels
+            )
+            return _result(y, x.device).reshape(*lead, n)
         # needs_input_grad stays True under torch.no_grad(); nothing is kept for backward then.
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         if planes is not None:
             w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
-            wq = L.quantize_weight(_share(weight), rowwise=True, colwise=need_dx, kernels=kernels)
+            wq = run_or_compile(L.quantize_weight_program, _share(weight), rowwise=True,
+                                colwise=need_dx, kernels=kernels)
             w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
-        out = L.forward(
-            _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw, kernels=kernels
+        out = run_or_compile(
+            L.forward, _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw,
+            kernels=kernels,
         )
         ctx.x_colwise = out.x_colwise
         # A sentinel saved tensor: autograd frees it with the graph, so a backward through a
         # freed graph raises Torch's own error (nn.Linear's behaviour); the JAX planes above stay
         # on ctx until the graph (and ctx) is freed, so a retained graph can run backward again.
         ctx.save_for_backward(x.new_empty(0))
-        return to_torch(out.y).reshape(*lead, n)  # orders Torch after JAX's reads of x and W
+        # orders Torch after JAX's reads of x and W
+        return _result(out.y, x.device).reshape(*lead, n)
 
     @staticmethod
     @once_differentiable
@@ -176,7 +183,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
-            out = L.hp_backward(
+            out = run_or_compile(
+                L.hp_backward,
                 dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw,
                 kernels=ctx.kernels, packed=True,
             )
@@ -187,7 +195,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 w_col = ctx.w_colwise
                 if ctx.planes is not None:
                     w_col = _weight_plane(ctx.planes, _PlaneShape(ctx), Plane.COLWISE)
-            out = L.backward(
+            out = run_or_compile(
+                L.backward,
                 dy2d,
                 w_col,
                 ctx.x_colwise if need_dw else None,
@@ -204,7 +213,7 @@ def _unpack(packed, ctx, dy, need_dx: bool, need_dw: bool):
     """dx (lead..., K) and dW (N, K): views of the one uint8 array backward returned."""
     if packed is None:
         return None, None
-    raw = to_torch(packed)  # one crossing for both gradients
+    raw = _result(packed, dy.device)  # one crossing for both gradients
     n_w, k = ctx.w_shape
     tokens = dy.numel() // dy.shape[-1]
     dx = dw = None
@@ -216,6 +225,14 @@ def _unpack(packed, ctx, dy, need_dx: bool, need_dw: bool):
     if need_dw:
         dw = raw[cursor:cursor + n_w * k * ctx.w_dtype.itemsize].view(ctx.w_dtype).view(n_w, k)
     return dx, dw
+
+
+def _result(a, device: torch.device) -> torch.Tensor:
+    """A JAX result as a Torch tensor; inside ``compile_ahead()`` (an abstract result, the
+    program was compiled, not run) zeros of its shape and dtype on ``device``."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return torch.zeros(a.shape, dtype=torch_dtype_for(a.dtype), device=device)
+    return to_torch(a)
 
 
 class _PlaneShape:

@@ -69,6 +69,7 @@ __all__ = [
     "padded_tokens",
     "quantize_activation",
     "quantize_weight",
+    "quantize_weight_program",
 ]
 
 
@@ -160,7 +161,8 @@ def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
 
 
 @functools.partial(jax.jit, static_argnames=("rowwise", "colwise", "kernels"))
-def _quantize_weight(w, *, rowwise: bool, colwise: bool, kernels: ResolvedKernels):
+def quantize_weight_program(w, *, rowwise: bool, colwise: bool, kernels: ResolvedKernels):
+    """The jitted program behind ``quantize_weight`` (resolved kernels only)."""
     return quantize(w.astype(jnp.bfloat16), rowwise=rowwise, colwise=colwise,
                     backend=kernels.backend)
 
@@ -173,7 +175,7 @@ def quantize_weight(
     kernels: ResolvedKernels | KernelConfig | None = None,
 ) -> MXFP8Tensor:
     """MXFP8 planes of ``bf16(w)`` for a high-precision (N, K) weight, N and K multiples of 32."""
-    return _quantize_weight(w, rowwise=rowwise, colwise=colwise, kernels=_kernels(kernels))
+    return quantize_weight_program(w, rowwise=rowwise, colwise=colwise, kernels=_kernels(kernels))
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "fully_shard": "torch_side.fsdp_model",
     "FSDPOptimizer": "torch_side.optimizer",
     "PlaneState": "torch_side.param_group",
+    "precompile": "torch_side.precompile",
     "MixedPrecisionPolicy": "torch_side.policy",
     "UnalignedLinear": "torch_side.policy",
     "WeightFormat": "torch_side.policy",

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--compare", action="store_true",
                    help="also run the fp32-linear control with the same seed and data")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-precompile", action="store_true",
+                   help="compile the JAX programs as the first step reaches them, one after "
+                        "another, instead of all at once in parallel before it")
     return p
 
 
@@ -143,11 +146,12 @@ def _runs(args) -> list[tuple[str, object, object]]:
 
     runs = [(args.weights, _job(args, args.weights), RunOptions(
         metrics=args.metrics, save_dir=args.save_dir, save_every=args.save_every,
-        resume=args.resume, progress=not args.no_progress, label=args.weights))]
+        resume=args.resume, progress=not args.no_progress, label=args.weights,
+        precompile=not args.no_precompile))]
     if args.compare and args.weights != "fp32":
         runs.append(("fp32", _job(args, "fp32"), RunOptions(
             metrics=result_path(args.metrics, "fp32"), progress=not args.no_progress,
-            label="fp32 control")))
+            label="fp32 control", precompile=not args.no_precompile)))
     return runs
 
 
@@ -211,7 +215,9 @@ def _print_summary(args, runs, results, wall: float) -> None:
         tps = sorted(s.tokens_per_s for s in r.steps[len(r.steps) // 2:]) or [float("nan")]
         print(f"{label:>8s}: held-out loss {r.heldout_loss:.4f}; median step "
               f"{steady[len(steady) // 2]:.3f} s ({tps[len(tps) // 2]:,.0f} tokens/s); first "
-              f"step {r.first_step_s:.1f} s")
+              f"step {r.first_step_s:.1f} s" + (
+                  f" after {r.precompile_s:.1f} s compiling {r.precompiled_programs} programs "
+                  f"in parallel" if r.precompiled_programs else ""))
     print(f"wall {wall:.1f} s (spawn and compilation included)")
 
 

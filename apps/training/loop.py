@@ -39,7 +39,7 @@ from apps.training.data import (
 from apps.training.job import Recompute, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from common.model_config import PRESETS
-from torch_side import FSDPOptimizer, fully_shard
+from torch_side import FSDPOptimizer, fully_shard, precompile
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
 __all__ = ["MARKOV_MAX_VOCAB", "RunOptions", "StepLog", "TrainResult", "train_rank"]
@@ -59,6 +59,7 @@ class RunOptions:
     resume: str | None = None  # a save dir (its latest checkpoint) or a step_* directory
     progress: bool = True  # rank 0's progress bar
     label: str = ""  # shown in the progress bar and the run record
+    precompile: bool = True  # compile the JAX linear programs in parallel before step 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,8 @@ class TrainResult:
     initial_loss: float  # ln(vocab): a uniform prediction
     first_step_s: float  # wall time of the first executed step (compilation included)
     corpus: str
+    precompile_s: float = 0.0  # wall time of torch_side.precompile before the first step
+    precompiled_programs: int = 0
 
 
 class _Model:
@@ -145,6 +148,15 @@ def heldout_loss(m: _Model, job: TrainJob) -> float:
     return float(total[0] / total[1])
 
 
+def _precompile(m: _Model, job: TrainJob):
+    """Compile the step's JAX programs in parallel (torch_side.precompile: a dry micro-batch of
+    the training shapes, zero tokens; weights, optimizer, data position and RNG untouched)."""
+    tokens = torch.zeros((job.batch_size, job.seq_len), dtype=torch.long, device=job.device)
+    report = precompile(m.fsdp, lambda: cross_entropy(m.fsdp(tokens), tokens))
+    _sync(job)
+    return report
+
+
 def _progress(job: TrainJob, opts: RunOptions, start: int):
     if not opts.progress or dist.get_rank() != 0:
         return None
@@ -171,6 +183,9 @@ def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
             loss_floor=m.corpus.loss_floor(job.seq_len), resumed_from=start,
             params=m.cfg.num_parameters(),
         ))
+    report = None
+    if opts.precompile and job.steps > start:
+        report = _precompile(m, job)
     bar = _progress(job, opts, start)
     logs: list[StepLog] = []
     tokens_per_step = job.tokens_per_step(world)
@@ -221,6 +236,8 @@ def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
         job=job, world_size=world, steps=logs, start_step=start, heldout_loss=held,
         loss_floor=m.corpus.loss_floor(job.seq_len), initial_loss=math.log(m.cfg.vocab_size),
         first_step_s=logs[0].seconds if logs else float("nan"), corpus=m.corpus.describe(),
+        precompile_s=report.wall_s if report else 0.0,
+        precompiled_programs=report.programs if report else 0,
     )
 
 

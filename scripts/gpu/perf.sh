@@ -32,6 +32,10 @@ for part in "${parts[@]}"; do
       timeout 200 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 2 --warmup 0 --runs mxfp8 \
         --compile-cache /tmp/jax_cache --out "$OUT/step_warm.json" 2>&1 | tail -5 ;;
+    step-serial)  # the cold first step without the parallel precompile (compare with "step")
+      timeout 300 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
+        --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 8 --warmup 2 --runs mxfp8 \
+        --no-precompile --out "$OUT/step_serial.json" 2>&1 | tail -5 ;;
     step350)
       timeout 400 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-350m --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 \

@@ -90,9 +90,31 @@ class _Reference:
         self.opt.zero_grad()
 
 
+class _Compiles:
+    """XLA compilations in this process (a jax.monitoring listener, registered once)."""
+
+    count = 0
+    registered = False
+
+    @classmethod
+    def start(cls) -> None:
+        if not cls.registered:
+            import jax
+
+            def listen(event, duration, **kw):
+                if event.endswith("backend_compile_duration"):
+                    cls.count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listen)
+            cls.registered = True
+
+
 def _train_and_compare(
-    ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32
+    ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32,
+    tokens: int = T, precompiled: bool = False,
 ) -> None:
+    """precompiled: ``torch_side.precompile`` runs first (a dry micro-batch); the comparison with
+    the reference then shows it changed nothing, and the steps after it compile nothing."""
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     net = make_net(0, recompute=recompute, device=ctx.device).to(dtype)
     ref = _Reference(net, precision)
@@ -102,7 +124,11 @@ def _train_and_compare(
     cls, kwargs = OPTIMIZERS[precision]
     opt = FSDPOptimizer(model, cls, **kwargs)
     w, r = ctx.world_size, ctx.rank
+    T = tokens  # noqa: N806 -- tokens per rank per micro-batch, as the module constant
     exact = w == 1
+    if precompiled:
+        _precompile(model, ctx, T, dtype)
+    compiled = 0  # programs compiled by the FSDP model's steps (not the reference's)
     for step in range(STEPS):
         losses = torch.zeros(1, device=ctx.device)
         ref_losses = torch.zeros(1, device=ctx.device)
@@ -111,21 +137,41 @@ def _train_and_compare(
             x, y = make_batch(100 * step + mb, T * w, ctx.device)  # global batch (w*T, 16|8)
             x = x.to(dtype)
             mine = slice(r * T, (r + 1) * T)  # this rank's micro-batch
+            before = _Compiles.count
             loss = mse(model(x[mine]).float(), y[mine]) / micro_batches
             loss.backward()
+            compiled += _Compiles.count - before
             losses += loss.detach()
             ref_loss = mse(ref.compute(x).float(), y) / micro_batches
             ref_loss.backward()
             ref_losses += ref_loss.detach()
         dist.all_reduce(losses)
+        before = _Compiles.count
         opt.step()
         opt.zero_grad()
+        compiled += _Compiles.count - before
         ref.end_step()
         _assert_close(f"loss step {step}", losses / w, ref_losses, exact, precision)
+    if precompiled:
+        assert compiled == 0, f"{compiled} programs compiled in the steps after precompile"
     state = model.full_state_dict()
     for name, p in ref.master.named_parameters():
         _assert_close(name, state[name], p.detach(), exact, precision)
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
+
+
+def _precompile(model, ctx, tokens: int, dtype) -> None:
+    from torch_side import precompile
+
+    _Compiles.start()
+    before = _Compiles.count
+    x, y = make_batch(999, tokens, ctx.device)  # a dry batch of the training shapes
+    log = model.wire_log()
+    report = precompile(model, lambda: mse(model(x.to(dtype)).float(), y))
+    # ToyNet: fc1 (96, 64) and fc2 (64, 96), a forward and a backward program each, shared by
+    # both blocks; new to this process (no other case uses these token counts)
+    assert report.programs == 4 and _Compiles.count - before >= 4, (report, _Compiles.count)
+    assert model.wire_log() == log, "precompile left records in the wire log"
 
 
 def _assert_close(what, got, want, exact: bool, precision: Precision) -> None:
@@ -172,6 +218,15 @@ def case_zero2_bf16_mixed_formats(ctx):
     _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS, precision=Precision.BF16)
 
 
+def case_zero3_precompiled(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, tokens=64, precompiled=True)
+
+
+def case_zero2_recompute_precompiled(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS, recompute=Recompute.UNIT, tokens=96,
+                       precompiled=True)
+
+
 def case_zero1_grad_accumulation_recompute(ctx):
     _train_and_compare(ctx, ShardingStrategy.OPTIM, recompute=Recompute.UNIT, micro_batches=2)
 
@@ -189,6 +244,8 @@ CASES = {
     f"{_M}:case_zero3_recompute_submodule": (1,),
     f"{_M}:case_zero3_grad_accumulation": (1,),
     f"{_M}:case_zero3_bf16_mixed_formats": (1,),
+    f"{_M}:case_zero3_precompiled": (1, 2),
+    f"{_M}:case_zero2_recompute_precompiled": (1,),
 }
 # Run in a separate spawn of their world, only by tests marked slow (`make test-all`).
 SLOW_CASES = {

@@ -56,3 +56,15 @@ def test_zero1_accumulation_with_recompute(spawned):
 def test_bf16_mixed_formats_match_reference(spawned, case, world_size):
     """MXFP8 linears + bf16 everything else (weights, activations, grads, grad communication)."""
     check_case(spawned, ct, case, world_size)
+
+
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [(ct.case_zero3_precompiled, 1), (ct.case_zero3_precompiled, 2),
+     (ct.case_zero2_recompute_precompiled, 1)],
+    ids=["zero3-w1", "zero3-w2", "zero2-recompute-w1"],
+)
+def test_precompiled_training_matches_reference(spawned, case, world_size):
+    """torch_side.precompile before training: the same losses and weights as the reference
+    (exactly at world size 1), nothing compiled in the steps after it, wire log untouched."""
+    check_case(spawned, ct, case, world_size)
