@@ -10,11 +10,12 @@ Runs (``--runs``):
   reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
   layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
 
-Per run: step time (median, min-max after warm-up), the parallel precompile (``torch_side.precompile``,
-on unless ``--no-precompile``) and the first step after it, tokens/s, peak GPU memory (Torch
-and JAX), all-gather / reduce-scatter bytes per step counted at the collective calls, the
-distributed-quantization time, bridge crossings per step and their host time, and the ratio to
-fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's top costs.
+Per run: step time (median, min-max after warm-up), the parallel precompile
+(``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
+tokens/s, peak GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
+the collective calls, the distributed-quantization time, bridge crossings per step and their host
+time, and the ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
+top costs.
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
@@ -197,7 +198,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         dry = torch.zeros((args.batch_size, args.seq_len), dtype=torch.long, device=args.device)
         _sync(args.device)
         t0 = time.perf_counter()
-        report = precompile(model, lambda: cross_entropy(model(dry), dry))
+        report = precompile(model, lambda m=model: cross_entropy(m(dry), dry))
         _sync(args.device)
         pre_s, pre_programs = time.perf_counter() - t0, report.programs
     times, losses = [], []
