@@ -151,7 +151,7 @@ def _copy_kernel(x_ref, a_ref, b_ref):
 
 
 def make_pallas_copy(shape, tiles: pk.Tiles | None, interpret: bool):
-    g = pk._Grid.make("quantize", shape, tiles, jnp.bfloat16)
+    g = pk._Grid.make("quantize", shape, tiles, jnp.bfloat16, pk.COMPILED_MODE)
     spec = g.full()
     out = jax.ShapeDtypeStruct(shape, jnp.uint8)
     call = pl.pallas_call(
@@ -250,7 +250,9 @@ def main() -> None:
                         help="comma-separated Pallas tile variants: 'default' (the module's "
                              "DEFAULT_TILES) or BMxBKxWARPS[p][cCK] (p: preload, CK: chunk "
                              "width); 'sweep' = " + SWEEP_TILES)
-    parser.add_argument("--casts", default="float", help="e4m3 paths: float and/or int")
+    parser.add_argument("--casts", default="default",
+                        help="element paths (pallas_impl.KERNEL_MODES): native, float, int, or "
+                             "'default' (native compiled, float with --interpret)")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--reps", type=int, default=10, help="timings; the median is reported")
     parser.add_argument("--interpret", action="store_true",
@@ -260,6 +262,8 @@ def main() -> None:
     shapes = parse_shapes(args.shapes)
     tiles_list = parse_tiles(SWEEP_TILES if args.tiles == "sweep" else args.tiles)
     casts = [c for c in args.casts.split(",") if c]
+    casts = [(pk.E4M3_CAST if args.interpret else pk.COMPILED_MODE) if c == "default" else c
+             for c in casts]
     meta = {"device": str(jax.devices()[0]), "jax": jax.__version__,
             "interpret": args.interpret, "tiles": [tiles_name(t) for t in tiles_list],
             "casts": casts, "calls": args.calls, "reps": args.reps}

@@ -30,6 +30,11 @@ operation has normal operands and an exact normal (or discarded) result.
   hardware cast (``"float"``: cvt.rn.satfinite.e4m3x2.f32) or integer RNE (``"int"``);
   Inf and NaN are cast as 448 (0x7E), then an or-ed byte adds the sign and, for NaN (or scale
   0xFF), the low bit (0x7F). All selects act on 32-bit values (byte selects cost unpacking).
+- "native" element path (``_cast_native``; compiled kernels only, the GPU default): |x| * 2**k
+  as one fp32 multiply, the hardware cast (RNE, satfinite: Inf -> 448, NaN -> 0x7F), then the
+  sign or-ed in. Exact where fp32 subnormals are not flushed (Triton's GPU code: no .ftz); about
+  half the per-element instructions of the FTZ-proof paths. Interpret mode (XLA:CPU flushes)
+  refuses it and uses "float". Byte-identical to ``xla`` on the GPU (test_gpu_*).
 """
 
 from __future__ import annotations
@@ -48,8 +53,11 @@ from jax_side.mxfp8.e8m0 import e8m0_thresholds, fp32_reciprocal_of_max
 from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
 __all__ = [
+    "COMPILED_MODE",
     "E4M3_CAST",
     "E4M3_CASTS",
+    "KERNEL_MODES",
+    "NATIVE",
     "BlockAmax",
     "Planes",
     "SliceCast",
@@ -71,8 +79,15 @@ _E4M3_MAX_BITS = np.int32(np.float32(E4M3_MAX).view(np.int32))  # 448 = 1.75 * 2
 
 # How v in [0, 448] becomes e4m3: "float" = lax convert (Triton: tt.fp_to_fp rtne, PTX
 # cvt.rn.satfinite.e4m3x2.f32 on sm_89+), "int" = integer round-to-nearest-even on v's bits.
+# Both are FTZ-proof (exact under a flushing interpreter too).
 E4M3_CASTS = ("float", "int")
 E4M3_CAST = "float"
+# "native" (compiled kernels only): v = |x| * 2**k by one fp32 multiply and the hardware cast,
+# the sign or-ed in afterwards. Exact only where fp32 subnormals are not flushed (the GPU code
+# Triton emits: no .ftz); XLA:CPU, which runs interpret mode, flushes them, so it is refused there.
+NATIVE = "native"
+KERNEL_MODES = (*E4M3_CASTS, NATIVE)
+COMPILED_MODE = NATIVE  # the default of compiled (GPU) kernels; interpret mode uses E4M3_CAST
 
 
 class Tiles(NamedTuple):
@@ -92,7 +107,11 @@ class Tiles(NamedTuple):
 # (chunk_k 64/128) cut shuffles and instructions further for ~1.4x the registers (fewer warps
 # per SM), so they are left to the benchmark's sweep. cast_2d spills with one warp: four.
 DEFAULT_TILES = {
-    # 32x64 measured fastest of 11 tilings at 8192x8192 bf16 on the H200 (BENCHMARKS.md)
+    # the "native" element path (the compiled default): 32x128, two warps, 128-wide chunks was
+    # the fastest of three tilings at 8192x8192, 4096x8192 and 50304x768 bf16 (BENCHMARKS.md)
+    ("quantize", "bfloat16", NATIVE): Tiles(block_m=32, block_k=128, num_warps=2, preload=True,
+                                            chunk_k=128),
+    # 32x64 measured fastest of 11 tilings at 8192x8192 bf16 on the H200 (BENCHMARKS.md), "float"
     ("quantize", "bfloat16"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
     ("quantize", "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
     ("amax", "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True, chunk_k=64),
@@ -219,6 +238,50 @@ def _cast_any(el: _Elements, scale: jax.Array, mode: str) -> jax.Array:
     return y | jnp.where(nan_scale, jnp.int32(1), jnp.int32(0)).astype(jnp.uint8)
 
 
+class _NativeElements(NamedTuple):
+    """Per-element values of a chunk for the "native" cast (compiled kernels only)."""
+
+    amax_in: jax.Array  # int32 |x| bits, NaN patterns zeroed: the block-amax operand
+    mag: jax.Array  # float32 |x| (subnormals kept: the GPU does not flush them)
+    sign8: jax.Array  # uint8 0x80 where x is negative (NaN included), else 0
+
+
+def _native_elements(bits: jax.Array) -> _NativeElements:
+    a = bits & _ABS
+    return _NativeElements(
+        amax_in=jnp.where(a > _INF, jnp.int32(0), a),
+        mag=lax.bitcast_convert_type(a, jnp.float32),
+        sign8=(lax.shift_right_logical(bits, jnp.int32(24)) & jnp.int32(0x80)).astype(jnp.uint8),
+    )
+
+
+def _pow2_k(scale: jax.Array) -> jax.Array:
+    """float32 2**(127 - E) for int32 E8M0 bytes E: exponent field 254 - E, except E = 254
+    (2**-127, an fp32 subnormal: bits 0x00400000) and E = 255 (NaN scale: 1.0, the caller
+    forces NaN)."""
+    bits = jnp.where(scale >= 254,
+                     jnp.where(scale == 254, jnp.int32(0x00400000), jnp.int32(0x3F800000)),
+                     lax.shift_left(jnp.int32(254) - scale, jnp.int32(23)))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _cast_native(el: _NativeElements, scale: jax.Array, nan_scale: bool) -> jax.Array:
+    """uint8 e4m3 bytes of x * 2**(127 - E): e4m3_rn_satfinite(|x| * 2**k) | sign.
+
+    The fp32 multiply is exact whenever the product is normal (a power-of-two scaling of a value
+    with at most 24 significant bits); a subnormal product is < 2**-126, which rounds to e4m3 0
+    whatever its rounding. The hardware cast rounds to nearest even and saturates finite values
+    and Inf to 448 (0x7E); NaN gives 0x7F. Or-ing the sign bit then gives the contract's byte for
+    every x (-NaN -> 0xFF, -Inf -> 0xFE, -tiny -> 0x80). nan_scale: E may be 0xFF (any-scale
+    cast), whose bytes are all NaN (0x7F | sign).
+    """
+    y = lax.bitcast_convert_type((el.mag * _pow2_k(scale)).astype(jnp.float8_e4m3fn), jnp.uint8)
+    y = y | el.sign8
+    if nan_scale:
+        y = y | jnp.where(scale == 0xFF, jnp.int32(0x7F), jnp.int32(0)).astype(jnp.uint8)
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels. Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
 # (BM/32, BK). Chunk (i, j) = rows [32 i, 32 i + 32), columns [CK j, CK j + CK) of the tile.
@@ -266,16 +329,21 @@ def _quantize_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     refs = list(refs)
     rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
     cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
+    native = mode == NATIVE
     for i, j, rows, cols, x in ch.chunks(x_ref):
-        el = _elements(_fp32_bits(x))
+        el = (_native_elements if native else _elements)(_fp32_bits(x))
+
+        def cast(e, el=el):
+            return _cast_native(el, e, nan_scale=False) if native else _cast_own(el, e, mode)
+
         if rowwise:
             e = _scale_bytes(ch.row_max(el.amax_in), any_bits=False)  # (32, CK/32)
             rs[rows, ch.row_scales(j)] = e.astype(jnp.uint8)
-            rd[rows, cols] = _cast_own(el, ch.row_expand(e), mode)
+            rd[rows, cols] = cast(ch.row_expand(e))
         if colwise:
             e = _scale_bytes(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
             cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
-            cd[rows, cols] = _cast_own(el, e, mode)
+            cd[rows, cols] = cast(e)
 
 
 def _amax_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking):
@@ -298,13 +366,18 @@ def _cast_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     cs = refs.pop(0) if colwise else None
     rd = refs.pop(0) if rowwise else None
     cd = refs.pop(0) if colwise else None
+    native = mode == NATIVE
     for i, j, rows, cols, x in ch.chunks(x_ref):
-        el = _elements(_fp32_bits(x))
+        el = (_native_elements if native else _elements)(_fp32_bits(x))
+
+        def cast(e, el=el):
+            return _cast_native(el, e, nan_scale=True) if native else _cast_any(el, e, mode)
+
         if rowwise:
             e = rs[rows, ch.row_scales(j)].astype(jnp.int32)  # (32, CK/32)
-            rd[rows, cols] = _cast_any(el, ch.row_expand(e), mode)
+            rd[rows, cols] = cast(ch.row_expand(e))
         if colwise:
-            cd[rows, cols] = _cast_any(el, cs[pl.ds(i, 1), cols].astype(jnp.int32), mode)
+            cd[rows, cols] = cast(cs[pl.ds(i, 1), cols].astype(jnp.int32))
 
 
 def _scale_kernel(a_ref, o_ref):
@@ -337,8 +410,11 @@ class _Grid(NamedTuple):
     tiles: Tiles
 
     @classmethod
-    def make(cls, kind: str, shape: tuple[int, int], tiles: Tiles | None, dtype) -> _Grid:
-        tiles = DEFAULT_TILES[kind, jnp.dtype(dtype).name] if tiles is None else tiles
+    def make(cls, kind: str, shape: tuple[int, int], tiles: Tiles | None, dtype,
+             mode: str | None = None) -> _Grid:
+        if tiles is None:
+            name = jnp.dtype(dtype).name
+            tiles = DEFAULT_TILES.get((kind, name, mode)) or DEFAULT_TILES[kind, name]
         if tiles.chunk_k not in (32, 64, 128):
             raise ValueError(f"Tiles.chunk_k: expected 32, 64 or 128, got {tiles.chunk_k}")
         m, k = shape
@@ -382,11 +458,19 @@ def _check_2d(x, what: str) -> tuple[int, int]:
     return int(x.shape[0]), int(x.shape[1])
 
 
-def _mode(e4m3_cast: str | None) -> str:
-    mode = E4M3_CAST if e4m3_cast is None else e4m3_cast
-    if mode not in E4M3_CASTS:
-        raise ValueError(f"e4m3_cast: expected one of {E4M3_CASTS}, got {mode!r}")
-    return mode
+def _mode(e4m3_cast: str | None, interpret: bool) -> str:
+    """The element path: None -> COMPILED_MODE for compiled kernels, E4M3_CAST in interpret."""
+    if e4m3_cast is None:
+        return E4M3_CAST if interpret else COMPILED_MODE
+    if e4m3_cast not in KERNEL_MODES:
+        raise ValueError(f"e4m3_cast: expected one of {KERNEL_MODES} or None, got {e4m3_cast!r}")
+    if e4m3_cast == NATIVE and interpret:
+        raise ValueError(
+            "e4m3_cast='native' needs unflushed fp32 subnormals, which the Pallas interpreter "
+            "(XLA:CPU) flushes; use 'float' or 'int' with interpret=True (the default, None, "
+            "picks 'float' there)"
+        )
+    return e4m3_cast
 
 
 def _as_f8(y, dtype):
@@ -403,13 +487,15 @@ def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
 
     rowwise: data float8_e4m3fn (M, K), scale float8_e8m0fnu (M, K/32), blocks 1x32 along K.
     colwise: data float8_e4m3fn (M, K) (not transposed), scale (M/32, K), blocks 32x1 along M.
-    Bytes equal the ``xla`` backend's (DESIGN.md 3).
+    Bytes equal the ``xla`` backend's (DESIGN.md 3). e4m3_cast: the element path (KERNEL_MODES;
+    None: "native" compiled, "float" in interpret mode); tiles: None for DEFAULT_TILES.
     """
     shape = _check_2d(x, "quantize_2d")
     if not (rowwise or colwise):
         raise ValueError("quantize_2d: rowwise=False and colwise=False asks for nothing")
+    mode = _mode(e4m3_cast, bool(interpret))
     return _quantize_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                        _Grid.make("quantize", shape, tiles, x.dtype), _mode(e4m3_cast))
+                        _Grid.make("quantize", shape, tiles, x.dtype, mode), mode)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
@@ -470,8 +556,9 @@ def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = Fals
         colwise_scale, (m // _BS, k), "cast_2d colwise_scale")
     if rs is None and cs is None:
         raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
-    g = _Grid.make("cast", (m, k), tiles, x.dtype)
-    return _cast_2d(x, rs, cs, bool(interpret), g, _mode(e4m3_cast))
+    mode = _mode(e4m3_cast, bool(interpret))
+    g = _Grid.make("cast", (m, k), tiles, x.dtype, mode)
+    return _cast_2d(x, rs, cs, bool(interpret), g, mode)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))

@@ -24,7 +24,8 @@ from jax_side.mxfp8 import pallas_impl as pk
 from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
 
 FIELDS = ("rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale")
-MODES = pk.E4M3_CASTS
+MODES = pk.E4M3_CASTS  # the FTZ-proof element paths (interpret mode and GPU)
+ALL_MODES = pk.KERNEL_MODES  # + "native" (compiled kernels only)
 SMALL_TILES = pk.Tiles(block_m=32, block_k=64)  # several programs, two chunks each
 
 
@@ -113,6 +114,50 @@ def test_cast_own_every_bf16_pattern_where_its_premise_holds(mode):
         assert_bytes_equal(got, want, f"scale byte {e}")
         checked += int(ok.sum())
     assert checked > 255 * 30000
+
+
+def _normal_bf16_bits() -> np.ndarray:
+    """Every bf16 pattern except the subnormals (XLA:CPU flushes those; the GPU tests cover
+    them): normals, +-0, +-Inf and every NaN."""
+    bits = every_bf16_as_fp32_bits()
+    exp = (bits >> 23) & 0xFF
+    return bits[(exp != 0) | ((bits & 0x7FFFFFFF) == 0)]
+
+
+@pytest.mark.parametrize("nan_scale", [False, True], ids=["own-scale", "any-scale"])
+def test_native_cast_every_normal_bf16_pattern_at_every_scale_byte(nan_scale):
+    # The "native" element math as plain jnp on CPU, against xla. Checked wherever XLA:CPU gives
+    # what the GPU gives: not for subnormal x or scale byte 254 (factor 2**-127), which XLA:CPU
+    # flushes, and not where |x| * 2**k >= 464 (Inf or saturating finite x), which XLA's convert
+    # makes NaN while the GPU's cvt.rn.satfinite gives 448 as the contract does. The compiled
+    # GPU tests (test_gpu_*, mode "native") check all of those.
+    bits = _normal_bf16_bits()
+    with np.errstate(invalid="ignore"):
+        x64 = np.abs(bits.view(np.float32).astype(np.float64))
+    el = pk._native_elements(jnp.asarray(bits.view(np.int32)))
+    cast = jax.jit(lambda e: pk._cast_native(el, e, nan_scale=nan_scale))
+    ref = jax.jit(lambda e: jax.lax.bitcast_convert_type(
+        xla_impl.cast_2d(jnp.asarray(bits), jnp.broadcast_to(e, bits.shape)), jnp.uint8))
+    checked = 0
+    for e in [*range(254), *([255] if nan_scale else [])]:
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = np.isnan(x64) | (np.isfinite(x64) & (np.ldexp(x64, 127 - e) < 464.0))
+        if e == 255:
+            ok[:] = True  # every byte is NaN (0x7F | sign) on both
+        assert_bytes_equal(u8(cast(jnp.int32(e)))[ok], u8(ref(jnp.uint8(e)))[ok],
+                           f"native, scale byte {e}")
+        checked += int(ok.sum())
+    assert checked > 254 * 30000
+
+
+def test_native_mode_is_refused_in_interpret_mode_and_default_follows_the_mode():
+    x = jnp.zeros((32, 32), jnp.float32)
+    with pytest.raises(ValueError, match="native.*interpret"):
+        pk.quantize_2d(x, rowwise=True, colwise=True, interpret=True, e4m3_cast="native")
+    with pytest.raises(ValueError, match="native.*interpret"):
+        pk.cast_2d(x, jnp.zeros((32, 1), jnp.uint8), interpret=True, e4m3_cast="native")
+    assert pk._mode(None, True) == pk.E4M3_CAST
+    assert pk._mode(None, False) == pk.COMPILED_MODE
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -262,9 +307,11 @@ def test_block_amax_matches_xla(interpret):
     assert_bytes_equal(got.colwise, want.colwise, "colwise amax")
 
 
-@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpret"),
-                                       pytest.param(False, marks=pytest.mark.gpu, id="compiled")])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("mode", "interpret"),
+    [(m, True) for m in MODES]
+    + [pytest.param(m, False, marks=pytest.mark.gpu, id=f"{m}-compiled") for m in ALL_MODES],
+)
 def test_cast_2d_with_arbitrary_scale_bytes(mode, interpret):
     # Scales that are not the blocks' own (saturation, NaN byte 0xFF, tiny and huge scales).
     rng = np.random.default_rng(9)
@@ -377,7 +424,7 @@ LOWERED = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("name", sorted(LOWERED))
 def test_kernels_lower_to_triton_for_cuda(name, mode):
     if jax.default_backend() == "gpu":
@@ -395,7 +442,7 @@ GPU_SHAPES = [(32, 32), (96, 160), (64, 288), (2304, 768), (768, 3072), (4096, 8
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 def test_gpu_random_with_specials(shape, dtype, mode):
@@ -403,7 +450,7 @@ def test_gpu_random_with_specials(shape, dtype, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_gpu_corners_and_thresholds(mode):
     for case in CORNERS:
         for column in (False, True):
