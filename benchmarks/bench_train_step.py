@@ -298,7 +298,10 @@ def _profile(step, cfg, args, rank) -> str:
         table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
     except Exception:  # noqa: BLE001 -- older/newer profiler key names
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    return "=== profile of one warm mxfp8 step (top 25 by self device time)\n" + table
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                     max_name_column_width=60)
+    return ("=== profile of one warm mxfp8 step (top 25 by self device time)\n" + table
+            + "\n=== the same step, top 25 by self host time (CUDA API calls included)\n" + host)
 
 
 def _pyprofile(step, cfg, args, rank) -> str:
