@@ -90,25 +90,6 @@ class _Reference:
         self.opt.zero_grad()
 
 
-class _Compiles:
-    """XLA compilations in this process (a jax.monitoring listener, registered once)."""
-
-    count = 0
-    registered = False
-
-    @classmethod
-    def start(cls) -> None:
-        if not cls.registered:
-            import jax
-
-            def listen(event, duration, **kw):
-                if event.endswith("backend_compile_duration"):
-                    cls.count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listen)
-            cls.registered = True
-
-
 def _train_and_compare(
     ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32,
     tokens: int = T, precompiled: bool = False,
@@ -137,19 +118,19 @@ def _train_and_compare(
             x, y = make_batch(100 * step + mb, T * w, ctx.device)  # global batch (w*T, 16|8)
             x = x.to(dtype)
             mine = slice(r * T, (r + 1) * T)  # this rank's micro-batch
-            before = _Compiles.count
+            before = _compiles()
             loss = mse(model(x[mine]).float(), y[mine]) / micro_batches
             loss.backward()
-            compiled += _Compiles.count - before
+            compiled += _compiles() - before
             losses += loss.detach()
             ref_loss = mse(ref.compute(x).float(), y) / micro_batches
             ref_loss.backward()
             ref_losses += ref_loss.detach()
         dist.all_reduce(losses)
-        before = _Compiles.count
+        before = _compiles()
         opt.step()
         opt.zero_grad()
-        compiled += _Compiles.count - before
+        compiled += _compiles() - before
         ref.end_step()
         _assert_close(f"loss step {step}", losses / w, ref_losses, exact, precision)
     if precompiled:
@@ -160,17 +141,23 @@ def _train_and_compare(
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
 
 
+def _compiles() -> int:
+    """XLA compilations so far in this rank's process (tests.compiles, loaded on first use)."""
+    from tests.compiles import COMPILES
+
+    return COMPILES.count
+
+
 def _precompile(model, ctx, tokens: int, dtype) -> None:
     from torch_side import precompile
 
-    _Compiles.start()
-    before = _Compiles.count
+    before = _compiles()
     x, y = make_batch(999, tokens, ctx.device)  # a dry batch of the training shapes
     log = model.wire_log()
     report = precompile(model, lambda: mse(model(x.to(dtype)).float(), y))
     # ToyNet: fc1 (96, 64) and fc2 (64, 96), a forward and a backward program each, shared by
     # both blocks; new to this process (no other case uses these token counts)
-    assert report.programs == 4 and _Compiles.count - before >= 4, (report, _Compiles.count)
+    assert report.programs == 4 and _compiles() - before >= 4, (report, _compiles())
     assert model.wire_log() == log, "precompile left records in the wire log"
 
 

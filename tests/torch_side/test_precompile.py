@@ -15,21 +15,9 @@ from bridge import compile_ahead
 from bridge.compile_ahead import active
 from common.model_config import GPTConfig
 from common.modes import LinearMode
+from tests.compiles import COMPILES
 from torch_side import precompile
 from torch_side.models.gpt import TorchGPT, cross_entropy
-
-
-class _Compiles:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kw):
-        if event.endswith("backend_compile_duration"):
-            self.count += 1
-
-
-_COMPILES = _Compiles()
-jax.monitoring.register_event_duration_secs_listener(_COMPILES)
 
 
 def _model(mode: LinearMode, d_ff: int, recompute: bool = False) -> TorchGPT:
@@ -58,14 +46,14 @@ def _train(model, pre: bool, steps: int = 2):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for i in range(steps):
-        before = _COMPILES.count
+        before = COMPILES.count
         tokens = _tokens(i)
         loss = cross_entropy(model(tokens), tokens)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
-        out.append((loss.detach(), _COMPILES.count - before, grads))
+        out.append((loss.detach(), COMPILES.count - before, grads))
     return report, out
 
 
@@ -166,7 +154,7 @@ def test_compile_ahead_dedupes_programs_and_returns_abstract_results():
     report = ahead.wait()
     assert isinstance(a, jax.ShapeDtypeStruct) and a.shape == (3, 32)
     assert (report.programs, report.calls) == (3, 4), report
-    before = _COMPILES.count
+    before = COMPILES.count
     y, z = f(ones, scale=3), f(put, scale=3)
-    assert _COMPILES.count == before, "the jit calls did not find the programs compiled ahead"
+    assert COMPILES.count == before, "the jit calls did not find the programs compiled ahead"
     assert float(y[0, 0]) == 3.0 and float(z[0, 0]) == 3.0

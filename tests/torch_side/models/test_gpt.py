@@ -3,7 +3,6 @@ checkpoint loading with clear errors, and the capture used by the parity report.
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 from apps.parity.torch_run import run_torch
 from bridge import MXFP8Linear
 from common import GPTConfig, LinearMode
+from tests.compiles import COMPILES
 from torch_side.models import TorchGPT, cross_entropy, load_flat_params, mxfp8_linears
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=64, n_layer=2, n_head=2, d_model=64, d_ff=64)
@@ -84,30 +84,17 @@ def test_capture_sees_every_linear_with_token_major_shapes():
     assert torch.equal(run.linear_io["lm_head"].y, run.logits.reshape(21, 64))
 
 
-class _Compiles:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kw):
-        if event.endswith("backend_compile_duration"):
-            self.count += 1
-
-
-_COMPILES = _Compiles()
-jax.monitoring.register_event_duration_secs_listener(_COMPILES)
-
-
 def _steps_compiles(n_layer: int, steps: int = 2) -> list[int]:
     cfg = GPTConfig(vocab_size=96, max_seq_len=32, n_layer=n_layer, n_head=2, d_model=64,
                     d_ff=160)  # shapes no other test uses: every program here is compiled anew
     model = TorchGPT(cfg, LinearMode.MXFP8, seed=1)
     out = []
     for i in range(steps):
-        before = _COMPILES.count
+        before = COMPILES.count
         g = torch.Generator().manual_seed(i)
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
         cross_entropy(model(tokens), tokens).backward()
-        out.append(_COMPILES.count - before)
+        out.append(COMPILES.count - before)
     return out
 
 
