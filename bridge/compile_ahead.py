@@ -115,7 +115,6 @@ class CompileAhead:
         self._report = AheadReport(len(self._futures), self._calls, wall, compile_s, self.workers)
         return self._report
 
-
     def abandon(self) -> None:
         """Stop: cancel programs not started, wait for running ones, raise nothing (the block
         is being left by an exception of its own)."""
