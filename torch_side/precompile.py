@@ -53,6 +53,7 @@ def precompile(
     model: torch.nn.Module,
     loss_fn: Callable[[], torch.Tensor],
     *,
+    no_grad_forward: bool = False,
     max_workers: int | None = None,
 ) -> AheadReport:
     """Compile, in parallel, every JAX program one forward + backward of ``model`` runs.
@@ -60,8 +61,11 @@ def precompile(
     model: an ``FSDPModel`` (from ``fully_shard``) or a plain module with MXFP8 linears.
     loss_fn: runs one micro-batch's forward of ``model`` on inputs of the training shapes and
     returns the scalar loss (``precompile`` calls its backward). Its values are meaningless (the
-    linears return zeros) and are discarded. max_workers: compile threads (default: the CPU
-    count, at most 16). Returns the ``bridge.AheadReport`` (programs, wall and compile seconds).
+    linears return zeros) and are discarded. no_grad_forward: also compile the programs of a
+    forward under ``torch.no_grad()`` (evaluation: the linears keep nothing for backward, which
+    makes other programs), by one more call of ``loss_fn`` first, under no_grad. max_workers:
+    compile threads (default: the CPU count, at most 16). Returns the ``bridge.AheadReport``
+    (programs, wall and compile seconds).
     Call it before the first step (or right after ``zero_grad()``). See the module docstring for
     what is restored afterwards.
     """
@@ -79,6 +83,9 @@ def precompile(
     rng = _rng_states()
     try:
         with compile_ahead(max_workers) as ahead:
+            if no_grad_forward:
+                with torch.no_grad():
+                    loss_fn()
             loss = loss_fn()
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 raise TypeError(

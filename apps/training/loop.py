@@ -149,10 +149,12 @@ def heldout_loss(m: _Model, job: TrainJob) -> float:
 
 
 def _precompile(m: _Model, job: TrainJob):
-    """Compile the step's JAX programs in parallel (torch_side.precompile: a dry micro-batch of
-    the training shapes, zero tokens; weights, optimizer, data position and RNG untouched)."""
+    """Compile the step's JAX programs, and those of the held-out evaluation (a no-grad forward
+    of the same shape), in parallel (torch_side.precompile: a dry micro-batch of the training
+    shapes, zero tokens; weights, optimizer, data position and RNG untouched)."""
     tokens = torch.zeros((job.batch_size, job.seq_len), dtype=torch.long, device=job.device)
-    report = precompile(m.fsdp, lambda: cross_entropy(m.fsdp(tokens), tokens))
+    report = precompile(m.fsdp, lambda: cross_entropy(m.fsdp(tokens), tokens),
+                        no_grad_forward=True)
     _sync(job)
     return report
 

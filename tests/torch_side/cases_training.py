@@ -135,6 +135,10 @@ def _train_and_compare(
         _assert_close(f"loss step {step}", losses / w, ref_losses, exact, precision)
     if precompiled:
         assert compiled == 0, f"{compiled} programs compiled in the steps after precompile"
+        before = _compiles()
+        with torch.no_grad():  # an evaluation forward: precompiled too (no_grad_forward)
+            model(make_batch(7, T, ctx.device)[0].to(dtype))
+        assert _compiles() == before, "the no-grad forward compiled after precompile"
     state = model.full_state_dict()
     for name, p in ref.master.named_parameters():
         _assert_close(name, state[name], p.detach(), exact, precision)
@@ -154,10 +158,10 @@ def _precompile(model, ctx, tokens: int, dtype) -> None:
     before = _compiles()
     x, y = make_batch(999, tokens, ctx.device)  # a dry batch of the training shapes
     log = model.wire_log()
-    report = precompile(model, lambda: mse(model(x.to(dtype)).float(), y))
-    # ToyNet: fc1 (96, 64) and fc2 (64, 96), a forward and a backward program each, shared by
-    # both blocks; new to this process (no other case uses these token counts)
-    assert report.programs == 4 and _compiles() - before >= 4, (report, _compiles())
+    report = precompile(model, lambda: mse(model(x.to(dtype)).float(), y), no_grad_forward=True)
+    # ToyNet: fc1 (96, 64) and fc2 (64, 96), each with a no-grad forward, a forward and a backward
+    # program, shared by both blocks; new to this process (no other case uses these token counts)
+    assert report.programs == 6 and _compiles() - before >= 6, (report, _compiles())
     assert model.wire_log() == log, "precompile left records in the wire log"
 
 

@@ -75,6 +75,18 @@ def test_precompile_compiles_every_program_and_changes_nothing(mode, d_ff, recom
         assert all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
 
 
+def test_precompile_no_grad_forward_compiles_the_evaluation_programs_too():
+    model = _model(LinearMode.MXFP8, 320)
+    dry = _tokens(7)
+    report = precompile(model, lambda: cross_entropy(model(dry), dry), no_grad_forward=True)
+    before = COMPILES.count
+    with torch.no_grad():
+        model(_tokens(8))  # evaluation: forward programs that keep no x colwise plane
+    cross_entropy(model(_tokens(9)), _tokens(9)).backward()
+    assert COMPILES.count == before, "evaluation or training compiled after precompile"
+    assert report.programs >= 12, report  # 4 shapes x (eval forward, forward, backward)
+
+
 def test_precompile_restores_rng_and_clears_grads():
     model = _model(LinearMode.MXFP8, 224)
     torch.manual_seed(5)
