@@ -131,6 +131,15 @@ def count_crossings() -> Iterator[CrossingStats]:
         _COUNTING.remove(stats)
 
 
+def _counted(direction: str, fn, *args):
+    """``fn(*args)``, its call and host time recorded under ``direction`` by ``count_crossings``."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        _record(direction, time.perf_counter() - t0)
+
+
 def _record(direction: str, seconds: float) -> None:
     for stats in _COUNTING:
         setattr(stats, direction, getattr(stats, direction) + 1)
@@ -472,11 +481,7 @@ def to_jax(
     """
     if not _COUNTING:
         return _to_jax(t, copy, transport)
-    t0 = time.perf_counter()
-    try:
-        return _to_jax(t, copy, transport)
-    finally:
-        _record("to_jax", time.perf_counter() - t0)
+    return _counted("to_jax", _to_jax, t, copy, transport)
 
 
 def _to_jax(t, copy, transport) -> jax.Array:
@@ -546,11 +551,7 @@ def to_torch(
     """
     if not _COUNTING:
         return _to_torch(a, copy, transport)
-    t0 = time.perf_counter()
-    try:
-        return _to_torch(a, copy, transport)
-    finally:
-        _record("to_torch", time.perf_counter() - t0)
+    return _counted("to_torch", _to_torch, a, copy, transport)
 
 
 def _to_torch(a, copy, transport) -> torch.Tensor:

@@ -32,9 +32,10 @@ operation has normal operands and an exact normal (or discarded) result.
   0xFF), the low bit (0x7F). All selects act on 32-bit values (byte selects cost unpacking).
 - "native" element path (``_cast_native``; compiled kernels only, the GPU default): |x| * 2**k
   as one fp32 multiply, the hardware cast (RNE, satfinite: Inf -> 448, NaN -> 0x7F), then the
-  sign or-ed in. Exact where fp32 subnormals are not flushed (Triton's GPU code: no .ftz); about
-  half the per-element instructions of the FTZ-proof paths. Interpret mode (XLA:CPU flushes)
-  refuses it and uses "float". Byte-identical to ``xla`` on the GPU (test_gpu_*).
+  sign or-ed in. Exact where fp32 subnormals are not flushed (Triton's GPU code: no .ftz);
+  roughly half the per-element operations of the FTZ-proof paths (counted in the source, not
+  the SASS). Interpret mode (XLA:CPU flushes) refuses it and uses "float". Byte-identical to
+  ``xla`` on the GPU (test_gpu_*).
 """
 
 from __future__ import annotations
@@ -282,6 +283,16 @@ def _cast_native(el: _NativeElements, scale: jax.Array, nan_scale: bool) -> jax.
     return y
 
 
+def _element_path(mode: str, any_scale: bool):
+    """(elements, cast) of an element path: ``el = elements(bits)`` once per chunk, then
+    ``cast(el, E)`` per plane. any_scale: E are given bytes (any value, 0xFF = NaN), else the
+    block's own scale (quantize)."""
+    if mode == NATIVE:
+        return _native_elements, functools.partial(_cast_native, nan_scale=any_scale)
+    cast = _cast_any if any_scale else _cast_own
+    return _elements, lambda el, e: cast(el, e, mode)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels. Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
 # (BM/32, BK). Chunk (i, j) = rows [32 i, 32 i + 32), columns [CK j, CK j + CK) of the tile.
@@ -329,21 +340,17 @@ def _quantize_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     refs = list(refs)
     rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
     cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
-    native = mode == NATIVE
+    elements, cast = _element_path(mode, any_scale=False)
     for i, j, rows, cols, x in ch.chunks(x_ref):
-        el = (_native_elements if native else _elements)(_fp32_bits(x))
-
-        def cast(e, el=el):
-            return _cast_native(el, e, nan_scale=False) if native else _cast_own(el, e, mode)
-
+        el = elements(_fp32_bits(x))
         if rowwise:
             e = _scale_bytes(ch.row_max(el.amax_in), any_bits=False)  # (32, CK/32)
             rs[rows, ch.row_scales(j)] = e.astype(jnp.uint8)
-            rd[rows, cols] = cast(ch.row_expand(e))
+            rd[rows, cols] = cast(el, ch.row_expand(e))
         if colwise:
             e = _scale_bytes(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
             cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
-            cd[rows, cols] = cast(e)
+            cd[rows, cols] = cast(el, e)
 
 
 def _amax_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking):
@@ -366,18 +373,14 @@ def _cast_kernel(x_ref, *refs, rowwise, colwise, ch: _Chunking, mode):
     cs = refs.pop(0) if colwise else None
     rd = refs.pop(0) if rowwise else None
     cd = refs.pop(0) if colwise else None
-    native = mode == NATIVE
+    elements, cast = _element_path(mode, any_scale=True)
     for i, j, rows, cols, x in ch.chunks(x_ref):
-        el = (_native_elements if native else _elements)(_fp32_bits(x))
-
-        def cast(e, el=el):
-            return _cast_native(el, e, nan_scale=True) if native else _cast_any(el, e, mode)
-
+        el = elements(_fp32_bits(x))
         if rowwise:
             e = rs[rows, ch.row_scales(j)].astype(jnp.int32)  # (32, CK/32)
-            rd[rows, cols] = cast(ch.row_expand(e))
+            rd[rows, cols] = cast(el, ch.row_expand(e))
         if colwise:
-            cd[rows, cols] = cast(cs[pl.ds(i, 1), cols].astype(jnp.int32))
+            cd[rows, cols] = cast(el, cs[pl.ds(i, 1), cols].astype(jnp.int32))
 
 
 def _scale_kernel(a_ref, o_ref):
