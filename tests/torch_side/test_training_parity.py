@@ -60,7 +60,8 @@ def test_bf16_mixed_formats_match_reference(spawned, case, world_size):
 
 @pytest.mark.parametrize(
     ("case", "world_size"),
-    [(ct.case_zero3_precompiled, 1), (ct.case_zero3_precompiled, 2),
+    [(ct.case_zero3_precompiled, 1),
+     pytest.param(ct.case_zero3_precompiled, 2, marks=pytest.mark.slow),
      (ct.case_zero2_recompute_precompiled, 1)],
     ids=["zero3-w1", "zero3-w2", "zero2-recompute-w1"],
 )
