@@ -341,6 +341,10 @@ _COMPILES = _CompileLog()
 
 
 def _rank_main(args):
+    if args.deterministic:  # before the first JAX computation (XLA reads its flags once)
+        from bridge.determinism import make_deterministic
+
+        make_deterministic()
     import jax
     import torch.distributed as dist
 
@@ -404,6 +408,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="no torch_side.precompile before the first step (programs compile one "
                         "after another as the first step reaches them)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bridge.determinism: no XLA autotuning, deterministic Torch kernels "
+                        "(what mxfp8-train does by default); measures its cost")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
@@ -418,7 +425,8 @@ def main(argv=None) -> int:
 
     header = (f"device {args.device}, {args.nproc} rank(s), config {args.config}, batch "
               f"{args.batch_size} x {args.seq_len} tokens per rank, {args.steps} timed steps "
-              f"after {args.warmup} warm-up; torch {torch.__version__}, jax {jax.__version__}")
+              f"after {args.warmup} warm-up; torch {torch.__version__}, jax {jax.__version__}"
+              f"{'; deterministic kernels' if args.deterministic else ''}")
     print(header)
     print(_table(rows, args))
     if args.out:

@@ -68,6 +68,7 @@ class TrainJob:
     eval_batches: int = 4  # held-out batches (of batch_size sequences) evaluated at the end
     device: str = "cpu"
     kernels: KernelConfig | None = None
+    deterministic: bool = False  # bridge.determinism: the same bits in every GPU launch
 
     def __post_init__(self) -> None:
         owner = "TrainJob"
@@ -93,6 +94,8 @@ class TrainJob:
                 f"{owner}.seq_len={self.seq_len} exceeds max_seq_len="
                 f"{PRESETS[self.config].max_seq_len} of config {self.config!r}"
             )
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"{owner}.deterministic={self.deterministic!r}: expected a bool")
         if self.kernels is not None and not isinstance(self.kernels, KernelConfig):
             raise TypeError(f"{owner}.kernels={self.kernels!r}: expected a KernelConfig")
 

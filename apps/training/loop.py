@@ -38,6 +38,7 @@ from apps.training.data import (
 )
 from apps.training.job import Recompute, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
+from bridge.determinism import make_deterministic
 from common.model_config import PRESETS
 from torch_side import FSDPOptimizer, fully_shard, precompile
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy
@@ -171,6 +172,8 @@ def _progress(job: TrainJob, opts: RunOptions, start: int):
 def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
     """Train on this rank's part of the data-parallel group; a collective (every rank calls it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if job.deterministic:
+        make_deterministic()  # before the first JAX computation (XLA reads its flags once)
     m = _Model(job)
     desc = job.describe()
     start, position = 0, DataPosition(0)

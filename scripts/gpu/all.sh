@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BASE=${OUT:-$PWD/out}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(jax_side bridge fsdp parity train)
+[ ${#parts[@]} -gt 0 ] || parts=(jax_side bridge fsdp parity train repro)
 for part in "${parts[@]}"; do
   [ -f "scripts/gpu/$part.sh" ] || { echo "$part: no script" | tee -a "$BASE/summary.log"; continue; }
   t0=$SECONDS
