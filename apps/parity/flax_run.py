@@ -95,7 +95,7 @@ def _flax_step_fn(
 ):
     """The forward + backward with capture, built once per (config, mode, batch shape).
 
-    Runs eagerly: the MXFP8 linears are jitted per shape inside ``jax_side.models.linear``, so
+    Runs eagerly: the MXFP8 linears are jitted per shape inside ``jax_side.linear``, so
     layers of equal shape share compiled code (a whole-model jit compiles every layer anew).
     """
     model = FlaxGPT(cfg, mode, kernels)
