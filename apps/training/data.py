@@ -18,7 +18,7 @@ Design note. Every sample is a pure function of (corpus, seed, split, global sam
 Corpora (all yield ``Batch(tokens, targets)``, int64 (B, seq_len); a sample is a window of
 ``seq_len + 1`` tokens and targets are tokens shifted by one):
 
-- ``MarkovCorpus``: a seeded random Markov chain (the chain of ``torch_side.training``) with an
+- ``MarkovCorpus``: a seeded random Markov chain (the demo's synthetic language) with an
   exact loss floor; unbounded, generated per sample.
 - ``ByteCorpus``: byte-level text (token = byte value, vocab 256) from a file, a directory tree,
   or the Python standard library's own sources. Train/held-out split (``SplitRule``): the byte
@@ -143,8 +143,8 @@ class Corpus(abc.ABC):
 class MarkovCorpus(Corpus):
     """Sequences from a random Markov chain: V tokens, ``branching`` successors each.
 
-    The chain is built exactly as ``torch_side.training.MarkovCorpus`` builds it from
-    ``default_rng(seed)`` (same ``transition``, same ``loss_floor``); sampling is by id: sample
+    The chain (``transition``, ``loss_floor``) is built from ``default_rng(seed)``, as the
+    first version of the demo built it, so seeds keep their corpus; sampling is by id: sample
     ``i`` starts at a uniform token and takes ``seq_len`` inverse-CDF steps, all from
     ``default_rng([seed, split.seed_tag, i])``. Both splits follow the same chain.
     """
