@@ -4,6 +4,7 @@
   simulated CPU devices so sharding code paths are exercised without a GPU.
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA device is visible.
 - Hypothesis: no per-example deadline (XLA compiles on first call), a bounded example count.
+- ``single_rank_world``: a one-rank gloo group in this process (tests of collective code).
 """
 
 from __future__ import annotations
@@ -50,3 +51,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def single_rank_world():
+    """An in-process gloo group of one rank, for collective code that needs no second process
+    (no spawn: milliseconds); destroyed after the module, so later modules see no group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()

@@ -1,125 +1,85 @@
-"""Sharded training checkpoints with ``torch.distributed.checkpoint`` (DCP), resumable at any
-world size.
+"""Sharded training checkpoints without pickle, verified on load, resumable at any world size.
 
-Layout of one checkpoint, ``<save_dir>/step_<k>/``:
+Layout of one checkpoint, ``<save_dir>/step_<k>/`` (the files of ``torch_side.sharded_files``):
 
-- DCP files written by every rank: for each parameter piece a rank owns, its fp32 **main weight**
-  slice and the optimizer state slices (e.g. AdamW ``exp_avg``, ``exp_avg_sq``), keyed by the
-  parameter name and the piece's flat offset in the parameter (``main/<name>/<offset>``,
-  ``optim/<state>/<name>/<offset>``); the optimizer's step count per group (replicated); and each
-  rank's RNG states (``rng/<rank>/...``, restored only at the same world size).
-- ``meta.json`` (rank 0, plain JSON): format version, step, data position, world size, the job,
-  and every parameter's name and shape -- what a resume is checked against.
+- ``rank_<r>.bin`` / ``rank_<r>.json``, written by every rank: for each parameter piece the rank
+  owns, its fp32 **main weight** slice and optimizer state slices (e.g. AdamW ``exp_avg``,
+  ``exp_avg_sq``), keyed by parameter name and the piece's flat offset in the parameter
+  (``main/<name>/<offset>``, ``optim/<state>/<name>/<offset>``); the optimizer's step count per
+  group (``optim_scalar/<state>/<group>``, rank 0 only: it is replicated); and the rank's RNG
+  states (``rng/<rank>/torch``, ``rng/<rank>/cuda``; restored only at the same world size).
+  ``SCHEMA`` lists these keys with their dtypes; a file declaring any other key or dtype is refused.
+- ``meta.json`` (rank 0, last): format version 2, run id, step, world size, sha256 and size of
+  every file, and the training fields: data position, the job, the data's content digest
+  (``Corpus.content_digest``), every parameter's name and shape, the optimizer class.
 
-MXFP8 planes are never stored: after loading the main weights, every rank re-derives them with
-the distributed quantization (``FSDPModel.refresh_model_weights``), byte-identical to the planes
-of the run that saved. Offsets within a parameter do not depend on the world size, so a rank of
-another world size reads the saved pieces overlapping its own and copies the overlap: resuming at
-the same world size continues bit for bit, at another one to the precision re-sharding allows
-(the optimizer and weights are the same numbers; only the gradient reduction order changes).
+``<save_dir>/latest`` names the newest complete checkpoint and is written after its meta.json.
+A run saving into ``<save_dir>`` holds ``<save_dir>/writer.lock`` for its life
+(``apps.training.writer_lock``); its random **run id** is in every file it writes.
 
-Safety: DCP reads tensors with ``torch.load(weights_only=True)``; its ``.metadata`` file is a
-pickle, read here with an unpickler that admits only DCP's own metadata classes and torch's
-dtype/size objects. A missing, truncated or mismatched checkpoint raises ``CheckpointError``
-naming the file and what is wrong. ``<save_dir>/latest`` names the newest complete checkpoint.
+MXFP8 planes are never stored: after loading the main weights every rank re-derives them with the
+distributed quantization (``FSDPModel.refresh_model_weights``), byte-identical to the planes of the
+run that saved. Offsets within a parameter do not depend on the world size, so a rank of another
+world size reads only the byte ranges of the saved pieces that overlap its own: resuming at the
+same world size continues bit for bit, at another one to the precision re-sharding allows.
+
+Refused, with a ``CheckpointError`` naming the file and what is wrong (on every rank at once): a
+file whose sha256 or size differs from meta.json, an index of another run or step, an unknown key
+or dtype, a checkpoint of another model or job setup, other data (content digest), a save holding
+a non-finite value (``latest`` then stays where it was), and format 1 checkpoints (DCP, whose
+``.metadata`` is a pickle: never read, for safety).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import os
-import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 from apps.training.data import DataPosition
+from apps.training.writer_lock import WriterLock
+from torch_side.sharded_files import (
+    FORMAT_VERSION,
+    META,
+    CheckpointError,
+    ShardedReader,
+    agree,
+    new_run_id,
+    read_json,
+    write_step,
+)
 
 __all__ = [
     "FORMAT_VERSION",
+    "SCHEMA",
     "CheckpointError",
+    "CheckpointSaver",
     "ResumeState",
-    "SafeFileSystemReader",
     "checkpoint_dir",
     "load",
     "resolve",
-    "save",
 ]
 
-FORMAT_VERSION = 1
-META = "meta.json"
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used: missing, truncated, or from another model/run setup."""
+_STEP_DIR = re.compile(r"step_\d{6,}")
+_NAME = r"[A-Za-z0-9_.]+"  # parameter and state names (module paths)
+SCHEMA: dict[str, torch.dtype] = {
+    rf"main/{_NAME}/\d+": torch.float32,
+    rf"optim/{_NAME}/{_NAME}/\d+": torch.float32,
+    rf"optim_scalar/{_NAME}/[A-Za-z0-9_.<>/-]+": torch.float32,
+    r"rng/\d+/(torch|cuda)": torch.uint8,
+}
 
 
 class ResumeState(NamedTuple):
     step: int  # the number of completed steps (training continues at this step index)
     position: DataPosition
     meta: dict[str, Any]
-
-
-# ------------------------------------------------------------------------- safe metadata
-
-
-_ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("torch", "float32"),
-    ("torch", "bfloat16"),
-    ("torch", "uint8"),
-    ("torch", "int64"),
-    ("torch", "strided"),
-    ("torch", "contiguous_format"),
-    ("torch", "preserve_format"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "getattr"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),  # the checkpoint id DCP records (a path: inert)
-    ("pathlib", "PurePosixPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"refusing to unpickle {module}.{name} from a checkpoint's metadata (only DCP "
-            f"metadata classes are allowed)"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is unpickled with an allowlist (see module note)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"checkpoint metadata {path} cannot be read: {e}") from e
-        try:
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint metadata {path} is not valid: {e}") from e
-        storage_meta = getattr(metadata, "storage_meta", None)
-        if storage_meta is not None:
-            storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ------------------------------------------------------------------------- what a rank holds
@@ -148,19 +108,22 @@ def _optim_states(opt, group) -> dict[str, torch.Tensor]:
 
 
 def _state_dict(fsdp, opt) -> dict[str, torch.Tensor]:
-    """This rank's tensors to save (see the module note)."""
+    """This rank's tensors to save (see the module note); main weights first, so a non-finite
+    refusal names a weight before its optimizer state."""
     sd: dict[str, torch.Tensor] = {}
-    # clones: DCP writes a tensor's whole storage, and these are slices of the group buffers
-    for pc in _pieces(fsdp):
-        sd[f"main/{pc.name}/{pc.offset}"] = pc.group.main[pc.lo:pc.hi].clone()
+    pieces = _pieces(fsdp)
+    for pc in pieces:
+        sd[f"main/{pc.name}/{pc.offset}"] = pc.group.main[pc.lo:pc.hi]
+    for pc in pieces:
         for key, value in _optim_states(opt, pc.group).items():
             if torch.is_tensor(value) and value.shape == pc.group.main.shape:
-                sd[f"optim/{key}/{pc.name}/{pc.offset}"] = value[pc.lo:pc.hi].clone()
-    for g in opt.groups:
-        for key, value in _optim_states(opt, g).items():
-            if torch.is_tensor(value) and value.dim() == 0:
-                sd[f"optim_scalar/{key}/{g.label}"] = value.detach().clone()
+                sd[f"optim/{key}/{pc.name}/{pc.offset}"] = value[pc.lo:pc.hi]
     rank = dist.get_rank()
+    if rank == 0:
+        for g in opt.groups:
+            for key, value in _optim_states(opt, g).items():
+                if torch.is_tensor(value) and value.dim() == 0:
+                    sd[f"optim_scalar/{key}/{g.label}"] = value.detach().float()
     sd[f"rng/{rank}/torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         sd[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
@@ -175,45 +138,99 @@ def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
     return Path(save_dir) / f"step_{step:06d}"
 
 
-def save(save_dir, *, step: int, fsdp, opt, position: DataPosition, job: Mapping) -> Path:
-    """Write the checkpoint of ``step`` completed steps (a collective: call on every rank)."""
-    path = checkpoint_dir(save_dir, step)
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dcp.save(_state_dict(fsdp, opt), storage_writer=FileSystemWriter(path))
-    if dist.get_rank() == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
+# ------------------------------------------------------------------------- save
+
+
+class CheckpointSaver:
+    """The saving side of one training run: the directory lock (rank 0), the run id, the saves.
+
+    ``start`` and ``save`` are collectives (call on every rank); ``close`` releases the lock
+    (rank 0; local, so it is safe in a ``finally`` after another rank failed). A context manager.
+    """
+
+    def __init__(self, save_dir: Path, run_id: str, lock: WriterLock | None):
+        self.save_dir, self.run_id, self._lock = save_dir, run_id, lock
+
+    @classmethod
+    def start(cls, save_dir: str | os.PathLike) -> CheckpointSaver:
+        """Take ``<save_dir>/writer.lock`` for a fresh run id; every rank raises the same
+        ``CheckpointError`` when another run holds it."""
+        save_dir = Path(save_dir)
+        run_id, lock, problem = new_run_id(), None, None
+        if dist.get_rank() == 0:
+            try:
+                lock = WriterLock.acquire(save_dir, run_id)
+            except (CheckpointError, OSError) as e:
+                problem = str(e)
+        agree(problem)
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)  # rank 0's id (a str between our own ranks)
+        return cls(save_dir, box[0], lock)
+
+    def __enter__(self) -> CheckpointSaver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def save(self, *, step: int, fsdp, opt, position: DataPosition, job: Mapping,
+             data_digest: str) -> Path:
+        """Write the checkpoint of ``step`` completed steps, then point ``latest`` at it.
+
+        Refused on every rank, with nothing written and ``latest`` unchanged, when a main weight
+        or optimizer state holds a non-finite value or this run no longer holds the lock."""
+        lost = None
+        if self._lock is not None and not self._lock.held():
+            lost = (f"{self._lock.path} no longer names this run ({self.run_id}): another run "
+                    f"took the directory over; refusing to save step {step} there")
+        agree(lost)
+        path = checkpoint_dir(self.save_dir, step)
+        fields = {
             "data_position": position.to_dict(),
-            "world_size": dist.get_world_size(),
+            "data_digest": data_digest,
             "job": dict(job),
             "params": _param_shapes(fsdp),
             "optimizer": type(opt.optimizer).__name__,
         }
-        tmp = path / (META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        tmp.replace(path / META)
-        latest = Path(save_dir) / (LATEST + ".tmp")
-        latest.write_text(path.name + "\n")
-        latest.replace(Path(save_dir) / LATEST)
-    dist.barrier()
-    return path
+        write_step(path, _state_dict(fsdp, opt), run_id=self.run_id, step=step, schema=SCHEMA,
+                   fields=fields)
+        if dist.get_rank() == 0:
+            latest = self.save_dir / (LATEST + ".tmp")
+            latest.write_text(path.name + "\n")
+            latest.replace(self.save_dir / LATEST)
+        return path
 
 
 # ------------------------------------------------------------------------- load
 
 
+def _refuse_format_1(where: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: this checkpoint was written by an earlier version of mxfp8-train (format 1, "
+        f"torch.distributed.checkpoint), whose .metadata file is a pickle; pickles from "
+        f"checkpoints are no longer loaded, for safety (unpickling can run code planted in the "
+        f"file), and it was not opened. Retrain with this version (format {FORMAT_VERSION}), or, "
+        f"if you trust where the files came from, finish that run with the earlier version "
+        f"that wrote it")
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory from ``--resume``: a step directory, or a save dir (its latest)."""
     path = Path(path)
-    if (path / META).is_file():
+    if (path / META).is_file() or (path / ".metadata").is_file():
         return path
     latest = path / LATEST
     if latest.is_file():
-        step_dir = path / latest.read_text().strip()
-        if (step_dir / META).is_file():
+        name = latest.read_text().strip()
+        if not _STEP_DIR.fullmatch(name):
+            raise CheckpointError(f"{latest} holds {name[:80]!r}, not a step_<k> directory name")
+        step_dir = path / name
+        if (step_dir / META).is_file() or (step_dir / ".metadata").is_file():
             return step_dir
         raise CheckpointError(
             f"{latest} names {step_dir.name!r}, which has no {META}: the checkpoint is incomplete"
@@ -226,31 +243,37 @@ def resolve(path: str | os.PathLike) -> Path:
     )
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path / META} cannot be read: {e}") from e
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path / META}: format_version {meta.get('format_version')!r}, this code reads "
-            f"{FORMAT_VERSION}"
-        )
-    return meta
+def _check_version(path: Path) -> None:
+    """Format 1 is refused before anything but its meta.json is read (never its .metadata)."""
+    if not (path / META).is_file():
+        raise _refuse_format_1(path / ".metadata")
+    meta = read_json(path / META, "checkpoint metadata")
+    if meta.get("format_version") == 1:
+        raise _refuse_format_1(path / META)
 
 
-# Job fields that must match for a resume (others, e.g. steps, lr, metrics, may change).
-_MUST_MATCH = ("config", "weights", "activations", "data", "seed", "branching")
+# Job fields that must match for a resume (others, e.g. steps, lr, metrics, may change). The
+# data is matched by content (data_digest), not by the --data string.
+_MUST_MATCH = ("config", "weights", "activations", "seed", "branching")
 
 
-def _check_meta(path: Path, meta: Mapping, fsdp, job: Mapping) -> None:
+def _check_meta(path: Path, meta: Mapping, fsdp, job: Mapping, data_digest: str) -> None:
     where = path / META
+    saved_job = meta.get("job")
+    if not isinstance(saved_job, dict) or not isinstance(meta.get("params"), dict):
+        raise CheckpointError(f"{where}: 'job' or 'params' missing; not a training checkpoint")
     for key in _MUST_MATCH:
-        if meta["job"].get(key) != job.get(key):
+        if saved_job.get(key) != job.get(key):
             raise CheckpointError(
-                f"{where}: the checkpoint was saved with {key}={meta['job'].get(key)!r} but this "
+                f"{where}: the checkpoint was saved with {key}={saved_job.get(key)!r} but this "
                 f"run has {key}={job.get(key)!r}; resume with the same {key}"
             )
+    if meta.get("data_digest") != data_digest:
+        raise CheckpointError(
+            f"{where}: the checkpoint was trained on data with digest "
+            f"{meta.get('data_digest')!r} (--data {saved_job.get('data')!r}), but this run's "
+            f"--data {job.get('data')!r} has digest {data_digest!r}; resume on the same data"
+        )
     ours = _param_shapes(fsdp)
     if meta["params"] != ours:
         diff = sorted(
@@ -262,111 +285,116 @@ def _check_meta(path: Path, meta: Mapping, fsdp, job: Mapping) -> None:
         )
 
 
-def _check_files(path: Path, metadata) -> None:
-    """Every data file the metadata points into exists and is long enough (a truncated copy or
-    an interrupted write is named here, before DCP fails somewhere inside its reader)."""
-    need: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint data file {f} is missing")
-        have = f.stat().st_size
-        if have < size:
-            raise CheckpointError(
-                f"checkpoint data file {f} is truncated: {have} bytes, the metadata needs {size}"
-            )
-
-
-def _overlaps(saved: dict[str, int], name: str, offset: int, numel: int):
-    """(key, saved offset, saved length) of every saved piece of ``name`` overlapping
-    [offset, offset + numel)."""
-    for key, length in saved.items():
-        if not key.startswith(name + "/"):
+def _saved_pieces(reader: ShardedReader, params: Mapping) -> dict[str, list[tuple[int, int]]]:
+    """name -> [(offset, numel)] of the saved main-weight pieces, each inside its parameter."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for key, e in reader.entries.items():
+        if not key.startswith("main/"):
             continue
-        start = int(key[len(name) + 1:])
+        name, offset = key[5:].rsplit("/", 1)
+        numel = 1
+        for s in params.get(name, [0]):
+            numel *= s
+        if name not in params or int(offset) + e.numel > numel or len(e.shape) != 1:
+            raise CheckpointError(
+                f"{reader.path / e.file}: {key!r} ({e.numel} elements) is not a piece of a "
+                f"parameter of this model (its shape: {params.get(name)})")
+        out.setdefault(name, []).append((int(offset), e.numel))
+    return out
+
+
+def _overlaps(saved, name: str, offset: int, numel: int):
+    """(saved offset, saved length) of every saved piece of ``name`` overlapping
+    [offset, offset + numel)."""
+    for start, length in saved.get(name, ()):
         if start < offset + numel and offset < start + length:
-            yield key, start, length
+            yield start, length
 
 
-def load(path, *, fsdp, opt, job: Mapping) -> ResumeState:
-    """Restore main weights, optimizer state and RNG (a collective: call on every rank), then
-    re-derive the MXFP8 planes. Checks the checkpoint against this run first."""
-    path = resolve(path)
-    meta = _read_meta(path)
-    _check_meta(path, meta, fsdp, job)
-    reader = SafeFileSystemReader(path)
-    md = reader.read_metadata().state_dict_metadata
-    saved_main = {k[5:]: md[k].size.numel() for k in md if k.startswith("main/")}
-    pieces = _pieces(fsdp)
-    request: dict[str, torch.Tensor] = {}
-    for pc in pieces:
-        for key, _, length in _overlaps(saved_main, pc.name, pc.offset, pc.hi - pc.lo):
-            request[f"main/{key}"] = torch.empty(length, dtype=torch.float32)
-    optim_keys = sorted({k.split("/")[1] for k in md if k.startswith("optim/")})
-    for state in optim_keys:
-        for k in list(request):
-            if k.startswith("main/"):
-                request[f"optim/{state}/{k[5:]}"] = torch.empty_like(request[k])
-    for k in md:
-        if k.startswith("optim_scalar/"):
-            request[k] = torch.empty((), dtype=torch.float32)
-    same_world = meta["world_size"] == dist.get_world_size()
-    rank = dist.get_rank()
-    if same_world:
-        for k in md:
-            if k.startswith(f"rng/{rank}/"):
-                request[k] = torch.empty(md[k].size, dtype=torch.uint8)
-    for pc in pieces:
+class _Overlap(NamedTuple):
+    """Saved elements that land in one of this rank's pieces."""
+
+    group: Any  # torch_side ParamGroup
+    dst: slice  # in the group's main / optimizer tensors
+    values: dict[str, torch.Tensor]  # "main" or an optimizer state name -> the saved elements
+
+
+class _Loaded(NamedTuple):
+    overlaps: list[_Overlap]
+    states: list[str]  # optimizer state names of the per-element states (e.g. exp_avg)
+    scalars: dict[str, torch.Tensor]  # optim_scalar/<state>/<group label> -> 0-d
+    rng: dict[str, torch.Tensor]  # "torch" / "cuda" -> state (same world size only)
+
+
+def _read_local(path: Path, reader: ShardedReader, fsdp, opt) -> _Loaded:
+    """Every value this rank needs, read (and verified) before anything is restored: only the
+    byte ranges of the saved pieces that overlap this rank's pieces."""
+    saved = _saved_pieces(reader, reader.meta["params"])
+    states = sorted({k.split("/")[1] for k in reader.entries if k.startswith("optim/")})
+    overlaps = []
+    for pc in _pieces(fsdp):
         n = pc.hi - pc.lo
-        covered = sum(
-            min(s + ln, pc.offset + n) - max(s, pc.offset)
-            for _, s, ln in _overlaps(saved_main, pc.name, pc.offset, n)
-        )
+        covered = 0
+        kinds = ["main"] + (states if pc.group in opt.groups else [])
+        for start, length in _overlaps(saved, pc.name, pc.offset, n):
+            a, b = max(start, pc.offset), min(start + length, pc.offset + n)
+            covered += b - a
+            values = {
+                kind: reader.read(("main" if kind == "main" else f"optim/{kind}")
+                                  + f"/{pc.name}/{start}", a - start, b - a)
+                for kind in kinds
+            }
+            dst = slice(pc.lo + a - pc.offset, pc.lo + b - pc.offset)
+            overlaps.append(_Overlap(pc.group, dst, values))
         if covered != n:
             raise CheckpointError(
                 f"{path}: the saved main weights cover {covered} of the {n} elements of "
                 f"{pc.name!r} at offset {pc.offset} this rank needs; the checkpoint is incomplete"
             )
-    _check_files(path, reader.read_metadata())
+    scalars = {k: reader.read(k) for k in reader.entries if k.startswith("optim_scalar/")}
+    rng = {}
+    if reader.meta["world_size"] == dist.get_world_size():
+        prefix = f"rng/{dist.get_rank()}/"
+        rng = {k[len(prefix):]: reader.read(k) for k in reader.entries if k.startswith(prefix)}
+    return _Loaded(overlaps, states, scalars, rng)
+
+
+def load(path, *, fsdp, opt, job: Mapping, data_digest: str) -> ResumeState:
+    """Restore main weights, optimizer state and RNG (a collective: call on every rank), then
+    re-derive the MXFP8 planes. Checks the checkpoint against this run and every file it reads
+    against meta.json first; any rank's refusal is raised on every rank."""
+    problem, loaded, meta = None, None, {}
     try:
-        dcp.load(request, storage_reader=reader)
-    except CheckpointError:
-        raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's errors name no file
-        raise CheckpointError(
-            f"checkpoint {path} could not be read (a data file is missing, truncated or "
-            f"corrupt): {type(e).__name__}: {e}"
-        ) from e
-    _restore(pieces, saved_main, request, fsdp, opt, optim_keys)
-    if same_world:
-        if f"rng/{rank}/torch" in request:
-            torch.set_rng_state(request[f"rng/{rank}/torch"])
-        if f"rng/{rank}/cuda" in request and torch.cuda.is_available():
-            torch.cuda.set_rng_state(request[f"rng/{rank}/cuda"])
+        path = resolve(path)
+        _check_version(path)
+        with ShardedReader(path, SCHEMA) as reader:
+            meta = reader.meta
+            _check_meta(path, meta, fsdp, job, data_digest)
+            loaded = _read_local(path, reader, fsdp, opt)
+        position = DataPosition.from_dict(meta.get("data_position"))
+    except (CheckpointError, TypeError, ValueError) as e:
+        problem = str(e)
+    agree(problem)
+    _restore(loaded, opt)
     fsdp.refresh_model_weights()  # MXFP8 planes re-derived from the loaded main weights
-    return ResumeState(int(meta["step"]), DataPosition.from_dict(meta["data_position"]), meta)
+    return ResumeState(int(meta["step"]), position, meta)
 
 
-def _restore(pieces, saved_main, request, fsdp, opt, optim_keys) -> None:
+def _restore(loaded: _Loaded, opt) -> None:
     for g in opt.groups:
         state = opt.optimizer.state.setdefault(g.main, {})
-        for key in optim_keys:
+        for key in loaded.states:
             state.setdefault(key, torch.zeros_like(g.main))
-        for k, v in request.items():
-            if k.startswith("optim_scalar/") and k.endswith("/" + g.label):
-                state[k.split("/")[1]] = v  # step counts stay on the CPU, as torch.optim keeps them
-    for pc in pieces:
-        n = pc.hi - pc.lo
-        for key, start, length in _overlaps(saved_main, pc.name, pc.offset, n):
-            a, b = max(start, pc.offset), min(start + length, pc.offset + n)
-            dst = slice(pc.lo + a - pc.offset, pc.lo + b - pc.offset)
-            src = slice(a - start, b - start)
-            with torch.no_grad():
-                pc.group.main[dst].copy_(request[f"main/{key}"][src])
-                if pc.group not in opt.groups:  # a frozen group has no optimizer state
-                    continue
-                for state in optim_keys:
-                    t = opt.optimizer.state[pc.group.main][state]
-                    t[dst].copy_(request[f"optim/{state}/{key}"][src])
+        for k, v in loaded.scalars.items():
+            _, name, label = k.split("/", 2)
+            if label == g.label:
+                state[name] = v.clone()  # step counts stay on the CPU, as torch.optim keeps them
+    with torch.no_grad():
+        for o in loaded.overlaps:
+            for kind, v in o.values.items():
+                t = o.group.main if kind == "main" else opt.optimizer.state[o.group.main][kind]
+                t[o.dst].copy_(v)
+    if "torch" in loaded.rng:
+        torch.set_rng_state(loaded.rng["torch"])
+    if "cuda" in loaded.rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(loaded.rng["cuda"])

@@ -32,6 +32,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import hashlib
 import os
 import stat
 import sysconfig
@@ -139,6 +140,11 @@ class Corpus(abc.ABC):
     def describe(self) -> str:
         """One line for logs: name, size in tokens of each split, vocab."""
 
+    @abc.abstractmethod
+    def content_digest(self) -> str:
+        """``"sha256:<hex>"`` of what the samples are drawn from (not of the ``--data`` string):
+        a checkpoint records it and a resume on other data is refused."""
+
 
 class MarkovCorpus(Corpus):
     """Sequences from a random Markov chain: V tokens, ``branching`` successors each.
@@ -198,6 +204,12 @@ class MarkovCorpus(Corpus):
             total += float(dist_t @ row_entropy)
             dist_t = dist_t @ p
         return total / seq_len
+
+    def content_digest(self) -> str:
+        """sha256 over the vocabulary size and the (V, V) float64 transition matrix."""
+        h = hashlib.sha256(f"markov:{self.vocab_size}:".encode())
+        h.update(np.ascontiguousarray(self.transition).tobytes())
+        return f"sha256:{h.hexdigest()}"
 
     def describe(self) -> str:
         return (
@@ -299,6 +311,10 @@ class ByteCorpus(Corpus):
         self.skipped_binary = text.skipped_binary
         self.rule = rule
         self._splits = rule.split(np.frombuffer(text.data, dtype=np.uint8))
+        # the whole byte stream (the documents as read, concatenated) and the split rule
+        h = hashlib.sha256(f"bytes:{rule.block_bytes}:{rule.heldout_every}:".encode())
+        h.update(text.data)
+        self._digest = f"sha256:{h.hexdigest()}"
 
     @classmethod
     def from_path(cls, path: str | os.PathLike, *, seed: int = 0) -> ByteCorpus:
@@ -357,6 +373,10 @@ class ByteCorpus(Corpus):
     def loss_floor(self, seq_len: int) -> None:
         """Unknown for real text."""
         return None
+
+    def content_digest(self) -> str:
+        """sha256 over the split rule and the byte stream (computed once, when read)."""
+        return self._digest
 
     def describe(self) -> str:
         return (

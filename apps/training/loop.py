@@ -170,7 +170,19 @@ def _progress(job: TrainJob, opts: RunOptions, start: int):
 
 
 def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
-    """Train on this rank's part of the data-parallel group; a collective (every rank calls it)."""
+    """Train on this rank's part of the data-parallel group; a collective (every rank calls it).
+
+    A run with ``save_dir`` holds that directory's writer lock from before the model is built
+    until it returns or raises (``apps.training.checkpoint.CheckpointSaver``)."""
+    saver = ckpt.CheckpointSaver.start(opts.save_dir) if opts.save_dir else None
+    try:
+        return _train(job, opts, saver)
+    finally:
+        if saver is not None:
+            saver.close()
+
+
+def _train(job: TrainJob, opts: RunOptions, saver: ckpt.CheckpointSaver | None) -> TrainResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     if job.deterministic:
         make_deterministic()  # before the first JAX computation (XLA reads its flags once)
@@ -178,7 +190,8 @@ def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
     desc = job.describe()
     start, position = 0, DataPosition(0)
     if opts.resume:
-        resumed = ckpt.load(opts.resume, fsdp=m.fsdp, opt=m.opt, job=desc)
+        resumed = ckpt.load(opts.resume, fsdp=m.fsdp, opt=m.opt, job=desc,
+                            data_digest=m.corpus.content_digest())
         start, position = resumed.step, resumed.position
     writer = None
     if rank == 0 and opts.metrics:
@@ -222,13 +235,13 @@ def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
                                 step_s=f"{seconds:.3f}")
                 bar.update(1)
             done = step + 1
-            if opts.save_dir and opts.save_every and done % opts.save_every == 0:
-                ckpt.save(opts.save_dir, step=done, fsdp=m.fsdp, opt=m.opt, position=position,
-                          job=desc)
+            if saver is not None and opts.save_every and done % opts.save_every == 0:
+                saver.save(step=done, fsdp=m.fsdp, opt=m.opt, position=position, job=desc,
+                           data_digest=m.corpus.content_digest())
         final = job.steps if job.steps > start else start
-        if opts.save_dir and (not opts.save_every or final % opts.save_every):
-            ckpt.save(opts.save_dir, step=final, fsdp=m.fsdp, opt=m.opt, position=position,
-                      job=desc)
+        if saver is not None and (not opts.save_every or final % opts.save_every):
+            saver.save(step=final, fsdp=m.fsdp, opt=m.opt, position=position, job=desc,
+                       data_digest=m.corpus.content_digest())
         held = heldout_loss(m, job)
         if writer is not None:
             writer.write(eval_record(step=final, heldout_loss=held))

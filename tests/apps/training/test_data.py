@@ -128,6 +128,26 @@ def test_byte_corpus_reads_a_tree_in_path_order_and_skips_binary_files(tmp_path)
         assert window in expected
 
 
+def test_content_digest_follows_the_bytes_not_the_path(tmp_path):
+    """What a checkpoint records of its data: same content anywhere -> same digest; one byte
+    changed, another split rule, another Markov chain -> another digest."""
+    _tree(tmp_path / "one")
+    _tree(tmp_path / "two")
+    one, two = ByteCorpus.from_path(tmp_path / "one"), ByteCorpus.from_path(tmp_path / "two")
+    assert one.content_digest() == two.content_digest()
+    assert one.content_digest().startswith("sha256:") and len(one.content_digest()) == 71
+    with open(tmp_path / "two" / "a.txt", "r+b") as f:
+        f.write(bytes([f.read(1)[0] ^ 1]))  # one bit, size unchanged
+    assert ByteCorpus.from_path(tmp_path / "two").content_digest() != one.content_digest()
+    text = TextFiles(b"x" * 100, files=1, skipped_binary=0)
+    assert (ByteCorpus(text, name="a").content_digest()
+            != ByteCorpus(text, name="a", rule=SplitRule(block_bytes=64)).content_digest())
+    digests = {MarkovCorpus(64, seed=s, branching=b).content_digest()
+               for s, b in ((0, 4), (1, 4), (0, 3))}
+    assert len(digests) == 3
+    assert MarkovCorpus(64, seed=1).content_digest() == MarkovCorpus(64, seed=1).content_digest()
+
+
 def test_byte_corpus_windows_are_deterministic_and_spread():
     text = TextFiles(" ".join(map(str, range(3000))).encode(), files=1, skipped_binary=0)
     a = ByteCorpus(text, name="numbers", seed=2).batch(Split.TRAIN, np.arange(64), 16)
