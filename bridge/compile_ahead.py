@@ -7,12 +7,21 @@ the programs of a dry forward + backward instead of running them and compiles th
 in worker threads (XLA releases the GIL while it compiles); JAX's jit cache then holds the
 executables, so the real step that follows runs without compiling.
 
-While a ``compile_ahead()`` block is active (process-wide: Torch runs CUDA backward on its own
-threads), ``mxfp8_linear`` (both modes) does not run its JAX programs: for each call it
+While a ``compile_ahead()`` block is active, ``mxfp8_linear`` (both modes) called by the code
+inside it does not run its JAX programs: for each call it
 - submits the program -- the jitted function, the shapes, dtypes and placements of its arguments
   and its static arguments, i.e. exactly the jit cache key of the real call -- to the pool, once
   per distinct program (layers of equal shape share one), and
 - returns **zeros** of the right shapes and dtypes (from ``jax.eval_shape``: traced, not run).
+
+"The code inside it" is the thread (more exactly, the ``contextvars`` context) that opened the
+block, and the autograd work Torch runs for it: a backward started inside the block runs its CUDA
+nodes (and activation recompute) on Torch's device threads, which Torch gives the calling
+thread's thread-local state for that backward; the block rides along in it (the Python objects
+Torch keeps there, ``torch._C._stash_obj_in_tls``: the way Torch itself carries the caller's
+``contextvars`` into backward). Linear calls in any other thread -- a data loader, an evaluation
+thread, a second model -- run normally while the block is active, and each thread may hold a
+block of its own.
 
 So the results computed inside the block are meaningless and must be thrown away, and so must any
 gradient the dry backward produced. ``torch_side.precompile`` does that for a model (dry forward +
@@ -28,6 +37,7 @@ worker, so the worker compiles the very program the real call will look up.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import os
@@ -37,6 +47,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import torch
 
 __all__ = ["AheadReport", "CompileAhead", "compile_ahead", "run_or_compile"]
 
@@ -158,12 +169,39 @@ def _leaf_key(a):
     return a
 
 
-_ACTIVE: list[CompileAhead] = []
+# The block of this thread / context. Torch's autograd device threads do not inherit contextvars,
+# so the block is also kept in Torch's thread-local Python objects under _TLS_KEY, which Torch
+# copies into the threads that run a backward started here (module docstring).
+_POOL: contextvars.ContextVar[CompileAhead | None] = contextvars.ContextVar(
+    "bridge.compile_ahead", default=None
+)
+_TLS_KEY = "bridge.compile_ahead"
 
 
 def active() -> CompileAhead | None:
-    """The active block's pool, or None (the op runs its programs)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The block the calling code runs inside, or None (the op runs its programs)."""
+    ahead = _POOL.get()
+    if ahead is None and torch._C._is_key_in_tls(_TLS_KEY):  # a backward started in a block
+        ahead = torch._C._get_obj_in_tls(_TLS_KEY)
+    return ahead
+
+
+def _enter(ahead: CompileAhead) -> contextvars.Token:
+    token = _POOL.set(ahead)
+    torch._C._stash_obj_in_tls(_TLS_KEY, ahead)
+    return token
+
+
+def _leave(token: contextvars.Token) -> None:
+    _POOL.reset(token)
+    # Erase, not overwrite: a Python object left in Torch's C++ thread-local storage is released
+    # at thread exit, which needs the GIL and can deadlock (pytorch#182083). Torch < 2.13 has no
+    # erase; there None is stored, as Torch itself does on those versions.
+    remove = getattr(torch._C, "_remove_obj_from_tls", None)
+    if remove is not None:
+        remove(_TLS_KEY)
+    else:
+        torch._C._stash_obj_in_tls(_TLS_KEY, None)
 
 
 def run_or_compile(fn: Callable, *args, **static):
@@ -178,16 +216,17 @@ def run_or_compile(fn: Callable, *args, **static):
 @contextlib.contextmanager
 def compile_ahead(max_workers: int | None = None) -> Iterator[CompileAhead]:
     """Inside the block the MXFP8 linear op compiles instead of running (module docstring).
-    Leaving the block waits for every compile (``CompileAhead.wait()``: its report)."""
-    if _ACTIVE:
+    Leaving the block waits for every compile (``CompileAhead.wait()``: its report). Only the
+    code inside the block (its thread, and the backward it starts) is affected."""
+    if active() is not None:
         raise RuntimeError("compile_ahead: blocks do not nest; one is already active")
     ahead = CompileAhead(max_workers)
-    _ACTIVE.append(ahead)
+    token = _enter(ahead)
     try:
         yield ahead
     except BaseException:
-        _ACTIVE.remove(ahead)
+        _leave(token)
         ahead.abandon()
         raise
-    _ACTIVE.remove(ahead)
+    _leave(token)
     ahead.wait()

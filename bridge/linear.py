@@ -39,8 +39,10 @@ import jax
 import torch
 from torch.autograd.function import once_differentiable
 
+from bridge.capabilities import required_alignment
 from bridge.compile_ahead import run_or_compile
-from bridge.dlpack import jax_dtype_for, required_alignment, to_jax, to_torch, torch_dtype_for
+from bridge.dlpack import to_jax, to_torch
+from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
 from common.formats import BLOCK_SIZE, Plane

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from bridge.dlpack import jax_dtype_for, to_jax, to_torch
+from bridge.dlpack import to_jax, to_torch
+from bridge.dtypes import jax_dtype_for
 from bridge.linear import resolve_for
 from bridge.shared import SharedBuffer
 from common.formats import BLOCK_SIZE, Plane, scale_shape

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from bridge.dlpack import Fp8Transport, to_jax, to_torch
+from bridge.capabilities import Fp8Transport
+from bridge.dlpack import to_jax, to_torch
 from common.formats import BLOCK_SIZE, Plane, scale_shape
 from jax_side.mxfp8 import MXFP8Tensor
 

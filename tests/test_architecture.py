@@ -149,6 +149,28 @@ def test_no_import_circle_between_packages():
     assert _cycles(graph) == []
 
 
+def _uses_private_jax(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        )
+        if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
+            return True
+    return False
+
+
+# ``jax._src`` changes without notice: the modules allowed to use it, each with its fallback.
+PRIVATE_JAX_USERS = {
+    "bridge.jax_fastpath": "the CUDA fast path of to_jax; the public path where it changed",
+    "bridge.determinism": "whether JAX's backend started; 'not started' where it changed",
+}
+
+
+def test_private_jax_internals_are_used_only_where_a_fallback_is():
+    users = {m for m, p in MODULES.items() if _uses_private_jax(p)}
+    assert users == set(PRIVATE_JAX_USERS), "register the module here, with its fallback"
+
+
 def test_the_graph_sees_the_known_edges():
     """The checker itself: it must see real edges (else every rule above passes vacuously)."""
     assert "jax_side.mxfp8.quantize" in GRAPH["jax_side.linear"] or (

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import bridge.dlpack
+import bridge.jax_to_torch
+import bridge.torch_to_jax
 from bridge import Fp8Transport, to_jax, to_torch
 from bridge.capsule import DLDataType, DLDataTypeCode, read_dtype, relabel
+from bridge.dtypes import jax_dtype_for
 from tests.bridge.conftest import jax_bytes, sample, torch_bytes
 
 CODES = {
@@ -30,7 +32,7 @@ def test_code_table_matches_what_both_libraries_export(dtype, versioned):
     except (BufferError, RuntimeError, TypeError) as e:
         pytest.skip(f"this torch cannot export {dtype} natively ({e}); the uint8 path covers it")
     assert read_dtype(capsule) == DLDataType(CODES[dtype], 8, 1)
-    a = jax.device_put(np.zeros(64, bridge.dlpack.jax_dtype_for(dtype)), jax.devices("cpu")[0])
+    a = jax.device_put(np.zeros(64, jax_dtype_for(dtype)), jax.devices("cpu")[0])
     assert read_dtype(a.__dlpack__(**kw)) == DLDataType(CODES[dtype], 8, 1)
 
 
@@ -63,7 +65,8 @@ def test_forced_uint8_transport_goes_through_relabel(monkeypatch, dtype):
         calls.append((read_dtype(capsule).code, int(code)))
         relabel(capsule, code)
 
-    monkeypatch.setattr(bridge.dlpack, "relabel", spy)
+    for direction in (bridge.torch_to_jax, bridge.jax_to_torch):
+        monkeypatch.setattr(direction, "relabel", spy)
     t = sample(dtype)
     a = to_jax(t, transport=Fp8Transport.UINT8)
     assert calls == [(DLDataTypeCode.UINT, CODES[dtype])]  # Torch exported bytes, JAX saw float8

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import bridge
 from bridge import Fp8Transport, ZeroCopyError, to_jax, to_torch
+from bridge.dtypes import jax_dtype_for
 from tests.bridge.conftest import DEVICES, jax_bytes, sample, torch_bytes
 
 BYTE_FLOATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu]
@@ -40,7 +41,7 @@ def test_to_jax_shares_the_torch_buffer(device, dtype, transport):
     t = sample(dtype, device=device)
     a = to_jax(t, transport=transport)
     assert a.unsafe_buffer_pointer() == t.data_ptr()
-    assert a.dtype == bridge.dlpack.jax_dtype_for(dtype)
+    assert a.dtype == jax_dtype_for(dtype)
     assert a.shape == tuple(t.shape)
     assert a.devices() == {_jax_device(device)}
     np.testing.assert_array_equal(jax_bytes(a), torch_bytes(t))
@@ -134,7 +135,7 @@ def test_64_bit_dtypes_need_x64_instead_of_silently_narrowing(dtype):
         to_jax(t)
     with jax.enable_x64(True):
         a = to_jax(t)
-        assert a.dtype == bridge.dlpack.jax_dtype_for(dtype)
+        assert a.dtype == jax_dtype_for(dtype)
         assert a.unsafe_buffer_pointer() == t.data_ptr()
         assert to_torch(a).data_ptr() == t.data_ptr()
 

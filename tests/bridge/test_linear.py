@@ -17,6 +17,9 @@ import pytest
 import torch
 
 import bridge
+import bridge.capabilities
+import bridge.jax_to_torch
+import bridge.torch_to_jax
 from bridge import (
     Fp8Transport,
     LinearMode,
@@ -26,7 +29,7 @@ from bridge import (
     to_jax,
     to_torch_mxfp8,
 )
-from bridge.capsule import DLDataTypeCode
+from bridge.capsule import DLDataTypeCode, relabel
 from jax_side import linear as jax_linear
 from jax_side.linear import padded_tokens
 from jax_side.linear_reference import mxfp8_linear_reference
@@ -149,12 +152,15 @@ def test_planes_cross_as_relabeled_uint8_where_native_float8_is_unavailable(monk
         {d: Fp8Transport.UINT8 for d in byte_floats},
         {"simulated": "native float8 DLPack unavailable"},
     )
-    monkeypatch.setattr(bridge.dlpack, "dlpack_support", lambda: uint8_only)
+    monkeypatch.setattr(bridge.capabilities, "dlpack_support", lambda: uint8_only)
     relabels = []
-    real_relabel = bridge.dlpack.relabel
-    monkeypatch.setattr(
-        bridge.dlpack, "relabel", lambda c, code: (relabels.append(code), real_relabel(c, code))
-    )
+
+    def spy(c, code):
+        relabels.append(code)
+        relabel(c, code)
+
+    for direction in (bridge.torch_to_jax, bridge.jax_to_torch):
+        monkeypatch.setattr(direction, "relabel", spy)
     planes, ph = Planes(w), _placeholder()
     relabels.clear()  # count only the op's own transfers
     x2 = x.detach().clone().requires_grad_()
