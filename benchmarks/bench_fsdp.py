@@ -7,6 +7,9 @@ Not a test: it runs, in spawned ranks (``tests/torch_side/multiprocess.py``),
 2. ``--timing``: median training step time (forward + backward + ``FSDPOptimizer.step`` with the
    distributed MXFP8 quantization) of a residual MLP stack with MXFP8 linears, per strategy,
    with the bytes each step all-gathers / reduces per rank and the peak unsharded-bucket bytes.
+   ``--check-collectives both`` times every strategy with the collective-consistency check off
+   and on (``fully_shard(check_collectives=...)``), alternating the two models step by step so
+   that both see the same machine load.
 GPU timings synchronize Torch (and so JAX, through the bridge's ordering) at step boundaries.
 
 Usage (repo root): ``python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes 1 2``
@@ -57,41 +60,55 @@ class BenchNet(nn.Module):
         return x
 
 
+def _step(model, opt, x, device: str) -> float:
+    """One timed training step (seconds)."""
+    _sync(device)
+    model.clear_wire_log()
+    t0 = time.perf_counter()
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def case_step_time(ctx) -> None:
-    """Spawned-rank worker: time steps per strategy; rank 0 writes the rows as JSON."""
+    """Spawned-rank worker: time steps per strategy (and check setting); rank 0 writes the rows
+    as JSON."""
     cfg = json.loads(os.environ[_CFG_ENV])
     rows = []
     for strategy in cfg["strategies"]:
-        torch.manual_seed(0)
-        net = BenchNet(cfg["d"], cfg["ff"], cfg["blocks"]).to(ctx.device)
-        model = fully_shard(net, unit_modules=(BenchBlock,), strategy=strategy)
-        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-4)
+        runs = {}
+        for check in cfg["checks"]:
+            torch.manual_seed(0)
+            net = BenchNet(cfg["d"], cfg["ff"], cfg["blocks"]).to(ctx.device)
+            model = fully_shard(
+                net, unit_modules=(BenchBlock,), strategy=strategy, check_collectives=check
+            )
+            runs[check] = (model, FSDPOptimizer(model, torch.optim.AdamW, lr=1e-4), [])
         x = torch.randn(cfg["tokens"], cfg["d"], device=ctx.device)
-        times = []
         for i in range(cfg["warmup"] + cfg["steps"]):
-            _sync(ctx.device)
-            model.clear_wire_log()
-            t0 = time.perf_counter()
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            _sync(ctx.device)
-            if i >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
-        sent = sum(r.bytes_sent for r in model.wire_log())
-        med = torch.tensor([statistics.median(times)], device=ctx.device)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
-        rows.append(
-            {
-                "world_size": ctx.world_size,
-                "strategy": strategy,
-                "device": ctx.device,
-                "step_ms": round(med.item() * 1e3, 2),
-                "bytes_sent_per_rank": sent,
-                "peak_bucket_bytes": model.allocator.peak_bytes,
-                **cfg["shape"],
-            }
-        )
+            for model, opt, times in runs.values():  # alternating: the same load for each
+                t = _step(model, opt, x, ctx.device)
+                if i >= cfg["warmup"]:
+                    times.append(t)
+        for check, (model, _, times) in runs.items():
+            sent = sum(r.bytes_sent for r in model.wire_log())
+            med = torch.tensor([statistics.median(times)], device=ctx.device)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+            rows.append(
+                {
+                    "world_size": ctx.world_size,
+                    "strategy": strategy,
+                    "check_collectives": check,
+                    "collectives_per_step": len(model.wire_log()),
+                    "device": ctx.device,
+                    "step_ms": round(med.item() * 1e3, 2),
+                    "bytes_sent_per_rank": sent,
+                    "peak_bucket_bytes": model.allocator.peak_bytes,
+                    **cfg["shape"],
+                }
+            )
     if ctx.rank == 0:
         Path(cfg["out"], f"timing_ws{ctx.world_size}.json").write_text(json.dumps(rows))
 
@@ -126,6 +143,7 @@ def _timing(world_sizes, backend: str, args, out: Path) -> bool:
         **shape,
         "shape": shape,
         "strategies": args.strategies,
+        "checks": {"off": [False], "on": [True], "both": [False, True]}[args.check_collectives],
         "warmup": args.warmup,
         "steps": args.steps,
         "out": str(out),
@@ -140,11 +158,16 @@ def _timing(world_sizes, backend: str, args, out: Path) -> bool:
             print(res.detail[-3000:], flush=True)
             continue
         rows += json.loads((out / f"timing_ws{ws}.json").read_text())
-    print("\n| world | strategy | step (ms) | sent/rank/step (MB) | peak buckets (MB) | model |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| world | strategy | check | collectives/step | step (ms) | sent/rank/step (MB) | "
+        "peak buckets (MB) | model |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        check = "on" if r["check_collectives"] else "off"
         print(
-            f"| {r['world_size']} | {r['strategy']} | {r['step_ms']} | "
+            f"| {r['world_size']} | {r['strategy']} | {check} | {r['collectives_per_step']} | "
+            f"{r['step_ms']} | "
             f"{r['bytes_sent_per_rank'] / 2**20:.2f} | {r['peak_bucket_bytes'] / 2**20:.2f} | "
             f"d={r['d']} ff={r['ff']} blocks={r['blocks']} tokens/rank={r['tokens']} |"
         )
@@ -159,6 +182,10 @@ def main() -> None:
     p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--strategies", nargs="+", default=[s.value for s in ShardingStrategy])
+    p.add_argument(
+        "--check-collectives", choices=["off", "on", "both"], default="off",
+        help="time with fully_shard(check_collectives=...) off, on, or both (alternating steps)",
+    )
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--d-ff", type=int, default=4096)
     p.add_argument("--blocks", type=int, default=4)

@@ -6,6 +6,8 @@ Public API (user guide: docs/fsdp.md):
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear``, ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
 - ``FlatLayout`` / ``check_layout``, ``BucketAllocator``, ``WireRecord`` (wire accounting)
+- ``CollectiveMismatchError``: raised by ``fully_shard(..., check_collectives=True)`` when the
+  ranks are about to run different collectives
 
 The names are loaded on first use (PEP 562), so ``import torch_side.strategy`` or
 ``import torch_side.policy`` loads torch only: JAX starts when the bridge is first needed.
@@ -18,6 +20,7 @@ import importlib
 # name -> module that defines it (the one place each public name comes from)
 _EXPORTS: dict[str, str] = {
     "BucketAllocator": "torch_side.bucket_allocator",
+    "CollectiveMismatchError": "torch_side.collective_check",
     "Collective": "torch_side.collectives",
     "Phase": "torch_side.collectives",
     "WireRecord": "torch_side.collectives",

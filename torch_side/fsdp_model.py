@@ -32,6 +32,7 @@ from bridge import TorchMXFP8Tensor
 from common.kernels import KernelConfig
 from torch_side import state_dict as sd
 from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collective_check import check_requested
 from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
@@ -73,6 +74,7 @@ class FSDPModel(nn.Module):
         expert_group,
         grad_check: GradCheck,
         kernels: KernelConfig | None,
+        check_collectives: bool | None = None,
     ):
         super().__init__()
         _check_group(group, "data-parallel")
@@ -87,9 +89,10 @@ class FSDPModel(nn.Module):
         self.policy, self.kernels = policy, kernels
         self.grad_check = GradCheck(grad_check)
         self.allocator = BucketAllocator()
-        self.comms = {"dp": Communicator(group, "dp")}
+        check = check_requested(check_collectives)  # the argument, else the environment
+        self.comms = {"dp": Communicator(group, "dp", check)}
         if expert_modules:
-            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp")
+            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp", check)
         self.state = FSDPState()
         cfg = UnitConfig(
             policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels
@@ -227,6 +230,7 @@ def fully_shard(
     expert_group: dist.ProcessGroup | None = None,
     grad_check: GradCheck = GradCheck.OFF,
     kernels: KernelConfig | None = None,
+    check_collectives: bool | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
 
@@ -236,7 +240,10 @@ def fully_shard(
     grad_check: ``GradCheck.FINITE`` raises, naming the parameter and rank, on a non-finite local
     gradient. kernels: the ``KernelConfig`` of FSDP's own MXFP8 numerics (the distributed
     quantization after each step; None: the device default). The layers' GEMMs use the kernels the
-    model's ``MXFP8Linear`` layers were built with.
+    model's ``MXFP8Linear`` layers were built with. check_collectives: before each FSDP
+    collective, check that every rank is about to run the same one, and raise naming each rank's
+    unit if not (a debug switch with a cost per collective; None: the environment variable
+    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``).
     """
     return FSDPModel(
         module,
@@ -248,4 +255,5 @@ def fully_shard(
         expert_group,
         grad_check,
         kernels,
+        check_collectives,
     )
