@@ -1,8 +1,9 @@
 """Torch side: FSDP buffers, communication and the Torch GPT twin (DESIGN.md 5).
 
 Public API (user guide: docs/fsdp.md):
-- ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...)``
-  -> ``FSDPModel``; ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``
+- ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
+  init_sync=...)`` -> ``FSDPModel`` (``InitSync``);
+  ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear``, ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
 - ``FlatLayout`` / ``check_layout``, ``BucketAllocator``, ``WireRecord`` (wire accounting)
@@ -34,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "GradCheck": "torch_side.fsdp_unit",
     "FSDPModel": "torch_side.fsdp_model",
     "fully_shard": "torch_side.fsdp_model",
+    "InitSync": "torch_side.init_sync",
     "FSDPOptimizer": "torch_side.optimizer",
     "PlaneState": "torch_side.param_group",
     "precompile": "torch_side.precompile",

@@ -7,7 +7,11 @@ The pieces, one noun each (see each file's note):
 - ``FSDPUnit`` (``fsdp_unit``): one module's groups and the hooks that unshard, reshard, reduce;
 - ``ParamGroup`` (``param_group``): one group's buffers, plane states and collectives;
 - ``FSDPState`` (``fsdp_state``): the iteration lifecycle and prefetch order shared by the units;
-- ``state_dict``: full main weights, gradients and gathered model weights (collectives).
+- ``state_dict``: full main weights, gradients and gathered model weights (collectives);
+- ``init_sync``: every rank starts from rank 0's values (broadcast, or verified, at wrap time).
+
+An exception escaping ``FSDPModel.forward`` resets the units it crossed before it propagates
+(``FSDPState.abort_forward``); see ``fsdp_state`` for every exception path.
 
 ``FSDPModel`` is the ``nn.Module`` the user holds: it forwards to the wrapped module and exposes
 those pieces. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` modules in
@@ -36,6 +40,7 @@ from torch_side.collective_check import check_requested
 from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
+from torch_side.init_sync import InitSync, initial_values
 from torch_side.param_group import ParamGroup
 from torch_side.param_guard import mark
 from torch_side.policy import MixedPrecisionPolicy
@@ -74,6 +79,7 @@ class FSDPModel(nn.Module):
         expert_group,
         grad_check: GradCheck,
         kernels: KernelConfig | None,
+        init_sync: InitSync,
         check_collectives: bool | None = None,
     ):
         super().__init__()
@@ -88,6 +94,7 @@ class FSDPModel(nn.Module):
         self.strategy = ShardingStrategy.parse(strategy)
         self.policy, self.kernels = policy, kernels
         self.grad_check = GradCheck(grad_check)
+        self.init_sync = InitSync.parse(init_sync)
         self.allocator = BucketAllocator()
         check = check_requested(check_collectives)  # the argument, else the environment
         self.comms = {"dp": Communicator(group, "dp", check)}
@@ -100,8 +107,8 @@ class FSDPModel(nn.Module):
         self.units: list[FSDPUnit] = build_units(
             module, unit_modules, expert_modules, cfg, self.state
         )
-        for g in self.param_groups:
-            g.load_main_from([e.param for e in g.entries])
+        for g in self.param_groups:  # the same order on every rank: collectives match
+            g.load_main_from(initial_values(g, self.init_sync))
             g.refresh_model_weights(Phase.STATE)
             g.install_params()
             for e in g.entries:
@@ -109,7 +116,13 @@ class FSDPModel(nn.Module):
         self._planes_handles = install_plane_hooks(self.units)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            # The post-forward hooks of the units the exception crossed never ran: without this
+            # their gathered planes would outlive the next optimizer step (fsdp_state's note).
+            self.state.abort_forward()
+            raise
 
     # ---- groups, grads, wire ---------------------------------------------------------------
     @property
@@ -117,19 +130,18 @@ class FSDPModel(nn.Module):
         return [g for u in self.units for g in u.groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 -- nn.Module signature
-        """Zero the main gradients, drop gradients staged by a backward that an exception
-        aborted (and reset FSDP's backward state after it), and clear any ``param.grad``."""
-        self.state.recover("zero_grad()", quiet=True)
+        """Zero the main gradients and reset whatever an unfinished iteration left (a backward
+        or forward that an exception aborted): buckets freed, staged gradients dropped, every
+        ``param.grad`` cleared (``FSDPState.reset_iteration``)."""
+        self.state.reset_iteration()
         for g in self.param_groups:
-            g.drop_staged_grads()
             if g.main_grad is not None:
                 g.main_grad.zero_()
-            for e in g.entries:
-                e.param.grad = None
-        self.state.grads_incomplete = False
 
     def refresh_model_weights(self) -> None:
-        """After the main weights changed: requantize / recast the model weight buffers."""
+        """After the main weights changed: requantize / recast the model weight buffers.
+        Refused (nothing changed) while an iteration is unfinished (``FSDPState.require_idle``)."""
+        self.state.require_idle("refresh_model_weights()")
         for g in self.param_groups:
             g.refresh_model_weights(Phase.OPTIMIZER)
         self.state.weights_changed()
@@ -148,7 +160,8 @@ class FSDPModel(nn.Module):
 
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Set the main weights from full values (names and shapes checked first) and refresh
-        the model weights."""
+        the model weights. Refused (nothing changed) while an iteration is unfinished."""
+        self.state.require_idle("load_full_state_dict()")
         sd.load_full_state_dict(self.param_groups, state)
         self.state.weights_changed()
 
@@ -230,13 +243,17 @@ def fully_shard(
     expert_group: dist.ProcessGroup | None = None,
     grad_check: GradCheck = GradCheck.OFF,
     kernels: KernelConfig | None = None,
+    init_sync: InitSync | str = InitSync.BROADCAST,
     check_collectives: bool | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
 
     group: DP process group (None: world). strategy: a ``ShardingStrategy`` or its string value.
-    policy: ``MixedPrecisionPolicy()`` when None (MXFP8 linear weights, fp32 others). The module
-    must hold the same initial values on every rank (or load them with ``load_full_state_dict``).
+    policy: ``MixedPrecisionPolicy()`` when None (MXFP8 linear weights, fp32 others).
+    init_sync: every rank starts from rank 0's parameter values (``InitSync.BROADCAST``, rank 0 of
+    the expert-DP group for expert parameters), or, with ``InitSync.VERIFY``, the wrap refuses on
+    every rank, naming the first differing parameter, if the ranks built different values
+    (``torch_side.init_sync``; collectives at wrap time).
     grad_check: ``GradCheck.FINITE`` raises, naming the parameter and rank, on a non-finite local
     gradient. kernels: the ``KernelConfig`` of FSDP's own MXFP8 numerics (the distributed
     quantization after each step; None: the device default). The layers' GEMMs use the kernels the
@@ -255,5 +272,6 @@ def fully_shard(
         expert_group,
         grad_check,
         kernels,
+        init_sync,
         check_collectives,
     )

@@ -14,6 +14,17 @@
   and resets every unit: buckets resharded, staged gradients dropped, stray ``param.grad``
   cleared. Main gradients reduced before the exception are partial, so ``grads_incomplete`` stays
   set until ``zero_grad`` and ``FSDPOptimizer.step`` refuses to run on them.
+- **Aborted forward.** An exception escaping a forward (a bad micro-batch, a failing evaluation
+  forward under ``no_grad``) skips the post-forward hooks of the units it was in: their planes
+  stay gathered, and a prefetched next unit's too. The old planes would then be read by the next
+  forward (``unshard`` of a plane already unsharded is a no-op) after an optimizer step, and the
+  step's own refresh would fail half-way, after the main weights moved. So ``FSDPModel.forward``
+  calls ``abort_forward`` on the way out of an exception: every unit resharded (in-flight gathers
+  waited for), a partly recorded execution order forgotten; main gradients are untouched (a
+  forward adds none), so the next step is correct. An exception in a forward FSDP's root does
+  not see (the wrapped module called directly) is caught by ``require_idle`` instead: the
+  optimizer step and every model-weight refresh refuse, before changing anything, while a bucket
+  is live or a backward runs; ``zero_grad`` (``reset_iteration``) resets every unit.
 - ``weights_version``: counts model-weight refreshes (optimizer steps, state loads). A forward
   passes the version it read to its backward hook, which refuses to run on different weights.
 - prefetch (``prefetch_after`` / ``prefetch_before``): with the order recorded in the first
@@ -80,9 +91,51 @@ class FSDPState:
         if self.backward_active and _graph_task() == _NO_GRAPH_TASK:
             self._reset_aborted(where, quiet=quiet)
 
-    def _reset_aborted(self, where: str, *, quiet: bool = False) -> None:
+    def abort_forward(self) -> None:
+        """An exception is escaping the root forward: reshard every unit (buckets freed, gathers
+        in flight waited for) and forget an execution order still being recorded (the next
+        forward records it again). A recompute forward inside a backward is left to that
+        backward's abort (the exception escapes the backward too)."""
+        if self.backward_active and _graph_task() != _NO_GRAPH_TASK:
+            return
+        self.recover("the aborted forward", quiet=True)
+        self._abort_units()
+        if not self.order.frozen:
+            self.order = ExecutionOrder()
+
+    def reset_iteration(self) -> None:
+        """``zero_grad``: whatever the last forward or backward left (an exception that escaped
+        a forward FSDP's root did not see, an aborted backward), every unit goes back to IDLE
+        with its buckets freed. Between iterations this changes nothing."""
+        self.recover("zero_grad()", quiet=True)
+        self._abort_units()
+        self.grads_incomplete = False
+
+    def require_idle(self, where: str) -> None:
+        """Refuse, before anything changes, to replace the model weights (an optimizer step, a
+        refresh, a state load) while an iteration is unfinished: a gathered plane would keep the
+        old values, and the refresh would stop half-way at it."""
+        self.recover(where, quiet=True)
+        live = [f"{g.label}/{b}" for u in self.units for g in u.groups for b in g.live_buckets()]
+        if not live and not self.backward_active:
+            return
+        more = f" and {len(live) - 3} more" if len(live) > 3 else ""
+        what = f"buckets {live[:3]}{more} are live" if live else "a backward is running"
+        raise RuntimeError(
+            f"rank {_rank()}: {where}: FSDP is in the middle of an iteration ({what}): a forward "
+            f"or backward did not finish -- an exception escaped a forward of the wrapped module "
+            f"called directly rather than through the FSDPModel -- or this was called inside "
+            f"gathered_weights() or a backward. Nothing was changed. Call zero_grad() (it "
+            f"resets FSDP and drops the gradients of the unfinished iteration) and redo the "
+            f"iteration's micro-batches"
+        )
+
+    def _abort_units(self) -> None:
         for unit in reversed(self.units):
-            unit.abort_backward()
+            unit.abort()
+
+    def _reset_aborted(self, where: str, *, quiet: bool = False) -> None:
+        self._abort_units()
         self.backward_active = False
         self._backward_task = _NO_GRAPH_TASK
         self.grads_incomplete = True

@@ -255,9 +255,10 @@ class FSDPUnit:
             g.reshard()
         self.state = TrainingState.IDLE
 
-    def abort_backward(self) -> None:
-        """After a backward that an exception aborted: drop its staged gradients and buckets,
-        clear gradients the hooks did not consume, and go back to IDLE (no collective)."""
+    def abort(self) -> None:
+        """After a forward or backward that an exception aborted (or at ``zero_grad``): wait for
+        gathers in flight, free the buckets, drop staged gradients, clear gradients the hooks did
+        not consume, and go back to IDLE (no collective is issued)."""
         for g in self.groups:
             g.drop_staged_grads()
             g.reshard()

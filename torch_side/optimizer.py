@@ -31,6 +31,7 @@ class FSDPOptimizer:
         self.optimizer = optimizer_cls([g.main for g in self.groups], **kwargs)
 
     def step(self) -> None:
+        self.model.state.require_idle("FSDPOptimizer.step()")  # refuse before a weight moves
         state = self.model.state
         state.recover("FSDPOptimizer.step()")
         if state.grads_incomplete:

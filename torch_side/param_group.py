@@ -75,6 +75,9 @@ class PlaneState(enum.Enum):
     UNSHARDED = "unsharded"  # the bucket holds them
 
 
+_IN_BUCKET = (PlaneState.GATHERING, PlaneState.UNSHARDED)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -265,6 +268,14 @@ class ParamGroup:
         ):
             for e in self.entries:
                 e.param.data = torch.empty(0, dtype=self.codec.buffer_dtype, device=self.device)
+
+    def live_buckets(self) -> list[str]:
+        """What this group holds beyond its shards: planes gathered or gathering, and a grad
+        bucket of staged gradients not reduced yet. Empty between iterations."""
+        live = [p.value for p in self.planes if self.state[p] in _IN_BUCKET]
+        if self.allocator.get(self.label, "grad") is not None:
+            live.append("grad")
+        return live
 
     def _point_params_at(self, full: torch.Tensor) -> None:
         for e, s in zip(self.entries, self.layout.slots, strict=True):

@@ -257,8 +257,8 @@ def _expert_groups(world_size: int):
     return [dist.new_group(r) for r in ranks], size
 
 
-def _moe_net(device, group_index: int) -> MoENet:
-    torch.manual_seed(0)
+def _moe_net(device, group_index: int, dense_seed: int = 0) -> MoENet:
+    torch.manual_seed(dense_seed)
     net = MoENet()
     torch.manual_seed(10 + group_index)
     net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
@@ -341,6 +341,7 @@ def case_bad_wrapping_arguments(ctx):
             unit_modules=(Block, ExpertMLP))
     _expect(TypeError, "policy must be a MixedPrecisionPolicy, got {}", _wrap, ctx, policy={})
     _wrap(ctx, policy=MixedPrecisionPolicy())  # the real thing is accepted
+    _expect(ValueError, "unknown init_sync mode 'rank0'", _wrap, ctx, init_sync="rank0")
     moe_group, _ = _expert_groups(ctx.world_size)
     msg = _expect(
         ValueError, "it is (inside) the expert module 'moe.experts.0'", fully_shard,
@@ -348,6 +349,33 @@ def case_bad_wrapping_arguments(ctx):
         expert_modules=(ExpertMLP,), expert_group=moe_group[ctx.rank // 2],
     )
     assert "list the block / MoE layer in unit_modules" in msg, msg
+
+
+# ---- issue 17: a forward that raises ---------------------------------------------------------
+def case_exception_in_forward_recovers(ctx):
+    """A forward that raises in the middle unit on every rank (after the first step, so the next
+    unit's gather was prefetched asynchronously): every bucket is freed (the prefetch waited
+    for), and the next steps equal a run that never saw it, bit for bit."""
+    clean, hit = _wrap(ctx), _wrap(ctx)
+
+    def fail_on_nan(module, args, out):
+        if torch.isnan(out).any():
+            raise FloatingPointError("bad micro-batch: NaN activations")
+
+    hit.module.blocks[0].mlp.fc1.register_forward_hook(fail_on_nan)
+    opt_clean = FSDPOptimizer(clean, torch.optim.Adam, lr=1e-2, foreach=False)
+    opt_hit = FSDPOptimizer(hit, torch.optim.Adam, lr=1e-2, foreach=False)
+    assert torch.equal(_train_step(clean, opt_clean, 0, ctx), _train_step(hit, opt_hit, 0, ctx))
+    x, _ = make_batch(7, T, ctx.device)
+    x[0, 0] = float("nan")
+    _expect(FloatingPointError, "bad micro-batch", hit, x)
+    assert hit.allocator.live_keys() == [], hit.allocator.live_keys()
+    opt_hit.zero_grad()
+    for step in (1, 2):
+        want, got = _train_step(clean, opt_clean, step, ctx), _train_step(hit, opt_hit, step, ctx)
+        assert torch.equal(got, want), (step, got.item(), want.item())
+    a, b = clean.full_state_dict(), hit.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights diverged after the recovery"
 
 
 _M = "tests.torch_side.cases_reliability"
@@ -361,4 +389,5 @@ CASES = {
     f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
     f"{_M}:case_moe_experts_without_tokens": (2, 4),
     f"{_M}:case_bad_wrapping_arguments": (2,),
+    f"{_M}:case_exception_in_forward_recovers": (2,),
 }
