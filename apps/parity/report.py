@@ -252,7 +252,7 @@ def _layer_check(mode: LinearMode, t_x, t_dy, f_x, f_dy, weight, planes, kernels
     and the teacher-forced Flax linear (jax_side.models) on Torch's x, W or planes, dy.
 
     Runs eagerly: the linear's quantizations and GEMMs are jitted per shape in
-    ``jax_side.models.linear``, so this reuses the code the Flax model already compiled.
+    ``jax_side.linear``, so this reuses the code the Flax model already compiled.
     """
     fn = linear_fn(mode, kernels)
     y, vjp = jax.vjp(lambda x, w: fn(x, w, planes), t_x, weight)
