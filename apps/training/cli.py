@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import sys
@@ -116,6 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every needs --save-dir")
     if args.compare and (args.resume or args.save_dir):
         p.error("--compare runs two trainings; use it without --resume / --save-dir")
+    if args.plot:  # checked now, not after a training that has nothing to draw it with
+        if not args.metrics:
+            p.error("--plot needs --metrics (the curves are drawn from the metrics file)")
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
+                    "or drop --plot (mxfp8-plot draws a --metrics file later)")
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else 1
     return args
@@ -245,11 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             from apps.training.plot import plot_runs
 
-            paths = [o.metrics for _, _, o in runs if o.metrics]
-            if not paths:
-                print("mxfp8-train: --plot needs --metrics (the curves are drawn from it)",
-                      file=sys.stderr)
-                return 2
+            paths = [o.metrics for _, _, o in runs if o.metrics]  # parse_args: at least one
             print(f"loss curves: {plot_runs(paths, args.plot)}")
     return 0
 

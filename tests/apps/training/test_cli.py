@@ -27,12 +27,24 @@ ROOT = Path(__file__).resolve().parents[3]
         (["--save-every", "5"], "--save-every needs --save-dir"),
         (["--compare", "--resume", "x"], "--compare runs two trainings"),
         (["--config", "huge"], "invalid choice"),
+        (["--plot", "c.png"], "--plot needs --metrics"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--metrics", "m.jsonl", "--plot", "c.png"])
+    assert e.value.code == 2
+    assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+    cli.parse_args(["--metrics", "m.jsonl"])  # no --plot: matplotlib is not needed
 
 
 def test_defaults_are_the_embedded_cpu_demo():
