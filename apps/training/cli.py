@@ -162,6 +162,17 @@ def _runs(args) -> list[tuple[str, object, object]]:
     return runs
 
 
+def _check_text_corpus(args) -> None:
+    """A text corpus too small for --seq-len (or a missing path) is refused before any rank
+    starts; the ranks check again (``Corpus.check_fits``), this only makes the error early and
+    plain. The standard library is megabytes: not read here."""
+    if args.data in ("markov", "stdlib"):
+        return
+    from apps.training.data import BYTE_VOCAB, make_corpus
+
+    make_corpus(args.data, vocab_size=BYTE_VOCAB, seed=args.seed).check_fits(args.seq_len)
+
+
 def _rank_entry(runs):
     """What every rank runs: the trainings in order, then the results (rank 0's matter)."""
     from apps.training.loop import train_rank
@@ -232,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         runs = _runs(args)
-    except (ValueError, TypeError) as e:
+        _check_text_corpus(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()

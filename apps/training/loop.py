@@ -95,6 +95,7 @@ class _Model:
         if job.data == "markov":
             vocab = min(PRESETS[job.config].vocab_size, MARKOV_MAX_VOCAB)
         self.corpus: Corpus = make_corpus(job.data, vocab_size=vocab, seed=job.seed)
+        self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
         model = TorchGPT(
             self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,

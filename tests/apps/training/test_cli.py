@@ -94,3 +94,29 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
     assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((tmp_path / "cache").iterdir()), "the persistent compilation cache was not written"
+
+
+def test_a_text_corpus_too_small_is_refused_before_ranks_start(tmp_path, monkeypatch, capsys):
+    import torch_side.launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(torch_side.launch, "run_local_ranks", no_launch)
+    small = tmp_path / "small.txt"
+    small.write_text("y" * 60_000)
+    assert cli.main(["--data", str(small), "--seq-len", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"mxfp8-train: error: corpus {str(small)!r} is too small for seq_len=64" in err, err
+    assert "train 60,000, heldout 0 bytes" in err, err
+    assert cli.main(["--data", str(tmp_path / "gone.txt")]) == 2  # a missing path: early too
+    assert "gone.txt' is neither a known name nor an existing path" in capsys.readouterr().err
+
+
+def test_the_training_loop_checks_the_corpus_before_building_the_model(tmp_path):
+    from apps.training.loop import _Model
+
+    small = tmp_path / "small.txt"
+    small.write_text("z" * 1000)
+    with pytest.raises(ValueError, match="too small for seq_len=32"):
+        _Model(TrainJob(data=str(small)))  # before fully_shard: no process group needed
