@@ -120,3 +120,32 @@ def test_the_training_loop_checks_the_corpus_before_building_the_model(tmp_path)
     small.write_text("z" * 1000)
     with pytest.raises(ValueError, match="too small for seq_len=32"):
         _Model(TrainJob(data=str(small)))  # before fully_shard: no process group needed
+
+
+def test_nonfinite_options_reach_the_run_options():
+    runs = cli._runs(cli.parse_args(["--on-nonfinite", "skip", "--max-consecutive-skips", "3",
+                                     "--compare"]))
+    assert {(o.on_nonfinite.value, o.max_consecutive_skips) for _, _, o in runs} == {("skip", 3)}
+    assert cli._runs(cli.parse_args([]))[0][2].on_nonfinite.value == "stop"
+
+
+@pytest.mark.slow
+def test_a_diverged_run_exits_nonzero_naming_the_step(tmp_path):
+    """``mxfp8-train --lr 1e5`` used to train on NaN, exit 0 and leave ``latest`` naming a
+    checkpoint of NaN weights."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MXFP8_JAX_CACHE": "off"}
+    done = subprocess.run(
+        [sys.executable, "-m", "apps.training", "--lr", "1e5", "--nproc", "1", "--steps", "8",
+         "--micro-batches", "1", "--batch-size", "2", "--no-progress", "--no-precompile",
+         "--save-dir", str(tmp_path / "ckpt"), "--save-every", "1",
+         "--metrics", str(tmp_path / "m.jsonl")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    stopped = [r for r in lines if r.get("outcome") == "stopped"]
+    assert len(stopped) == 1, lines
+    k = stopped[0]["step"]
+    assert f"mxfp8-train: error: mxfp8: step {k}: non-finite training (loss " in done.stderr
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt").glob("step_*"))
+    assert saved and max(saved) <= k, (k, saved)
