@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("common", "jax_side", "bridge", "torch_side", "apps", "benchmarks", "tests")
 # word boundary, a package, then one or more .identifier parts
-REF = re.compile(r"(?<![\w./-])((?:%s)(?:\.[A-Za-z_]\w*)+)" % "|".join(PACKAGES))
+REF = re.compile(r"(?<![\w./-])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)")
 FILE_SUFFIXES = (".py", ".md", ".ipynb", ".sh", ".json", ".toml", ".txt", ".png", ".jsonl")
 
 
@@ -96,7 +96,8 @@ def resolves(ref: str) -> bool:
 
 
 def _texts():
-    yield from ((p, p.read_text()) for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        yield p, p.read_text()
     for p in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(p.read_text())["cells"]
         yield p, "\n".join("".join(c["source"]) for c in cells)

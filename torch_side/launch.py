@@ -13,7 +13,13 @@ Failure and hangs are bounded, never silent:
   the whole launch has ``timeout`` (default none): past it, :class:`RanksStalled` names the ranks
   that had not finished, and all are terminated;
 - ranks die with their launcher (Linux ``PR_SET_PDEATHSIG``), and the launcher removes its
-  temporary files on every exit path (SIGTERM included);
+  temporary files on every exit path (SIGTERM included). A rank asks for the signal first thing,
+  before it imports torch or the job (``_rank_start``: the process object it unpickles names only
+  this stdlib-only module; the job travels as bytes, unpickled after), then checks that its
+  parent is still the launcher: a launcher killed while the rank was starting Python is noticed
+  and the rank exits, instead of running the whole job as an orphan. The kernel sends the signal
+  when the *thread* that spawned the rank ends; ``run_local_ranks`` spawns and waits for its
+  ranks in the same thread, so that is the end of the launch;
 - a world size the machine cannot hold is refused up front: each CPU rank needs about
   ``rank_memory_bytes`` of RAM (a JAX + Torch process, ~600 MB), checked against MemAvailable.
 
@@ -28,6 +34,7 @@ import contextlib
 import ctypes
 import datetime
 import enum
+import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -36,10 +43,9 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
-
-import torch.multiprocessing as mp
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
@@ -92,13 +98,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent (the launcher) dies."""
+_ORPHANED_EXIT = 3  # a rank whose launcher died before it could ask to die with it
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher) dies; exit at once if
+    the launcher is already gone (the request came too late: no signal will ever come)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: ranks still end with the launch's terminate() calls
-        pass
+        return
+    if os.getppid() != launcher_pid:  # reparented: the launcher died while we were starting
+        os._exit(_ORPHANED_EXIT)
 
 
 def _mem_available() -> int | None:
@@ -125,15 +137,34 @@ def check_capacity(world_size: int, rank_memory_bytes: int = RANK_MEMORY_BYTES) 
         )
 
 
-def _rank_main(rank, world_size, port, device, fn, args, out_dir, collective_timeout):
-    _die_with_parent()
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+def _rank_environment(rank: int, device: str) -> None:
+    """Set before anything imports JAX (it reads JAX_PLATFORMS when imported) or CUDA starts."""
+    # one simulated host device per rank; the user's other XLA flags reach the rank unchanged
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if device is LaunchDevice.CUDA:
+    if device == LaunchDevice.CUDA.value:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _rank_start(rank: int, launcher_pid: int, out_dir: str, device: str, job: bytes) -> None:
+    """A rank's first code: die with the launcher, set the rank's environment, then unpickle
+    the job (which may import torch, JAX and the caller's modules: seconds) and run it."""
+    _die_with_parent(launcher_pid)
+    _rank_environment(rank, device)
+    try:
+        unpacked = pickle.loads(job)
+    except BaseException:  # noqa: BLE001 -- reported to the launcher, which fails the launch
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    _rank_main(rank, *unpacked)
+
+
+def _rank_main(rank, world_size, port, device, fn, args, out_dir, collective_timeout):
     out = Path(out_dir)
     try:
         import torch
@@ -246,12 +277,14 @@ def run_local_ranks(
     ctx = mp.get_context("spawn")
     port = _free_port()
     with _sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="run_local_ranks_") as out_dir:
+        # The job as bytes: unpickling the process object then imports this module only, so
+        # the rank reaches _die_with_parent before any heavy import (see the module note).
+        job = bytes(ForkingPickler.dumps(
+            (world_size, port, device, fn, args, out_dir, collective_timeout)
+        ))
         procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(r, world_size, port, device, fn, args, out_dir, collective_timeout),
-                daemon=False,
-            )
+            ctx.Process(target=_rank_start, args=(r, os.getpid(), out_dir, device.value, job),
+                        daemon=False)
             for r in range(world_size)
         ]
         try:

@@ -8,12 +8,24 @@ Optimizer states live next to the main-weight shards (1/DP per rank when sharded
 
 A step refuses to run on partial gradients: after a backward that an exception aborted (e.g.
 ``GradCheck.FINITE``), until ``zero_grad()`` (``FSDPState.grads_incomplete``).
+
+``grad_norm()`` is the global L2 norm of the reduced gradients (one all-reduce of one float64):
+every gradient element of the model counted once, whatever the strategy. Where ``main`` holds a
+1/DP shard (``optim``, ``optim_grads``, ``optim_grads_params``) each rank adds the squares of its
+shard of ``main_grad_for_optimizer()``; where it holds the full replicated gradient (``no_shard``)
+only rank 0 of the group's DP group adds it. Expert groups do the same over their expert-DP
+group; the expert-DP groups partition the DP ranks (each holds its own experts), so one sum over
+the DP group adds every expert once too. ``divide_grads(n)`` divides the reduced gradients in
+their own dtype (fp32 in the training app): a caller that ran backward on a sum of token losses
+takes the mean there, after the MXFP8 GEMMs, instead of scaling the loss before backward (which
+changes dy's MXFP8 bytes unless the factor is a power of two).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch_side.collectives import Collective, Phase
 from torch_side.fsdp_model import FSDPModel
 
 __all__ = ["FSDPOptimizer"]
@@ -30,16 +42,44 @@ class FSDPOptimizer:
         self.groups = [g for g in model.param_groups if g.key.requires_grad]
         self.optimizer = optimizer_cls([g.main for g in self.groups], **kwargs)
 
-    def step(self) -> None:
-        self.model.state.require_idle("FSDPOptimizer.step()")  # refuse before a weight moves
+    def _check_grads_complete(self, what: str) -> None:
+        self.model.state.require_idle(what)  # refuse before anything moves
         state = self.model.state
-        state.recover("FSDPOptimizer.step()")
+        state.recover(what)
         if state.grads_incomplete:
             raise RuntimeError(
-                f"rank {self.model.comms['dp'].rank}: FSDPOptimizer.step(): the last backward "
+                f"rank {self.model.comms['dp'].rank}: {what}: the last backward "
                 f"was aborted by an exception, so the main gradients hold part of a micro-batch "
                 f"at most; call zero_grad() (drops them) and redo or skip this step"
             )
+
+    def grad_norm(self) -> torch.Tensor:
+        """COLLECTIVE: the global L2 norm of the reduced gradients over every shard, group and
+        rank (module note), a float64 0-d tensor, the same on every rank. NaN or Inf when a
+        gradient is (an fp32 shard norm above ~1.8e19 reads as Inf too)."""
+        self._check_grads_complete("FSDPOptimizer.grad_norm()")
+        dp = self.model.comms["dp"]
+        device = self.groups[0].main.device if self.groups else torch.device("cpu")
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in self.groups:
+            if not g.facts.main_weights_sharded and g.comm.rank != 0:
+                continue  # a replicated gradient: its group's rank 0 counts it
+            total += torch.linalg.vector_norm(g.main_grad_for_optimizer()).double() ** 2
+        dp.all_reduce(total, Collective.ALL_REDUCE_SUM, Phase.OPTIMIZER, "grad_norm")
+        return total.sqrt().squeeze(0)
+
+    def divide_grads(self, divisor: float) -> None:
+        """Divide the reduced gradients by ``divisor`` (> 0), in their dtype (module note)."""
+        if not (isinstance(divisor, int | float) and divisor > 0):
+            raise ValueError(
+                f"FSDPOptimizer.divide_grads: divisor={divisor!r}, expected a number > 0 (e.g. "
+                f"the tokens whose summed loss the backward ran on)"
+            )
+        for g in self.groups:
+            g.main_grad.div_(divisor)
+
+    def step(self) -> None:
+        self._check_grads_complete("FSDPOptimizer.step()")
         for g in self.groups:
             g.main.grad = g.main_grad_for_optimizer()
         self.optimizer.step()

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 __all__ = ["main", "parse_args"]
 
@@ -94,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "sources as bytes) or a text file / directory of text files")
     t.add_argument("--eval-batches", type=_positive(int), default=4,
                    help="held-out batches evaluated at the end")
+    t.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                   help="a step whose loss or global gradient norm is NaN/Inf: stop training "
+                        "with an error (default), or skip its update and go on")
+    t.add_argument("--max-consecutive-skips", type=_positive(int), default=10,
+                   help="with --on-nonfinite skip: stop after this many skipped steps in a row")
     o = p.add_argument_group("outputs and checkpoints")
     o.add_argument("--metrics", default=None, help="JSONL metrics file (one object per step)")
     o.add_argument("--plot", default=None, help="PNG of the loss curves, drawn at the end")
@@ -120,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every needs --save-dir")
     if args.compare and (args.resume or args.save_dir):
         p.error("--compare runs two trainings; use it without --resume / --save-dir")
+    if args.plot:  # checked now, not after a training that has nothing to draw it with
+        if not args.metrics:
+            p.error("--plot needs --metrics (the curves are drawn from the metrics file)")
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
+                    "or drop --plot (mxfp8-plot draws a --metrics file later)")
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else 1
     return args
@@ -149,25 +162,49 @@ def _runs(args) -> list[tuple[str, object, object]]:
     """(label, job, RunOptions) of every training this command runs."""
     from apps.training.loop import RunOptions, result_path
 
+    common = {"progress": not args.no_progress, "precompile": not args.no_precompile,
+              "on_nonfinite": args.on_nonfinite,
+              "max_consecutive_skips": args.max_consecutive_skips}
     runs = [(args.weights, _job(args, args.weights), RunOptions(
         metrics=args.metrics, save_dir=args.save_dir, save_every=args.save_every,
-        resume=args.resume, progress=not args.no_progress, label=args.weights,
-        precompile=not args.no_precompile))]
+        resume=args.resume, label=args.weights, **common))]
     if args.compare and args.weights != "fp32":
         runs.append(("fp32", _job(args, "fp32"), RunOptions(
-            metrics=result_path(args.metrics, "fp32"), progress=not args.no_progress,
-            label="fp32 control", precompile=not args.no_precompile)))
+            metrics=result_path(args.metrics, "fp32"), label="fp32 control", **common)))
     return runs
 
 
+def _check_text_corpus(args) -> None:
+    """A text corpus too small for --seq-len (or a missing path) is refused before any rank
+    starts; the ranks check again (``Corpus.check_fits``), this only makes the error early and
+    plain. The standard library is megabytes: not read here."""
+    if args.data in ("markov", "stdlib"):
+        return
+    from apps.training.data import BYTE_VOCAB, make_corpus
+
+    make_corpus(args.data, vocab_size=BYTE_VOCAB, seed=args.seed).check_fits(args.seq_len)
+
+
+class Stopped(NamedTuple):
+    """What every rank returns when a training stopped on a non-finite loss or gradient norm."""
+
+    reason: str
+
+
 def _rank_entry(runs):
-    """What every rank runs: the trainings in order, then the results (rank 0's matter)."""
-    from apps.training.loop import train_rank
+    """What every rank runs: the trainings in order, then the results (rank 0's matter), or
+    ``Stopped`` when one diverged (every rank stops at the same step: the values are global)."""
+    from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
-
-    return [train_rank(job, opts) for _, job, opts in runs]
+    results = []
+    for label, job, opts in runs:
+        try:
+            results.append(train_rank(job, opts))
+        except NonFiniteTraining as e:
+            return Stopped(f"{label}: {e}")
+    return results
 
 
 def _torchrun_main(args, runs) -> list:
@@ -193,6 +230,8 @@ def _torchrun_main(args, runs) -> list:
         results = _rank_entry(runs)
     finally:
         dist.destroy_process_group()
+    if isinstance(results, Stopped):
+        return results  # every rank: each exits nonzero
     return results if int(os.environ["RANK"]) == 0 else []
 
 
@@ -218,6 +257,9 @@ def _print_summary(args, runs, results, wall: float) -> None:
     for label, r in zip(labels, results, strict=True):
         steady = sorted(s.seconds for s in r.steps[len(r.steps) // 2:]) or [float("nan")]
         tps = sorted(s.tokens_per_s for s in r.steps[len(r.steps) // 2:]) or [float("nan")]
+        skipped = sum(s.outcome.value == "skipped" for s in r.steps)
+        if skipped:
+            print(f"{label:>8s}: {skipped} steps skipped (non-finite loss or gradient norm)")
         print(f"{label:>8s}: held-out loss {r.heldout_loss:.4f}; median step "
               f"{steady[len(steady) // 2]:.3f} s ({tps[len(tps) // 2]:,.0f} tokens/s); first "
               f"step {r.first_step_s:.1f} s" + (
@@ -230,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         runs = _runs(args)
-    except (ValueError, TypeError) as e:
+        _check_text_corpus(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
@@ -245,16 +288,15 @@ def main(argv: list[str] | None = None) -> int:
             _rank_entry, args.nproc, (runs,), device=args.device, timeout=args.timeout,
             collective_timeout=args.collective_timeout,
         )[0]
+    if isinstance(results, Stopped):
+        print(f"mxfp8-train: error: {results.reason}", file=sys.stderr)
+        return 1
     if results:  # rank 0 (or the launching process)
         _print_summary(args, runs, results, time.perf_counter() - start)
         if args.plot:
             from apps.training.plot import plot_runs
 
-            paths = [o.metrics for _, _, o in runs if o.metrics]
-            if not paths:
-                print("mxfp8-train: --plot needs --metrics (the curves are drawn from it)",
-                      file=sys.stderr)
-                return 2
+            paths = [o.metrics for _, _, o in runs if o.metrics]  # parse_args: at least one
             print(f"loss curves: {plot_runs(paths, args.plot)}")
     return 0
 

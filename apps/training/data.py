@@ -145,6 +145,11 @@ class Corpus(abc.ABC):
         """``"sha256:<hex>"`` of what the samples are drawn from (not of the ``--data`` string):
         a checkpoint records it and a resume on other data is refused."""
 
+    @abc.abstractmethod
+    def check_fits(self, seq_len: int) -> None:
+        """Refuse (ValueError), before any training, a corpus that cannot give a sample of
+        ``seq_len`` from each split (training and the held-out evaluation)."""
+
 
 class MarkovCorpus(Corpus):
     """Sequences from a random Markov chain: V tokens, ``branching`` successors each.
@@ -211,6 +216,9 @@ class MarkovCorpus(Corpus):
         h.update(np.ascontiguousarray(self.transition).tobytes())
         return f"sha256:{h.hexdigest()}"
 
+    def check_fits(self, seq_len: int) -> None:
+        """Always fits: samples are generated, of any length."""
+
     def describe(self) -> str:
         return (
             f"markov (branching={self.branching}, seed={self.seed}): train and heldout "
@@ -233,6 +241,26 @@ class SplitRule:
     def __post_init__(self) -> None:
         _check_int("SplitRule", "block_bytes", self.block_bytes, minimum=1)
         _check_int("SplitRule", "heldout_every", self.heldout_every, minimum=2)
+
+    def split_sizes(self, n: int) -> dict[Split, int]:
+        """Bytes of each split of an ``n``-byte stream (what ``split`` gives, counted)."""
+        b, every = self.block_bytes, self.heldout_every
+        n_full = n // b
+        held = (n_full // every) * b  # full blocks k < n_full with k % every == every - 1
+        if n_full % every == every - 1:
+            held += n - n_full * b  # the short last block is a held-out one
+        return {Split.TRAIN: n - held, Split.HELDOUT: held}
+
+    def min_stream_bytes(self, window: int) -> int:
+        """The shortest stream whose splits both hold ``window`` bytes (one sample each)."""
+        lo, hi = window, 2 * window * self.heldout_every + self.block_bytes * self.heldout_every
+        while lo < hi:  # split sizes grow with n: binary search for the first n that fits
+            mid = (lo + hi) // 2
+            if min(self.split_sizes(mid).values()) >= window:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def split(self, stream: np.ndarray) -> dict[Split, np.ndarray]:
         """uint8 (N,) -> {Split: uint8 (n_split,)}; the two parts hold every byte exactly once."""
@@ -377,6 +405,25 @@ class ByteCorpus(Corpus):
     def content_digest(self) -> str:
         """sha256 over the split rule and the byte stream (computed once, when read)."""
         return self._digest
+
+    def check_fits(self, seq_len: int) -> None:
+        """Both splits must hold a window of ``seq_len + 1`` bytes. Windows are drawn with
+        replacement, so the batch size and step count need no more; a text under
+        ``rule.min_stream_bytes`` (about 78 kB at the default split) has no held-out window."""
+        seq_len = _check_int(f"ByteCorpus({self.name}).check_fits", "seq_len", seq_len, minimum=1)
+        window = seq_len + 1
+        short = [s for s in Split if self.split_size(s) < window]
+        if not short:
+            return
+        total = sum(self.split_size(s) for s in Split)
+        sizes = ", ".join(f"{s.value} {self.split_size(s):,}" for s in Split)
+        raise ValueError(
+            f"corpus {self.name!r} is too small for seq_len={seq_len}: its {total:,} bytes split "
+            f"into {sizes} bytes (every {self.rule.heldout_every}th {self.rule.block_bytes}-byte "
+            f"block is held out), but a sample needs seq_len + 1 = {window} bytes of each split "
+            f"({' and '.join(s.value for s in short)} short); give a text of at least "
+            f"{self.rule.min_stream_bytes(window):,} bytes"
+        )
 
     def describe(self) -> str:
         return (

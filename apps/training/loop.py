@@ -15,6 +15,7 @@ ids, and a checkpoint needs only the position. Rank 0 shows progress (tqdm), wri
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import sys
 import time
@@ -43,11 +44,39 @@ from common.model_config import PRESETS
 from torch_side import FSDPOptimizer, fully_shard, precompile
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
-__all__ = ["MARKOV_MAX_VOCAB", "RunOptions", "StepLog", "TrainResult", "train_rank"]
+__all__ = [
+    "MARKOV_MAX_VOCAB",
+    "NonFiniteTraining",
+    "OnNonFinite",
+    "RunOptions",
+    "StepLog",
+    "StepOutcome",
+    "TrainResult",
+    "train_rank",
+]
 
 # A Markov corpus keeps a dense (V, V) transition matrix: presets with a GPT-2 vocabulary train on
 # a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
 MARKOV_MAX_VOCAB = 1024
+
+
+class OnNonFinite(enum.Enum):
+    """What a step whose loss or global gradient norm is NaN/Inf does."""
+
+    STOP = "stop"  # raise NonFiniteTraining before the update: no step, no checkpoint after it
+    SKIP = "skip"  # drop the step's gradients, no update; stop after max_consecutive_skips
+
+
+class StepOutcome(enum.Enum):
+    """The ``outcome`` of a step (StepLog, the JSONL step record)."""
+
+    APPLIED = "applied"  # the optimizer updated the weights
+    SKIPPED = "skipped"  # non-finite loss or gradient norm: gradients dropped, no update
+    STOPPED = "stopped"  # non-finite, and training ends here with NonFiniteTraining
+
+
+class NonFiniteTraining(RuntimeError):
+    """Training diverged: a non-finite loss or gradient norm (raised on every rank alike)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +90,28 @@ class RunOptions:
     progress: bool = True  # rank 0's progress bar
     label: str = ""  # shown in the progress bar and the run record
     precompile: bool = True  # compile the JAX linear programs in parallel before step 1
+    on_nonfinite: OnNonFinite = OnNonFinite.STOP
+    max_consecutive_skips: int = 10  # OnNonFinite.SKIP: this many skipped steps in a row stop
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
+        if isinstance(self.max_consecutive_skips, bool) or not (
+            isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
+        ):
+            raise ValueError(
+                f"RunOptions.max_consecutive_skips={self.max_consecutive_skips!r}: expected an "
+                f"integer >= 1"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class StepLog:
     step: int
-    loss: float  # mean over ranks and micro-batches
+    loss: float  # mean token loss over ranks and micro-batches
     seconds: float  # wall time of the step on rank 0 (forward, backward, optimizer, requant)
     tokens_per_s: float
+    grad_norm: float = float("nan")  # global L2 norm of the gradient of the mean loss
+    outcome: StepOutcome = StepOutcome.APPLIED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +139,7 @@ class _Model:
         if job.data == "markov":
             vocab = min(PRESETS[job.config].vocab_size, MARKOV_MAX_VOCAB)
         self.corpus: Corpus = make_corpus(job.data, vocab_size=vocab, seed=job.seed)
+        self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
         model = TorchGPT(
             self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,
@@ -160,6 +204,58 @@ def _precompile(m: _Model, job: TrainJob):
     return report
 
 
+def _forward_backward(m: _Model, job: TrainJob, position: DataPosition) -> tuple[float, float]:
+    """One step's micro-batches, forward and backward; returns (the mean token loss over all
+    ranks, the global gradient norm). Collectives.
+
+    Backward runs on each micro-batch's sum of token losses: the mean's backward divides by n
+    and the product multiplies by n back, so the loss gradient is exactly 1 per token (n / n
+    rounds to 1) whatever the micro-batch count and batch size. The mean over this rank's tokens
+    is then taken on the accumulated fp32 main gradients (``divide_grads``). Scaling the loss by
+    1 / micro_batches before backward instead changed dy's MXFP8 bytes (MXFP8 scaling absorbs
+    powers of two only), so runs of one global batch split differently (another world size on
+    resume) differed by more than summation order.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = torch.zeros((), dtype=torch.float32, device=job.device)  # this rank's token-loss sum
+    for mb in range(job.micro_batches):
+        ids = sample_ids(position, rank=rank, world_size=world, micro_batch=mb,
+                         micro_batches=job.micro_batches, batch_size=job.batch_size)
+        tokens, targets = _batch(m.corpus, Split.TRAIN, ids, job)
+        loss = cross_entropy(m.fsdp(tokens), targets) * targets.numel()  # token sum, see above
+        loss.backward()
+        total += loss.detach()
+    tokens_per_rank = job.micro_batches * job.batch_size * job.seq_len
+    m.opt.divide_grads(tokens_per_rank)
+    dist.all_reduce(total)
+    return float(total) / (tokens_per_rank * world), float(m.opt.grad_norm())
+
+
+def _update(m: _Model, opts: RunOptions, loss: float, norm: float,
+            skips: int) -> tuple[StepOutcome, int]:
+    """Apply the step, or drop it when the loss or gradient norm is not finite (the same values
+    on every rank, so every rank decides alike); returns (outcome, consecutive skips)."""
+    if math.isfinite(loss) and math.isfinite(norm):
+        m.opt.step()
+        m.opt.zero_grad()
+        return StepOutcome.APPLIED, 0
+    m.opt.zero_grad()  # the weights stay those of the last good step
+    if opts.on_nonfinite is OnNonFinite.SKIP and skips < opts.max_consecutive_skips:
+        return StepOutcome.SKIPPED, skips + 1
+    return StepOutcome.STOPPED, skips
+
+
+def _stop_message(log: StepLog, opts: RunOptions, skips: int) -> str:
+    what = (f"step {log.step}: non-finite training (loss {log.loss}, global gradient norm "
+            f"{log.grad_norm})")
+    if opts.on_nonfinite is OnNonFinite.SKIP:
+        return (f"{what} after {skips} consecutive skipped steps (max_consecutive_skips="
+                f"{opts.max_consecutive_skips}); training stopped before this step's update and "
+                f"writes no checkpoint after it. The run diverged: lower the learning rate")
+    return (f"{what}; training stopped before this step's update and writes no checkpoint after "
+            f"it. Lower the learning rate, or skip such steps (--on-nonfinite skip)")
+
+
 def _progress(job: TrainJob, opts: RunOptions, start: int):
     if not opts.progress or dist.get_rank() != 0:
         return None
@@ -207,29 +303,23 @@ def _train(job: TrainJob, opts: RunOptions, saver: ckpt.CheckpointSaver | None) 
     bar = _progress(job, opts, start)
     logs: list[StepLog] = []
     tokens_per_step = job.tokens_per_step(world)
+    skips = 0  # consecutive skipped steps
     try:
         for step in range(start, job.steps):
             t0 = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float32, device=job.device)
-            for mb in range(job.micro_batches):
-                ids = sample_ids(position, rank=rank, world_size=world, micro_batch=mb,
-                                 micro_batches=job.micro_batches, batch_size=job.batch_size)
-                tokens, targets = _batch(m.corpus, Split.TRAIN, ids, job)
-                loss = cross_entropy(m.fsdp(tokens), targets) / job.micro_batches
-                loss.backward()
-                total += loss.detach()
-            m.opt.step()
-            m.opt.zero_grad()
+            loss, norm = _forward_backward(m, job, position)
+            outcome, skips = _update(m, opts, loss, norm, skips)
             position = advance(position, world_size=world, micro_batches=job.micro_batches,
                                batch_size=job.batch_size)
-            dist.all_reduce(total)
             _sync(job)
             seconds = time.perf_counter() - t0
-            log = StepLog(step, float(total) / world, seconds, tokens_per_step / seconds)
+            log = StepLog(step, loss, seconds, tokens_per_step / seconds, norm, outcome)
             logs.append(log)
             if writer is not None:
                 writer.write(step_record(step=step, loss=log.loss, tokens_per_s=log.tokens_per_s,
-                                         step_s=seconds))
+                                         step_s=seconds, grad_norm=norm, outcome=outcome.value))
+            if outcome is StepOutcome.STOPPED:
+                raise NonFiniteTraining(_stop_message(log, opts, skips))
             if bar is not None:
                 bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
                                 step_s=f"{seconds:.3f}")

@@ -117,7 +117,8 @@ def plot_runs(
     labels: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """Plot the metrics files ``paths`` into ``out`` (PNG; parent dirs created); returns ``out``."""
+    """Plot the metrics files ``paths`` into exactly the file ``out`` (parent dirs created) and
+    return it: PNG, or the format its suffix names when matplotlib writes it (.svg, .pdf, ...)."""
     if not paths:
         raise ValueError("plot_runs: no metrics files given; pass one or more RUN.jsonl paths")
     if labels is not None and len(labels) != len(paths):
@@ -129,7 +130,12 @@ def plot_runs(
     curves = [load_run(p, label=name) for p, name in zip(paths, names, strict=True)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_figure(curves, title=title).savefig(out, dpi=120)
+    fig = build_figure(curves, title=title)
+    # An explicit format: without one, matplotlib appends ".png" to a name with no known suffix
+    # ("curves" -> curves.png), and the path returned (and printed) would not be the file.
+    suffix = out.suffix.lstrip(".").lower()
+    fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"
+    fig.savefig(out, dpi=120, format=fmt)
     return out
 
 
@@ -139,7 +145,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Plot training loss, held-out evals and tokens/s of JSONL metrics files.",
     )
     p.add_argument("runs", nargs="+", type=Path, help="metrics files (RUN.jsonl)")
-    p.add_argument("-o", "--out", type=Path, required=True, help="output PNG")
+    p.add_argument("-o", "--out", type=Path, required=True,
+                   help="output file, written as given: PNG unless the suffix names another "
+                        "format matplotlib writes (.svg, .pdf)")
     p.add_argument("--labels", nargs="+", help="one legend label per file (default: file stems)")
     p.add_argument("--title", help="figure title")
     return p

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from common.formats import check_mxfp8_shape
 from common.kernels import Backend
@@ -25,6 +26,16 @@ def _check_planes(rowwise: bool, colwise: bool) -> None:
         raise ValueError("quantize: rowwise=False and colwise=False asks for nothing; set one")
 
 
+def _check_array(x) -> None:
+    # A list, tuple or Python scalar has no dtype: jnp.asarray would pick float32 (or int32) for
+    # it silently, so the caller never said which precision the MXFP8 bytes come from.
+    if not isinstance(x, jax.Array | np.ndarray):
+        raise TypeError(
+            f"quantize: x is a {type(x).__name__}, not an array; pass a jnp or np array of dtype "
+            f"bfloat16 or float32, e.g. quantize(jnp.asarray(x, jnp.bfloat16))"
+        )
+
+
 def quantize(
     x: jax.Array,
     *,
@@ -32,15 +43,16 @@ def quantize(
     colwise: bool = True,
     backend: Backend | str | None = None,
 ) -> MXFP8Tensor:
-    """Quantize a 2-D (M, K) bf16/fp32 tensor to MXFP8 (DESIGN.md 3 numerics, 4 layout).
+    """Quantize a 2-D (M, K) bf16/fp32 array (jax or numpy) to MXFP8 (DESIGN.md 3 numerics, 4
+    layout). Lists, tuples and Python scalars are refused (TypeError): give the dtype explicitly.
 
     rowwise: blocks 1x32 along K -> rowwise_data (M, K) e4m3, rowwise_scale (M, K/32) e8m0.
     colwise: blocks 32x1 along M -> colwise_data (M, K) e4m3 (not transposed),
     colwise_scale (M/32, K) e8m0. backend: None (automatic, see ``backend_report``), "xla",
     "te" (or another implemented backend).
     """
-    if hasattr(x, "dtype"):  # before jnp.asarray, which narrows float64 to fp32 when x64 is off
-        check_dtype(x, "quantize")
+    _check_array(x)
+    check_dtype(x, "quantize")  # before jnp.asarray, which narrows float64 to fp32 (x64 off)
     x = jnp.asarray(x)
     check_mxfp8_shape(x.shape, "quantize")
     check_dtype(x, "quantize")

@@ -126,6 +126,37 @@ def test_ranks_die_with_a_terminated_launcher_and_its_files_go(tmp_path):
     assert _leftovers(tmp) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_ranks_die_when_the_launcher_is_killed_while_they_start(tmp_path):
+    """SIGKILL the launcher right after it spawns its ranks, while they are still starting
+    Python (before they could ask for PR_SET_PDEATHSIG): no rank survives it, none runs the
+    job. Such ranks used to be orphaned and run the whole job."""
+    pid_file, pid_dir, tmp = tmp_path / "spawned", tmp_path / "pids", tmp_path / "tmp"
+    pid_dir.mkdir()
+    tmp.mkdir()
+    script = (
+        "import sys\n"
+        "from tests.torch_side.launch_helpers import launch_then_die_at_once\n"
+        "launch_then_die_at_once(sys.argv[1], sys.argv[2])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    launcher = subprocess.run(
+        [sys.executable, "-c", script, str(pid_file), str(pid_dir)], cwd=ROOT, env=env,
+        timeout=120, check=False,
+    )
+    assert launcher.returncode == -signal.SIGKILL
+    ranks = [int(p) for p in pid_file.read_text().split()]
+    assert len(ranks) == 2
+    deadline = time.monotonic() + 30  # the ranks need a moment to start Python and notice
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in ranks if _alive(pid)]
+    for pid in survivors:  # do not leave them running 120 s after a failure
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"ranks {survivors} survived their killed launcher"
+    assert list(pid_dir.iterdir()) == [], "a rank ran the job after its launcher died"
+
+
 def test_a_rank_that_cannot_start_is_reported_and_the_started_ones_stop(
     monkeypatch, tmpdir_for_launches
 ):

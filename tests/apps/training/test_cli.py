@@ -27,12 +27,24 @@ ROOT = Path(__file__).resolve().parents[3]
         (["--save-every", "5"], "--save-every needs --save-dir"),
         (["--compare", "--resume", "x"], "--compare runs two trainings"),
         (["--config", "huge"], "invalid choice"),
+        (["--plot", "c.png"], "--plot needs --metrics"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--metrics", "m.jsonl", "--plot", "c.png"])
+    assert e.value.code == 2
+    assert "--plot needs matplotlib, which is not installed" in capsys.readouterr().err
+    cli.parse_args(["--metrics", "m.jsonl"])  # no --plot: matplotlib is not needed
 
 
 def test_defaults_are_the_embedded_cpu_demo():
@@ -82,3 +94,58 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
     assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((tmp_path / "cache").iterdir()), "the persistent compilation cache was not written"
+
+
+def test_a_text_corpus_too_small_is_refused_before_ranks_start(tmp_path, monkeypatch, capsys):
+    import torch_side.launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(torch_side.launch, "run_local_ranks", no_launch)
+    small = tmp_path / "small.txt"
+    small.write_text("y" * 60_000)
+    assert cli.main(["--data", str(small), "--seq-len", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"mxfp8-train: error: corpus {str(small)!r} is too small for seq_len=64" in err, err
+    assert "train 60,000, heldout 0 bytes" in err, err
+    assert cli.main(["--data", str(tmp_path / "gone.txt")]) == 2  # a missing path: early too
+    assert "gone.txt' is neither a known name nor an existing path" in capsys.readouterr().err
+
+
+def test_the_training_loop_checks_the_corpus_before_building_the_model(tmp_path):
+    from apps.training.loop import _Model
+
+    small = tmp_path / "small.txt"
+    small.write_text("z" * 1000)
+    with pytest.raises(ValueError, match="too small for seq_len=32"):
+        _Model(TrainJob(data=str(small)))  # before fully_shard: no process group needed
+
+
+def test_nonfinite_options_reach_the_run_options():
+    runs = cli._runs(cli.parse_args(["--on-nonfinite", "skip", "--max-consecutive-skips", "3",
+                                     "--compare"]))
+    assert {(o.on_nonfinite.value, o.max_consecutive_skips) for _, _, o in runs} == {("skip", 3)}
+    assert cli._runs(cli.parse_args([]))[0][2].on_nonfinite.value == "stop"
+
+
+@pytest.mark.slow
+def test_a_diverged_run_exits_nonzero_naming_the_step(tmp_path):
+    """``mxfp8-train --lr 1e5`` used to train on NaN, exit 0 and leave ``latest`` naming a
+    checkpoint of NaN weights."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MXFP8_JAX_CACHE": "off"}
+    done = subprocess.run(
+        [sys.executable, "-m", "apps.training", "--lr", "1e5", "--nproc", "1", "--steps", "8",
+         "--micro-batches", "1", "--batch-size", "2", "--no-progress", "--no-precompile",
+         "--save-dir", str(tmp_path / "ckpt"), "--save-every", "1",
+         "--metrics", str(tmp_path / "m.jsonl")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    stopped = [r for r in lines if r.get("outcome") == "stopped"]
+    assert len(stopped) == 1, lines
+    k = stopped[0]["step"]
+    assert f"mxfp8-train: error: mxfp8: step {k}: non-finite training (loss " in done.stderr
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt").glob("step_*"))
+    assert saved and max(saved) <= k, (k, saved)

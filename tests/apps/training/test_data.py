@@ -336,3 +336,39 @@ def test_data_position_round_trip_and_bad_values():
         DataPosition.from_dict({"samples_consumed": 0, "step": 3})
     with pytest.raises(TypeError, match="expected a mapping"):
         DataPosition.from_dict([("samples_consumed", 0)])
+
+
+def test_split_sizes_count_what_split_gives_and_min_stream_bytes_is_the_smallest_fit():
+    rule = SplitRule(block_bytes=8, heldout_every=4)
+    for n in range(0, 100):
+        parts = rule.split(np.zeros(n, np.uint8))
+        assert rule.split_sizes(n) == {s: parts[s].size for s in Split}, n
+    for window in (1, 5, 8, 9, 17):
+        n = rule.min_stream_bytes(window)
+        assert min(rule.split_sizes(n).values()) >= window
+        assert min(rule.split_sizes(n - 1).values()) < window
+    assert SplitRule().min_stream_bytes(33) == 19 * 4096 + 33  # the first held-out block
+
+
+def test_a_text_too_small_for_the_held_out_split_is_refused_up_front(tmp_path):
+    """A text under ~78 kB has no held-out block: it trained, then failed at the evaluation."""
+    small = tmp_path / "small.txt"
+    small.write_text("x" * 50_000)
+    corpus = ByteCorpus.from_path(small)
+    with pytest.raises(ValueError) as err:
+        corpus.check_fits(32)
+    text = str(err.value)
+    assert "is too small for seq_len=32: its 50,000 bytes split into train 50,000, heldout 0" \
+        in text, text
+    assert "a sample needs seq_len + 1 = 33 bytes of each split (heldout short)" in text, text
+    assert "give a text of at least 77,857 bytes" in text, text
+    for size, fits in ((77_857, True), (77_856, False)):
+        small.write_text("x" * size)
+        corpus = ByteCorpus.from_path(small)
+        if fits:
+            corpus.check_fits(32)
+            corpus.batch(Split.HELDOUT, heldout_ids(2), 32)  # what the evaluation reads
+        else:
+            with pytest.raises(ValueError, match="heldout short"):
+                corpus.check_fits(32)
+    make_corpus("markov", vocab_size=8, seed=0).check_fits(10_000)  # unbounded: always fits

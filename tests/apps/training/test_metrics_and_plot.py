@@ -239,3 +239,18 @@ def test_cli_runs_as_a_module(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert out.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize(("name", "signature"), [
+    ("curves", PNG_SIGNATURE),  # no suffix: matplotlib used to write curves.png instead
+    ("curves.v2", PNG_SIGNATURE),  # a suffix that is no format: PNG, at exactly that name
+    ("curves.svg", b"<?xml"),  # a suffix matplotlib writes: that format
+])
+def test_cli_writes_exactly_the_file_it_prints(tmp_path, capsys, name, signature):
+    path = str(_write_run(tmp_path / "r.jsonl", n_steps=4, floor=None))
+    out = tmp_path / name
+    assert main([path, "-o", str(out)]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(out)
+    assert Path(printed).read_bytes().startswith(signature)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["r.jsonl", name])

@@ -143,3 +143,21 @@ def test_float64_input_is_refused_before_jax_narrows_it():
     the bf16 / E4M3 one); quantize refuses it instead, naming the dtype."""
     with pytest.raises(TypeError, match=r"bfloat16 or float32.*got dtype float64"):
         mxfp8.quantize(np.ones((32, 32), np.float64))
+
+
+@pytest.mark.parametrize(
+    "x",
+    [[[1.0] * 32] * 32, tuple((1.0,) * 32 for _ in range(32)), 1.0],
+    ids=["list", "tuple", "python-float"],
+)
+def test_non_array_input_is_refused_instead_of_narrowed_to_float32(x):
+    """A list of Python floats (float64 values) has no dtype: jnp.asarray would make it float32
+    without a word. quantize asks for an array of an explicit dtype instead."""
+    with pytest.raises(TypeError) as err:
+        mxfp8.quantize(x)
+    text = str(err.value)
+    assert f"quantize: x is a {type(x).__name__}, not an array" in text, text
+    assert "pass a jnp or np array of dtype bfloat16 or float32" in text, text
+    explicit = mxfp8.quantize(jnp.asarray(x if isinstance(x, list) else [[1.0] * 32] * 32,
+                                          jnp.bfloat16))  # the fix the message gives works
+    assert explicit.rowwise_data.shape == (32, 32)
