@@ -140,7 +140,7 @@ def make_te_jax():
 
 
 def make_te_backend():
-    mxfp8.backend_report("te")  # raises where the te backend cannot run here
+    mxfp8.kernel_report(mxfp8.KernelConfig("te"))  # raises where the te backend cannot run here
     return jax.jit(lambda v: mxfp8.quantize(v, backend="te"))
 
 

@@ -203,9 +203,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
-               "report_auto": mxfp8.backend_report()}
+               "report_auto": mxfp8.kernel_report()}
     try:
-        results["report_te"] = mxfp8.backend_report("te")
+        results["report_te"] = mxfp8.kernel_report(mxfp8.KernelConfig("te"))
         results["te_version"] = te_backend._te().version
         results["te_import_warnings"] = list(te_backend.import_te().import_warnings)
     except RuntimeError as e:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from jax_side import mxfp8
 from jax_side.mxfp8 import e8m0, xla_impl
 from jax_side.mxfp8 import pallas_impl as pk
-from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
+from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix, special_mix
 
 FIELDS = ("rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale")
 MODES = pk.E4M3_CASTS  # the FTZ-proof element paths (interpret mode and GPU)
@@ -58,22 +58,6 @@ def assert_same_as_xla(x, *, rowwise=True, colwise=True, interpret=True, tiles=N
 
 
 xla_cast = jax.jit(xla_impl.cast_2d)  # eager XLA compiles every op: one program is faster
-
-
-def special_mix(shape, dtype, seed: int, special_rate: float = 0.05) -> np.ndarray:
-    """Per-block magnitudes from deep subnormal to near fp32 max, with NaN/+-Inf/+-0 mixed in."""
-    rng = np.random.default_rng(seed)
-    m, k = shape
-    exps = rng.integers(-150, 128, size=(m // 32, 1, k // 32, 1))
-    spread = rng.integers(-12, 1, size=(m // 32, 32, k // 32, 32))
-    x = (rng.standard_normal((m // 32, 32, k // 32, 32)) * np.exp2(exps + spread)).reshape(m, k)
-    with np.errstate(over="ignore"):
-        x = x.astype(np.float32)
-    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
-    mask = rng.random(x.shape) < special_rate
-    x[mask] = rng.choice(specials, size=int(mask.sum()))
-    with np.errstate(over="ignore"):
-        return x.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
