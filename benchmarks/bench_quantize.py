@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 
 from jax_side import mxfp8
 from jax_side.mxfp8 import pallas_impl as pk
+from jax_side.mxfp8.pallas_tiles import Grid, KernelKind, triton_params
 
 GPT_SHAPES = [
     (8192, 768), (8192, 1024), (8192, 3072), (8192, 4096),  # activations: 8192 tokens x width
@@ -140,7 +141,7 @@ def make_te_jax():
 
 
 def make_te_backend():
-    mxfp8.backend_report("te")  # raises where the te backend cannot run here
+    mxfp8.kernel_report(mxfp8.KernelConfig("te"))  # raises where the te backend cannot run here
     return jax.jit(lambda v: mxfp8.quantize(v, backend="te"))
 
 
@@ -151,13 +152,13 @@ def _copy_kernel(x_ref, a_ref, b_ref):
 
 
 def make_pallas_copy(shape, tiles: pk.Tiles | None, interpret: bool):
-    g = pk._Grid.make("quantize", shape, tiles, jnp.bfloat16, pk.COMPILED_MODE)
+    g = Grid.make(KernelKind.QUANTIZE, shape, tiles, jnp.bfloat16, pk.COMPILED_DEFAULT)
     spec = g.full()
     out = jax.ShapeDtypeStruct(shape, jnp.uint8)
     call = pl.pallas_call(
         _copy_kernel, out_shape=[out, out], grid=g.grid(shape), in_specs=[spec],
         out_specs=[spec, spec], interpret=interpret,
-        compiler_params=pk._triton_params(g.tiles.num_warps))
+        compiler_params=triton_params(g.tiles.num_warps))
     return jax.jit(call)
 
 
@@ -251,7 +252,7 @@ def main() -> None:
                              "DEFAULT_TILES) or BMxBKxWARPS[p][cCK] (p: preload, CK: chunk "
                              "width); 'sweep' = " + SWEEP_TILES)
     parser.add_argument("--casts", default="default",
-                        help="element paths (pallas_impl.KERNEL_MODES): native, float, int, or "
+                        help="element paths (pallas_impl.ElementPath): native, float, int, or "
                              "'default' (native compiled, float with --interpret)")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--reps", type=int, default=10, help="timings; the median is reported")
@@ -262,8 +263,8 @@ def main() -> None:
     shapes = parse_shapes(args.shapes)
     tiles_list = parse_tiles(SWEEP_TILES if args.tiles == "sweep" else args.tiles)
     casts = [c for c in args.casts.split(",") if c]
-    casts = [(pk.E4M3_CAST if args.interpret else pk.COMPILED_MODE) if c == "default" else c
-             for c in casts]
+    default = pk.INTERPRET_DEFAULT if args.interpret else pk.COMPILED_DEFAULT
+    casts = [(default if c == "default" else pk.ElementPath.parse(c)).value for c in casts]
     meta = {"device": str(jax.devices()[0]), "jax": jax.__version__,
             "interpret": args.interpret, "tiles": [tiles_name(t) for t in tiles_list],
             "casts": casts, "calls": args.calls, "reps": args.reps}

@@ -180,7 +180,7 @@ def divergence_census() -> dict:
     result = {"te_pure_jax_raw": _block_diffs(raw, ref, names),
               "te_default": _block_diffs(fixed, ref, names)}
     try:  # TE's quantize custom call on this GPU, as a user calling TE directly would get it
-        te = te_backend._te()
+        te = te_backend.import_te()
         quantizer = te.q.QuantizerFactory.create(
             scaling_mode=te.q.ScalingMode.MXFP8_1D_SCALING, q_dtype=jnp.float8_e4m3fn,
             q_layout=te.q.QuantizeLayout.ROWWISE_COLWISE)
@@ -203,10 +203,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__,
-               "report_auto": mxfp8.backend_report()}
+               "report_auto": mxfp8.kernel_report()}
     try:
-        results["report_te"] = mxfp8.backend_report("te")
-        results["te_version"] = te_backend._te().version
+        results["report_te"] = mxfp8.kernel_report(mxfp8.KernelConfig("te"))
+        results["te_version"] = te_backend.import_te().version
         results["te_import_warnings"] = list(te_backend.import_te().import_warnings)
     except RuntimeError as e:
         results["report_te"] = str(e)

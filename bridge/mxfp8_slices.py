@@ -99,10 +99,9 @@ def _scales_and_cast(buf, packed_amax, pieces, backend, source):
 
 
 def slice_backend(kernels: KernelConfig | None, device: torch.device) -> Backend:
-    """The backend whose slice kernels run: the configured quantize backend, except that ``te``
-    (whole tensors only) quantizes slices with ``xla``, the reference it is spliced from."""
-    backend = resolve_for(kernels, device).backend
-    return Backend.XLA if backend is Backend.TE else backend
+    """The backend whose slice kernels run for ``kernels`` on ``device``: what the resolver names
+    (``ResolvedKernels.slices``; ``te``, whole tensors only, hands slices to ``xla``)."""
+    return resolve_for(kernels, device).slices
 
 
 def packed_partial_amax(

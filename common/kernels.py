@@ -4,8 +4,9 @@ A frozen, hashable value that the user hands to the linear op, the Torch and Fla
 ``fully_shard`` and training; every JAX program that quantizes or multiplies receives it as a
 static argument, so one process can run two configurations side by side (e.g. a test comparing a
 fast GEMM with the exact one). ``None`` fields mean "the default for the device the work runs on",
-resolved and reported by ``jax_side.mxfp8.resolve_kernels`` (DESIGN.md 7); the environment
-variables ``MXFP8_BACKEND`` and ``MXFP8_GEMM`` override only such ``None`` fields.
+resolved and reported by ``jax_side.mxfp8.kernels.resolve_kernels`` (DESIGN.md 7), the one
+function that reads the defaults and the environment variables ``MXFP8_BACKEND`` and
+``MXFP8_GEMM`` (which override only such ``None`` fields).
 
 - ``backend`` (``Backend``): who quantizes. ``xla``: the project's pure-JAX reference, bit-exact
   on every platform. ``pallas``: the project's fused GPU kernel, byte-identical to ``xla``.
@@ -26,7 +27,7 @@ import enum
 
 from common.enums import parse_enum
 
-__all__ = ["Backend", "GemmImpl", "KernelConfig"]
+__all__ = ["Backend", "GemmImpl", "KernelConfig", "Platform"]
 
 
 class Backend(enum.Enum):
@@ -39,6 +40,18 @@ class Backend(enum.Enum):
         return parse_enum(
             cls, value, what="MXFP8 backend", hint=" (or None for the automatic default)"
         )
+
+
+class Platform(enum.StrEnum):
+    """Where the work runs: the device kind its tensors live on. A ``StrEnum``, so it equals
+    its value (``Platform.CPU == "cpu"``), as the plain strings it replaces did."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+    @classmethod
+    def parse(cls, value: Platform | str) -> Platform:
+        return parse_enum(cls, value, what="platform", hint=" (or None for JAX's default device)")
 
 
 class GemmImpl(enum.Enum):

@@ -151,20 +151,17 @@ def pad_tokens(x2d: jax.Array) -> jax.Array:
 
 
 def _kernels(kernels: ResolvedKernels | KernelConfig | None) -> ResolvedKernels:
-    if isinstance(kernels, ResolvedKernels):
-        return kernels
-    return resolve_kernels(kernels)
+    return resolve_kernels(kernels)  # a ResolvedKernels passes through unchanged
 
 
 def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
-    return matmul(a, b, role, out_dtype=out_dtype, impl=kernels.gemm, backend=kernels.backend)
+    return matmul(a, b, role, out_dtype=out_dtype, kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("rowwise", "colwise", "kernels"))
 def quantize_weight_program(w, *, rowwise: bool, colwise: bool, kernels: ResolvedKernels):
     """The jitted program behind ``quantize_weight`` (resolved kernels only)."""
-    return quantize(w.astype(jnp.bfloat16), rowwise=rowwise, colwise=colwise,
-                    backend=kernels.backend)
+    return quantize(w.astype(jnp.bfloat16), rowwise=rowwise, colwise=colwise, kernels=kernels)
 
 
 def quantize_weight(
@@ -180,7 +177,7 @@ def quantize_weight(
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
 def _quantize_activation(x, *, kernels: ResolvedKernels):
-    return quantize(pad_tokens(x), rowwise=True, colwise=True, backend=kernels.backend)
+    return quantize(pad_tokens(x), rowwise=True, colwise=True, kernels=kernels)
 
 
 def quantize_activation(
@@ -201,7 +198,7 @@ def forward(
 ) -> ForwardOut:
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
-    xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise, backend=kernels.backend)
+    xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise, kernels=kernels)
     y = _gemm(xq, _as_tensor(w_rowwise), GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
@@ -225,7 +222,7 @@ def backward(
     """
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     w_colwise = _as_tensor(w_colwise)
-    dyq = quantize(pad_tokens(dy2d), rowwise=need_dx, colwise=need_dw, backend=kernels.backend)
+    dyq = quantize(pad_tokens(dy2d), rowwise=need_dx, colwise=need_dw, kernels=kernels)
     dx = dw = None
     if need_dx:
         dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels)[: dy2d.shape[0]].astype(dx_dtype)

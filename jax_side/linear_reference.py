@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from common.formats import BLOCK_SIZE
-from common.kernels import Backend, GemmImpl
+from common.kernels import KernelConfig
 from jax_side.mxfp8 import GemmRole, matmul, quantize
 
 __all__ = ["mxfp8_linear_reference"]
 
 _BS = BLOCK_SIZE
-_XLA, _EXACT = Backend.XLA, GemmImpl.DEQUANT_DOT
+_EXACT = KernelConfig.reference()  # xla quantize, fp32 dequantize + dot
 
 
 def _pad(a: jax.Array) -> jax.Array:
@@ -33,9 +33,9 @@ def _pad(a: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear2d(x2d, w, out_dtype):
-    xq = quantize(_pad(x2d), rowwise=True, colwise=False, backend=_XLA)
-    wq = quantize(w.astype(jnp.bfloat16), rowwise=True, colwise=False, backend=_XLA)
-    return matmul(xq, wq, GemmRole.FORWARD, out_dtype=out_dtype, impl=_EXACT)[: x2d.shape[0]]
+    xq = quantize(_pad(x2d), rowwise=True, colwise=False, kernels=_EXACT)
+    wq = quantize(w.astype(jnp.bfloat16), rowwise=True, colwise=False, kernels=_EXACT)
+    return matmul(xq, wq, GemmRole.FORWARD, out_dtype=out_dtype, kernels=_EXACT)[: x2d.shape[0]]
 
 
 def _fwd(x2d, w, out_dtype):
@@ -45,12 +45,12 @@ def _fwd(x2d, w, out_dtype):
 def _bwd(out_dtype, residuals, dy):
     x2d, w = residuals
     t = x2d.shape[0]
-    dy_row = quantize(_pad(dy), rowwise=True, colwise=False, backend=_XLA)
-    dy_col = quantize(_pad(dy), rowwise=False, colwise=True, backend=_XLA)
-    w_col = quantize(w.astype(jnp.bfloat16), rowwise=False, colwise=True, backend=_XLA)
-    x_col = quantize(_pad(x2d), rowwise=False, colwise=True, backend=_XLA)
-    dx = matmul(dy_row, w_col, GemmRole.DGRAD, impl=_EXACT)[:t].astype(x2d.dtype)
-    dw = matmul(dy_col, x_col, GemmRole.WGRAD, impl=_EXACT).astype(w.dtype)
+    dy_row = quantize(_pad(dy), rowwise=True, colwise=False, kernels=_EXACT)
+    dy_col = quantize(_pad(dy), rowwise=False, colwise=True, kernels=_EXACT)
+    w_col = quantize(w.astype(jnp.bfloat16), rowwise=False, colwise=True, kernels=_EXACT)
+    x_col = quantize(_pad(x2d), rowwise=False, colwise=True, kernels=_EXACT)
+    dx = matmul(dy_row, w_col, GemmRole.DGRAD, kernels=_EXACT)[:t].astype(x2d.dtype)
+    dw = matmul(dy_col, x_col, GemmRole.WGRAD, kernels=_EXACT).astype(w.dtype)
     return dx, dw
 
 

@@ -4,8 +4,10 @@ fresh interpreters asserting which frameworks each package pulls in.
 Layers (lowest first): ``common`` (framework-free facts) <- ``jax_side`` (numerics, Flax twin)
 <- ``bridge`` (the only library package importing torch and jax) <- ``torch_side`` (FSDP; JAX
 only through ``bridge``) <- ``apps`` (training, parity, command lines). Every import anywhere in a
-file counts, also inside functions ("not even lazily"). No circle between files, and none between
-packages or sub-packages.
+file counts, also inside functions ("not even lazily"), and so does an import made from a string:
+``importlib.import_module("a.b")`` (or ``__import__``) is an edge to ``a.b``; where the name is not
+a literal (a table of module names), every string in the file that names a project module counts.
+No circle between files, and none between packages or sub-packages.
 """
 
 from __future__ import annotations
@@ -58,11 +60,40 @@ def _resolve(base: str, name: str | None) -> str:
     return base
 
 
+_STRING_IMPORTERS = {"import_module", "__import__"}  # importlib.import_module, __import__
+
+
+def _string_imports(tree: ast.AST) -> set[str]:
+    """Modules imported by name from a string: literal arguments of import_module/__import__;
+    where an argument is not a literal, every string constant of the file naming a project
+    module (the table the name comes from)."""
+    out: set[str] = set()
+    dynamic = False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name not in _STRING_IMPORTERS:
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            out.add(arg.value)
+        else:
+            dynamic = True
+    if dynamic:
+        out.update(
+            n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in MODULES
+        )
+    return out
+
+
 def _imports(module: str, path: pathlib.Path) -> set[str]:
     """Every module ``module`` imports (project modules by full name, others by top level)."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out: set[str] = set()
+    out: set[str] = _string_imports(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -179,6 +210,31 @@ def test_the_graph_sees_the_known_edges():
     assert "torch" in GRAPH["bridge.dlpack"] and "jax" in GRAPH["bridge.dlpack"]
     assert "bridge.mxfp8_slices" in GRAPH["torch_side.distributed_quantize"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # imports made from strings: TE's GEMM primitive, and torch_side's table of lazy exports
+    assert "transformer_engine" in GRAPH["jax_side.mxfp8.te_backend"]
+    assert "torch_side.fsdp_model" in GRAPH["torch_side"]
+
+
+def test_string_imports_count_as_edges():
+    literal = ast.parse("import importlib\nimportlib.import_module('jax_side.mxfp8.backends')")
+    assert _string_imports(literal) == {"jax_side.mxfp8.backends"}
+    table = ast.parse(
+        "from importlib import import_module\n"
+        "T = {'x': 'jax_side.mxfp8.xla_backend', 'y': 'not a module'}\n"
+        "def load(k):\n    return import_module(T[k])\n"
+    )
+    assert _string_imports(table) == {"jax_side.mxfp8.xla_backend"}
+    assert _string_imports(ast.parse("x = 'jax_side.mxfp8.xla_backend'")) == set()
+
+
+def test_backends_reach_their_modules_without_a_circle():
+    """The backend table sees every backend module, and no backend module imports the table."""
+    table = GRAPH["jax_side.mxfp8.backends"]
+    for name in ("xla_backend", "pallas_backend", "te_backend"):
+        module = f"jax_side.mxfp8.{name}"
+        assert module in table
+        assert "jax_side.mxfp8.backends" not in GRAPH[module]
+        assert "jax_side.mxfp8.kernels" not in GRAPH[module]
 
 
 # (import statement, modules that must NOT be loaded afterwards, modules that must be)

@@ -3,23 +3,20 @@
 Contract: DESIGN.md section 3 (numerics, bit-exact to the Transformer Engine kernel recipe) and
 section 4 (layout). No torch import anywhere in ``jax_side``. The shared facts (block size,
 planes, GEMM roles, ``KernelConfig``) are defined in ``common`` and re-exported here.
+
+Which kernels run is decided in one place, ``resolve_kernels`` (module ``kernels``), from a
+``KernelConfig`` that every public function takes as ``kernels=``; ``kernel_report`` says what
+runs and why. Backends implement one declared interface (``backend_api.KernelBackend``).
 """
 
 from common.formats import BLOCK_SIZE, E4M3_MAX
 from common.gemm_roles import GemmRole
-from common.kernels import GemmImpl, KernelConfig
-from jax_side.mxfp8.backends import (
-    Backend,
-    BackendChoice,
-    TEPath,
-    TEProbe,
-    backend_report,
-    decide_backend,
-    resolve_backend,
-)
+from common.kernels import GemmImpl, KernelConfig, Platform
+from jax_side.mxfp8.backends import Backend, BackendChoice, TEPath, TEProbe, decide_backend
+from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.gemm import matmul
 from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
-from jax_side.mxfp8.quantize import dequantize, quantize
+from jax_side.mxfp8.quantize import quantize
 from jax_side.mxfp8.slices import cast_slice, partial_block_amax, scales_from_amax
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
 
@@ -34,11 +31,11 @@ __all__ = [
     "KernelConfig",
     "MXFP8Tensor",
     "Plane",
+    "Platform",
     "ResolvedKernels",
     "SliceCast",
     "TEPath",
     "TEProbe",
-    "backend_report",
     "cast_slice",
     "decide_backend",
     "dequantize",
@@ -46,7 +43,6 @@ __all__ = [
     "matmul",
     "partial_block_amax",
     "quantize",
-    "resolve_backend",
     "resolve_kernels",
     "scales_from_amax",
 ]

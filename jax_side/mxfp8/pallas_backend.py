@@ -1,4 +1,5 @@
-"""The ``pallas`` backend: the 2-D Pallas kernels of ``pallas_impl`` behind the backend interface.
+"""The ``pallas`` backend: the 2-D Pallas kernels of ``pallas_impl`` behind the backend interface
+(:data:`BACKEND`, a ``backend_api.KernelBackend``).
 
 Same functions, arguments and results as ``xla_backend`` (``quantize``, ``partial_block_amax``,
 ``scales_from_amax``, ``cast_slice``; inputs validated by ``quantize.py`` / ``slices.py``), and
@@ -7,9 +8,10 @@ both dtypes, both planes, odd valid shapes and partial slices.
 
 Where it runs: on a CUDA GPU the kernels are compiled through Pallas's Triton lowering; anywhere
 else (CPU) they run in Pallas **interpret mode** -- the same kernel code evaluated by XLA, slow,
-for tests and CI (``backend_report`` says so). Flat slices (the distributed recipe) materialise
-the 32-row band the slice touches (``bands``), zero-padded, and run the 2-D kernels on it: one
-extra copy of the band in and out, small next to a whole parameter.
+for tests and CI (``kernel_report`` says so: ``execution``). Flat slices (the distributed
+recipe) materialise the 32-row band the slice touches (``bands``), zero-padded, and run the 2-D
+kernels on it: one extra copy of the band in and out, small next to a whole parameter. GEMMs run
+the shared implementations of ``gemm_impls``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import numpy as np
 from jax import lax
 
 from common.formats import BLOCK_SIZE
+from common.kernels import Backend, Platform
 from jax_side.mxfp8 import pallas_impl
-from jax_side.mxfp8.backends import default_platform
+from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend, default_platform
 from jax_side.mxfp8.bands import band, band_values
+from jax_side.mxfp8.gemm_impls import run_gemm
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
-__all__ = ["cast_slice", "interpret_mode", "partial_block_amax", "quantize", "scales_from_amax"]
+__all__ = ["BACKEND", "PallasBackend", "cast_slice", "interpret_mode", "partial_block_amax",
+           "quantize", "scales_from_amax"]
 
 _BS = BLOCK_SIZE
 
@@ -36,7 +41,7 @@ def interpret_mode() -> bool:
     """True where the kernels cannot be compiled: JAX work lands on the CPU (no CUDA GPU, or
     ``jax.default_device`` set to the CPU). Work on CPU tensors in a GPU process resolves to the
     ``xla`` backend instead (``kernels.resolve_kernels``)."""
-    return default_platform() != "gpu"
+    return BACKEND.capabilities.execution(default_platform()) is Execution.INTERPRETED
 
 
 def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
@@ -99,3 +104,32 @@ def _cast_slice(flat, rs, cs, shape, start, interpret) -> SliceCast:
         return None if y is None else y.reshape(-1)[b.pad_left:b.pad_left + n]
 
     return SliceCast(finish(out.rowwise), finish(out.colwise))
+
+
+class PallasBackend(KernelBackend):
+    """The project's Pallas kernels: compiled on a CUDA GPU, interpreted (slow) on the CPU."""
+
+    backend = Backend.PALLAS
+    capabilities = Capabilities(
+        runs_on=((Platform.CPU, Execution.INTERPRETED), (Platform.GPU, Execution.COMPILED)),
+        slices=True,
+        own_gemm=False,
+    )
+
+    def quantize(self, x, *, rowwise, colwise):
+        return quantize(x, rowwise=rowwise, colwise=colwise)
+
+    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
+        return partial_block_amax(flat, shape, start, rowwise, colwise)
+
+    def scales_from_amax(self, amax):
+        return scales_from_amax(amax)
+
+    def cast_slice(self, flat, shape, start, row_b, col_b):
+        return cast_slice(flat, shape, start, row_b, col_b)
+
+    def matmul(self, a, b, role, gemm):
+        return run_gemm(a, b, role, gemm)
+
+
+BACKEND = PallasBackend()

@@ -5,8 +5,10 @@ reproduces whole-tensor ``quantize`` byte for byte for any split into flat slice
 a row-major (M, K) tensor is a 1-D array holding flat elements ``[start, start + n)``; shape and
 start are static (one compiled program per slice, as FSDP repeats them every step).
 
-``backend`` picks the implementation (``xla``, the reference, or a kernel backend that implements
-the same functions byte-identically); ``te`` has no slice functions and is refused.
+``kernels`` (a ``KernelConfig``; ``backend=`` is shorthand for its backend field) resolves through
+the one resolver, ``kernels.resolve_kernels``, whose ``slices`` field names the backend that runs
+them: ``xla`` (the reference) or ``pallas`` (byte-identical); a configuration whose backend has
+no slice building blocks (``te``) runs them on ``xla``, and ``kernel_report`` says so.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from common.formats import check_mxfp8_shape, scale_shape
-from common.kernels import Backend
-from jax_side.mxfp8.backends import backend_module, resolve_backend
+from common.kernels import Backend, KernelConfig
+from jax_side.mxfp8.backend_api import KernelBackend
+from jax_side.mxfp8.backends import backend_impl
+from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
 from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast, scale_bytes
 
 __all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
@@ -59,17 +63,8 @@ def _check_slice(flat, shape, start, what: str) -> tuple[int, int, int, int]:
     return m, k, n, start
 
 
-def slice_backend(backend: Backend | str | None, what: str):
-    """The module whose slice functions run for ``backend`` (``te`` has none)."""
-    choice = resolve_backend(backend)
-    if choice.backend is Backend.TE:
-        if backend is None:  # the automatic default picked TE's kernels: slices stay on xla
-            return backend_module(Backend.XLA)
-        raise ValueError(
-            f"{what}: the te backend has no slice building blocks (Transformer Engine quantizes "
-            f"whole tensors only); use backend='xla' (the reference) or a kernel backend"
-        )
-    return backend_module(choice.backend)
+def _slice_impl(what: str, kernels, backend) -> KernelBackend:
+    return backend_impl(resolve_call(what, kernels, backend).slices)
 
 
 def partial_block_amax(
@@ -80,6 +75,7 @@ def partial_block_amax(
     rowwise: bool = True,
     colwise: bool = True,
     backend: Backend | str | None = None,
+    kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> BlockAmax:
     """Block amax of the part of a (M, K) tensor held in a flat slice.
 
@@ -91,11 +87,16 @@ def partial_block_amax(
     """
     m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
     check_dtype(flat, "partial_block_amax")
-    impl = slice_backend(backend, "partial_block_amax")
+    impl = _slice_impl("partial_block_amax", kernels, backend)
     return impl.partial_block_amax(flat, (m, k), start, bool(rowwise), bool(colwise))
 
 
-def scales_from_amax(amax: jax.Array, *, backend: Backend | str | None = None) -> jax.Array:
+def scales_from_amax(
+    amax: jax.Array,
+    *,
+    backend: Backend | str | None = None,
+    kernels: KernelConfig | ResolvedKernels | None = None,
+) -> jax.Array:
     """E8M0 scales (float8_e8m0fnu, same shape) from fp32 block amax, DESIGN.md 3 steps 2-3.
 
     amax must be non-negative (as produced by ``partial_block_amax``): +Inf gives 0xFE; a NaN
@@ -103,7 +104,7 @@ def scales_from_amax(amax: jax.Array, *, backend: Backend | str | None = None) -
     """
     if amax.dtype != jnp.float32:
         raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
-    return slice_backend(backend, "scales_from_amax").scales_from_amax(amax)
+    return _slice_impl("scales_from_amax", kernels, backend).scales_from_amax(amax)
 
 
 def cast_slice(
@@ -114,6 +115,7 @@ def cast_slice(
     rowwise_scale: jax.Array | None = None,
     colwise_scale: jax.Array | None = None,
     backend: Backend | str | None = None,
+    kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> SliceCast:
     """Cast a flat slice of a (M, K) tensor to e4m3 with precomputed full scales.
 
@@ -130,5 +132,5 @@ def cast_slice(
         rowwise_scale, scale_shape((m, k), Plane.ROWWISE), "cast_slice rowwise_scale")
     col_b = None if colwise_scale is None else scale_bytes(
         colwise_scale, scale_shape((m, k), Plane.COLWISE), "cast_slice colwise_scale")
-    impl = slice_backend(backend, "cast_slice")
+    impl = _slice_impl("cast_slice", kernels, backend)
     return impl.cast_slice(flat, (m, k), start, row_b, col_b)

@@ -2,8 +2,10 @@
 
 Imported only when TE can matter (``te`` requested, or the automatic default on a GPU), and it
 imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU: TE-JAX does not import
-on a CPU-only machine. Which TE path runs is decided by ``backends.decide_backend`` from
+on a CPU-only machine. Which TE path runs is decided by the one rule ``te_probe.te_choice`` from
 :func:`probe`; every public function here re-derives it, so a caller cannot mix paths.
+:data:`BACKEND` is this module behind the declared interface (``backend_api.KernelBackend``):
+TE quantizes whole tensors and runs its own GEMM; it has no slice building blocks.
 
 Paths (``te_probe.TEPath``):
 
@@ -46,13 +48,15 @@ from jax import lax
 
 from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.gemm_roles import GemmRole, role_spec
-from common.kernels import Backend
+from common.kernels import Backend, Platform
 from jax_side.mxfp8 import xla_backend, xla_impl
-from jax_side.mxfp8.backends import decide_backend
-from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe
+from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend
+from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe, te_choice
 from jax_side.mxfp8.tensor import MXFP8Tensor
 
 __all__ = [
+    "BACKEND",
+    "TEBackend",
     "ContractFix",
     "EDGE_AMAX",
     "TESTED_TE_VERSION",
@@ -88,16 +92,16 @@ _DEFAULT_FIX = {TEPath.KERNELS: ContractFix.NONE, TEPath.PURE_JAX: ContractFix.S
 
 def te_path() -> TEPath:
     """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
-    return decide_backend(Backend.TE, probe()).te_path
+    return te_choice(probe()).path
 
 
 def require_available() -> None:
-    """Raise the dispatcher's clear error where the ``te`` backend cannot run."""
+    """Raise the resolver's clear error where the ``te`` backend cannot run."""
     te_path()
 
 
 def describe() -> str:
-    return "Transformer Engine for JAX; " + decide_backend(Backend.TE, probe()).reason
+    return "Transformer Engine for JAX; " + te_choice(probe()).reason
 
 
 @contextlib.contextmanager
@@ -269,7 +273,7 @@ def dequantize(t: MXFP8Tensor, plane: Plane | str = Plane.ROWWISE) -> jax.Array:
 
 
 def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
-    """fp32 GEMM of one role (table in gemm.py) by ``tex.gemm`` on TE's path for this GPU.
+    """fp32 GEMM of one role (``common.gemm_roles``) by ``tex.gemm`` on TE's path for this GPU.
 
     Operands are validated by ``jax_side.mxfp8.matmul``; both are blocked along the contracted
     axis. On the pure-JAX path this is ``jax.nn.scaled_matmul`` on the same bytes.
@@ -282,3 +286,35 @@ def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
         out = import_te().tex.gemm(lhs, rhs, contracting_dims=contract)
     out = out[0] if isinstance(out, tuple) else out
     return out.astype(jnp.float32)
+
+
+class TEBackend(KernelBackend):
+    """Transformer Engine for JAX: whole-tensor quantize and its own GEMM, CUDA GPUs only."""
+
+    backend = Backend.TE
+    capabilities = Capabilities(
+        runs_on=((Platform.GPU, Execution.COMPILED),), slices=False, own_gemm=True
+    )
+    _NO_SLICES = "Transformer Engine quantizes whole tensors only; use backend 'xla' or 'pallas'"
+
+    def quantize(self, x, *, rowwise, colwise):
+        return quantize(x, rowwise=rowwise, colwise=colwise)
+
+    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
+        raise self.unsupported("partial_block_amax", self._NO_SLICES)
+
+    def scales_from_amax(self, amax):
+        raise self.unsupported("scales_from_amax", self._NO_SLICES)
+
+    def cast_slice(self, flat, shape, start, row_b, col_b):
+        raise self.unsupported("cast_slice", self._NO_SLICES)
+
+    def matmul(self, a, b, role, gemm):
+        if gemm is not None:
+            raise self.unsupported(
+                f"GEMM implementation {gemm.value!r}", "it runs its own GEMM; leave gemm None"
+            )
+        return matmul(a, b, role)
+
+
+BACKEND = TEBackend()

@@ -8,7 +8,8 @@ MAX, scales everywhere, cast of owned elements -- is the same code path split di
 
 Flat slices: a slice of a row-major (M, K) tensor is a 1-D array holding flat elements
 ``[start, start + n)``; only its 32-row band (``bands``) is materialised. Inputs are validated by
-the callers (``slices.py``, ``quantize.py``).
+the callers (``slices.py``, ``quantize.py``). Its GEMM implementations are in ``gemm_impls``.
+:data:`BACKEND` is this module behind the declared interface (``backend_api.KernelBackend``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import numpy as np
 from jax import lax
 
 from common.formats import BLOCK_SIZE
+from common.kernels import Backend, Platform
 from jax_side.mxfp8 import xla_impl
+from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend
 from jax_side.mxfp8.bands import Band, band, band_values
+from jax_side.mxfp8.gemm_impls import run_gemm
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
-__all__ = ["cast_slice", "partial_block_amax", "quantize", "scales_from_amax"]
+__all__ = ["BACKEND", "XlaBackend", "cast_slice", "partial_block_amax", "quantize",
+           "scales_from_amax"]
 
 _BS = BLOCK_SIZE
 
@@ -108,3 +113,32 @@ def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
         shape=(m, k),
         dtype=np.dtype(x.dtype),
     )
+
+
+class XlaBackend(KernelBackend):
+    """The reference backend: every operation, compiled by XLA on every platform."""
+
+    backend = Backend.XLA
+    capabilities = Capabilities(
+        runs_on=((Platform.CPU, Execution.COMPILED), (Platform.GPU, Execution.COMPILED)),
+        slices=True,
+        own_gemm=False,
+    )
+
+    def quantize(self, x, *, rowwise, colwise):
+        return quantize(x, rowwise=rowwise, colwise=colwise)
+
+    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
+        return partial_block_amax(flat, shape, start, rowwise, colwise)
+
+    def scales_from_amax(self, amax):
+        return scales_from_amax(amax)
+
+    def cast_slice(self, flat, shape, start, row_b, col_b):
+        return cast_slice(flat, shape, start, row_b, col_b)
+
+    def matmul(self, a, b, role, gemm):
+        return run_gemm(a, b, role, gemm)
+
+
+BACKEND = XlaBackend()

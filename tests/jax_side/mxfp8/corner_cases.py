@@ -3,6 +3,7 @@
 Each case is one block of 32 values (the listed values first, zeros after) and the bytes the
 recipe must produce: the E8M0 scale byte and the e4m3 byte of each listed value. Notation:
 c = fp32(1/448) = 0x3B124925 (slightly above 1/448); e4m3 byte = sign | exp+7 << 3 | mantissa.
+``special_mix`` makes random whole tensors with the same kinds of values mixed in.
 """
 
 from __future__ import annotations
@@ -80,3 +81,19 @@ def block_matrix(case: Corner, *, column: bool) -> np.ndarray:
     else:
         x[0, :] = block
     return x.astype(case.dtype)
+
+
+def special_mix(shape, dtype, seed: int, special_rate: float = 0.05) -> np.ndarray:
+    """Per-block magnitudes from deep subnormal to near fp32 max, with NaN/+-Inf/+-0 mixed in."""
+    rng = np.random.default_rng(seed)
+    m, k = shape
+    exps = rng.integers(-150, 128, size=(m // 32, 1, k // 32, 1))
+    spread = rng.integers(-12, 1, size=(m // 32, 32, k // 32, 32))
+    x = (rng.standard_normal((m // 32, 32, k // 32, 32)) * np.exp2(exps + spread)).reshape(m, k)
+    with np.errstate(over="ignore"):
+        x = x.astype(np.float32)
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
+    mask = rng.random(x.shape) < special_rate
+    x[mask] = rng.choice(specials, size=int(mask.sum()))
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)

@@ -3,7 +3,9 @@
 ``decide_backend(requested, TEProbe)`` is tested on CPU with hand-made probes, so the rules hold
 for GPUs this CI never sees: TE's kernels only where TE reports MXFP8 support on a 10.x device;
 TE's pure-JAX path when ``te`` is asked for anywhere else on a GPU; a clear error where TE cannot
-run; and an automatic default that never routes MXFP8 to an unsupported TE kernel.
+run; and an automatic default that never routes MXFP8 to an unsupported TE kernel. The one
+resolver around it (``resolve_kernels``: environment, platform, GEMM) is tested in
+``test_resolver.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_side.mxfp8 import Backend, BackendChoice, backend_report, resolve_backend, te_backend
-from jax_side.mxfp8.backends import ENV_VAR, TEPath, TEProbe, decide_backend
+from jax_side.mxfp8 import (
+    Backend,
+    BackendChoice,
+    KernelConfig,
+    kernel_report,
+    resolve_kernels,
+    te_backend,
+)
+from jax_side.mxfp8.backends import TEPath, TEProbe, decide_backend
+from jax_side.mxfp8.kernels import BACKEND_ENV_VAR as ENV_VAR
 
 H200 = TEProbe(True, "Device compute capability 9.9 or higher required for MXFP8 execution.",
                False, 90)
@@ -111,11 +121,10 @@ cpu_only = pytest.mark.skipif(
 
 
 @cpu_only
-
 def test_this_cpu_process_defaults_to_xla_without_importing_te(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    choice = resolve_backend(None)
-    assert choice.backend is Backend.XLA and choice.te_path is None
+    resolved = resolve_kernels(None)
+    assert resolved.backend is Backend.XLA and resolved.te_path is None
     assert "transformer_engine" not in sys.modules
     assert te_backend.probe().importable is False
 
@@ -124,31 +133,34 @@ def test_this_cpu_process_defaults_to_xla_without_importing_te(monkeypatch):
 def test_this_cpu_process_refuses_te_with_the_reason(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(RuntimeError, match="'te' was requested"):
-        resolve_backend("te")
+        resolve_kernels(KernelConfig("te"))
 
 
 def test_environment_variable_overrides_the_default_and_is_reported(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "xla")
-    choice = resolve_backend(None)
-    assert choice.backend is Backend.XLA
-    assert choice.reason.startswith(f"{ENV_VAR}='xla'")
+    resolved = resolve_kernels(None)
+    assert resolved.backend is Backend.XLA
+    assert resolved.reason.startswith(f"backend xla: {ENV_VAR}='xla'")
     monkeypatch.setenv(ENV_VAR, "te")
     if te_backend.probe().importable:
-        assert resolve_backend(None).backend is Backend.TE
+        assert resolve_kernels(None, "gpu").backend is Backend.TE
     else:
         with pytest.raises(RuntimeError, match="'te' was requested"):
-            resolve_backend(None)
+            resolve_kernels(None)
 
 
 def test_report_says_what_runs_and_why(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    report = backend_report()
-    probe = te_backend.probe()
-    expected = decide_backend(None, probe)
-    assert report["backend"] == expected.backend.value and report["reason"] == expected.reason
-    assert report["te_importable"] == str(probe.importable)
+    report = kernel_report()
+    resolved = resolve_kernels(None)
+    assert report["backend"] == resolved.backend.value and report["kernels"] == resolved.reason
+    assert report["gemm"] == resolved.gemm.value and report["slices"] == resolved.slices.value
     on_gpu = report["jax_platform"] == "gpu"
-    assert report["compute_capability"].startswith("compute capability" if on_gpu else "no CUDA")
-    explicit = backend_report("xla")
-    assert explicit["reason"] == "requested explicitly"
+    if on_gpu:
+        probe = te_backend.probe()
+        assert report["te_importable"] == str(probe.importable)
+        assert report["compute_capability"].startswith("compute capability")
+    explicit = kernel_report(KernelConfig("xla"))
+    assert explicit["kernels"].startswith("backend xla: requested explicitly")
+    assert explicit["origin"] == "config" and explicit["execution"] == "compiled"
     assert explicit["te_importable"] == "not probed"

@@ -94,12 +94,13 @@ def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
     """On the GPU machine, CPU tensors (the parity report's --device cpu) must not get the GPU's
     automatic backend: compiled Pallas on CPU arrays failed there ("Only interpret mode is
     supported on CPU backend"). Simulated here: the default device and the probe say H200."""
-    from jax_side.mxfp8 import backends, kernels
+    from common.kernels import Platform
+    from jax_side.mxfp8 import kernels
     from jax_side.mxfp8.te_probe import TEProbe
 
     h200 = TEProbe(False, "not installed", False, 90)
-    monkeypatch.setattr(backends, "_probe_for", lambda requested: h200)
-    monkeypatch.setattr(kernels, "default_platform", lambda: "gpu")
+    monkeypatch.setattr(kernels, "_probe_for", lambda requested, platform: h200)
+    monkeypatch.setattr(kernels, "default_platform", lambda: Platform.GPU)
     kernels._resolve.cache_clear()
     try:
         assert resolve_kernels(None, "gpu").backend.value == "pallas"

@@ -1,4 +1,5 @@
-"""The Pallas kernels (``pallas_impl``) against the ``xla`` backend, byte for byte.
+"""The Pallas kernels (``pallas_impl`` and the modules it launches: ``pallas_elements``,
+``pallas_tiles``, ``pallas_kernels``) against the ``xla`` backend, byte for byte.
 
 - CPU: the kernels run in Pallas interpret mode (on XLA:CPU, which flushes subnormal floats, so
   these runs also check that the kernels are FTZ-proof); the element and scale math is also
@@ -20,12 +21,14 @@ from hypothesis import strategies as st
 
 from jax_side import mxfp8
 from jax_side.mxfp8 import e8m0, xla_impl
+from jax_side.mxfp8 import pallas_elements as pe
 from jax_side.mxfp8 import pallas_impl as pk
-from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
+from jax_side.mxfp8.pallas_tiles import KernelKind, TileKey
+from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix, special_mix
 
 FIELDS = ("rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale")
-MODES = pk.E4M3_CASTS  # the FTZ-proof element paths (interpret mode and GPU)
-ALL_MODES = pk.KERNEL_MODES  # + "native" (compiled kernels only)
+MODES = pk.FTZ_PROOF_PATHS  # the FTZ-proof element paths (interpret mode and GPU)
+ALL_MODES = tuple(pk.ElementPath)  # + NATIVE (compiled kernels only)
 SMALL_TILES = pk.Tiles(block_m=32, block_k=64)  # several programs, two chunks each
 
 
@@ -60,22 +63,6 @@ def assert_same_as_xla(x, *, rowwise=True, colwise=True, interpret=True, tiles=N
 xla_cast = jax.jit(xla_impl.cast_2d)  # eager XLA compiles every op: one program is faster
 
 
-def special_mix(shape, dtype, seed: int, special_rate: float = 0.05) -> np.ndarray:
-    """Per-block magnitudes from deep subnormal to near fp32 max, with NaN/+-Inf/+-0 mixed in."""
-    rng = np.random.default_rng(seed)
-    m, k = shape
-    exps = rng.integers(-150, 128, size=(m // 32, 1, k // 32, 1))
-    spread = rng.integers(-12, 1, size=(m // 32, 32, k // 32, 32))
-    x = (rng.standard_normal((m // 32, 32, k // 32, 32)) * np.exp2(exps + spread)).reshape(m, k)
-    with np.errstate(over="ignore"):
-        x = x.astype(np.float32)
-    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
-    mask = rng.random(x.shape) < special_rate
-    x[mask] = rng.choice(specials, size=int(mask.sum()))
-    with np.errstate(over="ignore"):
-        return x.astype(dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # Element and scale math as plain jnp (exhaustive where it is cheap).
 
@@ -84,26 +71,26 @@ def every_bf16_as_fp32_bits() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint32) << 16
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=lambda p: p.value)
 def test_cast_any_every_bf16_pattern_at_every_scale_byte(mode):
     bits = every_bf16_as_fp32_bits()
-    el = pk._elements(jnp.asarray(bits.view(np.int32)))
-    cast = jax.jit(lambda e: pk._cast_any(el, e, mode))
+    el = pe.elements(jnp.asarray(bits.view(np.int32)))
+    cast = jax.jit(lambda e: pe.cast_any(el, e, mode))
     ref = jax.jit(lambda e: jax.lax.bitcast_convert_type(
         xla_impl.cast_2d(jnp.asarray(bits), jnp.broadcast_to(e, bits.shape)), jnp.uint8))
     for e in range(256):
         assert_bytes_equal(cast(jnp.int32(e)), ref(jnp.uint8(e)), f"scale byte {e}")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=lambda p: p.value)
 def test_cast_own_every_bf16_pattern_where_its_premise_holds(mode):
     # _cast_own assumes E came from the block's amax: |x| * 2**(127 - E) < 448 * (1 + 2**-20)
     # for finite x (Inf/NaN any E < 0xFF). Check every bf16 x at every E where that holds.
     bits = every_bf16_as_fp32_bits()
     with np.errstate(invalid="ignore"):  # NaN patterns
         x64 = np.abs(bits.view(np.float32).astype(np.float64))
-    el = pk._elements(jnp.asarray(bits.view(np.int32)))
-    cast = jax.jit(lambda e: pk._cast_own(el, e, mode))
+    el = pe.elements(jnp.asarray(bits.view(np.int32)))
+    cast = jax.jit(lambda e: pe.cast_own(el, e, mode))
     ref = jax.jit(lambda e: jax.lax.bitcast_convert_type(
         xla_impl.cast_2d(jnp.asarray(bits), jnp.broadcast_to(e, bits.shape)), jnp.uint8))
     checked = 0
@@ -134,8 +121,8 @@ def test_native_cast_every_normal_bf16_pattern_at_every_scale_byte(nan_scale):
     bits = _normal_bf16_bits()
     with np.errstate(invalid="ignore"):
         x64 = np.abs(bits.view(np.float32).astype(np.float64))
-    el = pk._native_elements(jnp.asarray(bits.view(np.int32)))
-    cast = jax.jit(lambda e: pk._cast_native(el, e, nan_scale=nan_scale))
+    el = pe.native_elements(jnp.asarray(bits.view(np.int32)))
+    cast = jax.jit(lambda e: pe.cast_native(el, e, nan_scale=nan_scale))
     ref = jax.jit(lambda e: jax.lax.bitcast_convert_type(
         xla_impl.cast_2d(jnp.asarray(bits), jnp.broadcast_to(e, bits.shape)), jnp.uint8))
     checked = 0
@@ -156,24 +143,34 @@ def test_native_mode_is_refused_in_interpret_mode_and_default_follows_the_mode()
         pk.quantize_2d(x, rowwise=True, colwise=True, interpret=True, e4m3_cast="native")
     with pytest.raises(ValueError, match="native.*interpret"):
         pk.cast_2d(x, jnp.zeros((32, 1), jnp.uint8), interpret=True, e4m3_cast="native")
-    assert pk._mode(None, True) == pk.E4M3_CAST
-    assert pk._mode(None, False) == pk.COMPILED_MODE
+    assert pk.element_path(None, True) is pk.INTERPRET_DEFAULT is pk.ElementPath.FLOAT
+    assert pk.element_path(None, False) is pk.COMPILED_DEFAULT is pk.ElementPath.NATIVE
+    assert pk.element_path("int", True) is pk.ElementPath.INT  # values are parsed
 
 
-@pytest.mark.parametrize("mode", MODES)
+def test_tile_defaults_are_keyed_by_kernel_dtype_and_path():
+    assert all(isinstance(key, TileKey) for key in pk.DEFAULT_TILES)
+    for kind in KernelKind:  # every kernel has a default for each dtype, for any element path
+        for dtype in ("bfloat16", "float32"):
+            assert isinstance(pk.DEFAULT_TILES[TileKey(kind, dtype)], pk.Tiles)
+    native = TileKey(KernelKind.QUANTIZE, "bfloat16", pk.ElementPath.NATIVE)
+    assert pk.DEFAULT_TILES[native].chunk_k == 128
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda p: p.value)
 def test_cast_any_random_fp32_patterns_and_scales(mode):
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 1 << 32, size=1 << 16, dtype=np.uint64).astype(np.uint32)
     bits[: 1 << 12] &= 0x807FFFFF  # plenty of fp32 subnormals
     scale = rng.integers(0, 256, size=bits.shape).astype(np.uint8)
     scale[: 1 << 11] = rng.integers(0, 12, size=1 << 11)  # scales at which subnormals matter
-    got = jax.jit(lambda b, e: pk._cast_any(pk._elements(b), e, mode))(
+    got = jax.jit(lambda b, e: pe.cast_any(pe.elements(b), e, mode))(
         jnp.asarray(bits.view(np.int32)), jnp.asarray(scale).astype(jnp.int32))
     want = xla_cast(jnp.asarray(bits), jnp.asarray(scale))
     assert_bytes_equal(got, want, "random fp32")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=lambda p: p.value)
 def test_e4m3_rounding_at_every_e4m3_boundary(mode):
     # Every e4m3 magnitude, the midpoints between neighbours, and one fp32 ulp either side.
     vals = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -181,7 +178,7 @@ def test_e4m3_rounding_at_every_e4m3_boundary(mode):
     v = np.concatenate([vals, mids, np.nextafter(mids, np.float32(0)),
                         np.nextafter(mids, np.float32(1000))])
     v = v[v <= np.float32(448)]
-    got = pk._e4m3_from_v(jnp.asarray(v), mode)
+    got = pe.e4m3_from_v(jnp.asarray(v), mode)
     want = v.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -200,11 +197,11 @@ def test_scale_rule_matches_threshold_table():
                            np.array([np.inf, -np.inf, np.nan, -0.0, 0.0], np.float32)])
     bits = jax.lax.bitcast_convert_type(jnp.asarray(amax), jnp.int32)
     want = np.asarray(xla_impl.scale_bytes_from_amax(jnp.asarray(amax)))
-    got = pk._scale_bytes(bits).astype(jnp.uint8)
+    got = pe.scale_bytes_of_bits(bits).astype(jnp.uint8)
     np.testing.assert_array_equal(np.asarray(got), want)
     # The kernel variant, for amax bits in [0, +Inf] (what a NaN-ignoring block amax can be).
     in_range = (amax >= 0) & ~np.isnan(amax) & (np.signbit(amax) == 0)
-    got = pk._scale_bytes(bits, any_bits=False).astype(jnp.uint8)
+    got = pe.scale_bytes_of_bits(bits, any_bits=False).astype(jnp.uint8)
     np.testing.assert_array_equal(np.asarray(got)[in_range], want[in_range])
 
 
@@ -237,7 +234,7 @@ def test_corner_cases(case, column):
     assert_same_as_xla(x)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES, ids=lambda p: p.value)
 def test_every_threshold_inside_the_kernel(mode):
     # One block per threshold probe: the probe first, then a spread of smaller values and a
     # subnormal; rowwise blocks are rows, colwise blocks the same values transposed.
@@ -309,8 +306,9 @@ def test_block_amax_matches_xla(interpret):
 
 @pytest.mark.parametrize(
     ("mode", "interpret"),
-    [(m, True) for m in MODES]
-    + [pytest.param(m, False, marks=pytest.mark.gpu, id=f"{m}-compiled") for m in ALL_MODES],
+    [pytest.param(m, True, id=f"{m.value}-interpret") for m in MODES]
+    + [pytest.param(m, False, marks=pytest.mark.gpu, id=f"{m.value}-compiled")
+       for m in ALL_MODES],
 )
 def test_cast_2d_with_arbitrary_scale_bytes(mode, interpret):
     # Scales that are not the blocks' own (saturation, NaN byte 0xFF, tiny and huge scales).
@@ -424,7 +422,7 @@ LOWERED = {
 }
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES, ids=lambda p: p.value)
 @pytest.mark.parametrize("name", sorted(LOWERED))
 def test_kernels_lower_to_triton_for_cuda(name, mode):
     if jax.default_backend() == "gpu":
@@ -442,7 +440,7 @@ GPU_SHAPES = [(32, 32), (96, 160), (64, 288), (2304, 768), (768, 3072), (4096, 8
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES, ids=lambda p: p.value)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 def test_gpu_random_with_specials(shape, dtype, mode):
@@ -450,7 +448,7 @@ def test_gpu_random_with_specials(shape, dtype, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("mode", ALL_MODES, ids=lambda p: p.value)
 def test_gpu_corners_and_thresholds(mode):
     for case in CORNERS:
         for column in (False, True):

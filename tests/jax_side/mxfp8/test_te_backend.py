@@ -154,8 +154,9 @@ def test_probe_and_dispatch_on_this_gpu(te_path):
     assert choice.te_path is te_path
     kernels = probe.mxfp8_supported and probe.compute_capability // 10 == 10
     assert te_path is (TEPath.KERNELS if kernels else TEPath.PURE_JAX)
-    auto = mxfp8.resolve_backend(None)
-    assert auto.backend is (Backend.TE if kernels else Backend.XLA), auto.reason
+    auto = mxfp8.resolve_kernels(None, "gpu")
+    assert auto.backend is (Backend.TE if kernels else Backend.PALLAS), auto.reason
+    assert auto.te_path is (TEPath.KERNELS if kernels else None)
 
 
 SHAPES = [(BF16, (256, 512)), (F32, (128, 96)), (BF16, (4096, 1024))]

@@ -1,0 +1,90 @@
+"""The GEMM implementations (``common.kernels.GemmImpl``) of the ``xla`` and ``pallas`` backends,
+fp32 accumulation, in the three roles of ``common.gemm_roles`` (DESIGN.md 4).
+
+- ``DEQUANT_DOT`` (the reference and the CPU default): exact dequantize of both planes to fp32,
+  then ``dot_general`` with fp32 accumulation at HIGHEST precision. Bit-reproducible for a given
+  program; ``jax.nn.scaled_matmul`` has no CPU lowering.
+- ``DEQUANT_BF16_DOT`` (the GPU default): dequantize both planes to bf16 and a bf16 dot with fp32
+  accumulation. An E4M3 element times its E8M0 scale has at most 4 significant bits, so it is
+  exactly a bf16 value wherever it is finite and its exponent is at least -130 (bf16 keeps 8
+  significant bits down to 2^-126 and subnormals down to 2^-133); only values below 2^-130 --
+  elements of blocks whose scale is below 2^-121, far under anything a trained weight or
+  activation holds -- are rounded (on GPU, to the nearest bf16 subnormal; where XLA flushes
+  subnormals, as on CPU, to zero). Products of two bf16 values are exact in fp32, so this path
+  differs from the reference only in how the fp32 sum is accumulated (order, and the tensor
+  cores' internal rounding).
+- ``SCALED_MATMUL`` (GPU only): ``jax.nn.scaled_matmul`` on the same bytes; agrees with the
+  reference to fp32-accumulation level, not bit for bit.
+
+The ``te`` backend runs Transformer Engine's own GEMM instead (``te_backend.matmul``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from common.gemm_roles import ROLES, GemmRole, RoleSpec
+from common.kernels import GemmImpl
+from jax_side.mxfp8.dequantize import dequantize
+from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
+
+__all__ = ["run_gemm"]
+
+
+def _dequant_dot(a, b, spec: RoleSpec) -> jax.Array:
+    a32 = dequantize(a, spec.a_plane)
+    b32 = dequantize(b, spec.b_plane)
+    return lax.dot_general(
+        a32,
+        b32,
+        (((spec.a_contract,), (spec.b_contract,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _dequant_bf16_dot(a, b, spec: RoleSpec) -> jax.Array:
+    a16 = dequantize(a, spec.a_plane).astype(jnp.bfloat16)
+    b16 = dequantize(b, spec.b_plane).astype(jnp.bfloat16)
+    return lax.dot_general(
+        a16,
+        b16,
+        (((spec.a_contract,), (spec.b_contract,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int):
+    """(rows, contracted) data and (rows, contracted/32) scales for jax.nn.scaled_matmul."""
+    data, scale = t.plane(plane)
+    if contract == 1:
+        return data, scale  # rowwise plane: blocks already along the last axis
+    return data.T, scale.T  # colwise (M, K) blocked along M -> (K, M) blocked along M
+
+
+def _scaled(a, b, spec: RoleSpec) -> jax.Array:
+    if jax.devices()[0].platform != "gpu":
+        raise ValueError(
+            "matmul: gemm 'scaled_matmul' needs a GPU (jax.nn.scaled_matmul has no CPU "
+            "lowering); use gemm='dequant_dot'"
+        )
+    ad, as_ = _contract_last(a, spec.a_plane, spec.a_contract)
+    bd, bs = _contract_last(b, spec.b_plane, spec.b_contract)
+    out = jax.nn.scaled_matmul(
+        ad[None], bd[None], as_[None], bs[None], preferred_element_type=jnp.float32
+    )
+    return out[0]
+
+
+_IMPLS = {
+    GemmImpl.DEQUANT_DOT: _dequant_dot,
+    GemmImpl.DEQUANT_BF16_DOT: _dequant_bf16_dot,
+    GemmImpl.SCALED_MATMUL: _scaled,
+}
+
+
+def run_gemm(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole, gemm: GemmImpl) -> jax.Array:
+    """fp32 (rows, cols) of role ``role`` on validated operands, by implementation ``gemm``."""
+    return _IMPLS[gemm](a, b, ROLES[role])

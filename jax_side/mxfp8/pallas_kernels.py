@@ -1,0 +1,78 @@
+"""The bodies of the ``pallas`` kernels (one grid program each; tiling in ``pallas_tiles``, the
+element and scale math in ``pallas_elements``). Design note: docs/pallas_kernel.md.
+
+Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
+(BM/32, BK). Outputs are uint8 (bytes of e4m3 data and E8M0 scales) or fp32 (amax); the entry
+points in ``pallas_impl`` bitcast them to the float8 dtypes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_side.mxfp8.pallas_elements import (
+    ABS_MASK,
+    INF_BITS,
+    ElementPath,
+    element_fns,
+    fp32_bits,
+    scale_bytes_of_bits,
+)
+from jax_side.mxfp8.pallas_tiles import Chunking
+
+__all__ = ["amax_kernel", "cast_kernel", "quantize_kernel", "scale_kernel"]
+
+
+def quantize_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementPath):
+    refs = list(refs)
+    rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
+    cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
+    elements, cast = element_fns(mode, any_scale=False)
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        el = elements(fp32_bits(x))
+        if rowwise:
+            e = scale_bytes_of_bits(ch.row_max(el.amax_in), any_bits=False)  # (32, CK/32)
+            rs[rows, ch.row_scales(j)] = e.astype(jnp.uint8)
+            rd[rows, cols] = cast(el, ch.row_expand(e))
+        if colwise:
+            e = scale_bytes_of_bits(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
+            cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
+            cd[rows, cols] = cast(el, e)
+
+
+def amax_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking):
+    refs = list(refs)
+    ra = refs.pop(0) if rowwise else None
+    ca = refs.pop(0) if colwise else None
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        a = fp32_bits(x) & ABS_MASK
+        a0 = jnp.where(a > INF_BITS, jnp.int32(0), a)
+        if rowwise:
+            ra[rows, ch.row_scales(j)] = lax.bitcast_convert_type(ch.row_max(a0), jnp.float32)
+        if colwise:
+            m = jnp.max(a0, axis=0, keepdims=True)
+            ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(m, jnp.float32)
+
+
+def cast_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementPath):
+    refs = list(refs)
+    rs = refs.pop(0) if rowwise else None
+    cs = refs.pop(0) if colwise else None
+    rd = refs.pop(0) if rowwise else None
+    cd = refs.pop(0) if colwise else None
+    elements, cast = element_fns(mode, any_scale=True)
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        el = elements(fp32_bits(x))
+        if rowwise:
+            e = rs[rows, ch.row_scales(j)].astype(jnp.int32)  # (32, CK/32)
+            rd[rows, cols] = cast(el, ch.row_expand(e))
+        if colwise:
+            cd[rows, cols] = cast(el, cs[pl.ds(i, 1), cols].astype(jnp.int32))
+
+
+def scale_kernel(a_ref, o_ref):
+    o_ref[...] = scale_bytes_of_bits(lax.bitcast_convert_type(a_ref[...], jnp.int32)).astype(
+        jnp.uint8)
+

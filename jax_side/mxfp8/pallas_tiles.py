@@ -1,0 +1,180 @@
+"""Tiling of the ``pallas`` kernels: tile sizes and their defaults, how a program walks its tile,
+and the ``pallas_call`` plumbing (grid, BlockSpecs, Triton parameters).
+
+Design note: docs/pallas_kernel.md. A grid program owns a (BM, BK) tile of x (BM, BK
+power-of-two multiples of 32; row tiles on grid axis 0, column tiles on axis 1) and walks it in
+static (32, CK) chunks loaded straight from the ref (:class:`Chunking`): a (32, 32) chunk holds 32
+rowwise blocks (its rows) and 32 colwise blocks (its columns), so both block amaxes are plain
+reductions over one axis of a 2-D value (no in-kernel reshape), and x is read once for both
+planes. Refs are blocks of: x (BM, BK); row planes (BM, BK), (BM, BK/32); col planes (BM, BK),
+(BM/32, BK). Chunk (i, j) = rows [32 i, 32 i + 32), columns [CK j, CK j + CK) of the tile.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from common.formats import BLOCK_SIZE
+from jax_side.mxfp8.pallas_elements import ElementPath
+
+__all__ = ["DEFAULT_TILES", "Chunking", "Grid", "KernelKind", "TileKey", "Tiles",
+           "triton_params"]
+
+_BS = BLOCK_SIZE
+
+
+class KernelKind(enum.Enum):
+    """The 2-D kernels that take tiles."""
+
+    QUANTIZE = "quantize"
+    AMAX = "amax"
+    CAST = "cast"
+
+
+class Tiles(NamedTuple):
+    """Tile sizes: upper bounds, shrunk per call to the largest power of two dividing M or K."""
+
+    block_m: int = 32  # rows per program (power of two >= 32)
+    block_k: int = 128  # columns per program (power of two >= 32)
+    num_warps: int = 1  # Triton warps per program
+    preload: bool = True  # issue every chunk's load before any math (more bytes in flight)
+    chunk_k: int = 32  # chunk width (32, 64, 128): wider chunks reshape (32, CK) -> (32, CK/32,
+    #                   32) for the rowwise amax but give each thread more rows (fewer shuffles)
+
+
+class TileKey(NamedTuple):
+    """Key of ``DEFAULT_TILES``: path None is the entry for every element path."""
+
+    kernel: KernelKind
+    dtype: str  # the input dtype's name: "bfloat16" or "float32"
+    path: ElementPath | None = None
+
+
+_Q, _A, _C = KernelKind.QUANTIZE, KernelKind.AMAX, KernelKind.CAST
+# Defaults per (kernel, input dtype[, element path]), from the sm_90 SASS of each
+# (docs/pallas_kernel.md), to be replaced by measured ones: one warp per program gives quantize
+# and amax the fewest instructions per element, with 8 KiB of x per program and no register
+# spills; wider chunks (chunk_k 64/128) cut shuffles and instructions further for ~1.4x the
+# registers (fewer warps per SM), so they are left to the benchmark's sweep. cast_2d spills
+# with one warp: four.
+DEFAULT_TILES: dict[TileKey, Tiles] = {
+    # the native element path (the compiled default): 32x128, two warps, 128-wide chunks was
+    # the fastest of three tilings at 8192x8192, 4096x8192 and 50304x768 bf16 (BENCHMARKS.md)
+    TileKey(_Q, "bfloat16", ElementPath.NATIVE): Tiles(block_m=32, block_k=128, num_warps=2,
+                                                        preload=True, chunk_k=128),
+    # 32x64 measured fastest of 11 tilings at 8192x8192 bf16 on the H200 (BENCHMARKS.md), FLOAT
+    TileKey(_Q, "bfloat16"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    TileKey(_Q, "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
+    TileKey(_A, "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=1, preload=True, chunk_k=64),
+    TileKey(_A, "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True, chunk_k=64),
+    TileKey(_C, "bfloat16"): Tiles(block_m=32, block_k=128, num_warps=4, preload=True),
+    TileKey(_C, "float32"): Tiles(block_m=32, block_k=64, num_warps=4, preload=True),
+}
+
+
+class Chunking(NamedTuple):
+    """How a program walks its (BM, BK) tile: (32, CK) chunks, CK = 32 * nb."""
+
+    bm: int
+    bk: int
+    ck: int
+    preload: bool
+
+    @property
+    def nb(self) -> int:  # rowwise blocks per chunk row
+        return self.ck // _BS
+
+    def chunks(self, x_ref):
+        """(i, j, rows, cols, x chunk) for every chunk. preload: all loads are issued before any
+        math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
+        idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * self.ck, self.ck))
+               for i in range(self.bm // _BS) for j in range(self.bk // self.ck)]
+        if not self.preload:
+            return ((*ix, x_ref[ix[2], ix[3]]) for ix in idx)  # each load right before use
+        loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
+        return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
+
+    def row_scales(self, j: int):  # this chunk's columns of a (BM, BK/32) rowwise-scale block
+        return pl.ds(j * self.nb, self.nb)
+
+    def row_max(self, v):
+        """(32, CK) -> (32, CK/32): max over each 1x32 block."""
+        if self.nb == 1:
+            return jnp.max(v, axis=1, keepdims=True)
+        return jnp.max(v.reshape(_BS, self.nb, _BS), axis=2)  # (32, nb, 32): blocks on axis 2
+
+    def row_expand(self, e):
+        """(32, CK/32) -> (32, CK), or broadcastable to it: each block's value over its 32."""
+        if self.nb == 1:
+            return e
+        return jnp.broadcast_to(e[:, :, None], (_BS, self.nb, _BS)).reshape(_BS, self.ck)
+
+
+def triton_params(num_warps: int):
+    # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
+    # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
+    from jax.experimental.pallas import triton as plt
+
+    return plt.CompilerParams(num_warps=num_warps)
+
+
+def _fit(limit: int, dim: int) -> int:
+    """Largest power-of-two multiple of 32 that is <= limit and divides dim (dim % 32 == 0)."""
+    b = _BS
+    while b * 2 <= limit and dim % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+class Grid(NamedTuple):
+    """The tiles of one call (a static argument of the jitted entry points)."""
+
+    bm: int
+    bk: int
+    tiles: Tiles
+
+    @classmethod
+    def make(cls, kind: KernelKind, shape: tuple[int, int], tiles: Tiles | None, dtype,
+             path: ElementPath | None = None) -> Grid:
+        if tiles is None:
+            name = jnp.dtype(dtype).name
+            tiles = DEFAULT_TILES.get(TileKey(kind, name, path)) or DEFAULT_TILES[
+                TileKey(kind, name)]
+        if tiles.chunk_k not in (32, 64, 128):
+            raise ValueError(f"Tiles.chunk_k: expected 32, 64 or 128, got {tiles.chunk_k}")
+        m, k = shape
+        return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
+
+    def kernel(self, fn, **kw):
+        ch = Chunking(self.bm, self.bk, min(self.tiles.chunk_k, self.bk), self.tiles.preload)
+        return functools.partial(fn, ch=ch, **kw)
+
+    def grid(self, shape):
+        return (shape[0] // self.bm, shape[1] // self.bk)
+
+    def full(self):  # (BM, BK) blocks of (M, K) arrays
+        return pl.BlockSpec((self.bm, self.bk), lambda i, j: (i, j))
+
+    def row_scale(self):  # (BM, BK/32) blocks of (M, K/32) arrays
+        return pl.BlockSpec((self.bm, self.bk // _BS), lambda i, j: (i, j))
+
+    def col_scale(self):  # (BM/32, BK) blocks of (M/32, K) arrays
+        return pl.BlockSpec((self.bm // _BS, self.bk), lambda i, j: (i, j))
+
+    def call(self, kernel, shape, in_specs, outs, interpret):
+        """outs: list of (BlockSpec, ShapeDtypeStruct)."""
+        return pl.pallas_call(
+            kernel,
+            out_shape=[o[1] for o in outs],
+            grid=self.grid(shape),
+            in_specs=in_specs,
+            out_specs=[o[0] for o in outs],
+            compiler_params=triton_params(self.tiles.num_warps),
+            interpret=interpret,
+            name="mxfp8_" + kernel.func.__name__.strip("_"),
+        )

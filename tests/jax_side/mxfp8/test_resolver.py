@@ -1,0 +1,148 @@
+"""The one kernel resolver (``jax_side.mxfp8.kernels.resolve_kernels``, DESIGN.md 7).
+
+Every public function resolves its ``kernels`` (or the ``backend=`` / ``impl=`` shorthand) through
+it, so what runs is what ``kernel_report`` names; the automatic defaults and the environment are
+read there and nowhere else. GPUs are simulated with hand-made TE probes and a patched default
+platform, so the rules hold on this CPU-only CI.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from common.kernels import Backend, GemmImpl, KernelConfig, Platform
+from jax_side import mxfp8
+from jax_side.mxfp8 import kernels
+from jax_side.mxfp8.kernels import BACKEND_ENV_VAR, GEMM_ENV_VAR, Origin, resolve_call
+from jax_side.mxfp8.te_probe import TEPath, TEProbe
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+B200 = TEProbe(True, "", True, 100)
+H200 = TEProbe(True, "Device compute capability 9.9 or higher required", False, 90)
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Simulate a process whose JAX default device is a GPU, with the TE probe given."""
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    monkeypatch.delenv(GEMM_ENV_VAR, raising=False)
+
+    def simulate(probe: TEProbe) -> None:
+        monkeypatch.setattr(kernels, "_probe_for", lambda requested, platform: probe)
+        monkeypatch.setattr(kernels, "default_platform", lambda: Platform.GPU)
+        kernels._resolve.cache_clear()
+
+    yield simulate
+    kernels._resolve.cache_clear()
+
+
+def _dot_input_dtypes(fn, *args) -> list[str]:
+    """Operand dtypes of every dot_general in fn's program: which GEMM implementation ran
+    (fp32 operands: dequant_dot; bf16: dequant_bf16_dot)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return [
+        str(v.aval.dtype)
+        for eqn in jaxpr.eqns
+        for inner in [eqn, *(e for p in eqn.params.values() if hasattr(p, "eqns") for e in p.eqns)]
+        if inner.primitive.name == "dot_general"
+        for v in inner.invars
+    ]
+
+
+def test_matmul_runs_the_gemm_that_kernel_report_names(on_gpu):
+    # Before the resolver, mxfp8.matmul on a GPU ran dequant_dot while kernel_report (and the
+    # linear layer) named dequant_bf16_dot.
+    on_gpu(TEProbe(False, "not installed", False, None))
+    x = jnp.ones((32, 64), jnp.float32)
+    t = mxfp8.quantize(x, kernels=KernelConfig.reference())
+    report = mxfp8.kernel_report()
+    assert report["gemm"] == "dequant_bf16_dot" and report["platform"] == "gpu"
+    named = KernelConfig(report["backend"], report["gemm"])
+    got = _dot_input_dtypes(lambda a, b: mxfp8.matmul(a, b), t, t)
+    assert got == _dot_input_dtypes(lambda a, b: mxfp8.matmul(a, b, kernels=named), t, t)
+    assert got == ["bfloat16", "bfloat16"]
+
+
+def test_a_chosen_gemm_keeps_the_automatic_default_off_te(on_gpu):
+    # Before, the automatic TE choice dropped KernelConfig(gemm=...) without a word.
+    on_gpu(B200)
+    auto = mxfp8.resolve_kernels(None)
+    assert (auto.backend, auto.gemm, auto.te_path) == (Backend.TE, None, TEPath.KERNELS)
+    chosen = mxfp8.resolve_kernels(KernelConfig(gemm="dequant_dot"))
+    assert (chosen.backend, chosen.gemm) == (Backend.PALLAS, GemmImpl.DEQUANT_DOT)
+    assert "TE runs its own GEMM" in chosen.reason
+
+
+def test_te_quantizes_whole_tensors_and_its_slices_run_on_xla(on_gpu):
+    on_gpu(B200)
+    for config in (None, KernelConfig("te")):
+        resolved = mxfp8.resolve_kernels(config)
+        assert resolved.backend is Backend.TE and resolved.slices is Backend.XLA
+        assert "slices xla: te has no slice building blocks" in resolved.reason
+    assert mxfp8.kernel_report(KernelConfig("te"))["slices"] == "xla"
+
+
+def test_te_kernels_are_never_picked_below_compute_capability_10(on_gpu):
+    on_gpu(H200)
+    auto = mxfp8.resolve_kernels(None)
+    assert auto.backend is Backend.PALLAS and auto.origin is Origin.AUTOMATIC
+    explicit = mxfp8.resolve_kernels(KernelConfig("te"))
+    assert explicit.te_path is TEPath.PURE_JAX and "unsupported" in explicit.reason
+
+
+def test_environment_gemm_does_not_apply_to_te_and_says_so(on_gpu, monkeypatch):
+    on_gpu(B200)
+    monkeypatch.setenv(GEMM_ENV_VAR, "dequant_dot")
+    assert mxfp8.resolve_kernels(None).backend is Backend.PALLAS  # a chosen GEMM, as above
+    te = mxfp8.resolve_kernels(KernelConfig("te"))
+    assert te.gemm is None and f"{GEMM_ENV_VAR}='dequant_dot' does not apply" in te.reason
+    monkeypatch.setenv(BACKEND_ENV_VAR, "te")
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV_VAR}='te'.*own GEMM.*dequant_dot"):
+        mxfp8.resolve_kernels(KernelConfig(gemm="dequant_dot"))
+
+
+def _env_readers(path: pathlib.Path) -> set[str]:
+    """Names of the functions in ``path`` that read the process environment."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
+                    found.add(fn.name)
+    return found
+
+
+def test_defaults_and_environment_are_read_in_one_function():
+    readers = {
+        f"{p.stem}.{name}"
+        for p in sorted((ROOT / "jax_side" / "mxfp8").glob("*.py"))
+        for name in _env_readers(p)
+    }
+    assert readers == {"kernels.resolve_kernels"}
+
+
+def test_shorthand_keywords_are_the_same_path_as_kernels():
+    assert resolve_call("q", None, "xla", "dequant_dot") == mxfp8.resolve_kernels(
+        KernelConfig("xla", "dequant_dot")
+    )
+    x = jnp.ones((32, 32), jnp.float32)
+    with pytest.raises(TypeError, match="quantize: pass either kernels=.*not both"):
+        mxfp8.quantize(x, backend="xla", kernels=KernelConfig("xla"))
+    with pytest.raises(ValueError, match="te backend runs Transformer Engine's own GEMM"):
+        mxfp8.matmul(mxfp8.quantize(x), mxfp8.quantize(x), backend="te", impl="dequant_dot")
+
+
+def test_resolved_kernels_pass_through_for_their_own_platform():
+    resolved = mxfp8.resolve_kernels(KernelConfig("xla"), "cpu")
+    assert mxfp8.resolve_kernels(resolved) is resolved
+    assert mxfp8.resolve_kernels(resolved, Platform.CPU) is resolved
+    with pytest.raises(ValueError, match="resolved for cpu work were passed for work on gpu"):
+        mxfp8.resolve_kernels(resolved, "gpu")
+    with pytest.raises(ValueError, match="unknown platform 'tpu'"):
+        mxfp8.resolve_kernels(None, "tpu")
