@@ -15,13 +15,12 @@ inside it does not run its JAX programs: for each call it
 - returns **zeros** of the right shapes and dtypes (from ``jax.eval_shape``: traced, not run).
 
 "The code inside it" is the thread (more exactly, the ``contextvars`` context) that opened the
-block, and the autograd work Torch runs for it: a backward started inside the block runs its CUDA
-nodes (and activation recompute) on Torch's device threads, which Torch gives the calling
-thread's thread-local state for that backward; the block rides along in it (the Python objects
-Torch keeps there, ``torch._C._stash_obj_in_tls``: the way Torch itself carries the caller's
-``contextvars`` into backward). Linear calls in any other thread -- a data loader, an evaluation
-thread, a second model -- run normally while the block is active, and each thread may hold a
-block of its own.
+block, and the backward of every linear call made there: the op's forward records the block on
+its autograd context (``run_in``), because Torch runs CUDA backward nodes on its own device
+threads, which do not share the caller's context. (An activation recompute that runs inside
+such a backward runs its forward for real: correct, only not compiled ahead.) Linear calls in any
+other thread -- a data loader, an evaluation thread, a second model -- run normally while the
+block is active, and each thread may hold a block of its own.
 
 So the results computed inside the block are meaningless and must be thrown away, and so must any
 gradient the dry backward produced. ``torch_side.precompile`` does that for a model (dry forward +
@@ -47,9 +46,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
-import torch
 
-__all__ = ["AheadReport", "CompileAhead", "compile_ahead", "run_or_compile"]
+__all__ = ["AheadReport", "CompileAhead", "active", "compile_ahead", "run_in", "run_or_compile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,48 +167,28 @@ def _leaf_key(a):
     return a
 
 
-# The block of this thread / context. Torch's autograd device threads do not inherit contextvars,
-# so the block is also kept in Torch's thread-local Python objects under _TLS_KEY, which Torch
-# copies into the threads that run a backward started here (module docstring).
+# The block of this thread / context (module docstring).
 _POOL: contextvars.ContextVar[CompileAhead | None] = contextvars.ContextVar(
     "bridge.compile_ahead", default=None
 )
-_TLS_KEY = "bridge.compile_ahead"
 
 
 def active() -> CompileAhead | None:
     """The block the calling code runs inside, or None (the op runs its programs)."""
-    ahead = _POOL.get()
-    if ahead is None and torch._C._is_key_in_tls(_TLS_KEY):  # a backward started in a block
-        ahead = torch._C._get_obj_in_tls(_TLS_KEY)
-    return ahead
+    return _POOL.get()
 
 
-def _enter(ahead: CompileAhead) -> contextvars.Token:
-    token = _POOL.set(ahead)
-    torch._C._stash_obj_in_tls(_TLS_KEY, ahead)
-    return token
-
-
-def _leave(token: contextvars.Token) -> None:
-    _POOL.reset(token)
-    # Erase, not overwrite: a Python object left in Torch's C++ thread-local storage is released
-    # at thread exit, which needs the GIL and can deadlock (pytorch#182083). Torch < 2.13 has no
-    # erase; there None is stored, as Torch itself does on those versions.
-    remove = getattr(torch._C, "_remove_obj_from_tls", None)
-    if remove is not None:
-        remove(_TLS_KEY)
-    else:
-        torch._C._stash_obj_in_tls(_TLS_KEY, None)
-
-
-def run_or_compile(fn: Callable, *args, **static):
-    """``fn(*args, **static)``, or, inside ``compile_ahead()``, its program submitted and its
-    abstract result returned."""
-    ahead = active()
+def run_in(ahead: CompileAhead | None, fn: Callable, *args, **static):
+    """``fn(*args, **static)``, or, for a block, its program submitted to that block and its
+    abstract result returned (the backward of an op whose forward ran in the block)."""
     if ahead is None:
         return fn(*args, **static)
     return ahead.call(fn, *args, **static)
+
+
+def run_or_compile(fn: Callable, *args, **static):
+    """``run_in(active(), fn, *args, **static)``: the calling code's block, if any."""
+    return run_in(active(), fn, *args, **static)
 
 
 @contextlib.contextmanager
@@ -221,12 +199,12 @@ def compile_ahead(max_workers: int | None = None) -> Iterator[CompileAhead]:
     if active() is not None:
         raise RuntimeError("compile_ahead: blocks do not nest; one is already active")
     ahead = CompileAhead(max_workers)
-    token = _enter(ahead)
+    token = _POOL.set(ahead)
     try:
         yield ahead
     except BaseException:
-        _leave(token)
+        _POOL.reset(token)
         ahead.abandon()
         raise
-    _leave(token)
+    _POOL.reset(token)
     ahead.wait()

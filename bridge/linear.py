@@ -40,7 +40,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from bridge.capabilities import required_alignment
-from bridge.compile_ahead import run_or_compile
+from bridge.compile_ahead import active, run_in, run_or_compile
 from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
@@ -146,6 +146,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
         x2d = x.detach().reshape(-1, k)  # (T, K), T = prod(lead)
         ctx.lead, ctx.x_dtype, ctx.mode, ctx.planes = lead, x.dtype, mode, planes
         ctx.kernels = kernels
+        ctx.ahead = active()  # the backward compiles ahead too if this forward did
         ctx.w_dtype, ctx.w_shape, ctx.w_device = weight.dtype, tuple(weight.shape), weight.device
         out_j = jax_dtype_for(out_dtype)
         if mode is LinearMode.HIGH_PRECISION:
@@ -185,8 +186,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
         dy2d = _share(dy.reshape(-1, n))  # (T, N)
         if ctx.mode is LinearMode.HIGH_PRECISION:
             x2d, weight = ctx.saved_tensors
-            out = run_or_compile(
-                L.hp_backward,
+            out = run_in(
+                ctx.ahead, L.hp_backward,
                 dy2d, _share(x2d), _share(weight), need_dx=need_dx, need_dw=need_dw,
                 kernels=ctx.kernels, packed=True,
             )
@@ -197,8 +198,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 w_col = ctx.w_colwise
                 if ctx.planes is not None:
                     w_col = _weight_plane(ctx.planes, _PlaneShape(ctx), Plane.COLWISE)
-            out = run_or_compile(
-                L.backward,
+            out = run_in(
+                ctx.ahead, L.backward,
                 dy2d,
                 w_col,
                 ctx.x_colwise if need_dw else None,

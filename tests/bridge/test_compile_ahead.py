@@ -98,7 +98,8 @@ def test_each_thread_may_hold_a_block_of_its_own():
 
 def test_a_backward_started_in_the_block_sees_it_outside_the_blocks_context():
     # Torch runs CUDA backward nodes on its own threads, which do not share the caller's
-    # contextvars; an empty context on this thread stands in for one (the CUDA case: below).
+    # contextvars (the op's autograd context carries the block); an empty context on this thread
+    # stands in for one (the CUDA case: below).
     x, w, dy = _inputs()
     with compile_ahead(max_workers=1) as ahead:
         y = mxfp8_linear(x, w)
@@ -131,5 +132,5 @@ def test_the_block_ends_for_its_thread_and_for_later_backwards(device):
     with compile_ahead(max_workers=1):
         assert active() is not None
     assert active() is None
-    y, dx, dw = _run(x, w, dy)  # runs for real: nothing of the block is left in Torch's TLS
+    y, dx, dw = _run(x, w, dy)  # runs for real: nothing of the block is left behind
     assert bool(y.abs().sum() > 0) and bool(dx.abs().sum() > 0) and bool(dw.abs().sum() > 0)
