@@ -111,18 +111,20 @@ def test_a_backward_started_in_the_block_sees_it_outside_the_blocks_context():
 @pytest.mark.gpu
 def test_a_cuda_backward_on_torchs_device_thread_compiles_too(monkeypatch):
     threads = []
-    real = bridge.linear.run_or_compile
+    real = bridge.linear.run_in  # what the op's backward calls (its forward: run_or_compile)
 
-    def spy(fn, *args, **static):
-        threads.append(threading.get_ident())
-        return real(fn, *args, **static)
+    def spy(ahead, fn, *args, **static):
+        threads.append((threading.get_ident(), ahead))
+        return real(ahead, fn, *args, **static)
 
-    monkeypatch.setattr(bridge.linear, "run_or_compile", spy)
+    monkeypatch.setattr(bridge.linear, "run_in", spy)
     x, w, dy = _inputs("cuda")
     with compile_ahead(max_workers=1) as ahead:
         mxfp8_linear(x, w).backward(dy)
     assert ahead.wait().calls == 3
-    assert threads[-1] != threading.get_ident(), "backward ran on this thread: nothing tested"
+    (thread, seen), = threads  # one backward call, given the block
+    assert seen is ahead
+    assert thread != threading.get_ident(), "backward ran on this thread: nothing tested"
     assert not bool(x.grad.any()) and not bool(w.grad.any())
 
 

@@ -127,9 +127,19 @@ def _zero_copy_via_public_path(monkeypatch) -> None:
     assert len(public) == 2
 
 
+# The GPU fallback cases change what the fast path sees (resolve_internals), not JAX's module:
+# jax.dlpack.from_dlpack, the public path, calls the same private import itself.
+def _internals_with(patch, **changes):
+    real = jax_fastpath.resolve_internals()
+    assert not isinstance(real, str), real
+    patch.setattr(jax_fastpath, "resolve_internals", lambda: real._replace(**changes))
+    jax_fastpath.reset()
+
+
 @pytest.mark.gpu
 def test_missing_internals_fall_back_to_the_public_path(patch_jax):
-    patch_jax.delattr(_jax, _PRIVATE_IMPORT)
+    patch_jax.setattr(jax_fastpath, "resolve_internals",
+                      lambda: f"jax._src.lib._jax.{_PRIVATE_IMPORT} is missing")
     jax_fastpath.reset()
     _zero_copy_via_public_path(patch_jax)
     assert not jax_fastpath.status().enabled
@@ -140,15 +150,13 @@ def test_a_changed_signature_falls_back_to_the_public_path(patch_jax):
     def new_signature(capsule, *, device):
         raise AssertionError("not reached: called with the old positional arguments")
 
-    patch_jax.setattr(_jax, _PRIVATE_IMPORT, new_signature)
-    jax_fastpath.reset()
+    _internals_with(patch_jax, import_capsule=new_signature)
     _zero_copy_via_public_path(patch_jax)
     assert "TypeError" in jax_fastpath.status().reason
 
 
 @pytest.mark.gpu
 def test_an_import_that_copies_falls_back_to_the_public_path(patch_jax):
-    patch_jax.setattr(_jax, _PRIVATE_IMPORT, lambda capsule, *args: jnp.zeros((4, 64)))
-    jax_fastpath.reset()
+    _internals_with(patch_jax, import_capsule=lambda capsule, *args: jnp.zeros((4, 64)))
     _zero_copy_via_public_path(patch_jax)
     assert "not a view of the tensor" in jax_fastpath.status().reason
