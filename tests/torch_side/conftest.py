@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.torch_side import (
+    cases_exceptions,
     cases_init_sync,
     cases_quantize,
     cases_reliability,
@@ -16,7 +17,9 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # Every case module registers {"module:function": world sizes}; a world size is spawned once and
 # runs all of its cases. SLOW_CASES (tests marked slow) run in a second spawn of their world, so
 # `make test` (-m "not slow") never pays for them.
-_MODULES = (cases_init_sync, cases_quantize, cases_reliability, cases_training, cases_wire)
+_MODULES = (
+    cases_exceptions, cases_init_sync, cases_quantize, cases_reliability, cases_training, cases_wire
+)
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
 SLOW_REGISTRY: dict[str, tuple[int, ...]] = {
     k: v for m in _MODULES for k, v in getattr(m, "SLOW_CASES", {}).items()
