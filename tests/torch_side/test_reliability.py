@@ -50,4 +50,3 @@ def test_experts_without_tokens_keep_ranks_in_step(spawned, world_size):
 
 def test_wrapping_arguments_that_match_nothing_are_refused(spawned):
     check_case(spawned, cr, cr.case_bad_wrapping_arguments, 2)
-
