@@ -50,9 +50,3 @@ def test_experts_without_tokens_keep_ranks_in_step(spawned, world_size):
 
 def test_wrapping_arguments_that_match_nothing_are_refused(spawned):
     check_case(spawned, cr, cr.case_bad_wrapping_arguments, 2)
-
-
-def test_exception_escaping_forward_is_recovered_from(spawned):
-    """Every rank's forward raises in the middle unit (a prefetch in flight); training then
-    matches a clean run (issue 17; world size 1 and the step rules: test_exception_recovery.py)."""
-    check_case(spawned, cr, cr.case_exception_in_forward_recovers, 2)
