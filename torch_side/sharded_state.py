@@ -59,6 +59,7 @@ __all__ = [
     "OptimKey",
     "OptimScalarKey",
     "OptimizerState",
+    "Pending",
     "Restore",
     "Stateful",
     "key_text",
@@ -178,15 +179,17 @@ def _param_shapes(groups: Sequence[Any]) -> dict[str, list[int]]:
     return {s.name: list(s.shape) for g in groups for s in g.layout.slots}
 
 
-class _Saved(NamedTuple):
-    """The saved pieces of one state: parameter -> [(offset, numel)]."""
+class _SavedPiece(NamedTuple):
+    offset: int  # in the parameter's flat order
+    numel: int
+    key: str  # its key text in the checkpoint
 
-    pieces: dict[str, list[tuple[int, int]]]
-    key: Callable[[str, int], str]  # (param, offset) -> key text
 
-
-def _saved(reader: ShardedReader, kind: type, state: str | None, shapes: Mapping) -> _Saved:
-    pieces: dict[str, list[tuple[int, int]]] = {}
+def _saved(reader: ShardedReader, kind: type, state: str | None,
+           shapes: Mapping) -> dict[str, list[_SavedPiece]]:
+    """parameter -> its saved pieces of ``kind`` (of optimizer state ``state``), each checked to
+    lie inside a parameter of this model."""
+    pieces: dict[str, list[_SavedPiece]] = {}
     for text, e in reader.entries.items():
         k = parse_key(text, [kind])
         if k is None or (state is not None and k.state != state):
@@ -196,10 +199,8 @@ def _saved(reader: ShardedReader, kind: type, state: str | None, shapes: Mapping
             raise CheckpointError(
                 f"{reader.path / e.file}: {text!r} ({e.numel} elements) is not a piece of a "
                 f"parameter of this model (its shape: {shape})")
-        pieces.setdefault(k.param, []).append((k.offset, e.numel))
-    if kind is MainKey:
-        return _Saved(pieces, lambda p, o: key_text(MainKey(p, o)))
-    return _Saved(pieces, lambda p, o: key_text(OptimKey(state, p, o)))
+        pieces.setdefault(k.param, []).append(_SavedPiece(k.offset, e.numel, text))
+    return pieces
 
 
 class _Overlap(NamedTuple):
@@ -208,18 +209,18 @@ class _Overlap(NamedTuple):
     value: torch.Tensor  # the saved elements that land there
 
 
-def _read_overlaps(reader: ShardedReader, saved: _Saved, pieces: Sequence[_Piece],
-                   what: str) -> list[_Overlap]:
+def _read_overlaps(reader: ShardedReader, saved: Mapping[str, list[_SavedPiece]],
+                   pieces: Sequence[_Piece], what: str) -> list[_Overlap]:
     """Every saved element landing in ``pieces``: only those byte ranges are read."""
     out = []
     for pc in pieces:
         n, covered = pc.hi - pc.lo, 0
-        for start, length in saved.pieces.get(pc.param, ()):
+        for start, length, key in saved.get(pc.param, ()):
             a, b = max(start, pc.offset), min(start + length, pc.offset + n)
             if a >= b:
                 continue
             covered += b - a
-            value = reader.read(saved.key(pc.param, start), a - start, b - a)
+            value = reader.read(key, a - start, b - a)
             out.append(_Overlap(pc.group, slice(pc.lo + a - pc.offset, pc.lo + b - pc.offset),
                                 value))
         if covered != n:
