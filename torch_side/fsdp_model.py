@@ -8,7 +8,8 @@ The pieces, one noun each (see each file's note):
 - ``ParamGroup`` (``param_group``): one group's buffers, plane states and collectives;
 - ``FSDPState`` (``fsdp_state``): the iteration lifecycle and prefetch order shared by the units;
 - ``state_dict``: full main weights, gradients and gathered model weights (collectives);
-- ``init_sync``: every rank starts from rank 0's values (broadcast, or verified, at wrap time).
+- ``init_sync``: every rank starts from rank 0's values (broadcast, or verified, at wrap time);
+- ``sharded_state``: the sharded checkpoint parts of the model and the optimizer.
 
 An exception escaping ``FSDPModel.forward`` resets the units it crossed before it propagates
 (``FSDPState.abort_forward``); see ``fsdp_state`` for every exception path.
@@ -44,6 +45,7 @@ from torch_side.init_sync import InitSync, initial_values
 from torch_side.param_group import ParamGroup
 from torch_side.param_guard import mark
 from torch_side.policy import MixedPrecisionPolicy
+from torch_side.sharded_state import ModelState
 from torch_side.strategy import ShardingStrategy
 from torch_side.unit_builder import ModuleSpec, UnitConfig, build_units, install_plane_hooks
 
@@ -219,6 +221,12 @@ class FSDPModel(nn.Module):
             "FSDPModel: a parent module cannot load an FSDPModel's state (it would write into "
             "working storage); call fsdp_model.load_state_dict(...) on the FSDPModel itself"
         )
+
+    def sharded_state(self) -> ModelState:
+        """This model's part of a sharded checkpoint (``torch_side.sharded_state``): the main
+        weight pieces this rank holds, saved and loaded at any world size; a load re-derives
+        the MXFP8 planes. Save / load with ``sharded_state.save_parts`` / ``load_parts``."""
+        return ModelState(self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{qualified name: full reduced gradient, fp32} (after backward)."""

@@ -27,6 +27,7 @@ import torch
 
 from torch_side.collectives import Collective, Phase
 from torch_side.fsdp_model import FSDPModel
+from torch_side.sharded_state import OptimizerState
 
 __all__ = ["FSDPOptimizer"]
 
@@ -89,6 +90,12 @@ class FSDPOptimizer:
 
     def zero_grad(self) -> None:
         self.model.zero_grad()
+
+    def sharded_state(self) -> OptimizerState:
+        """This optimizer's part of a sharded checkpoint (``torch_side.sharded_state``): the
+        inner optimizer's state over the main-weight pieces this rank holds, by parameter name
+        and offset (loadable at any world size), and its 0-d states (step counts) per group."""
+        return OptimizerState(self.groups, self.optimizer)
 
     def state_dict(self) -> dict:
         """The inner optimizer's state (per rank: states of this rank's main-weight shards)."""

@@ -1,32 +1,39 @@
-"""Sharded training checkpoints without pickle, verified on load, resumable at any world size.
+"""Training checkpoints: parts that save and load their own state, resumable at any world size.
 
-Layout of one checkpoint, ``<save_dir>/step_<k>/`` (the files of ``torch_side.sharded_files``):
+A checkpoint is the list of **parts** of ``_parts`` (``torch_side.sharded_state.Stateful``, as
+torchtitan's checkpointer composes ``Stateful`` objects), each writing its own entries and
+``meta.json`` fields, in this order:
 
-- ``rank_<r>.bin`` / ``rank_<r>.json``, written by every rank: for each parameter piece the rank
-  owns, its fp32 **main weight** slice and optimizer state slices (e.g. AdamW ``exp_avg``,
-  ``exp_avg_sq``), keyed by parameter name and the piece's flat offset in the parameter
-  (``main/<name>/<offset>``, ``optim/<state>/<name>/<offset>``); the optimizer's step count per
-  group (``optim_scalar/<state>/<group>``, rank 0 only: it is replicated); and the rank's RNG
-  states (``rng/<rank>/torch``, ``rng/<rank>/cuda``; restored only at the same world size).
-  ``SCHEMA`` lists these keys with their dtypes; a file declaring any other key or dtype is refused.
-- ``meta.json`` (rank 0, last): format version 2, run id, step, world size, sha256 and size of
-  every file, and the training fields: data position, the job, the data's content digest
-  (``Corpus.content_digest``), every parameter's name and shape, the optimizer class.
+- the model (``FSDPModel.sharded_state()``): fp32 **main weight** pieces, ``main/<name>/<offset>``,
+  and the ``params`` field (every parameter's name and shape);
+- the optimizer (``FSDPOptimizer.sharded_state()``): per-element states by piece
+  (``optim/<state>/<name>/<offset>``, e.g. AdamW ``exp_avg``), step counts per group
+  (``optim_scalar/<state>/<group>``, rank 0), and the ``optimizer`` field (its class);
+- the data position (``data_position`` field, ``DataPosition.to_dict``);
+- the RNG (``RngState``): each rank's ``rng/<rank>/torch`` and ``rng/<rank>/cuda`` (restored only
+  at the same world size).
+
+An LR schedule, when there is one, is one more part (its JSON state as a field). The app adds the
+``job`` and ``data_digest`` fields, checked on load. The files (``torch_side.sharded_files``):
+``<save_dir>/step_<k>/rank_<r>.bin`` / ``rank_<r>.json`` per rank and ``meta.json`` (rank 0,
+last: format version 2, run id, step, world size, sha256 and size of every file, the fields).
+``SCHEMA`` lists the keys with their dtypes; a file declaring any other key or dtype is refused.
 
 ``<save_dir>/latest`` names the newest complete checkpoint and is written after its meta.json.
 A run saving into ``<save_dir>`` holds ``<save_dir>/writer.lock`` for its life
 (``apps.training.writer_lock``); its random **run id** is in every file it writes.
 
-MXFP8 planes are never stored: after loading the main weights every rank re-derives them with the
-distributed quantization (``FSDPModel.refresh_model_weights``), byte-identical to the planes of the
-run that saved. Offsets within a parameter do not depend on the world size, so a rank of another
-world size reads only the byte ranges of the saved pieces that overlap its own: resuming at the
-same world size continues bit for bit, at another one to the precision re-sharding allows.
+MXFP8 planes are never stored: the model part re-derives them after loading the main weights
+(``FSDPModel.refresh_model_weights``), byte-identical to the planes of the run that saved. A rank
+of another world size reads only the byte ranges of the saved pieces that overlap its own:
+resuming at the same world size continues bit for bit, at another one to the precision
+re-sharding allows.
 
-Refused, with a ``CheckpointError`` naming the file and what is wrong (on every rank at once): a
-file whose sha256 or size differs from meta.json, an index of another run or step, an unknown key
-or dtype, a checkpoint of another model or job setup, other data (content digest), a save holding
-a non-finite value (``latest`` then stays where it was), and format 1 checkpoints (DCP, whose
+Refused, with a ``CheckpointError`` naming the file and what is wrong (on every rank at once,
+with nothing restored: every part reads before any restores): a file whose sha256 or size
+differs from meta.json, an index of another run or step, an unknown key or dtype, a checkpoint
+of another model, optimizer or job setup, other data (content digest), a save holding a
+non-finite value (``latest`` then stays where it was), and format 1 checkpoints (DCP, whose
 ``.metadata`` is a pickle: never read, for safety).
 """
 
@@ -51,7 +58,16 @@ from torch_side.sharded_files import (
     agree,
     new_run_id,
     read_json,
-    write_step,
+)
+from torch_side.sharded_state import (
+    MODEL_SCHEMA,
+    OPTIMIZER_SCHEMA,
+    Restore,
+    Stateful,
+    key_text,
+    parse_key,
+    read_parts,
+    save_parts,
 )
 
 __all__ = [
@@ -59,7 +75,10 @@ __all__ = [
     "SCHEMA",
     "CheckpointError",
     "CheckpointSaver",
+    "DataPositionState",
     "ResumeState",
+    "RngKey",
+    "RngState",
     "checkpoint_dir",
     "load",
     "resolve",
@@ -67,13 +86,18 @@ __all__ = [
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step_\d{6,}")
-_NAME = r"[A-Za-z0-9_.]+"  # parameter and state names (module paths)
-SCHEMA: dict[str, torch.dtype] = {
-    rf"main/{_NAME}/\d+": torch.float32,
-    rf"optim/{_NAME}/{_NAME}/\d+": torch.float32,
-    rf"optim_scalar/{_NAME}/[A-Za-z0-9_.<>/-]+": torch.float32,
-    r"rng/\d+/(torch|cuda)": torch.uint8,
-}
+
+
+class RngKey(NamedTuple):
+    """One rank's RNG state of one device type."""
+
+    PREFIX = "rng"
+    rank: int
+    device: str  # "torch" (the CPU generator) or "cuda"
+
+
+RNG_SCHEMA: dict[str, torch.dtype] = {r"rng/\d+/(torch|cuda)": torch.uint8}
+SCHEMA: dict[str, torch.dtype] = {**MODEL_SCHEMA, **OPTIMIZER_SCHEMA, **RNG_SCHEMA}
 
 
 class ResumeState(NamedTuple):
@@ -82,56 +106,70 @@ class ResumeState(NamedTuple):
     meta: dict[str, Any]
 
 
-# ------------------------------------------------------------------------- what a rank holds
+# ------------------------------------------------------------------------- the parts
 
 
-class _Piece(NamedTuple):
-    name: str  # parameter name
-    offset: int  # first element, in the parameter's own flat order
-    group: Any  # torch_side ParamGroup
-    lo: int  # slice of the group's main / optimizer tensors
-    hi: int
+class RngState:
+    """This rank's RNG states; restored only at the world size that saved them (at another one
+    the ranks are other ranks, and each keeps its own seeded generators)."""
+
+    schema = RNG_SCHEMA
+
+    def state_entries(self) -> dict[str, torch.Tensor]:
+        rank = dist.get_rank()
+        out = {key_text(RngKey(rank, "torch")): torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out[key_text(RngKey(rank, "cuda"))] = torch.cuda.get_rng_state()
+        return out
+
+    def state_fields(self) -> dict[str, Any]:
+        return {}
+
+    def read_state(self, reader: ShardedReader) -> Restore:
+        states = {}
+        if reader.meta["world_size"] == dist.get_world_size():
+            for text in reader.entries:
+                key = parse_key(text, [RngKey])
+                if key is not None and key.rank == dist.get_rank():
+                    states[key.device] = reader.read(text)
+
+        def restore() -> None:
+            if "torch" in states:
+                torch.set_rng_state(states["torch"])
+            if "cuda" in states and torch.cuda.is_available():
+                torch.cuda.set_rng_state(states["cuda"])
+
+        return restore
 
 
-def _pieces(fsdp) -> list[_Piece]:
-    out = []
-    for g in fsdp.param_groups:
-        for p in g.main_pieces():
-            slot = g.layout.slots[p.slot_index]
-            out.append(_Piece(slot.name, p.param_offset, g, p.shard_offset,
-                              p.shard_offset + p.numel))
-    return out
+class DataPositionState:
+    """The data position: small JSON state, a ``meta.json`` field."""
+
+    schema: dict[str, torch.dtype] = {}
+    FIELD = "data_position"
+
+    def __init__(self, position: DataPosition | None = None):
+        self.position = DataPosition(0) if position is None else position
+
+    def state_entries(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_fields(self) -> dict[str, Any]:
+        return {self.FIELD: self.position.to_dict()}
+
+    def read_state(self, reader: ShardedReader) -> Restore:
+        position = DataPosition.from_dict(reader.meta.get(self.FIELD))  # checked before restoring
+
+        def restore() -> None:
+            self.position = position
+
+        return restore
 
 
-def _optim_states(opt, group) -> dict[str, torch.Tensor]:
-    return opt.optimizer.state.get(group.main, {})
-
-
-def _state_dict(fsdp, opt) -> dict[str, torch.Tensor]:
-    """This rank's tensors to save (see the module note); main weights first, so a non-finite
-    refusal names a weight before its optimizer state."""
-    sd: dict[str, torch.Tensor] = {}
-    pieces = _pieces(fsdp)
-    for pc in pieces:
-        sd[f"main/{pc.name}/{pc.offset}"] = pc.group.main[pc.lo:pc.hi]
-    for pc in pieces:
-        for key, value in _optim_states(opt, pc.group).items():
-            if torch.is_tensor(value) and value.shape == pc.group.main.shape:
-                sd[f"optim/{key}/{pc.name}/{pc.offset}"] = value[pc.lo:pc.hi]
-    rank = dist.get_rank()
-    if rank == 0:
-        for g in opt.groups:
-            for key, value in _optim_states(opt, g).items():
-                if torch.is_tensor(value) and value.dim() == 0:
-                    sd[f"optim_scalar/{key}/{g.label}"] = value.detach().float()
-    sd[f"rng/{rank}/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        sd[f"rng/{rank}/cuda"] = torch.cuda.get_rng_state()
-    return sd
-
-
-def _param_shapes(fsdp) -> dict[str, list[int]]:
-    return {s.name: list(s.shape) for g in fsdp.param_groups for s in g.layout.slots}
+def _parts(fsdp, opt, position: DataPositionState) -> list[Stateful]:
+    """What a training checkpoint holds, in save order (main weights first, so a non-finite
+    refusal names a weight before its optimizer state)."""
+    return [fsdp.sharded_state(), opt.sharded_state(), position, RngState()]
 
 
 def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
@@ -190,15 +228,8 @@ class CheckpointSaver:
                     f"took the directory over; refusing to save step {step} there")
         agree(lost)
         path = checkpoint_dir(self.save_dir, step)
-        fields = {
-            "data_position": position.to_dict(),
-            "data_digest": data_digest,
-            "job": dict(job),
-            "params": _param_shapes(fsdp),
-            "optimizer": type(opt.optimizer).__name__,
-        }
-        write_step(path, _state_dict(fsdp, opt), run_id=self.run_id, step=step, schema=SCHEMA,
-                   fields=fields)
+        save_parts(path, _parts(fsdp, opt, DataPositionState(position)), run_id=self.run_id,
+                   step=step, fields={"data_digest": data_digest, "job": dict(job)})
         if dist.get_rank() == 0:
             latest = self.save_dir / (LATEST + ".tmp")
             latest.write_text(path.name + "\n")
@@ -257,7 +288,8 @@ def _check_version(path: Path) -> None:
 _MUST_MATCH = ("config", "weights", "activations", "seed", "branching")
 
 
-def _check_meta(path: Path, meta: Mapping, fsdp, job: Mapping, data_digest: str) -> None:
+def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> None:
+    """The app's own fields; each part checks its own (the model its parameters)."""
     where = path / META
     saved_job = meta.get("job")
     if not isinstance(saved_job, dict) or not isinstance(meta.get("params"), dict):
@@ -274,127 +306,23 @@ def _check_meta(path: Path, meta: Mapping, fsdp, job: Mapping, data_digest: str)
             f"{meta.get('data_digest')!r} (--data {saved_job.get('data')!r}), but this run's "
             f"--data {job.get('data')!r} has digest {data_digest!r}; resume on the same data"
         )
-    ours = _param_shapes(fsdp)
-    if meta["params"] != ours:
-        diff = sorted(
-            n for n in set(ours) | set(meta["params"]) if ours.get(n) != meta["params"].get(n)
-        )
-        raise CheckpointError(
-            f"{where}: parameters differ from this model's (first: {diff[:3]}); the checkpoint "
-            f"belongs to another model"
-        )
-
-
-def _saved_pieces(reader: ShardedReader, params: Mapping) -> dict[str, list[tuple[int, int]]]:
-    """name -> [(offset, numel)] of the saved main-weight pieces, each inside its parameter."""
-    out: dict[str, list[tuple[int, int]]] = {}
-    for key, e in reader.entries.items():
-        if not key.startswith("main/"):
-            continue
-        name, offset = key[5:].rsplit("/", 1)
-        numel = 1
-        for s in params.get(name, [0]):
-            numel *= s
-        if name not in params or int(offset) + e.numel > numel or len(e.shape) != 1:
-            raise CheckpointError(
-                f"{reader.path / e.file}: {key!r} ({e.numel} elements) is not a piece of a "
-                f"parameter of this model (its shape: {params.get(name)})")
-        out.setdefault(name, []).append((int(offset), e.numel))
-    return out
-
-
-def _overlaps(saved, name: str, offset: int, numel: int):
-    """(saved offset, saved length) of every saved piece of ``name`` overlapping
-    [offset, offset + numel)."""
-    for start, length in saved.get(name, ()):
-        if start < offset + numel and offset < start + length:
-            yield start, length
-
-
-class _Overlap(NamedTuple):
-    """Saved elements that land in one of this rank's pieces."""
-
-    group: Any  # torch_side ParamGroup
-    dst: slice  # in the group's main / optimizer tensors
-    values: dict[str, torch.Tensor]  # "main" or an optimizer state name -> the saved elements
-
-
-class _Loaded(NamedTuple):
-    overlaps: list[_Overlap]
-    states: list[str]  # optimizer state names of the per-element states (e.g. exp_avg)
-    scalars: dict[str, torch.Tensor]  # optim_scalar/<state>/<group label> -> 0-d
-    rng: dict[str, torch.Tensor]  # "torch" / "cuda" -> state (same world size only)
-
-
-def _read_local(path: Path, reader: ShardedReader, fsdp, opt) -> _Loaded:
-    """Every value this rank needs, read (and verified) before anything is restored: only the
-    byte ranges of the saved pieces that overlap this rank's pieces."""
-    saved = _saved_pieces(reader, reader.meta["params"])
-    states = sorted({k.split("/")[1] for k in reader.entries if k.startswith("optim/")})
-    overlaps = []
-    for pc in _pieces(fsdp):
-        n = pc.hi - pc.lo
-        covered = 0
-        kinds = ["main"] + (states if pc.group in opt.groups else [])
-        for start, length in _overlaps(saved, pc.name, pc.offset, n):
-            a, b = max(start, pc.offset), min(start + length, pc.offset + n)
-            covered += b - a
-            values = {
-                kind: reader.read(("main" if kind == "main" else f"optim/{kind}")
-                                  + f"/{pc.name}/{start}", a - start, b - a)
-                for kind in kinds
-            }
-            dst = slice(pc.lo + a - pc.offset, pc.lo + b - pc.offset)
-            overlaps.append(_Overlap(pc.group, dst, values))
-        if covered != n:
-            raise CheckpointError(
-                f"{path}: the saved main weights cover {covered} of the {n} elements of "
-                f"{pc.name!r} at offset {pc.offset} this rank needs; the checkpoint is incomplete"
-            )
-    scalars = {k: reader.read(k) for k in reader.entries if k.startswith("optim_scalar/")}
-    rng = {}
-    if reader.meta["world_size"] == dist.get_world_size():
-        prefix = f"rng/{dist.get_rank()}/"
-        rng = {k[len(prefix):]: reader.read(k) for k in reader.entries if k.startswith(prefix)}
-    return _Loaded(overlaps, states, scalars, rng)
 
 
 def load(path, *, fsdp, opt, job: Mapping, data_digest: str) -> ResumeState:
-    """Restore main weights, optimizer state and RNG (a collective: call on every rank), then
-    re-derive the MXFP8 planes. Checks the checkpoint against this run and every file it reads
-    against meta.json first; any rank's refusal is raised on every rank."""
-    problem, loaded, meta = None, None, {}
+    """Restore every part (main weights, then MXFP8 planes re-derived; optimizer state; data
+    position; RNG) -- a collective: call on every rank. Checks the checkpoint against this run
+    and every file it reads against meta.json first; any rank's refusal is raised on every rank
+    with nothing restored."""
+    problem, pending = None, None
+    position = DataPositionState()
     try:
         path = resolve(path)
         _check_version(path)
-        with ShardedReader(path, SCHEMA) as reader:
-            meta = reader.meta
-            _check_meta(path, meta, fsdp, job, data_digest)
-            loaded = _read_local(path, reader, fsdp, opt)
-        position = DataPosition.from_dict(meta.get("data_position"))
+        pending = read_parts(path, _parts(fsdp, opt, position),
+                             lambda meta: _check_meta(path, meta, job, data_digest))
     except (CheckpointError, TypeError, ValueError) as e:
         problem = str(e)
     agree(problem)
-    _restore(loaded, opt)
-    fsdp.refresh_model_weights()  # MXFP8 planes re-derived from the loaded main weights
-    return ResumeState(int(meta["step"]), position, meta)
-
-
-def _restore(loaded: _Loaded, opt) -> None:
-    for g in opt.groups:
-        state = opt.optimizer.state.setdefault(g.main, {})
-        for key in loaded.states:
-            state.setdefault(key, torch.zeros_like(g.main))
-        for k, v in loaded.scalars.items():
-            _, name, label = k.split("/", 2)
-            if label == g.label:
-                state[name] = v.clone()  # step counts stay on the CPU, as torch.optim keeps them
-    with torch.no_grad():
-        for o in loaded.overlaps:
-            for kind, v in o.values.items():
-                t = o.group.main if kind == "main" else opt.optimizer.state[o.group.main][kind]
-                t[o.dst].copy_(v)
-    if "torch" in loaded.rng:
-        torch.set_rng_state(loaded.rng["torch"])
-    if "cuda" in loaded.rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(loaded.rng["cuda"])
+    assert pending is not None
+    pending.apply()
+    return ResumeState(int(pending.meta["step"]), position.position, pending.meta)

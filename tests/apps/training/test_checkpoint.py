@@ -2,6 +2,8 @@
 
 - save -> load restores main weights, optimizer state and step counts bit for bit and re-derives
   the MXFP8 planes; saved pieces cut at other offsets (another world size) are read by overlap;
+  a format 2 checkpoint as the code before ``torch_side.sharded_state`` wrote it loads, and this
+  code writes the same keys and fields;
 - refused, naming the file, with nothing restored: a flipped bit, a truncated file, a file of
   another run, an index key or dtype the trainer never writes, other data (content digest), a
   format 1 (pickle) checkpoint -- whose planted code never runs;
@@ -133,6 +135,47 @@ def test_saved_pieces_cut_at_other_offsets_are_read_by_overlap(models, tmp_path)
     _scramble(fresh)
     _load(tmp_path / "cut", fresh)
     assert _same(_snapshot(fresh), _snapshot(trained))
+
+
+def _write_format_2_by_hand(m, path: Path) -> None:
+    """A step directory as the trainer before ``torch_side.sharded_state`` wrote it (format 2),
+    its keys spelled out here as that code formatted them."""
+    sd, opt = {}, m.opt.optimizer
+    pieces = [(g, g.layout.slots[p.slot_index].name, p) for g in m.fsdp.param_groups
+              for p in g.main_pieces()]
+    for g, name, p in pieces:
+        sd[f"main/{name}/{p.param_offset}"] = g.main[p.shard_offset:p.shard_offset + p.numel]
+    for g, name, p in pieces:
+        for k, v in opt.state.get(g.main, {}).items():
+            if v.dim():
+                sd[f"optim/{k}/{name}/{p.param_offset}"] = v[p.shard_offset:
+                                                             p.shard_offset + p.numel]
+    for g in m.opt.groups:
+        for k, v in opt.state[g.main].items():
+            if not v.dim():
+                sd[f"optim_scalar/{k}/{g.label}"] = v.float()
+    sd["rng/0/torch"] = torch.get_rng_state()
+    params = {s.name: list(s.shape) for g in m.fsdp.param_groups for s in g.layout.slots}
+    write_step(path, sd, run_id="format-2", step=1, schema=ckpt.SCHEMA, fields={
+        "data_position": {"samples_consumed": 4}, "data_digest": _digest(m), "job": DESC,
+        "params": params, "optimizer": "AdamW"})
+
+
+def test_a_format_2_checkpoint_of_the_earlier_code_loads_bit_exact(models, tmp_path):
+    trained, fresh = models
+    _write_format_2_by_hand(trained, tmp_path / "step_000001")
+    _scramble(fresh)
+    resumed = _load(tmp_path / "step_000001", fresh)
+    assert resumed.step == 1 and resumed.position == DataPosition(4)
+    assert _same(_snapshot(fresh), _snapshot(trained))
+    # and what this code writes is the same format: the same keys, dtypes and shapes
+    ours = _save(trained, tmp_path / "ours")
+    with ShardedReader(ours, ckpt.SCHEMA) as a, ShardedReader(tmp_path / "step_000001",
+                                                               ckpt.SCHEMA) as b:
+        assert [(e.key, e.dtype, e.shape) for e in a.entries.values()] == [
+            (e.key, e.dtype, e.shape) for e in b.entries.values()]
+        assert {k: v for k, v in a.meta.items() if k not in ("run_id", "files")} == {
+            k: v for k, v in b.meta.items() if k not in ("run_id", "files")}
 
 
 def _refused(path, m, match: str, **kw) -> None:
