@@ -20,7 +20,9 @@ verdict (``ParityReport.grad_exactness``) and checks teacher-forced dW within th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -68,6 +70,30 @@ def parity_on_gathered(
             f"parity_on_gathered: mode {mode.value} but FSDP gathered {len(planes_t)} MXFP8 "
             f"weights; wrap the Torch twin built with the same LinearMode"
         )
+    flax_in = _import_gathered(gathered)
+    flax_planes = nested_params(flax_in.planes) if flax_in.planes else None
+    flax_run = run_flax(cfg, mode, nested_params(flax_in.shared), batch.tokens, batch.targets,
+                        planes=flax_planes, kernels=kernels)
+    diffs, layers = compare(cfg, mode, torch_run, flax_run, flax_in.weights,
+                            flax_in.planes or None, kernels, world_size)
+    if flax_in.planes:
+        layers = _planes_match_single_device(layers, flax_in.planes, master, kernels)
+    return ParityReport(
+        cfg, mode, seed, batch.tokens.shape, world_size, diffs, layers, flax_in.zero_copy
+    )
+
+
+class _Imported(NamedTuple):
+    """What FSDP gathered, as Flax reads it (zero-copy)."""
+
+    planes: dict[str, MXFP8Tensor]  # MXFP8 weights, sharing the Torch planes' memory
+    weights: dict[str, torch.Tensor]  # high-precision weights + zero dW slots of MXFP8 weights
+    shared: dict[str, jax.Array]  # ``weights`` as JAX arrays on the same memory
+    zero_copy: tuple[ZeroCopy, ...]  # the data pointers of every tensor Flax reads
+
+
+def _import_gathered(gathered: Mapping[str, TorchMXFP8Tensor | torch.Tensor]) -> _Imported:
+    planes_t = {n: t for n, t in gathered.items() if isinstance(t, TorchMXFP8Tensor)}
     hp = {n: t for n, t in gathered.items() if not isinstance(t, TorchMXFP8Tensor)}
     planes = {n: to_jax_mxfp8(t) for n, t in planes_t.items()}
     # MXFP8 weights: FSDP gathers no high-precision copy; Flax gets a zero slot for dW only.
@@ -84,25 +110,21 @@ def parity_on_gathered(
                 f"{n}:{field}", getattr(t, field).data_ptr(),
                 getattr(planes[n], field).unsafe_buffer_pointer(),
             ))
-    flax_planes = nested_params(planes) if planes else None
-    flax_run = run_flax(cfg, mode, nested_params(shared), batch.tokens, batch.targets,
-                        planes=flax_planes, kernels=kernels)
-    diffs, layers = compare(
-        cfg, mode, torch_run, flax_run, weights, planes or None, kernels, world_size
-    )
-    # The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
-    # bf16(master) on one device: FSDP's distributed quantization is exact.
+    return _Imported(planes, weights, shared, tuple(zero_copy))
+
+
+def _planes_match_single_device(layers, planes, master, kernels):
+    """The planes both stacks used (pointer-equal) must also be the bytes of quantizing the full
+    bf16(master) on one device: FSDP's distributed quantization is exact. Folds that check into
+    each layer's ``weight_identical``."""
+
     def single_device(name: str) -> MXFP8Tensor:
         return quantize_weight(jnp.asarray(master[name + ".weight"]), kernels=kernels)
 
-    if planes:
-        layers = tuple(
-            lb._replace(weight_identical=lb.weight_identical and same_bits(
-                mxfp8_bytes(planes[lb.name + ".weight"]), mxfp8_bytes(single_device(lb.name))))
-            for lb in layers
-        )
-    return ParityReport(
-        cfg, mode, seed, batch.tokens.shape, world_size, diffs, layers, tuple(zero_copy)
+    return tuple(
+        lb._replace(weight_identical=lb.weight_identical and same_bits(
+            mxfp8_bytes(planes[lb.name + ".weight"]), mxfp8_bytes(single_device(lb.name))))
+        for lb in layers
     )
 
 

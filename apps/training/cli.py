@@ -15,106 +15,48 @@ jobs do. Guide: docs/training.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
-import math
 import os
 import sys
 import time
 from typing import NamedTuple
 
-__all__ = ["main", "parse_args"]
+from apps.training.job import RunOptions, TrainJob, Weights
+from apps.training.options import Group, add_options, from_args, option, positive
+
+__all__ = ["Launch", "build_parser", "main", "parse_args"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-        return value
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """The command's own options: how it starts the ranks, and what it does besides training
+    (the rest of the flags are ``TrainJob``'s and ``RunOptions``' fields)."""
 
-    return parse
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    nproc: int | None = option(
+        None, Group.WHERE, parse=positive(int),
+        help="ranks to spawn locally (default 2 on cpu, 1 on cuda); not under torchrun")
+    timeout: float | None = option(
+        None, Group.WHERE, parse=positive(float),
+        help="seconds before a local launch is stopped (stalled ranks are named)")
+    collective_timeout: float = option(300.0, Group.WHERE, parse=positive(float),
+                                       help="seconds a collective may wait for the other ranks")
+    compare: bool = option(False, Group.OUTPUTS,
+                           help="also run the fp32-linear control with the same seed and data")
+    plot: str | None = option(None, Group.OUTPUTS,
+                              help="PNG of the loss curves, drawn at the end")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One flag per field of ``Launch``, ``TrainJob`` and ``RunOptions`` (``add_options``)."""
     p = argparse.ArgumentParser(
         prog="mxfp8-train", description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2],
     )
-    g = p.add_argument_group("where it runs")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
-    g.add_argument("--nproc", type=_positive(int), default=None,
-                   help="ranks to spawn locally (default 2 on cpu, 1 on cuda); not under torchrun")
-    g.add_argument("--timeout", type=_positive(float), default=None,
-                   help="seconds before a local launch is stopped (stalled ranks are named)")
-    g.add_argument("--collective-timeout", type=_positive(float), default=300.0,
-                   help="seconds a collective may wait for the other ranks")
-    m = p.add_argument_group("model and numerics")
-    m.add_argument("--config", default="tiny",
-                   choices=["tiny", "small", "gpt2-124m", "gpt2-350m"], help="GPTConfig preset")
-    m.add_argument("--weights", default="mxfp8", choices=["mxfp8", "bf16", "fp32"],
-                   help="linear layers: MXFP8, or the bf16 / fp32 high-precision controls")
-    m.add_argument("--activations", default=None, choices=["fp32", "bf16"],
-                   help="activation dtype (default fp32 on cpu, bf16 + fused attention on cuda)")
-    m.add_argument("--strategy", default="optim_grads_params",
-                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    m.add_argument("--recompute", default="none", choices=["none", "block"],
-                   help="activation checkpointing of the transformer blocks")
-    m.add_argument("--backend", default=None, choices=["xla", "pallas", "te"],
-                   help="MXFP8 quantize backend (default: the device's, reported)")
-    m.add_argument("--deterministic", action="store_true",
-                   help="the same bits in every GPU launch and across a resume: no XLA GEMM "
-                        "autotuning, deterministic Torch kernels (bridge.determinism; costs "
-                        "~10-25%% of a 124M step on the H200). CPU runs are reproducible anyway")
-    m.add_argument("--gemm", default=None,
-                   choices=["dequant_dot", "dequant_bf16_dot", "scaled_matmul"],
-                   help="MXFP8 GEMM implementation (default: the device's, reported)")
-    t = p.add_argument_group("optimisation and data")
-    t.add_argument("--steps", type=_positive(int), default=40)
-    t.add_argument("--micro-batches", type=_positive(int), default=2)
-    t.add_argument("--batch-size", type=_positive(int), default=8,
-                   help="sequences per rank and micro-batch")
-    t.add_argument("--seq-len", type=_positive(int), default=32)
-    t.add_argument("--lr", type=_positive(float), default=3e-3)
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--seed", type=_non_negative_int, default=0)
-    t.add_argument("--data", default="markov",
-                   help="'markov' (exact loss floor), 'stdlib' (the Python standard library's "
-                        "sources as bytes) or a text file / directory of text files")
-    t.add_argument("--eval-batches", type=_positive(int), default=4,
-                   help="held-out batches evaluated at the end")
-    t.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
-                   help="a step whose loss or global gradient norm is NaN/Inf: stop training "
-                        "with an error (default), or skip its update and go on")
-    t.add_argument("--max-consecutive-skips", type=_positive(int), default=10,
-                   help="with --on-nonfinite skip: stop after this many skipped steps in a row")
-    o = p.add_argument_group("outputs and checkpoints")
-    o.add_argument("--metrics", default=None, help="JSONL metrics file (one object per step)")
-    o.add_argument("--plot", default=None, help="PNG of the loss curves, drawn at the end")
-    o.add_argument("--save-dir", default=None, help="directory for sharded checkpoints")
-    o.add_argument("--save-every", type=_non_negative_int, default=0,
-                   help="steps between checkpoints (0: one at the end, with --save-dir)")
-    o.add_argument("--resume", default=None,
-                   help="a --save-dir (its latest checkpoint) or a step_* directory")
-    o.add_argument("--compare", action="store_true",
-                   help="also run the fp32-linear control with the same seed and data")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
-    o.add_argument("--no-precompile", action="store_true",
-                   help="compile the JAX programs as the first step reaches them, one after "
-                        "another, instead of all at once in parallel before it")
+    add_options(p, TrainJob, Launch, RunOptions)
     return p
 
 
@@ -142,35 +84,17 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in _TORCHRUN_VARS)
 
 
-def _job(args, weights: str):
-    from apps.training.job import TrainJob
-    from common.kernels import KernelConfig
-
-    kernels = None if args.backend is None and args.gemm is None else KernelConfig(
-        args.backend, args.gemm)
-    return TrainJob(
-        config=args.config, weights=weights, activations=args.activations,
-        strategy=args.strategy, recompute=args.recompute, steps=args.steps,
-        micro_batches=args.micro_batches, batch_size=args.batch_size, seq_len=args.seq_len,
-        lr=args.lr, weight_decay=args.weight_decay, seed=args.seed, data=args.data,
-        eval_batches=args.eval_batches, device=args.device, kernels=kernels,
-        deterministic=args.deterministic,
-    )
-
-
-def _runs(args) -> list[tuple[str, object, object]]:
+def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
     """(label, job, RunOptions) of every training this command runs."""
-    from apps.training.loop import RunOptions, result_path
+    from apps.training.loop import result_path
 
-    common = {"progress": not args.no_progress, "precompile": not args.no_precompile,
-              "on_nonfinite": args.on_nonfinite,
-              "max_consecutive_skips": args.max_consecutive_skips}
-    runs = [(args.weights, _job(args, args.weights), RunOptions(
-        metrics=args.metrics, save_dir=args.save_dir, save_every=args.save_every,
-        resume=args.resume, label=args.weights, **common))]
-    if args.compare and args.weights != "fp32":
-        runs.append(("fp32", _job(args, "fp32"), RunOptions(
-            metrics=result_path(args.metrics, "fp32"), label="fp32 control", **common)))
+    job = from_args(TrainJob, args)
+    opts = from_args(RunOptions, args, label=job.weights.value)
+    runs = [(job.weights.value, job, opts)]
+    if args.compare and job.weights is not Weights.FP32:
+        # parse_args: no --save-dir / --resume with --compare, so the control saves nothing
+        runs.append(("fp32", job.control(), dataclasses.replace(
+            opts, metrics=result_path(args.metrics, "fp32"), label="fp32 control")))
     return runs
 
 

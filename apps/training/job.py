@@ -1,6 +1,8 @@
-"""``TrainJob``: everything one training run needs, validated once, picklable for spawned ranks.
+"""What one training run is: ``TrainJob`` (the numerics and data) and ``RunOptions`` (where it
+writes, what it resumes from), validated once, picklable for spawned ranks. Every field's flag is
+declared on the field (``apps.training.options``); ``mxfp8-train`` derives its parser from them.
 
-The weights choice (``Weights``) decides the linear layers and the FSDP policy:
+The weights choice (``Weights``) picks a recipe from ONE table, ``RECIPES``:
 
 | weights | linear layers (``LinearMode``)     | FSDP model weights                               |
 |---------|------------------------------------|--------------------------------------------------|
@@ -9,7 +11,8 @@ The weights choice (``Weights``) decides the linear layers and the FSDP policy:
 | fp32    | high precision, fp32 weights       | everything fp32 (the exact control)              |
 
 Main weights, optimizer state and gradient reduction are fp32 in every case. Activations default
-to fp32 on CPU (the exact twin) and bf16 with fused attention on CUDA (the training path).
+to fp32 on CPU (the exact twin) and bf16 with fused attention on CUDA (the training path):
+``DEFAULT_ACTIVATIONS``.
 """
 
 from __future__ import annotations
@@ -17,22 +20,62 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 
 import torch
 
+from apps.training.data import BYTE_VOCAB, Corpus, make_corpus
+from apps.training.options import Group, internal, non_negative_int, option, positive
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import LinearMode
 from torch_side import MixedPrecisionPolicy, ShardingStrategy, WeightFormat
 from torch_side.models.gpt import Activations
 
-__all__ = ["Recompute", "TrainJob", "Weights"]
+__all__ = [
+    "DEFAULT_ACTIVATIONS",
+    "MARKOV_MAX_VOCAB",
+    "RECIPES",
+    "OnNonFinite",
+    "Recipe",
+    "Recompute",
+    "RunOptions",
+    "TrainJob",
+    "Weights",
+]
+
+# A Markov corpus keeps a dense (V, V) transition matrix: presets with a GPT-2 vocabulary train on
+# a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
+MARKOV_MAX_VOCAB = 1024
 
 
 class Weights(enum.Enum):
+    """The precision recipe of a run (``--weights``): a key of ``RECIPES``."""
+
     MXFP8 = "mxfp8"
     BF16 = "bf16"
     FP32 = "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a ``Weights`` choice means: the linear layers' GEMMs and the FSDP weight formats."""
+
+    linear_mode: LinearMode
+    # FSDP format of every weight that is not an MXFP8 linear weight, by activation dtype
+    other_format: Mapping[Activations, WeightFormat]
+
+
+RECIPES: dict[Weights, Recipe] = {
+    Weights.MXFP8: Recipe(LinearMode.MXFP8, {Activations.FP32: WeightFormat.FP32,
+                                             Activations.BF16: WeightFormat.BF16}),
+    Weights.BF16: Recipe(LinearMode.HIGH_PRECISION, {Activations.FP32: WeightFormat.BF16,
+                                                     Activations.BF16: WeightFormat.BF16}),
+    Weights.FP32: Recipe(LinearMode.HIGH_PRECISION, {Activations.FP32: WeightFormat.FP32,
+                                                     Activations.BF16: WeightFormat.FP32}),
+}
+
+DEFAULT_ACTIVATIONS = {"cpu": Activations.FP32, "cuda": Activations.BF16}  # by TrainJob.device
 
 
 class Recompute(enum.Enum):
@@ -49,26 +92,45 @@ def _positive_int(owner: str, name: str, value) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TrainJob:
-    """One run's settings (see ``apps.training.cli`` for the command-line flags)."""
+    """One run's settings; each field's flag and help are in its ``option`` (apps.training.cli
+    derives the command line from them, ``apps.training.options``)."""
 
-    config: str = "tiny"  # common.model_config.PRESETS key
-    weights: Weights = Weights.MXFP8
-    activations: Activations | None = None  # None: fp32 on cpu, bf16 on cuda
-    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
-    recompute: Recompute = Recompute.NONE
-    steps: int = 40
-    micro_batches: int = 2
-    batch_size: int = 8  # sequences per rank and micro-batch
-    seq_len: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    seed: int = 0
-    data: str = "markov"  # "markov", "stdlib" or a path (apps.training.data.make_corpus)
-    branching: int = 4  # successors per token of the Markov corpus
-    eval_batches: int = 4  # held-out batches (of batch_size sequences) evaluated at the end
-    device: str = "cpu"
-    kernels: KernelConfig | None = None
-    deterministic: bool = False  # bridge.determinism: the same bits in every GPU launch
+    config: str = option("tiny", Group.MODEL, choices=tuple(PRESETS), help="GPTConfig preset")
+    weights: Weights = option(
+        Weights.MXFP8, Group.MODEL,
+        help="linear layers: MXFP8, or the bf16 / fp32 high-precision controls")
+    activations: Activations | None = option(  # None: DEFAULT_ACTIVATIONS[device]
+        None, Group.MODEL,
+        help="activation dtype (default fp32 on cpu, bf16 + fused attention on cuda)")
+    strategy: ShardingStrategy = option(ShardingStrategy.OPTIM_GRADS_PARAMS, Group.MODEL)
+    recompute: Recompute = option(Recompute.NONE, Group.MODEL,
+                                  help="activation checkpointing of the transformer blocks")
+    steps: int = option(40, Group.OPTIM, parse=positive(int))
+    micro_batches: int = option(2, Group.OPTIM, parse=positive(int))
+    batch_size: int = option(8, Group.OPTIM, parse=positive(int),
+                             help="sequences per rank and micro-batch")
+    seq_len: int = option(32, Group.OPTIM, parse=positive(int))
+    lr: float = option(3e-3, Group.OPTIM, parse=positive(float))
+    weight_decay: float = option(0.0, Group.OPTIM)
+    seed: int = option(0, Group.OPTIM, parse=non_negative_int)
+    data: str = option(  # apps.training.data.make_corpus
+        "markov", Group.OPTIM,
+        help="'markov' (exact loss floor), 'stdlib' (the Python standard library's sources as "
+             "bytes) or a text file / directory of text files")
+    branching: int = option(4, Group.OPTIM, parse=positive(int),
+                            help="successors per token of the Markov corpus (--data markov)")
+    eval_batches: int = option(4, Group.OPTIM, parse=positive(int),
+                               help="held-out batches evaluated at the end")
+    device: str = option("cpu", Group.WHERE, choices=("cpu", "cuda"),
+                         help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
+    kernels: KernelConfig | None = option(None, Group.MODEL, nested_help={
+        "backend": "MXFP8 quantize backend (default: the device's, reported)",
+        "gemm": "MXFP8 GEMM implementation (default: the device's, reported)"})
+    deterministic: bool = option(
+        False, Group.MODEL,
+        help="the same bits in every GPU launch and across a resume: no XLA GEMM autotuning, "
+             "deterministic Torch kernels (bridge.determinism; costs 7-30%% of a 124M step "
+             "on the H200). CPU runs are reproducible anyway")
 
     def __post_init__(self) -> None:
         owner = "TrainJob"
@@ -81,7 +143,8 @@ class TrainJob:
             raise ValueError(f"{owner}.device={self.device!r}: expected 'cpu' or 'cuda'")
         if self.activations is not None:
             object.__setattr__(self, "activations", Activations(self.activations))
-        for name in ("steps", "micro_batches", "batch_size", "seq_len", "eval_batches"):
+        for name in ("steps", "micro_batches", "batch_size", "seq_len", "branching",
+                     "eval_batches"):
             _positive_int(owner, name, getattr(self, name))
         if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"{owner}.lr={self.lr!r}: expected a finite learning rate > 0")
@@ -102,21 +165,28 @@ class TrainJob:
     # ---- what the job means ----------------------------------------------------------------
     @property
     def resolved_activations(self) -> Activations:
-        if self.activations is not None:
-            return self.activations
-        return Activations.BF16 if self.device == "cuda" else Activations.FP32
+        return self.activations or DEFAULT_ACTIVATIONS[self.device]
+
+    @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.weights]
 
     @property
     def linear_mode(self) -> LinearMode:
-        return LinearMode.MXFP8 if self.weights is Weights.MXFP8 else LinearMode.HIGH_PRECISION
+        return self.recipe.linear_mode
 
     def policy(self) -> MixedPrecisionPolicy:
-        """The FSDP policy of the table in the module docstring."""
-        bf16 = self.weights is Weights.BF16 or (
-            self.weights is Weights.MXFP8 and self.resolved_activations is Activations.BF16
-        )
-        other = WeightFormat.BF16 if bf16 else WeightFormat.FP32
+        """The FSDP policy of the recipe (the table in the module docstring)."""
+        other = self.recipe.other_format[self.resolved_activations]
         return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32)
+
+    def corpus(self) -> Corpus:
+        """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's
+        (capped at MARKOV_MAX_VOCAB) for the Markov chain."""
+        vocab = BYTE_VOCAB
+        if self.data == "markov":
+            vocab = min(PRESETS[self.config].vocab_size, MARKOV_MAX_VOCAB)
+        return make_corpus(self.data, vocab_size=vocab, seed=self.seed, branching=self.branching)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         """The preset, with the corpus's vocabulary (byte corpora need 256 tokens)."""
@@ -144,3 +214,47 @@ class TrainJob:
             out[f.name] = v
         out["activations"] = self.resolved_activations.value
         return out
+
+
+class OnNonFinite(enum.Enum):
+    """What a step whose loss or global gradient norm is NaN/Inf does."""
+
+    STOP = "stop"  # raise NonFiniteTraining before the update: no step, no checkpoint after it
+    SKIP = "skip"  # drop the step's gradients, no update; stop after max_consecutive_skips
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Where a run writes and what it resumes from (not part of the numerics)."""
+
+    metrics: str | None = option(None, Group.OUTPUTS,
+                                 help="JSONL metrics file (one object per step)")
+    save_dir: str | None = option(None, Group.OUTPUTS, help="directory for sharded checkpoints")
+    save_every: int = option(0, Group.OUTPUTS, parse=non_negative_int,
+                             help="steps between checkpoints (0: one at the end, with --save-dir)")
+    resume: str | None = option(None, Group.OUTPUTS,
+                                help="a --save-dir (its latest checkpoint) or a step_* directory")
+    progress: bool = option(True, Group.OUTPUTS, help="no progress bar")  # rank 0's tqdm bar
+    label: str = internal("", "shown in the progress bar and the run record; the command line "
+                              "sets it to the --weights value (or 'fp32 control')")
+    precompile: bool = option(  # compile the JAX linear programs in parallel before step 1
+        True, Group.OUTPUTS,
+        help="compile the JAX programs as the first step reaches them, one after another, "
+             "instead of all at once in parallel before it")
+    on_nonfinite: OnNonFinite = option(
+        OnNonFinite.STOP, Group.OPTIM,
+        help="a step whose loss or global gradient norm is NaN/Inf: stop training with an error "
+             "(default), or skip its update and go on")
+    max_consecutive_skips: int = option(
+        10, Group.OPTIM, parse=positive(int),
+        help="with --on-nonfinite skip: stop after this many skipped steps in a row")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
+        if isinstance(self.max_consecutive_skips, bool) or not (
+            isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
+        ):
+            raise ValueError(
+                f"RunOptions.max_consecutive_skips={self.max_consecutive_skips!r}: expected an "
+                f"integer >= 1"
+            )

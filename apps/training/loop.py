@@ -5,8 +5,12 @@ every linear layer's GEMMs are JAX MXFP8 kernels reached through the bridge op, 
 planes that FSDP all-gathers. After each optimizer step the planes are re-quantized from
 bf16(main) by the distributed recipe.
 
-``train_rank(job, run)`` is what every rank runs, inside an initialised process group (torchrun's,
-or the one ``torch_side.launch.run_local_ranks`` makes). Data come from ``apps.training.data``:
+``train_rank(job, opts)`` is what every rank runs, inside an initialised process group
+(torchrun's, or the one ``torch_side.launch.run_local_ranks`` makes): it builds a ``Trainer`` and
+runs it. ``Trainer.step`` is one training step (``_forward_backward`` of the micro-batches, then
+``_update``); ``Trainer.run`` adds precompilation, checkpoints and the held-out evaluation. The
+job and its options are ``apps.training.job``'s (``RunOptions``, ``OnNonFinite`` and
+``MARKOV_MAX_VOCAB`` are re-exported here). Data come from ``apps.training.data``:
 sample ids are global, so rank r's micro-batch m of the step at data position p is a fixed set of
 ids, and a checkpoint needs only the position. Rank 0 shows progress (tqdm), writes the metrics
 (``apps.training.metrics``) and the checkpoint metadata.
@@ -27,20 +31,10 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from apps.training import checkpoint as ckpt
-from apps.training.data import (
-    BYTE_VOCAB,
-    Corpus,
-    DataPosition,
-    Split,
-    advance,
-    heldout_ids,
-    make_corpus,
-    sample_ids,
-)
-from apps.training.job import Recompute, TrainJob
+from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
+from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from bridge.determinism import make_deterministic
-from common.model_config import PRESETS
 from torch_side import FSDPOptimizer, fully_shard, precompile
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
@@ -52,19 +46,9 @@ __all__ = [
     "StepLog",
     "StepOutcome",
     "TrainResult",
+    "Trainer",
     "train_rank",
 ]
-
-# A Markov corpus keeps a dense (V, V) transition matrix: presets with a GPT-2 vocabulary train on
-# a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
-MARKOV_MAX_VOCAB = 1024
-
-
-class OnNonFinite(enum.Enum):
-    """What a step whose loss or global gradient norm is NaN/Inf does."""
-
-    STOP = "stop"  # raise NonFiniteTraining before the update: no step, no checkpoint after it
-    SKIP = "skip"  # drop the step's gradients, no update; stop after max_consecutive_skips
 
 
 class StepOutcome(enum.Enum):
@@ -79,29 +63,7 @@ class NonFiniteTraining(RuntimeError):
     """Training diverged: a non-finite loss or gradient norm (raised on every rank alike)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """Where a run writes and what it resumes from (not part of the numerics)."""
-
-    metrics: str | None = None  # JSONL path (rank 0)
-    save_dir: str | None = None
-    save_every: int = 0  # steps between checkpoints (0: only at the end when save_dir is set)
-    resume: str | None = None  # a save dir (its latest checkpoint) or a step_* directory
-    progress: bool = True  # rank 0's progress bar
-    label: str = ""  # shown in the progress bar and the run record
-    precompile: bool = True  # compile the JAX linear programs in parallel before step 1
-    on_nonfinite: OnNonFinite = OnNonFinite.STOP
-    max_consecutive_skips: int = 10  # OnNonFinite.SKIP: this many skipped steps in a row stop
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
-        if isinstance(self.max_consecutive_skips, bool) or not (
-            isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
-        ):
-            raise ValueError(
-                f"RunOptions.max_consecutive_skips={self.max_consecutive_skips!r}: expected an "
-                f"integer >= 1"
-            )
+_DEFAULT_OPTIONS = RunOptions()  # frozen: one shared default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +95,7 @@ class _Model:
     """The wrapped model, its optimizer and the corpus of one job."""
 
     def __init__(self, job: TrainJob):
-        # The model's vocabulary follows the corpus: bytes for text, the preset's (capped) for
-        # the Markov chain.
-        vocab = BYTE_VOCAB
-        if job.data == "markov":
-            vocab = min(PRESETS[job.config].vocab_size, MARKOV_MAX_VOCAB)
-        self.corpus: Corpus = make_corpus(job.data, vocab_size=vocab, seed=job.seed)
+        self.corpus: Corpus = job.corpus()
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
         model = TorchGPT(
@@ -265,88 +222,148 @@ def _progress(job: TrainJob, opts: RunOptions, start: int):
                 unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
-def train_rank(job: TrainJob, opts: RunOptions = RunOptions()) -> TrainResult:
+class Trainer:
+    """One rank's training: the FSDP model, its optimizer and corpus (``parts``), the data
+    position, the checkpoint saver and the metrics writer. A collective object: every rank makes
+    one and calls the same methods in the same order.
+
+    ``Trainer(job, opts)`` takes the writer lock of ``opts.save_dir`` (before the model is
+    built), builds the model and resumes from ``opts.resume``; ``step()`` trains one step,
+    ``save()`` writes a checkpoint at the current step, ``evaluate()`` computes the held-out loss,
+    ``run()`` does all of it to ``job.steps``; ``close()`` (or leaving the ``with`` block)
+    releases the metrics file and the lock.
+    """
+
+    def __init__(self, job: TrainJob, opts: RunOptions = _DEFAULT_OPTIONS):
+        self.job, self.opts = job, opts
+        self.saver = ckpt.CheckpointSaver.start(opts.save_dir) if opts.save_dir else None
+        self.metrics: MetricsWriter | None = None
+        try:
+            if job.deterministic:
+                make_deterministic()  # before the first JAX computation (XLA reads its flags once)
+            self.parts = _Model(job)
+            self.desc = job.describe()
+            self.start_step, self.position = 0, DataPosition(0)
+            if opts.resume:
+                resumed = ckpt.load(opts.resume, fsdp=self.parts.fsdp, opt=self.parts.opt,
+                                    job=self.desc, data_digest=self.parts.corpus.content_digest())
+                self.start_step, self.position = resumed.step, resumed.position
+            self._open_metrics()
+        except BaseException:
+            self.close()
+            raise
+        self.done = self.start_step  # steps done: the index of the next step
+        self.skips = 0  # consecutive skipped steps
+        self.logs: list[StepLog] = []  # the steps this trainer ran
+
+    def _open_metrics(self) -> None:
+        if dist.get_rank() != 0 or not self.opts.metrics:
+            return
+        m = self.parts
+        self.metrics = MetricsWriter(self.opts.metrics, append=bool(self.opts.resume))
+        self.metrics.write(run_record(
+            job=self.desc, world_size=dist.get_world_size(), label=self.opts.label,
+            corpus=m.corpus.describe(), loss_floor=m.corpus.loss_floor(self.job.seq_len),
+            resumed_from=self.start_step, params=m.cfg.num_parameters(),
+        ))
+
+    def step(self) -> StepLog:
+        """One training step: forward and backward of every micro-batch, then the update (or,
+        on a non-finite loss or gradient norm, a skip, or NonFiniteTraining before the update)."""
+        job, world = self.job, dist.get_world_size()
+        t0 = time.perf_counter()
+        loss, norm = _forward_backward(self.parts, job, self.position)
+        outcome, self.skips = _update(self.parts, self.opts, loss, norm, self.skips)
+        self.position = advance(self.position, world_size=world,
+                                micro_batches=job.micro_batches, batch_size=job.batch_size)
+        _sync(job)
+        seconds = time.perf_counter() - t0
+        log = StepLog(self.done, loss, seconds, job.tokens_per_step(world) / seconds, norm,
+                      outcome)
+        self.logs.append(log)
+        if self.metrics is not None:
+            self.metrics.write(step_record(step=log.step, loss=loss, step_s=seconds,
+                                           tokens_per_s=log.tokens_per_s, grad_norm=norm,
+                                           outcome=outcome.value))
+        if outcome is StepOutcome.STOPPED:
+            raise NonFiniteTraining(_stop_message(log, self.opts, self.skips))
+        self.done += 1
+        return log
+
+    def save(self) -> None:
+        """A checkpoint of the current step into ``opts.save_dir`` (nothing without one)."""
+        if self.saver is not None:
+            self.saver.save(step=self.done, fsdp=self.parts.fsdp, opt=self.parts.opt,
+                            position=self.position, job=self.desc,
+                            data_digest=self.parts.corpus.content_digest())
+
+    def evaluate(self) -> float:
+        """The held-out loss (``heldout_loss``), also written as the ``eval`` metrics record."""
+        held = heldout_loss(self.parts, self.job)
+        if self.metrics is not None:
+            self.metrics.write(eval_record(step=self.done, heldout_loss=held))
+        return held
+
+    def run(self) -> TrainResult:
+        """Precompile, train to ``job.steps`` (checkpoints every ``save_every`` steps and at the
+        end), evaluate; what ``train_rank`` returns."""
+        job, opts = self.job, self.opts
+        report = None
+        if opts.precompile and job.steps > self.done:
+            report = _precompile(self.parts, job)
+        bar = _progress(job, opts, self.done)
+        try:
+            while self.done < job.steps:
+                log = self.step()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
+                                    step_s=f"{log.seconds:.3f}")
+                    bar.update(1)
+                if opts.save_every and self.done % opts.save_every == 0:
+                    self.save()
+            if not opts.save_every or self.done % opts.save_every:
+                self.save()
+            held = self.evaluate()
+        finally:
+            if bar is not None:
+                bar.close()
+        return self._result(held, report)
+
+    def _result(self, held: float, report) -> TrainResult:
+        corpus, logs = self.parts.corpus, self.logs
+        return TrainResult(
+            job=self.job, world_size=dist.get_world_size(), steps=logs,
+            start_step=self.start_step, heldout_loss=held,
+            loss_floor=corpus.loss_floor(self.job.seq_len),
+            initial_loss=math.log(self.parts.cfg.vocab_size),
+            first_step_s=logs[0].seconds if logs else float("nan"), corpus=corpus.describe(),
+            precompile_s=report.wall_s if report else 0.0,
+            precompiled_programs=report.programs if report else 0,
+        )
+
+    def close(self) -> None:
+        """Close the metrics file, then release the writer lock (in that order, on every exit)."""
+        try:
+            if self.metrics is not None:
+                self.metrics.close()
+        finally:
+            if self.saver is not None:
+                self.saver.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def train_rank(job: TrainJob, opts: RunOptions = _DEFAULT_OPTIONS) -> TrainResult:
     """Train on this rank's part of the data-parallel group; a collective (every rank calls it).
 
     A run with ``save_dir`` holds that directory's writer lock from before the model is built
     until it returns or raises (``apps.training.checkpoint.CheckpointSaver``)."""
-    saver = ckpt.CheckpointSaver.start(opts.save_dir) if opts.save_dir else None
-    try:
-        return _train(job, opts, saver)
-    finally:
-        if saver is not None:
-            saver.close()
-
-
-def _train(job: TrainJob, opts: RunOptions, saver: ckpt.CheckpointSaver | None) -> TrainResult:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if job.deterministic:
-        make_deterministic()  # before the first JAX computation (XLA reads its flags once)
-    m = _Model(job)
-    desc = job.describe()
-    start, position = 0, DataPosition(0)
-    if opts.resume:
-        resumed = ckpt.load(opts.resume, fsdp=m.fsdp, opt=m.opt, job=desc,
-                            data_digest=m.corpus.content_digest())
-        start, position = resumed.step, resumed.position
-    writer = None
-    if rank == 0 and opts.metrics:
-        writer = MetricsWriter(opts.metrics, append=bool(opts.resume))
-        writer.write(run_record(
-            job=desc, world_size=world, label=opts.label, corpus=m.corpus.describe(),
-            loss_floor=m.corpus.loss_floor(job.seq_len), resumed_from=start,
-            params=m.cfg.num_parameters(),
-        ))
-    report = None
-    if opts.precompile and job.steps > start:
-        report = _precompile(m, job)
-    bar = _progress(job, opts, start)
-    logs: list[StepLog] = []
-    tokens_per_step = job.tokens_per_step(world)
-    skips = 0  # consecutive skipped steps
-    try:
-        for step in range(start, job.steps):
-            t0 = time.perf_counter()
-            loss, norm = _forward_backward(m, job, position)
-            outcome, skips = _update(m, opts, loss, norm, skips)
-            position = advance(position, world_size=world, micro_batches=job.micro_batches,
-                               batch_size=job.batch_size)
-            _sync(job)
-            seconds = time.perf_counter() - t0
-            log = StepLog(step, loss, seconds, tokens_per_step / seconds, norm, outcome)
-            logs.append(log)
-            if writer is not None:
-                writer.write(step_record(step=step, loss=log.loss, tokens_per_s=log.tokens_per_s,
-                                         step_s=seconds, grad_norm=norm, outcome=outcome.value))
-            if outcome is StepOutcome.STOPPED:
-                raise NonFiniteTraining(_stop_message(log, opts, skips))
-            if bar is not None:
-                bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
-                                step_s=f"{seconds:.3f}")
-                bar.update(1)
-            done = step + 1
-            if saver is not None and opts.save_every and done % opts.save_every == 0:
-                saver.save(step=done, fsdp=m.fsdp, opt=m.opt, position=position, job=desc,
-                           data_digest=m.corpus.content_digest())
-        final = job.steps if job.steps > start else start
-        if saver is not None and (not opts.save_every or final % opts.save_every):
-            saver.save(step=final, fsdp=m.fsdp, opt=m.opt, position=position, job=desc,
-                       data_digest=m.corpus.content_digest())
-        held = heldout_loss(m, job)
-        if writer is not None:
-            writer.write(eval_record(step=final, heldout_loss=held))
-    finally:
-        if bar is not None:
-            bar.close()
-        if writer is not None:
-            writer.close()
-    return TrainResult(
-        job=job, world_size=world, steps=logs, start_step=start, heldout_loss=held,
-        loss_floor=m.corpus.loss_floor(job.seq_len), initial_loss=math.log(m.cfg.vocab_size),
-        first_step_s=logs[0].seconds if logs else float("nan"), corpus=m.corpus.describe(),
-        precompile_s=report.wall_s if report else 0.0,
-        precompiled_programs=report.programs if report else 0,
-    )
+    with Trainer(job, opts) as trainer:
+        return trainer.run()
 
 
 def result_path(metrics: str | None, suffix: str) -> str | None:
