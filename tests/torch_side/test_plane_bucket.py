@@ -8,6 +8,8 @@ be observed without a second process.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -146,6 +148,17 @@ def test_shares_are_made_once_per_buffer_lifetime():
     b.drop_shares()  # a refresh rewrote the buffers: both are shared afresh
     b.unshard(Phase.BACKWARD)
     assert b.shared(scales)[1] is not scale
+
+
+def test_reshard_lets_go_of_the_bucket_even_when_it_was_shared():
+    """The share must not keep a freed bucket's memory alive (only JAX's own view may)."""
+    b, _ = _bucket()
+    b.unshard(Phase.BACKWARD)
+    data, _ = b.shared(torch.zeros(256, dtype=torch.uint8))
+    gone = weakref.ref(data.tensor)
+    del data
+    b.reshard()
+    assert gone() is None, "the freed bucket is still referenced"
 
 
 def test_sharing_a_sharded_plane_is_refused():
