@@ -37,7 +37,7 @@ _EXPORTS: dict[str, str] = {
     "fully_shard": "torch_side.fsdp_model",
     "InitSync": "torch_side.init_sync",
     "FSDPOptimizer": "torch_side.optimizer",
-    "PlaneState": "torch_side.param_group",
+    "PlaneState": "torch_side.plane_bucket",
     "precompile": "torch_side.precompile",
     "MixedPrecisionPolicy": "torch_side.policy",
     "UnalignedLinear": "torch_side.policy",

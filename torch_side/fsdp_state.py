@@ -1,16 +1,27 @@
 """``FSDPState``: the iteration lifecycle shared by all units of one wrapped model.
 
-- ``backward_active``: set by the first pre-backward hook of a backward (which also records that
-  backward's autograd graph task); a forward that runs while it is set, inside that backward, is
-  an activation-recompute forward (``torch.utils.checkpoint``).
+The root lifecycle is a :class:`RootState`, checked by ``_expect`` (an internal error naming the
+rank, the state found and the one expected)::
+
+    IDLE --first pre-backward hook--> BACKWARD --end-of-backward callback--> IDLE
+    BACKWARD --found stale (recover / a new backward)--> IDLE, grads_incomplete set
+
+Forwards are tracked per unit (``fsdp_unit.TrainingState``): the root is IDLE during a forward.
+
+- ``BACKWARD`` (``backward_active``): entered by the first pre-backward hook of a backward (which
+  also records that backward's autograd graph task); a forward that runs in it, inside that
+  backward, is an activation-recompute forward (``torch.utils.checkpoint``).
 - ``on_pre_backward`` queues ``finish_backward`` as an autograd final callback: it reduces, in the
   fixed order ``reversed(units)`` (the same on every rank), the gradients of units not reduced
-  yet, reshards everything, freezes the prefetch order and clears ``backward_active``.
+  yet, reshards everything, freezes the prefetch order and returns to ``IDLE``.
+- ``grads_incomplete`` is a fact about the main gradients, not a lifecycle state: it outlives
+  iterations (a backward after an aborted one does not make the gradients whole) and only
+  ``zero_grad`` clears it.
 - **Aborted backward.** Autograd drops the final callback when an exception escapes backward
-  (e.g. ``GradCheck.FINITE``), which would leave ``backward_active`` set for good: every later
+  (e.g. ``GradCheck.FINITE``), which would leave the state ``BACKWARD`` for good: every later
   forward would run as a recompute forward (no reshard, both planes gathered, stale buckets). The
   state knows a backward is running only while autograd is inside the graph task it recorded, so
-  the next forward, backward, ``zero_grad`` or optimizer step (``recover``) finds the flag stale
+  the next forward, backward, ``zero_grad`` or optimizer step (``recover``) finds the state stale
   and resets every unit: buckets resharded, staged gradients dropped, stray ``param.grad``
   cleared. Main gradients reduced before the exception are partial, so ``grads_incomplete`` stays
   set until ``zero_grad`` and ``FSDPOptimizer.step`` refuses to run on them.
@@ -34,6 +45,7 @@
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
@@ -42,7 +54,7 @@ import torch.distributed as dist
 from torch_side.collectives import Phase
 from torch_side.execution_order import ExecutionOrder
 
-__all__ = ["FSDPState"]
+__all__ = ["FSDPState", "RootState"]
 
 _NO_GRAPH_TASK = -1  # torch._C._current_graph_task_id() outside any backward
 
@@ -55,34 +67,58 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class RootState(enum.Enum):
+    """Where the wrapped model is in its iteration (module note)."""
+
+    IDLE = "idle"  # no backward of this model runs (between iterations, or in a forward)
+    BACKWARD = "backward"  # a backward runs; its end-of-backward callback is queued
+
+
 class FSDPState:
     def __init__(self) -> None:
         self.units: list = []
         self.order = ExecutionOrder()
-        self.backward_active = False
-        self._backward_task = _NO_GRAPH_TASK  # graph task of the backward that set the flag
+        self.state = RootState.IDLE
+        self._backward_task = _NO_GRAPH_TASK  # graph task of the backward that entered BACKWARD
         self.grads_incomplete = False  # an aborted backward left partial main grads
         self.weights_version = 0
+
+    @property
+    def backward_active(self) -> bool:
+        """Whether the state is BACKWARD (possibly stale: ``recover`` checks that)."""
+        return self.state is RootState.BACKWARD
+
+    def _expect(self, expected: RootState, doing: str) -> None:
+        """The one check of the root state: an internal error naming what was expected."""
+        if self.state is not expected:
+            raise AssertionError(
+                f"rank {_rank()}: FSDP root state is {self.state.value} at {doing}, "
+                f"expected {expected.value}"
+            )
+
+    def _enter(self, state: RootState, task: int) -> None:
+        self.state, self._backward_task = state, task
 
     # ---- backward lifecycle ----------------------------------------------------------------
     def on_pre_backward(self) -> None:
         if self.backward_active and _graph_task() != self._backward_task:
             self._reset_aborted("a new backward")
         if not self.backward_active:
-            self.backward_active = True
-            self._backward_task = _graph_task()
+            self._enter(RootState.BACKWARD, _graph_task())
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_backward(self) -> None:
+        """The end-of-backward callback, queued by the pre-backward hook that entered
+        BACKWARD; autograd runs it only if that backward completes."""
+        self._expect(RootState.BACKWARD, "the end of backward")
         for unit in reversed(self.units):
             unit.finish_backward()
-        self.backward_active = False
-        self._backward_task = _NO_GRAPH_TASK
+        self._enter(RootState.IDLE, _NO_GRAPH_TASK)
         self.order.freeze()
 
     def in_backward(self) -> bool:
         """Whether a backward of this model is running now (a forward now is a recompute);
-        resets the state first if the flag was left by an aborted backward."""
+        resets the state first if it was left by an aborted backward."""
         self.recover("the next forward")
         return self.backward_active
 
@@ -135,9 +171,9 @@ class FSDPState:
             unit.abort()
 
     def _reset_aborted(self, where: str, *, quiet: bool = False) -> None:
+        self._expect(RootState.BACKWARD, f"the reset of an aborted backward ({where})")
         self._abort_units()
-        self.backward_active = False
-        self._backward_task = _NO_GRAPH_TASK
+        self._enter(RootState.IDLE, _NO_GRAPH_TASK)
         self.grads_incomplete = True
         if not quiet:
             warnings.warn(

@@ -33,9 +33,10 @@ The backward hook carries the ``weights_version`` its forward read; a different 
 pre-backward (an optimizer step or a state load in between) raises instead of differentiating
 the forward's activations against new weights.
 
-"Already unsharded" is tracked per plane in each ``ParamGroup`` (``PlaneState``); a plane asked
-for outside these hooks (a recompute of a submodule inside the unit, a user reading weights) is
-gathered lazily by ``MXFP8Planes`` with the phase of the moment.
+"Already unsharded" is tracked per plane of each ``ParamGroup`` (its ``PlaneBucket``s'
+``PlaneState``); a plane asked for outside these hooks (a recompute of a submodule inside the
+unit, a user reading weights) is gathered lazily by ``MXFP8Planes`` with the phase of the moment.
+Gradients are staged and reduced by each group's ``GradReducer`` (``group.grads``).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class FSDPUnit:
                 return
             if self.grad_check is GradCheck.FINITE:
                 check_finite(group.entries[index].name, grad)
-            group.stage_grad(index, grad)
+            group.grads.stage(index, grad)
             if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
                 self.state, self._pending = TrainingState.BACKWARD, self._grad_params
             self._pending -= 1
@@ -237,8 +238,8 @@ class FSDPUnit:
     def post_backward(self) -> None:
         """Reduce this micro-batch's gradients into the main grads and reshard."""
         for g in self.groups:
-            if g.key.requires_grad:
-                g.reduce_grads()
+            if g.grads is not None:
+                g.grads.reduce()
             g.reshard()
         self.state = TrainingState.REDUCED
 
@@ -260,7 +261,8 @@ class FSDPUnit:
         gathers in flight, free the buckets, drop staged gradients, clear gradients the hooks did
         not consume, and go back to IDLE (no collective is issued)."""
         for g in self.groups:
-            g.drop_staged_grads()
+            if g.grads is not None:
+                g.grads.drop()
             g.reshard()
             for e in g.entries:
                 e.param.grad = None

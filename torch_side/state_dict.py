@@ -40,7 +40,7 @@ def full_state_dict(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     """{qualified name: full fp32 main weight}."""
     out = {}
     for g in groups:
-        full = g.full_main()
+        full = g.buffers.full_main()
         for s in g.layout.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).clone()
     return out
@@ -106,7 +106,7 @@ def full_grads(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     for g in groups:
         if g.main_grad is None:
             continue
-        full = g.full_main_grad()
+        full = g.buffers.full_main_grad()
         for s in g.layout.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).float().clone()
     return out

@@ -12,6 +12,10 @@ implemented here) with a clear error. A codec answers, from the format's table r
 - ``fill``: write this rank's part of every plane from ``main`` -- a cast, or the distributed
   MXFP8 quantization (DESIGN.md 5: partial amax, one all-reduce MAX, scales, cast of owned
   elements).
+
+``fill`` sees its group only through a :class:`CodecContext`: the main weights, which pieces of
+which parameter shapes they hold, the scale tensors to write and the communicator for the amax
+reduction -- exactly what a codec reads and writes, nothing else of the group.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import torch
 
 from common.formats import FormatSpec, Plane, WeightFormat, format_spec, scale_shape
 from common.kernels import KernelConfig
-from torch_side.collectives import Collective, Phase
+from torch_side.collectives import Collective, Communicator, Phase
 from torch_side.distributed_quantize import Piece, quantize_with_reducer
+from torch_side.flat_layout import OwnedPiece
 from torch_side.policy import MixedPrecisionPolicy, torch_dtype
 
 __all__ = [
     "CODECS",
     "CastCodec",
+    "CodecContext",
     "MXFP8Codec",
     "ParamStorage",
     "Scales",
@@ -59,6 +65,19 @@ class Scales(NamedTuple):
 _NO_SCALES = Scales({}, {}, [])
 
 
+class CodecContext(NamedTuple):
+    """What ``WeightCodec.fill`` may read and write of one group (built by ``GroupBuffers``)."""
+
+    label: str  # the group's label (names the amax collective)
+    main: torch.Tensor  # fp32 main weights: the rank's shard, or the full buffer
+    shapes: list[tuple[int, ...]]  # every parameter's shape, in layout order
+    owned: list[OwnedPiece]  # the pieces of those parameters held in ``main``
+    scales: dict[Plane, list[torch.Tensor]]  # written: scales[plane][i] (empty if unscaled)
+    comm: Communicator  # the group's DP communicator (the amax all-reduce)
+    main_sharded: bool  # main holds a 1/DP shard: the amax must be reduced over ranks
+    kernels: KernelConfig | None  # FSDP's own MXFP8 numerics (None: the device default)
+
+
 class WeightCodec:
     """Base: the facts every codec shares (from the format's row of ``FORMATS``)."""
 
@@ -78,8 +97,8 @@ class WeightCodec:
         """Scale tensors per plane, one per parameter (none for unscaled formats)."""
         return _NO_SCALES
 
-    def fill(self, group, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
-        """Write ``targets[plane]`` (laid out like ``group.main``) from ``group.main``."""
+    def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
+        """Write ``targets[plane]`` (laid out like ``ctx.main``) from ``ctx.main``."""
         raise NotImplementedError
 
 
@@ -88,9 +107,9 @@ class CastCodec(WeightCodec):
 
     param_storage = ParamStorage.BUFFER_VIEW
 
-    def fill(self, group, targets, phase) -> None:
+    def fill(self, ctx: CodecContext, targets, phase) -> None:
         (plane,) = self.planes
-        targets[plane].copy_(MixedPrecisionPolicy.high_precision_value(self.format, group.main))
+        targets[plane].copy_(MixedPrecisionPolicy.high_precision_value(self.format, ctx.main))
 
 
 class MXFP8Codec(WeightCodec):
@@ -111,28 +130,25 @@ class MXFP8Codec(WeightCodec):
         }
         return Scales(buffers, views, offsets)
 
-    def fill(self, group, targets, phase) -> None:
-        owned = {p.slot_index: p for p in group.main_pieces()}
+    def fill(self, ctx: CodecContext, targets, phase) -> None:
+        owned = {p.slot_index: p for p in ctx.owned}
         pieces = []
-        for i, slot in enumerate(group.layout.slots):
+        for i, shape in enumerate(ctx.shapes):
             p = owned.get(i)
-            pieces.append(Piece(slot.shape, 0, 0, 0) if p is None
-                          else Piece(slot.shape, p.param_offset, p.shard_offset, p.numel))
+            pieces.append(Piece(shape, 0, 0, 0) if p is None
+                          else Piece(shape, p.param_offset, p.shard_offset, p.numel))
 
         def reduce_max(packed: torch.Tensor) -> None:
-            if group.facts.main_weights_sharded:  # else every rank holds whole parameters
-                group.comm.all_reduce(
-                    packed, Collective.ALL_REDUCE_MAX, phase, f"{group.label}/amax"
-                )
+            if ctx.main_sharded:  # else every rank holds whole parameters
+                ctx.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, f"{ctx.label}/amax")
 
-        kernels: KernelConfig = group.kernels
         results = quantize_with_reducer(
-            group.main, pieces, reduce_max, group.device, kernels=kernels,
+            ctx.main, pieces, reduce_max, ctx.main.device, kernels=ctx.kernels,
             source_dtype=self.source_dtype,
         )
         for i, res in enumerate(results):
-            group.scales[Plane.ROWWISE][i].copy_(res.rowwise_scale)
-            group.scales[Plane.COLWISE][i].copy_(res.colwise_scale)
+            ctx.scales[Plane.ROWWISE][i].copy_(res.rowwise_scale)
+            ctx.scales[Plane.COLWISE][i].copy_(res.colwise_scale)
             p = owned.get(i)
             if p is not None:
                 lo, hi = p.shard_offset, p.shard_offset + p.numel

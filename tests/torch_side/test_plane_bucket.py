@@ -1,0 +1,167 @@
+"""PlaneBucket: one plane's state machine (PlaneState), its bucket and its shares with JAX.
+
+In-process, world 1: the all-gather of one rank is a copy of its shard. ``_DeferredComm`` plays
+the communicator (the real one is covered by the spawned worlds): a synchronous gather copies at
+once, an asynchronous one (prefetch) only when its work is waited for, so the GATHERING state can
+be observed without a second process.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from common.formats import Plane
+from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collectives import Phase
+from torch_side.plane_bucket import PlaneBucket, PlaneState
+
+N = 512  # padded elements of the plane (world 1: shard == full)
+
+
+class _Work:
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor):
+        self.out, self.shard, self.waited = out, shard, 0
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.out.copy_(self.shard)
+
+
+class _DeferredComm:
+    """World 1, but an async all-gather lands only when its work is waited for."""
+
+    rank, world_size = 0, 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Phase, str, bool]] = []
+        self.works: list[_Work] = []
+
+    def all_gather(self, out, shard, phase, label, async_op=False):
+        self.calls.append((phase, label, async_op))
+        if not async_op:
+            out.copy_(shard)
+            return None
+        self.works.append(_Work(out, shard))
+        return self.works[-1]
+
+
+def _local() -> torch.Tensor:
+    return torch.arange(N, dtype=torch.int64).remainder(251).to(torch.uint8)
+
+
+def _bucket(sharded: bool = True, comm=None, plane: Plane = Plane.COLWISE):
+    alloc = BucketAllocator()
+    comm = _DeferredComm() if comm is None else comm
+    return PlaneBucket("blk/mxfp8", plane, _local(), sharded, N, comm, alloc), alloc
+
+
+def test_a_replicated_plane_is_its_model_buffer_and_never_gathers():
+    b, alloc = _bucket(sharded=False)
+    assert b.state is PlaneState.REPLICATED and not b.live
+    assert b.unshard(Phase.FORWARD) is None
+    assert b.full() is b.local  # the replicated buffer itself, no copy
+    b.reshard()
+    assert b.state is PlaneState.REPLICATED and alloc.live_keys() == []
+
+
+def test_sharded_unsharded_sharded_allocates_and_frees_one_bucket():
+    comm = _DeferredComm()
+    b, alloc = _bucket(comm=comm)
+    assert b.state is PlaneState.SHARDED
+    bucket = b.unshard(Phase.BACKWARD)
+    assert b.state is PlaneState.UNSHARDED and b.live
+    assert alloc.live_keys() == [("blk/mxfp8", "colwise")]
+    assert bucket.dtype == torch.uint8 and bucket.numel() == N
+    assert torch.equal(b.full(), _local()) and b.full() is bucket
+    assert comm.calls == [(Phase.BACKWARD, "blk/mxfp8/colwise", False)]
+    assert b.unshard(Phase.BACKWARD) is None  # already unsharded: no second gather
+    assert len(comm.calls) == 1
+    b.reshard()
+    assert b.state is PlaneState.SHARDED and not b.live and alloc.live_keys() == []
+    b.reshard()  # a sharded plane: nothing to free
+    assert b.state is PlaneState.SHARDED
+
+
+def test_reading_a_sharded_plane_is_refused_naming_rank_group_plane_and_expected_state():
+    b, _ = _bucket()
+    with pytest.raises(AssertionError) as e:
+        b.full()
+    assert str(e.value) == (
+        "rank 0: group 'blk/mxfp8' plane colwise is sharded, expected unsharded"
+    )
+
+
+def test_expect_names_every_accepted_state():
+    b, _ = _bucket()
+    b.unshard(Phase.FORWARD)
+    with pytest.raises(AssertionError, match="is unsharded, expected replicated or sharded"):
+        b.expect(PlaneState.REPLICATED, PlaneState.SHARDED)
+    b.expect(PlaneState.UNSHARDED)  # accepted: no error
+
+
+def test_an_async_gather_is_gathering_until_waited_for():
+    comm = _DeferredComm()
+    b, alloc = _bucket(comm=comm)
+    bucket = b.unshard(Phase.FORWARD, async_op=True)
+    assert b.state is PlaneState.GATHERING and b.live
+    assert not torch.equal(bucket, _local())  # nothing landed yet
+    assert b.unshard(Phase.FORWARD, async_op=True) is None  # prefetch again: no wait, no gather
+    assert b.state is PlaneState.GATHERING and comm.works[0].waited == 0
+    assert torch.equal(b.full(), _local())  # full() waits
+    assert b.state is PlaneState.UNSHARDED and comm.works[0].waited == 1
+    b.reshard()
+    assert alloc.live_keys() == []
+
+
+def test_a_sync_unshard_waits_for_a_gather_in_flight():
+    comm = _DeferredComm()
+    b, _ = _bucket(comm=comm)
+    b.unshard(Phase.FORWARD, async_op=True)
+    assert b.unshard(Phase.FORWARD) is None
+    assert b.state is PlaneState.UNSHARDED and comm.works[0].waited == 1
+
+
+def test_reshard_waits_for_a_gather_in_flight_before_freeing():
+    comm = _DeferredComm()
+    b, alloc = _bucket(comm=comm)
+    b.unshard(Phase.FORWARD, async_op=True)
+    b.reshard()
+    assert comm.works[0].waited == 1
+    assert b.state is PlaneState.SHARDED and alloc.live_keys() == []
+
+
+def test_shares_are_made_once_per_buffer_lifetime():
+    b, _ = _bucket()
+    scales = torch.zeros(256, dtype=torch.uint8)
+    b.unshard(Phase.BACKWARD)
+    data, scale = b.shared(scales)
+    assert data.tensor is b.full() and scale.tensor is scales
+    assert b.shared(scales) == (data, scale)  # the same objects: one crossing per lifetime
+    b.reshard()  # the bucket is freed: its share goes, the scale share stays
+    b.unshard(Phase.BACKWARD)
+    data2, scale2 = b.shared(scales)
+    assert data2 is not data and data2.tensor is b.full() and scale2 is scale
+    b.reshard()
+    b.drop_shares()  # a refresh rewrote the buffers: both are shared afresh
+    b.unshard(Phase.BACKWARD)
+    assert b.shared(scales)[1] is not scale
+
+
+def test_reshard_lets_go_of_the_bucket_even_when_it_was_shared():
+    """The share must not keep a freed bucket's memory alive (only JAX's own view may)."""
+    b, _ = _bucket()
+    b.unshard(Phase.BACKWARD)
+    data, _ = b.shared(torch.zeros(256, dtype=torch.uint8))
+    gone = weakref.ref(data.tensor)
+    del data
+    b.reshard()
+    assert gone() is None, "the freed bucket is still referenced"
+
+
+def test_sharing_a_sharded_plane_is_refused():
+    b, _ = _bucket()
+    with pytest.raises(AssertionError, match="is sharded, expected unsharded"):
+        b.shared(torch.zeros(256, dtype=torch.uint8))

@@ -1,0 +1,91 @@
+"""``GradReducer``: one group's gradient staging and reduction into its main grad.
+
+Tensors owned:
+
+- the **grad bucket**: a full-size (padded group) staging buffer of this micro-batch's local
+  gradients in the policy's grad-comm dtype, from the ``BucketAllocator`` (key
+  ``(group label, "grad")``), made on the first staged gradient and freed by ``reduce`` or
+  ``drop``.
+
+``reduce`` averages the bucket over the DP group into the group's ``main_grad`` (owned by
+``GroupBuffers``; accumulated into, never replaced): a reduce-scatter into the rank's shard when
+the strategy shards gradients (ZeRO-2/3), else an all-reduce of the full buffer. Parameters that
+got no gradient this micro-batch leave zeros in the bucket, so every rank joins the collective.
+
+Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
+included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
+gradient of the mean loss over all DP ranks is sum(local grads) / DP (Megatron's expert gradient
+scaling is 1 / data-parallel size for the same reason).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collectives import Collective, Communicator, Phase
+from torch_side.flat_layout import FlatLayout
+
+__all__ = ["GradReducer"]
+
+GRAD_PURPOSE = "grad"  # the allocator key's purpose of a group's grad bucket
+
+
+class GradReducer:
+    def __init__(
+        self,
+        label: str,
+        layout: FlatLayout,
+        main_grad: torch.Tensor,
+        comm_dtype: torch.dtype,
+        grads_sharded: bool,
+        grad_divisor: int,
+        comm: Communicator,
+        allocator: BucketAllocator,
+    ):
+        self.label, self.layout, self.main_grad = label, layout, main_grad
+        self.comm_dtype, self.grads_sharded, self.grad_divisor = (
+            comm_dtype, grads_sharded, grad_divisor
+        )
+        self.comm, self.allocator = comm, allocator
+
+    @property
+    def staged(self) -> bool:
+        """Whether gradients of this micro-batch are staged and not reduced yet."""
+        return self.allocator.get(self.label, GRAD_PURPOSE) is not None
+
+    def _bucket(self) -> torch.Tensor:
+        """This micro-batch's grad bucket; made (zeroed) on first use."""
+        bucket = self.allocator.get(self.label, GRAD_PURPOSE)
+        if bucket is None:
+            bucket = self.allocator.allocate(
+                self.label, GRAD_PURPOSE, self.layout.padded_numel, self.comm_dtype,
+                self.main_grad.device,
+            )
+        return bucket
+
+    def stage(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's local gradient into this micro-batch's grad bucket."""
+        bucket = self._bucket()
+        s = self.layout.slots[index]
+        bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
+
+    def reduce(self) -> None:
+        """Average the staged gradients over the DP group into ``main_grad`` (accumulating)
+        and free the bucket (module note)."""
+        bucket = self._bucket()
+        bucket.div_(self.grad_divisor)
+        if self.grads_sharded:
+            out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
+            self.comm.reduce_scatter(out, bucket, Phase.GRAD_REDUCE, f"{self.label}/grad")
+        else:
+            self.comm.all_reduce(
+                bucket, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE, f"{self.label}/grad"
+            )
+            out = bucket
+        self.main_grad.add_(out.to(self.main_grad.dtype))
+        self.allocator.free(self.label, GRAD_PURPOSE)
+
+    def drop(self) -> None:
+        """Free the grad bucket without reducing it (an aborted backward)."""
+        self.allocator.free(self.label, GRAD_PURPOSE)

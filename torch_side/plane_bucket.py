@@ -1,0 +1,147 @@
+"""``PlaneBucket``: one plane of one group, and where its full values are (``PlaneState``).
+
+Tensors owned:
+
+- the **unsharded bucket** (ZeRO-3 only): the plane's full padded buffer, from the
+  ``BucketAllocator`` (key ``(group label, plane)``), all-gathered from the rank's shard on
+  ``unshard`` and freed on ``reshard``;
+- the plane's **shares** with JAX (``shared``): the full buffer (the bucket, or the replicated
+  model buffer) and the plane's scale buffer, each wrapped once per buffer lifetime as a
+  ``bridge.shared.SharedBuffer``. The data share is dropped when the bucket is freed; both when
+  the group rewrites its buffers (``drop_shares`` at a refresh).
+
+The plane's shard (or replicated buffer) itself belongs to ``GroupBuffers.model[plane]``; the
+bucket only reads it. Transitions, each checked by ``expect`` (an internal error naming the rank,
+group and plane, and the states it expected)::
+
+    REPLICATED                                     (no_shard, ZeRO-1/2: unshard/reshard no-ops)
+    SHARDED --unshard--> UNSHARDED --reshard--> SHARDED
+    SHARDED --unshard(async)--> GATHERING --wait--> UNSHARDED
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+from bridge.shared import SharedBuffer
+from common.formats import Plane
+from torch_side.bucket_allocator import BucketAllocator
+from torch_side.collectives import Communicator, Phase
+
+__all__ = ["PlaneBucket", "PlaneState"]
+
+
+class PlaneState(enum.Enum):
+    """Where one plane's full values are."""
+
+    REPLICATED = "replicated"  # the model weight buffer holds them (no_shard, ZeRO-1/2)
+    SHARDED = "sharded"  # only this rank's shard exists (ZeRO-3, no bucket)
+    GATHERING = "gathering"  # an async all-gather into the bucket is in flight
+    UNSHARDED = "unsharded"  # the bucket holds them
+
+
+IN_BUCKET = (PlaneState.GATHERING, PlaneState.UNSHARDED)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class PlaneBucket:
+    def __init__(
+        self,
+        label: str,
+        plane: Plane,
+        local: torch.Tensor,
+        sharded: bool,
+        padded_numel: int,
+        comm: Communicator,
+        allocator: BucketAllocator,
+    ):
+        """local: the group's model buffer of this plane (the rank's shard when ``sharded``,
+        else the full replicated buffer); padded_numel: the full buffer's length."""
+        self.label, self.plane, self.local = label, plane, local
+        self.padded_numel, self.comm, self.allocator = padded_numel, comm, allocator
+        self.state = PlaneState.SHARDED if sharded else PlaneState.REPLICATED
+        self._bucket: torch.Tensor | None = None
+        self._work = None  # the in-flight async all-gather (prefetch)
+        self._data_share: SharedBuffer | None = None
+        self._scale_share: SharedBuffer | None = None
+
+    def expect(self, *expected: PlaneState) -> None:
+        """The one check of this plane's state: an internal error naming what was expected."""
+        if self.state not in expected:
+            raise AssertionError(
+                f"rank {_rank()}: group {self.label!r} plane {self.plane.value} is "
+                f"{self.state.value}, expected {' or '.join(e.value for e in expected)}"
+            )
+
+    @property
+    def live(self) -> bool:
+        """Whether a bucket is held (gathered or gathering)."""
+        return self.state in IN_BUCKET
+
+    def wait(self) -> None:
+        """Wait for an in-flight gather: GATHERING becomes UNSHARDED."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+        if self.state is PlaneState.GATHERING:
+            self.state = PlaneState.UNSHARDED
+
+    def full(self) -> torch.Tensor:
+        """The full (padded) buffer: the replicated buffer, or the bucket (waited for)."""
+        if self.state is PlaneState.REPLICATED:
+            return self.local
+        self.wait()
+        self.expect(PlaneState.UNSHARDED)
+        return self._bucket
+
+    def unshard(self, phase: Phase, async_op: bool = False) -> torch.Tensor | None:
+        """All-gather the plane into a new bucket and return it (its values are valid once
+        waited for); None when nothing was allocated: a replicated plane, or one already in a
+        bucket (a gather still in flight is waited for unless async_op)."""
+        if self.state is PlaneState.REPLICATED:
+            return None
+        if self.live:
+            if not async_op:
+                self.wait()
+            return None
+        self.expect(PlaneState.SHARDED)
+        bucket = self.allocator.allocate(
+            self.label, self.plane.value, self.padded_numel, self.local.dtype, self.local.device
+        )
+        work = self.comm.all_gather(
+            bucket, self.local, phase, f"{self.label}/{self.plane.value}", async_op=async_op
+        )
+        self._bucket, self.state = bucket, PlaneState.UNSHARDED
+        if work is not None:
+            self._work, self.state = work, PlaneState.GATHERING
+        return bucket
+
+    def reshard(self) -> None:
+        """Free the bucket (waiting for a gather in flight); a no-op unless one is held."""
+        if self.state is PlaneState.REPLICATED:
+            return
+        self.wait()
+        if self.state is PlaneState.UNSHARDED:
+            self._data_share = None
+            self._bucket = None
+            self.allocator.free(self.label, self.plane.value)
+            self.state = PlaneState.SHARDED
+
+    def shared(self, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:
+        """(full buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
+        full = self.full()  # waits for an in-flight gather; checks the state
+        if self._data_share is None or self._data_share.tensor is not full:
+            self._data_share = SharedBuffer(full)
+        if self._scale_share is None:
+            self._scale_share = SharedBuffer(scale_buffer)
+        return self._data_share, self._scale_share
+
+    def drop_shares(self) -> None:
+        """The group rewrote its buffers (a refresh): share them afresh on next use."""
+        self._data_share = self._scale_share = None
