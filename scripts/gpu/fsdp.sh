@@ -17,14 +17,16 @@ cd "$(dirname "$0")/../.."
 'gpus', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version()); print('jax', jax.__version__)"
 } 2>&1 | tee "$OUT/env.log"
 
+WORLDS="1 2"  # world size 2 needs a second GPU; on a one-GPU machine only world 1 runs
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || WORLDS="1"
 t0=$SECONDS
-timeout 150 python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes 1 2 --no-timing \
+timeout 150 python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes $WORLDS --no-timing \
   --out "$OUT" 2>&1 | tee "$OUT/parity.log"
 parity_rc=${PIPESTATUS[0]}
 echo "fsdp parity (nccl): rc=$parity_rc in $((SECONDS - t0)) s" | tee -a "$OUT/parity.log"
 
 t0=$SECONDS
-timeout 90 python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes 1 2 --no-parity \
+timeout 90 python3 -m benchmarks.bench_fsdp --backend nccl --world-sizes $WORLDS --no-parity \
   --strategies no_shard optim_grads_params --d-model 1024 --d-ff 4096 --blocks 4 --tokens 2048 \
   --warmup 2 --steps 8 --out "$OUT" 2>&1 | tee "$OUT/timing.log"
 timing_rc=${PIPESTATUS[0]}
