@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 import pytest
 
 from tests.torch_side import (
@@ -42,6 +47,46 @@ def spawned():
         return cache[world_size, slow]
 
     return get
+
+
+@functools.cache
+def _check_case_calls(test_fn) -> tuple[tuple[ast.expr, ...], ...]:
+    """The argument expressions of the ``check_case(...)`` calls in a test function's body."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(test_fn)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    return tuple(
+        tuple(node.args) for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_case"
+        and len(node.args) == 4
+    )
+
+
+def _value(expr: ast.expr, params: dict, namespace: dict):
+    if isinstance(expr, ast.Constant):
+        return expr.value
+    if isinstance(expr, ast.Name):
+        return params[expr.id] if expr.id in params else namespace[expr.id]
+    if isinstance(expr, ast.Attribute):
+        return getattr(_value(expr.value, params, namespace), expr.attr)
+    raise KeyError(ast.dump(expr))
+
+
+@pytest.fixture(autouse=True)
+def _spawn_worlds_in_setup(request):
+    """Spawn the worlds a test reads in its setup, so that ``--durations`` shows a world's spawn
+    as the setup of the first test that needs it, not as that test's own work."""
+    if "spawned" not in request.fixturenames:
+        return
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    for args in _check_case_calls(request.function):
+        try:
+            module, fn, world_size = (_value(a, params, request.module.__dict__) for a in args[1:])
+        except (KeyError, AttributeError):
+            continue  # not resolvable statically: the world spawns when check_case runs
+        name = f"{module.__name__}:{fn.__name__}"
+        request.getfixturevalue("spawned")(world_size, world_size in SLOW_REGISTRY.get(name, ()))
 
 
 def check_case(spawned, module, fn, world_size: int) -> None:
