@@ -45,7 +45,7 @@ from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
-from common.formats import BLOCK_SIZE, Plane
+from common.formats import Plane, check_mxfp8_shape
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
@@ -98,6 +98,8 @@ def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedK
 
 def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
     allowed = _MXFP8_DTYPES if mode is LinearMode.MXFP8 else _HP_DTYPES
+    if mode is LinearMode.MXFP8:
+        check_mxfp8_shape(weight.shape, "mxfp8_linear weight (N, K) (or use HIGH_PRECISION mode)")
     n, k = _weight_shape(weight)
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(
@@ -113,11 +115,6 @@ def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
         raise TypeError(f"mxfp8_linear: out_dtype {out_dtype} not in {allowed}")
     if x.device != weight.device:
         raise ValueError(f"mxfp8_linear: x is on {x.device} but weight on {weight.device}")
-    if mode is LinearMode.MXFP8 and (n % BLOCK_SIZE or k % BLOCK_SIZE):
-        raise ValueError(
-            f"mxfp8_linear: MXFP8 needs weight (N, K) with N % 32 == 0 and K % 32 == 0, got "
-            f"{(n, k)}; keep this layer in high precision (mode=LinearMode.HIGH_PRECISION)"
-        )
     if planes is not None:
         if mode is not LinearMode.MXFP8:
             raise ValueError(

@@ -26,7 +26,7 @@ import torch
 
 from bridge.capabilities import Fp8Transport
 from bridge.dlpack import to_jax, to_torch
-from common.formats import BLOCK_SIZE, Plane, scale_shape
+from common.formats import Plane, check_mxfp8_shape, scale_shape
 from jax_side.mxfp8 import MXFP8Tensor
 
 __all__ = [
@@ -99,13 +99,7 @@ class TorchMXFP8Tensor:
     dtype: torch.dtype  # dtype of the high-precision tensor that was quantized
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        m, k = self.shape
-        if m % BLOCK_SIZE or k % BLOCK_SIZE:
-            raise ValueError(
-                f"TorchMXFP8Tensor: shape (M, K) = {self.shape} must have M % 32 == 0 and "
-                f"K % 32 == 0 (DESIGN.md 4)"
-            )
+        object.__setattr__(self, "shape", check_mxfp8_shape(self.shape, "TorchMXFP8Tensor"))
         if self.dtype not in _HP_DTYPES:
             raise ValueError(
                 f"TorchMXFP8Tensor: dtype (of the quantized source) must be torch.float32 or "

@@ -34,6 +34,7 @@ __all__ = [
     "Plane",
     "ScaleBlocks",
     "WeightFormat",
+    "block_shape_problem",
     "check_mxfp8_shape",
     "format_spec",
     "scale_shape",
@@ -101,10 +102,7 @@ class FormatSpec:
         """Why a weight of ``shape`` cannot take this format, or None if it can."""
         if self.blocks is None:
             return None
-        b = self.blocks.block_size
-        if len(shape) != 2 or not all(d > 0 and d % b == 0 for d in shape):
-            return f"a block-scaled weight must be 2-D with both dims positive multiples of {b}"
-        return None
+        return block_shape_problem(shape, self.blocks.block_size)
 
 
 _MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
@@ -138,19 +136,40 @@ def _round_up(d: int) -> int:
     return max(BLOCK_SIZE, -(-d // BLOCK_SIZE) * BLOCK_SIZE)
 
 
+def block_shape_problem(shape, block: int = BLOCK_SIZE) -> str | None:
+    """Why ``shape`` cannot be block-scaled with ``block``-element blocks, or None if it can.
+
+    The one block-shape rule (DESIGN.md 4): 2-D (M, K) with M and K *positive* multiples of the
+    block. Empty dimensions are refused everywhere (an empty tensor has no blocks and no scales
+    to agree on; keep it in a non-block-scaled format instead).
+    """
+    if len(shape) != 2:
+        return f"a block-scaled tensor must be 2-D (M, K), got {len(shape)}-D shape {shape}"
+    if not all(d > 0 and d % block == 0 for d in shape):
+        return (
+            f"a block-scaled tensor needs M and K positive multiples of {block} "
+            f"(non-empty), got shape (M, K) = {shape}"
+        )
+    return None
+
+
 def check_mxfp8_shape(shape, what: str) -> tuple[int, int]:
-    """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix."""
+    """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix.
+
+    Every layer (JAX and Torch tensor classes, quantize, the linear op, distributed quantize)
+    checks MXFP8 shapes through this function, so they all accept and refuse the same shapes.
+    """
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
         raise ValueError(
             f"{what}: MXFP8 needs a 2-D (M, K) tensor, got shape {shape} ({len(shape)}-D); "
             f"reshape to 2-D first (e.g. x.reshape(-1, x.shape[-1]))"
         )
-    m, k = shape
-    if m % BLOCK_SIZE or k % BLOCK_SIZE or m == 0 or k == 0:
+    if block_shape_problem(shape) is not None:
+        m, k = shape
         raise ValueError(
             f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
             f"{shape}; pad to {_round_up(m), _round_up(k)} or keep this tensor in a non-MXFP8 "
             f"format"
         )
-    return m, k
+    return shape
