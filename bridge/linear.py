@@ -305,6 +305,10 @@ class MXFP8Linear(torch.nn.Module):
         )
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def mxfp8_params(self) -> tuple[str, ...]:
+        """``common.formats.BlockScaledParams``: the weight is block-scaled in MXFP8 mode only."""
+        return ("weight",) if self.mode is LinearMode.MXFP8 else ()
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

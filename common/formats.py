@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol, runtime_checkable
 
 from common.enums import parse_enum
 
@@ -33,7 +34,9 @@ __all__ = [
     "FormatSpec",
     "Plane",
     "ScaleBlocks",
+    "BlockScaledParams",
     "WeightFormat",
+    "block_scaled_params",
     "block_shape_problem",
     "check_mxfp8_shape",
     "format_spec",
@@ -116,6 +119,41 @@ FORMATS: dict[WeightFormat, FormatSpec] = {
         "uint8", "bfloat16", _BOTH, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
     ),
 }
+
+
+@runtime_checkable
+class BlockScaledParams(Protocol):
+    """A module that declares which of its own parameters are block-scaled (MXFP8) weights.
+
+    ``mxfp8_params()`` returns the names of direct parameters (``module.<name>``) that the
+    policy's block-scaled weight format applies to (e.g. ``("weight",)`` for
+    ``bridge.MXFP8Linear`` in ``LinearMode.MXFP8``, ``()`` otherwise). FSDP hands such a
+    parameter's planes to the module through its forward's ``weight_planes`` argument, so a module
+    declares at most one. A module without the method declares none.
+    """
+
+    def mxfp8_params(self) -> tuple[str, ...]: ...
+
+
+def block_scaled_params(module) -> tuple[str, ...]:
+    """The parameter names ``module`` declares block-scaled (``BlockScaledParams``), validated."""
+    if not isinstance(module, BlockScaledParams):
+        return ()
+    names = tuple(module.mxfp8_params())
+    where = f"{type(module).__name__}.mxfp8_params()"
+    if len(names) > 1:
+        raise ValueError(
+            f"{where} returned {names}; a module can declare at most one block-scaled parameter "
+            f"(its planes arrive through the forward's single weight_planes argument): split the "
+            f"module"
+        )
+    for name in names:
+        if not isinstance(name, str) or not hasattr(module, name):
+            raise ValueError(
+                f"{where} returned {name!r}, which is not an attribute of the module; return the "
+                f"names of its own parameters, e.g. ('weight',)"
+            )
+    return names
 
 
 def format_spec(fmt: WeightFormat | str) -> FormatSpec:
