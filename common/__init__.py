@@ -2,8 +2,8 @@
 nor jax (numpy and ml_dtypes only).
 
 - ``formats``: block size, E4M3/E8M0 constants, ``Plane``, ``WeightFormat`` with its one table of
-  facts (``FORMATS``), scale shapes, the MXFP8 shape rule, and the ``mxfp8_params()`` protocol by which a module
-  declares its block-scaled parameters;
+  facts (``FORMATS``), scale shapes, the MXFP8 shape rule, and the ``mxfp8_params()`` protocol
+  by which a module declares its block-scaled parameters;
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
 - ``modes``: ``LinearMode``, the one enum of how a linear layer multiplies;
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
@@ -17,10 +17,10 @@ from common.formats import (
     E4M3_MAX,
     E8M0_BIAS,
     FORMATS,
+    BlockScaledParams,
     FormatSpec,
     Plane,
     ScaleBlocks,
-    BlockScaledParams,
     WeightFormat,
     block_scaled_params,
     check_mxfp8_shape,

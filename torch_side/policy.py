@@ -5,9 +5,9 @@ A :class:`MixedPrecisionPolicy` says which format the *model weights* of each pa
 and the gradient communication. The linear-weight format applies to the parameters a module
 declares block-scaled through ``mxfp8_params()`` (``common.formats.BlockScaledParams``; e.g. the
 weight of a ``bridge.MXFP8Linear`` in ``LinearMode.MXFP8``) whose shape allows it; every other
-parameter (norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear weight whose
-shape does not fit a block-scaled format either raises or falls back to ``other_format``, by the
-explicit :class:`UnalignedLinear` choice.
+parameter (norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear
+weight whose shape does not fit a block-scaled format either raises or falls back to
+``other_format``, by the explicit :class:`UnalignedLinear` choice.
 
 Every fact about a format comes from the one table ``common.formats.FORMATS`` (buffer dtype,
 source dtype, planes, block scaling); the static helpers below answer the questions FSDP asks of
