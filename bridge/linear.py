@@ -45,7 +45,7 @@ from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
-from common.formats import Plane, check_mxfp8_shape
+from common.formats import ALL_PLANES, Plane, check_mxfp8_shape
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
@@ -87,8 +87,8 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
             f"mxfp8_linear: weight_planes.{plane.value}() returned tensors on {data.device}, but "
             f"the weight is on {weight.device}; JAX runs each op on its Torch tensors' device"
         )
-    kw = {"rowwise" if plane is Plane.ROWWISE else "colwise": (data, scale)}
-    return planes_to_jax(shape, torch.bfloat16, **kw)  # weights are quantized as bf16(master)
+    # weights are quantized as bf16(master)
+    return planes_to_jax(shape, torch.bfloat16, {plane: (data, scale)})
 
 
 def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedKernels:
@@ -160,8 +160,9 @@ class _MXFP8LinearFn(torch.autograd.Function):
         if planes is not None:
             w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
-            wq = run_or_compile(L.quantize_weight_program, _share(weight), rowwise=True,
-                                colwise=need_dx, kernels=kernels)
+            planes = ALL_PLANES if need_dx else (Plane.ROWWISE,)
+            wq = run_or_compile(L.quantize_weight_program, _share(weight), planes=planes,
+                                kernels=kernels)
             w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
         out = run_or_compile(
             L.forward, _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw,

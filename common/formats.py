@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from common.enums import parse_enum
 
@@ -32,7 +33,9 @@ __all__ = [
     "E8M0_NAN",
     "FORMATS",
     "FormatSpec",
+    "ALL_PLANES",
     "Plane",
+    "PlaneData",
     "ScaleBlocks",
     "BlockScaledParams",
     "WeightFormat",
@@ -40,6 +43,7 @@ __all__ = [
     "block_shape_problem",
     "check_mxfp8_shape",
     "format_spec",
+    "parse_planes",
     "scale_shape",
 ]
 
@@ -59,6 +63,29 @@ class Plane(enum.Enum):
     @classmethod
     def parse(cls, plane: Plane | str) -> Plane:
         return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
+
+
+ALL_PLANES = (Plane.ROWWISE, Plane.COLWISE)
+
+
+class PlaneData(NamedTuple):
+    """One quantized plane: ``data`` (M, K) elements and its compact ``scale`` (framework arrays;
+    which shapes: ``scale_shape``). The tensor classes hold ``{Plane: PlaneData}``."""
+
+    data: Any
+    scale: Any
+
+
+def parse_planes(planes: Plane | str | Iterable[Plane | str], what: str) -> tuple[Plane, ...]:
+    """The planes asked for, in ``Plane`` order without repeats; a clear error if none."""
+    if isinstance(planes, Plane | str):
+        planes = (planes,)
+    asked = {Plane.parse(p) for p in planes}
+    if not asked:
+        raise ValueError(
+            f"{what}: planes=() asks for nothing; pass Plane.ROWWISE and/or Plane.COLWISE"
+        )
+    return tuple(p for p in Plane if p in asked)
 
 
 class WeightFormat(enum.Enum):
@@ -109,14 +136,14 @@ class FormatSpec:
 
 
 _MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
-_BOTH = (Plane.ROWWISE, Plane.COLWISE)
+
 
 FORMATS: dict[WeightFormat, FormatSpec] = {
     WeightFormat.FP32: FormatSpec("float32", "float32", (Plane.ROWWISE,), None),
     WeightFormat.BF16: FormatSpec("bfloat16", "bfloat16", (Plane.ROWWISE,), None),
-    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", _BOTH, _MXFP8_BLOCKS),
+    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", ALL_PLANES, _MXFP8_BLOCKS),
     WeightFormat.NVFP4: FormatSpec(
-        "uint8", "bfloat16", _BOTH, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
+        "uint8", "bfloat16", ALL_PLANES, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
     ),
 }
 

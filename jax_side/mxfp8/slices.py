@@ -14,16 +14,17 @@ no slice building blocks (``te``) runs them on ``xla``, and ``kernel_report`` sa
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
 
-from common.formats import check_mxfp8_shape, scale_shape
+from common.formats import ALL_PLANES, Plane, check_mxfp8_shape, parse_planes, scale_shape
 from common.kernels import Backend, KernelConfig
 from jax_side.mxfp8.backend_api import KernelBackend
 from jax_side.mxfp8.backends import backend_impl
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
-from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast, scale_bytes
+from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
 __all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
 
@@ -72,23 +73,24 @@ def partial_block_amax(
     shape: tuple[int, int],
     start: int,
     *,
-    rowwise: bool = True,
-    colwise: bool = True,
+    planes: Plane | str | Iterable[Plane | str] = ALL_PLANES,
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> BlockAmax:
     """Block amax of the part of a (M, K) tensor held in a flat slice.
 
     flat: 1-D bf16/fp32, elements ``[start, start + n)`` of the row-major (M, K) tensor; shape and
-    start are static. Returns fp32 arrays of the full scale shapes -- rowwise (M, K/32), blocks
-    along K; colwise (M/32, K), blocks along M -- holding this slice's contribution and 0
-    elsewhere. Elementwise ``max`` over the results of any split into slices (e.g. an
-    ``all_reduce(MAX)``) gives the whole tensor's block amax. NaN is ignored; Inf counts.
+    start are static; planes: which planes' amax to compute (default both). Returns fp32 arrays
+    of the full scale shapes -- rowwise (M, K/32), blocks along K; colwise (M/32, K), blocks
+    along M -- holding this slice's contribution and 0 elsewhere. Elementwise ``max`` over the
+    results of any split into slices (e.g. an ``all_reduce(MAX)``) gives the whole tensor's
+    block amax. NaN is ignored; Inf counts.
     """
     m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
     check_dtype(flat, "partial_block_amax")
     impl = _slice_impl("partial_block_amax", kernels, backend)
-    return impl.partial_block_amax(flat, (m, k), start, bool(rowwise), bool(colwise))
+    planes = parse_planes(planes, "partial_block_amax")
+    return impl.partial_block_amax(flat, (m, k), start, planes)
 
 
 def scales_from_amax(

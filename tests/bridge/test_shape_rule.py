@@ -35,18 +35,17 @@ def _planes_shape(shape):
 
 def _torch_tensor(shape):
     data, scale = _planes_shape(shape)
-    TorchMXFP8Tensor(
-        torch.zeros(data, dtype=torch.uint8), torch.zeros(scale, dtype=torch.uint8), None, None,
-        shape, torch.bfloat16,
-    )
+    u8 = torch.uint8
+    planes = {Plane.ROWWISE: (torch.zeros(data, dtype=u8), torch.zeros(scale, dtype=u8))}
+    TorchMXFP8Tensor(planes, shape, torch.bfloat16)
 
 
 def _jax_tensor(shape):
     data, scale = _planes_shape(shape)
-    MXFP8Tensor(
-        jnp.zeros(data, jnp.float8_e4m3fn), jnp.zeros(scale, jnp.float8_e8m0fnu), None, None,
-        shape, np.dtype(jnp.bfloat16),
-    )
+    planes = {
+        Plane.ROWWISE: (jnp.zeros(data, jnp.float8_e4m3fn), jnp.zeros(scale, jnp.float8_e8m0fnu))
+    }
+    MXFP8Tensor(planes, shape, np.dtype(jnp.bfloat16))
 
 
 def _quantize(shape):

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.formats import Plane
 from jax_side import mxfp8
 from jax_side.mxfp8 import e8m0, xla_impl
 from jax_side.mxfp8 import pallas_elements as pe
@@ -51,7 +52,8 @@ def assert_same_as_xla(x, *, rowwise=True, colwise=True, interpret=True, tiles=N
     x = jnp.asarray(x)
     got = pk.quantize_2d(x, rowwise=rowwise, colwise=colwise, interpret=interpret, tiles=tiles,
                          e4m3_cast=mode)
-    want = mxfp8.quantize(x, rowwise=rowwise, colwise=colwise, backend="xla")
+    planes = [p for p, on in ((Plane.ROWWISE, rowwise), (Plane.COLWISE, colwise)) if on]
+    want = mxfp8.quantize(x, planes=planes, backend="xla")
     for f in FIELDS:
         g, w = getattr(got, f), getattr(want, f)
         assert (g is None) == (w is None), f
