@@ -76,9 +76,9 @@ def test_dequantize_bad_plane_and_type():
 def test_scale_inputs_are_checked():
     flat = jnp.zeros((64,), jnp.float32)
     with pytest.raises(ValueError, match=r"expected scale shape \(32, 1\), got \(32, 2\)"):
-        mxfp8.cast_slice(flat, (32, 32), 0, rowwise_scale=jnp.zeros((32, 2), jnp.uint8))
+        mxfp8.cast_slice(flat, (32, 32), 0, scales={"rowwise": jnp.zeros((32, 2), jnp.uint8)})
     with pytest.raises(TypeError, match="float8_e8m0fnu"):
-        mxfp8.cast_slice(flat, (32, 32), 0, rowwise_scale=jnp.zeros((32, 1), jnp.float32))
+        mxfp8.cast_slice(flat, (32, 32), 0, scales={"rowwise": jnp.zeros((32, 1), jnp.float32)})
     with pytest.raises(TypeError, match="expected float32 amax"):
         mxfp8.scales_from_amax(jnp.zeros((4,), jnp.bfloat16))
 
@@ -136,7 +136,8 @@ def test_slice_start_must_be_an_integer(start):
     with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
         mxfp8.partial_block_amax(flat, (32, 32), start)
     with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
-        mxfp8.cast_slice(flat, (32, 32), start, rowwise_scale=jnp.zeros((32, 1), jnp.uint8))
+        row = {Plane.ROWWISE: jnp.zeros((32, 1), jnp.uint8)}
+        mxfp8.cast_slice(flat, (32, 32), start, scales=row)
 
 
 def test_float64_input_is_refused_before_jax_narrows_it():

@@ -342,10 +342,9 @@ def check_slice(x: np.ndarray, start: int, n: int) -> None:
     assert_bytes_equal(got.rowwise, want.rowwise, f"row amax [{start}, +{n})")
     assert_bytes_equal(got.colwise, want.colwise, f"col amax [{start}, +{n})")
     whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-    c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                         colwise_scale=whole.colwise_scale, backend="pallas")
-    ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                           colwise_scale=whole.colwise_scale, backend="xla")
+    scales = {p: whole.plane(p).scale for p in Plane}
+    c = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="pallas")
+    ref = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="xla")
     assert c.rowwise.dtype == jnp.float8_e4m3fn and c.rowwise.shape == (n,)
     assert_bytes_equal(c.rowwise, ref.rowwise, f"row cast [{start}, +{n})")
     assert_bytes_equal(c.colwise, ref.colwise, f"col cast [{start}, +{n})")
@@ -371,7 +370,7 @@ def test_split_into_slices_reproduces_whole_quantize():
                                 backend="pallas")
     cs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), 0),
                                 backend="pallas")
-    casts = [mxfp8.cast_slice(p, (m, k), s, rowwise_scale=rs, colwise_scale=cs,
+    casts = [mxfp8.cast_slice(p, (m, k), s, scales={Plane.ROWWISE: rs, Plane.COLWISE: cs},
                               backend="pallas") for s, p in parts]
     want = mxfp8.quantize(jnp.asarray(x), backend="xla")
     assert_bytes_equal(rs, want.rowwise_scale, "rowwise_scale")
@@ -487,9 +486,8 @@ def test_gpu_amax_cast_and_slices():
         assert_bytes_equal(got.rowwise, want.rowwise, "row amax")
         assert_bytes_equal(got.colwise, want.colwise, "col amax")
         whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-        c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                             colwise_scale=whole.colwise_scale, backend="pallas")
-        ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                               colwise_scale=whole.colwise_scale, backend="xla")
+        scales = {p: whole.plane(p).scale for p in Plane}
+        c = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="pallas")
+        ref = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="xla")
         assert_bytes_equal(c.rowwise, ref.rowwise, "row cast")
         assert_bytes_equal(c.colwise, ref.colwise, "col cast")
