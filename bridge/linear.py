@@ -45,7 +45,7 @@ from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
-from common.formats import BLOCK_SIZE, Plane
+from common.formats import ALL_PLANES, Plane, check_mxfp8_shape
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
@@ -87,8 +87,8 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
             f"mxfp8_linear: weight_planes.{plane.value}() returned tensors on {data.device}, but "
             f"the weight is on {weight.device}; JAX runs each op on its Torch tensors' device"
         )
-    kw = {"rowwise" if plane is Plane.ROWWISE else "colwise": (data, scale)}
-    return planes_to_jax(shape, torch.bfloat16, **kw)  # weights are quantized as bf16(master)
+    # weights are quantized as bf16(master)
+    return planes_to_jax(shape, torch.bfloat16, {plane: (data, scale)})
 
 
 def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedKernels:
@@ -98,6 +98,8 @@ def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedK
 
 def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
     allowed = _MXFP8_DTYPES if mode is LinearMode.MXFP8 else _HP_DTYPES
+    if mode is LinearMode.MXFP8:
+        check_mxfp8_shape(weight.shape, "mxfp8_linear weight (N, K) (or use HIGH_PRECISION mode)")
     n, k = _weight_shape(weight)
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(
@@ -113,11 +115,6 @@ def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
         raise TypeError(f"mxfp8_linear: out_dtype {out_dtype} not in {allowed}")
     if x.device != weight.device:
         raise ValueError(f"mxfp8_linear: x is on {x.device} but weight on {weight.device}")
-    if mode is LinearMode.MXFP8 and (n % BLOCK_SIZE or k % BLOCK_SIZE):
-        raise ValueError(
-            f"mxfp8_linear: MXFP8 needs weight (N, K) with N % 32 == 0 and K % 32 == 0, got "
-            f"{(n, k)}; keep this layer in high precision (mode=LinearMode.HIGH_PRECISION)"
-        )
     if planes is not None:
         if mode is not LinearMode.MXFP8:
             raise ValueError(
@@ -163,8 +160,9 @@ class _MXFP8LinearFn(torch.autograd.Function):
         if planes is not None:
             w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
-            wq = run_or_compile(L.quantize_weight_program, _share(weight), rowwise=True,
-                                colwise=need_dx, kernels=kernels)
+            planes = ALL_PLANES if need_dx else (Plane.ROWWISE,)
+            wq = run_or_compile(L.quantize_weight_program, _share(weight), planes=planes,
+                                kernels=kernels)
             w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
         out = run_or_compile(
             L.forward, _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw,
@@ -307,6 +305,10 @@ class MXFP8Linear(torch.nn.Module):
             x, self.weight, weight_planes=weight_planes, mode=self.mode, kernels=self.kernels
         )
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def mxfp8_params(self) -> tuple[str, ...]:
+        """``common.formats.BlockScaledParams``: the weight is block-scaled in MXFP8 mode only."""
+        return ("weight",) if self.mode is LinearMode.MXFP8 else ()
 
     def extra_repr(self) -> str:
         return (

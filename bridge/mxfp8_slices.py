@@ -90,8 +90,9 @@ def _scales_and_cast(buf, packed_amax, pieces, backend, source):
         if p.numel:
             row_s = scale_bytes[offset:offset + n_scale].reshape(m, k // BLOCK_SIZE)
             col_s = scale_bytes[offset + n_scale:offset + 2 * n_scale].reshape(m // BLOCK_SIZE, k)
-            cast = cast_slice(_flat(buf, p, source), (m, k), p.start, rowwise_scale=row_s,
-                              colwise_scale=col_s, backend=backend)
+            scales = {Plane.ROWWISE: row_s, Plane.COLWISE: col_s}
+            cast = cast_slice(_flat(buf, p, source), (m, k), p.start, scales=scales,
+                              backend=backend)
             data += [lax.bitcast_convert_type(cast.rowwise, jnp.uint8),
                      lax.bitcast_convert_type(cast.colwise, jnp.uint8)]
         offset += 2 * n_scale

@@ -4,8 +4,10 @@ Layout (DESIGN.md 4) for a logical (M, K) tensor, identical on both sides:
 - rowwise plane: data (M, K), blocks 1x32 along K; scale (M, K // 32).
 - colwise plane: data (M, K), same *not transposed* layout, blocks 32x1 along M; scale (M // 32, K).
 
-Torch side: data is float8_e4m3fn **or uint8** (FSDP buffers are uint8), scales are float8_e8m0fnu
-**or uint8**; any plane may be ``None``. JAX side: float8_e4m3fn / float8_e8m0fnu. A uint8 plane is
+Both classes hold the planes as one mapping ``planes: {Plane: PlaneData(data, scale)}`` with only
+the planes present (``rowwise_data`` ... ``colwise_scale`` remain as read-only conveniences, None
+for an absent plane). Torch side: data is float8_e4m3fn **or uint8** (FSDP buffers are uint8),
+scales are float8_e8m0fnu **or uint8**. JAX side: float8_e4m3fn / float8_e8m0fnu. A uint8 plane is
 reinterpreted with ``Tensor.view(dtype)`` (same bytes, same pointer) before it crosses DLPack, so
 ``to_jax_mxfp8`` / ``to_torch_mxfp8`` are zero-copy for every plane (ownership note:
 ``bridge/dlpack.py``).
@@ -18,6 +20,7 @@ holds no reference to the returned tensors after the call that uses them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
@@ -26,7 +29,7 @@ import torch
 
 from bridge.capabilities import Fp8Transport
 from bridge.dlpack import to_jax, to_torch
-from common.formats import BLOCK_SIZE, Plane, scale_shape
+from common.formats import Plane, PlaneData, check_mxfp8_shape, scale_shape
 from jax_side.mxfp8 import MXFP8Tensor
 
 __all__ = [
@@ -91,85 +94,74 @@ def check_plane(
 class TorchMXFP8Tensor:
     """MXFP8 planes of a logical (M, K) tensor held by Torch; see the module docstring."""
 
-    rowwise_data: torch.Tensor | None
-    rowwise_scale: torch.Tensor | None
-    colwise_data: torch.Tensor | None
-    colwise_scale: torch.Tensor | None
+    planes: Mapping[Plane, PlaneData]  # only the planes present
     shape: tuple[int, int]
     dtype: torch.dtype  # dtype of the high-precision tensor that was quantized
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        m, k = self.shape
-        if m % BLOCK_SIZE or k % BLOCK_SIZE:
-            raise ValueError(
-                f"TorchMXFP8Tensor: shape (M, K) = {self.shape} must have M % 32 == 0 and "
-                f"K % 32 == 0 (DESIGN.md 4)"
-            )
+        object.__setattr__(self, "shape", check_mxfp8_shape(self.shape, "TorchMXFP8Tensor"))
         if self.dtype not in _HP_DTYPES:
             raise ValueError(
                 f"TorchMXFP8Tensor: dtype (of the quantized source) must be torch.float32 or "
                 f"torch.bfloat16, got {self.dtype}"
             )
-        for plane, data, scale in (
-            (Plane.ROWWISE, self.rowwise_data, self.rowwise_scale),
-            (Plane.COLWISE, self.colwise_data, self.colwise_scale),
-        ):
-            if (data is None) != (scale is None):
+        if not isinstance(self.planes, Mapping):
+            raise TypeError(
+                f"TorchMXFP8Tensor: planes must be a mapping {{Plane: PlaneData(data, scale)}}, "
+                f"got {type(self.planes).__name__}"
+            )
+        planes = {Plane.parse(p): PlaneData(*v) for p, v in self.planes.items()}
+        for plane, (data, scale) in planes.items():
+            if data is None or scale is None:
                 raise ValueError(
                     f"TorchMXFP8Tensor{self.shape}: {plane.value} data and scale must both be "
-                    f"given or both be None"
+                    f"given (leave an absent plane out of the mapping)"
                 )
-            if data is not None:
-                check_plane("TorchMXFP8Tensor", self.shape, plane, data, scale)
+            check_plane("TorchMXFP8Tensor", self.shape, plane, data, scale)
+        object.__setattr__(self, "planes", {p: planes[p] for p in Plane if p in planes})
 
     def has_plane(self, plane: Plane | str) -> bool:
-        plane = Plane.parse(plane)
-        return (self.rowwise_data if plane is Plane.ROWWISE else self.colwise_data) is not None
+        return Plane.parse(plane) in self.planes
 
-    def plane(self, plane: Plane | str) -> tuple[torch.Tensor, torch.Tensor]:
+    def plane(self, plane: Plane | str) -> PlaneData:
         plane = Plane.parse(plane)
-        if not self.has_plane(plane):
+        if plane not in self.planes:
             raise ValueError(
                 f"this TorchMXFP8Tensor of shape {self.shape} has no {plane.value} plane"
             )
-        if plane is Plane.ROWWISE:
-            return self.rowwise_data, self.rowwise_scale
-        return self.colwise_data, self.colwise_scale
+        return self.planes[plane]
 
-    def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rowwise(self) -> PlaneData:
         return self.plane(Plane.ROWWISE)
 
-    def colwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def colwise(self) -> PlaneData:
         return self.plane(Plane.COLWISE)
+
+    # Read-only conveniences (None when the plane is absent); the planes live in ``planes``.
+    rowwise_data = property(lambda self: _field(self, Plane.ROWWISE, 0))
+    rowwise_scale = property(lambda self: _field(self, Plane.ROWWISE, 1))
+    colwise_data = property(lambda self: _field(self, Plane.COLWISE, 0))
+    colwise_scale = property(lambda self: _field(self, Plane.COLWISE, 1))
+
+
+def _field(t, plane: Plane, i: int):
+    got = t.planes.get(plane)
+    return None if got is None else got[i]
 
 
 def _as_native(t: torch.Tensor, native: torch.dtype) -> torch.Tensor:
     return t.view(native) if t.dtype == torch.uint8 else t  # same bytes, same pointer
 
 
-def _plane_to_jax(data, scale, transport):
-    if data is None:
-        return None, None
-    return (
-        to_jax(_as_native(data, torch.float8_e4m3fn), transport=transport),
-        to_jax(_as_native(scale, torch.float8_e8m0fnu), transport=transport),
-    )
-
-
 def planes_to_jax(
     shape: tuple[int, int],
     dtype: torch.dtype,
-    rowwise: tuple[torch.Tensor, torch.Tensor] | None = None,
-    colwise: tuple[torch.Tensor, torch.Tensor] | None = None,
+    planes: Mapping[Plane, tuple[torch.Tensor, torch.Tensor]],
     *,
     transport: Fp8Transport | str | None = None,
 ) -> MXFP8Tensor:
-    """Zero-copy ``MXFP8Tensor`` over Torch planes (each (data, scale) or None), validated."""
-    return to_jax_mxfp8(
-        TorchMXFP8Tensor(*(rowwise or (None, None)), *(colwise or (None, None)), shape, dtype),
-        transport=transport,
-    )
+    """Zero-copy ``MXFP8Tensor`` over Torch planes ({Plane: (data, scale)}), validated."""
+    return to_jax_mxfp8(TorchMXFP8Tensor(planes, shape, dtype), transport=transport)
 
 
 def to_jax_mxfp8(
@@ -178,9 +170,14 @@ def to_jax_mxfp8(
     """Zero-copy: every present plane of ``tt`` as a JAX float8 array at the same address."""
     if not isinstance(tt, TorchMXFP8Tensor):
         raise TypeError(f"to_jax_mxfp8: expected a TorchMXFP8Tensor, got {type(tt).__name__}")
-    rd, rs = _plane_to_jax(tt.rowwise_data, tt.rowwise_scale, transport)
-    cd, cs = _plane_to_jax(tt.colwise_data, tt.colwise_scale, transport)
-    return MXFP8Tensor(rd, rs, cd, cs, tt.shape, _HP_DTYPES[tt.dtype])
+    planes = {
+        p: (
+            to_jax(_as_native(data, torch.float8_e4m3fn), transport=transport),
+            to_jax(_as_native(scale, torch.float8_e8m0fnu), transport=transport),
+        )
+        for p, (data, scale) in tt.planes.items()
+    }
+    return MXFP8Tensor(planes, tt.shape, _HP_DTYPES[tt.dtype])
 
 
 def _torch_hp_dtype(dtype) -> torch.dtype:
@@ -199,8 +196,7 @@ def to_torch_mxfp8(
     """
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"to_torch_mxfp8: expected an MXFP8Tensor, got {type(t).__name__}")
-    planes = [
-        None if p is None else to_torch(p, transport=transport)
-        for p in (t.rowwise_data, t.rowwise_scale, t.colwise_data, t.colwise_scale)
-    ]
-    return TorchMXFP8Tensor(*planes, shape=t.shape, dtype=_torch_hp_dtype(t.dtype))
+    planes = {
+        p: tuple(to_torch(a, transport=transport) for a in pair) for p, pair in t.planes.items()
+    }
+    return TorchMXFP8Tensor(planes, shape=t.shape, dtype=_torch_hp_dtype(t.dtype))

@@ -2,7 +2,8 @@
 nor jax (numpy and ml_dtypes only).
 
 - ``formats``: block size, E4M3/E8M0 constants, ``Plane``, ``WeightFormat`` with its one table of
-  facts (``FORMATS``), scale shapes, the MXFP8 shape rule;
+  facts (``FORMATS``), scale shapes, the MXFP8 shape rule, and the ``mxfp8_params()`` protocol
+  by which a module declares its block-scaled parameters;
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
 - ``modes``: ``LinearMode``, the one enum of how a linear layer multiplies;
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
@@ -16,10 +17,12 @@ from common.formats import (
     E4M3_MAX,
     E8M0_BIAS,
     FORMATS,
+    BlockScaledParams,
     FormatSpec,
     Plane,
     ScaleBlocks,
     WeightFormat,
+    block_scaled_params,
     check_mxfp8_shape,
     format_spec,
     scale_shape,
@@ -37,6 +40,7 @@ __all__ = [
     "PRESETS",
     "ROLES",
     "Backend",
+    "BlockScaledParams",
     "FormatSpec",
     "GPTConfig",
     "GemmImpl",
@@ -47,6 +51,7 @@ __all__ = [
     "RoleSpec",
     "ScaleBlocks",
     "WeightFormat",
+    "block_scaled_params",
     "check_mxfp8_shape",
     "format_spec",
     "parse_enum",

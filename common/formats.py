@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from common.enums import parse_enum
 
@@ -31,11 +33,17 @@ __all__ = [
     "E8M0_NAN",
     "FORMATS",
     "FormatSpec",
+    "ALL_PLANES",
     "Plane",
+    "PlaneData",
     "ScaleBlocks",
+    "BlockScaledParams",
     "WeightFormat",
+    "block_scaled_params",
+    "block_shape_problem",
     "check_mxfp8_shape",
     "format_spec",
+    "parse_planes",
     "scale_shape",
 ]
 
@@ -55,6 +63,29 @@ class Plane(enum.Enum):
     @classmethod
     def parse(cls, plane: Plane | str) -> Plane:
         return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
+
+
+ALL_PLANES = (Plane.ROWWISE, Plane.COLWISE)
+
+
+class PlaneData(NamedTuple):
+    """One quantized plane: ``data`` (M, K) elements and its compact ``scale`` (framework arrays;
+    which shapes: ``scale_shape``). The tensor classes hold ``{Plane: PlaneData}``."""
+
+    data: Any
+    scale: Any
+
+
+def parse_planes(planes: Plane | str | Iterable[Plane | str], what: str) -> tuple[Plane, ...]:
+    """The planes asked for, in ``Plane`` order without repeats; a clear error if none."""
+    if isinstance(planes, Plane | str):
+        planes = (planes,)
+    asked = {Plane.parse(p) for p in planes}
+    if not asked:
+        raise ValueError(
+            f"{what}: planes=() asks for nothing; pass Plane.ROWWISE and/or Plane.COLWISE"
+        )
+    return tuple(p for p in Plane if p in asked)
 
 
 class WeightFormat(enum.Enum):
@@ -101,23 +132,55 @@ class FormatSpec:
         """Why a weight of ``shape`` cannot take this format, or None if it can."""
         if self.blocks is None:
             return None
-        b = self.blocks.block_size
-        if len(shape) != 2 or not all(d > 0 and d % b == 0 for d in shape):
-            return f"a block-scaled weight must be 2-D with both dims positive multiples of {b}"
-        return None
+        return block_shape_problem(shape, self.blocks.block_size)
 
 
 _MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
-_BOTH = (Plane.ROWWISE, Plane.COLWISE)
+
 
 FORMATS: dict[WeightFormat, FormatSpec] = {
     WeightFormat.FP32: FormatSpec("float32", "float32", (Plane.ROWWISE,), None),
     WeightFormat.BF16: FormatSpec("bfloat16", "bfloat16", (Plane.ROWWISE,), None),
-    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", _BOTH, _MXFP8_BLOCKS),
+    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", ALL_PLANES, _MXFP8_BLOCKS),
     WeightFormat.NVFP4: FormatSpec(
-        "uint8", "bfloat16", _BOTH, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
+        "uint8", "bfloat16", ALL_PLANES, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
     ),
 }
+
+
+@runtime_checkable
+class BlockScaledParams(Protocol):
+    """A module that declares which of its own parameters are block-scaled (MXFP8) weights.
+
+    ``mxfp8_params()`` returns the names of direct parameters (``module.<name>``) that the
+    policy's block-scaled weight format applies to (e.g. ``("weight",)`` for
+    ``bridge.MXFP8Linear`` in ``LinearMode.MXFP8``, ``()`` otherwise). FSDP hands such a
+    parameter's planes to the module through its forward's ``weight_planes`` argument, so a module
+    declares at most one. A module without the method declares none.
+    """
+
+    def mxfp8_params(self) -> tuple[str, ...]: ...
+
+
+def block_scaled_params(module) -> tuple[str, ...]:
+    """The parameter names ``module`` declares block-scaled (``BlockScaledParams``), validated."""
+    if not isinstance(module, BlockScaledParams):
+        return ()
+    names = tuple(module.mxfp8_params())
+    where = f"{type(module).__name__}.mxfp8_params()"
+    if len(names) > 1:
+        raise ValueError(
+            f"{where} returned {names}; a module can declare at most one block-scaled parameter "
+            f"(its planes arrive through the forward's single weight_planes argument): split the "
+            f"module"
+        )
+    for name in names:
+        if not isinstance(name, str) or not hasattr(module, name):
+            raise ValueError(
+                f"{where} returned {name!r}, which is not an attribute of the module; return the "
+                f"names of its own parameters, e.g. ('weight',)"
+            )
+    return names
 
 
 def format_spec(fmt: WeightFormat | str) -> FormatSpec:
@@ -138,19 +201,40 @@ def _round_up(d: int) -> int:
     return max(BLOCK_SIZE, -(-d // BLOCK_SIZE) * BLOCK_SIZE)
 
 
+def block_shape_problem(shape, block: int = BLOCK_SIZE) -> str | None:
+    """Why ``shape`` cannot be block-scaled with ``block``-element blocks, or None if it can.
+
+    The one block-shape rule (DESIGN.md 4): 2-D (M, K) with M and K *positive* multiples of the
+    block. Empty dimensions are refused everywhere (an empty tensor has no blocks and no scales
+    to agree on; keep it in a non-block-scaled format instead).
+    """
+    if len(shape) != 2:
+        return f"a block-scaled tensor must be 2-D (M, K), got {len(shape)}-D shape {shape}"
+    if not all(d > 0 and d % block == 0 for d in shape):
+        return (
+            f"a block-scaled tensor needs M and K positive multiples of {block} "
+            f"(non-empty), got shape (M, K) = {shape}"
+        )
+    return None
+
+
 def check_mxfp8_shape(shape, what: str) -> tuple[int, int]:
-    """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix."""
+    """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix.
+
+    Every layer (JAX and Torch tensor classes, quantize, the linear op, distributed quantize)
+    checks MXFP8 shapes through this function, so they all accept and refuse the same shapes.
+    """
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
         raise ValueError(
             f"{what}: MXFP8 needs a 2-D (M, K) tensor, got shape {shape} ({len(shape)}-D); "
             f"reshape to 2-D first (e.g. x.reshape(-1, x.shape[-1]))"
         )
-    m, k = shape
-    if m % BLOCK_SIZE or k % BLOCK_SIZE or m == 0 or k == 0:
+    if block_shape_problem(shape) is not None:
+        m, k = shape
         raise ValueError(
             f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
             f"{shape}; pad to {_round_up(m), _round_up(k)} or keep this tensor in a non-MXFP8 "
             f"format"
         )
-    return m, k
+    return shape

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import BLOCK_SIZE, Plane, scale_shape
+from common.formats import ALL_PLANES, BLOCK_SIZE, Plane, parse_planes, scale_shape
 from common.gemm_roles import GemmRole
 from common.kernels import GemmImpl, KernelConfig
 from common.modes import LinearMode
@@ -98,9 +98,7 @@ class FlatPlane:
         scale = lax.slice(self.scale, (self.scale_offset,), (self.scale_offset + ss[0] * ss[1],))
         data = _bitcast(data, jnp.float8_e4m3fn).reshape(n, k)
         scale = _bitcast(scale, jnp.float8_e8m0fnu).reshape(ss)
-        if self.plane is Plane.ROWWISE:
-            return MXFP8Tensor(data, scale, None, None, self.shape, jnp.dtype(jnp.bfloat16))
-        return MXFP8Tensor(None, None, data, scale, self.shape, jnp.dtype(jnp.bfloat16))
+        return MXFP8Tensor({self.plane: (data, scale)}, self.shape, jnp.dtype(jnp.bfloat16))
 
 
 jax.tree_util.register_dataclass(
@@ -158,26 +156,27 @@ def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
     return matmul(a, b, role, out_dtype=out_dtype, kernels=kernels)
 
 
-@functools.partial(jax.jit, static_argnames=("rowwise", "colwise", "kernels"))
-def quantize_weight_program(w, *, rowwise: bool, colwise: bool, kernels: ResolvedKernels):
+@functools.partial(jax.jit, static_argnames=("planes", "kernels"))
+def quantize_weight_program(w, *, planes: tuple[Plane, ...], kernels: ResolvedKernels):
     """The jitted program behind ``quantize_weight`` (resolved kernels only)."""
-    return quantize(w.astype(jnp.bfloat16), rowwise=rowwise, colwise=colwise, kernels=kernels)
+    return quantize(w.astype(jnp.bfloat16), planes=planes, kernels=kernels)
 
 
 def quantize_weight(
     w: jax.Array,
     *,
-    rowwise: bool = True,
-    colwise: bool = True,
+    planes: tuple[Plane, ...] = ALL_PLANES,
     kernels: ResolvedKernels | KernelConfig | None = None,
 ) -> MXFP8Tensor:
-    """MXFP8 planes of ``bf16(w)`` for a high-precision (N, K) weight, N and K multiples of 32."""
-    return quantize_weight_program(w, rowwise=rowwise, colwise=colwise, kernels=_kernels(kernels))
+    """MXFP8 ``planes`` of ``bf16(w)`` for a high-precision (N, K) weight, N and K multiples of
+    32."""
+    planes = parse_planes(planes, "quantize_weight")
+    return quantize_weight_program(w, planes=planes, kernels=_kernels(kernels))
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
 def _quantize_activation(x, *, kernels: ResolvedKernels):
-    return quantize(pad_tokens(x), rowwise=True, colwise=True, kernels=kernels)
+    return quantize(pad_tokens(x), planes=ALL_PLANES, kernels=kernels)
 
 
 def quantize_activation(
@@ -198,7 +197,8 @@ def forward(
 ) -> ForwardOut:
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
-    xq = quantize(pad_tokens(x2d), rowwise=True, colwise=keep_x_colwise, kernels=kernels)
+    planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
+    xq = quantize(pad_tokens(x2d), planes=planes, kernels=kernels)
     y = _gemm(xq, _as_tensor(w_rowwise), GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
@@ -222,7 +222,9 @@ def backward(
     """
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     w_colwise = _as_tensor(w_colwise)
-    dyq = quantize(pad_tokens(dy2d), rowwise=need_dx, colwise=need_dw, kernels=kernels)
+    # dgrad reads dy rowwise, wgrad dy colwise (common.gemm_roles)
+    planes = tuple(p for p, need in ((Plane.ROWWISE, need_dx), (Plane.COLWISE, need_dw)) if need)
+    dyq = quantize(pad_tokens(dy2d), planes=planes, kernels=kernels)
     dx = dw = None
     if need_dx:
         dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels)[: dy2d.shape[0]].astype(dx_dtype)

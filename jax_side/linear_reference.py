@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from common.formats import BLOCK_SIZE
+from common.formats import BLOCK_SIZE, Plane
 from common.kernels import KernelConfig
 from jax_side.mxfp8 import GemmRole, matmul, quantize
 
@@ -33,8 +33,8 @@ def _pad(a: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _linear2d(x2d, w, out_dtype):
-    xq = quantize(_pad(x2d), rowwise=True, colwise=False, kernels=_EXACT)
-    wq = quantize(w.astype(jnp.bfloat16), rowwise=True, colwise=False, kernels=_EXACT)
+    xq = quantize(_pad(x2d), planes=(Plane.ROWWISE,), kernels=_EXACT)
+    wq = quantize(w.astype(jnp.bfloat16), planes=(Plane.ROWWISE,), kernels=_EXACT)
     return matmul(xq, wq, GemmRole.FORWARD, out_dtype=out_dtype, kernels=_EXACT)[: x2d.shape[0]]
 
 
@@ -45,10 +45,10 @@ def _fwd(x2d, w, out_dtype):
 def _bwd(out_dtype, residuals, dy):
     x2d, w = residuals
     t = x2d.shape[0]
-    dy_row = quantize(_pad(dy), rowwise=True, colwise=False, kernels=_EXACT)
-    dy_col = quantize(_pad(dy), rowwise=False, colwise=True, kernels=_EXACT)
-    w_col = quantize(w.astype(jnp.bfloat16), rowwise=False, colwise=True, kernels=_EXACT)
-    x_col = quantize(_pad(x2d), rowwise=False, colwise=True, kernels=_EXACT)
+    dy_row = quantize(_pad(dy), planes=(Plane.ROWWISE,), kernels=_EXACT)
+    dy_col = quantize(_pad(dy), planes=(Plane.COLWISE,), kernels=_EXACT)
+    w_col = quantize(w.astype(jnp.bfloat16), planes=(Plane.COLWISE,), kernels=_EXACT)
+    x_col = quantize(_pad(x2d), planes=(Plane.COLWISE,), kernels=_EXACT)
     dx = matmul(dy_row, w_col, GemmRole.DGRAD, kernels=_EXACT)[:t].astype(x2d.dtype)
     dw = matmul(dy_col, x_col, GemmRole.WGRAD, kernels=_EXACT).astype(w.dtype)
     return dx, dw

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from bridge.mxfp8_slices import Piece, SliceBytes, packed_partial_amax, scales_and_cast
 from bridge.shared import SharedBuffer
-from common.formats import BLOCK_SIZE
+from common.formats import check_mxfp8_shape
 from common.kernels import KernelConfig
 
 __all__ = ["Piece", "QuantizedShard", "distributed_mxfp8_quantize", "quantize_with_reducer"]
@@ -44,12 +44,9 @@ def _check_inputs(main_shards, shapes, start_offsets) -> list[tuple[int, int]]:
         )
     out = []
     for i, (shard, shape) in enumerate(zip(main_shards, shapes, strict=True)):
-        shape = tuple(int(d) for d in shape)
-        if len(shape) != 2 or shape[0] % BLOCK_SIZE or shape[1] % BLOCK_SIZE:
-            raise ValueError(
-                f"distributed_mxfp8_quantize: parameter {i} has shape {shape}; MXFP8 needs a 2-D "
-                f"(M, K) shape with M % 32 == 0 and K % 32 == 0 (route it to a non-MXFP8 group)"
-            )
+        shape = check_mxfp8_shape(
+            shape, f"distributed_mxfp8_quantize: parameter {i} (route it to a non-MXFP8 group)"
+        )
         if shard is not None and (shard.dtype != torch.float32 or shard.dim() != 1):
             raise TypeError(
                 f"distributed_mxfp8_quantize: shard {i} must be a 1-D float32 main-weight slice, "

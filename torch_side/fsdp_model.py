@@ -15,10 +15,12 @@ An exception escaping ``FSDPModel.forward`` resets the units it crossed before i
 (``FSDPState.abort_forward``); see ``fsdp_state`` for every exception path.
 
 ``FSDPModel`` is the ``nn.Module`` the user holds: it forwards to the wrapped module and exposes
-those pieces. MXFP8 applies to the weights of ``bridge.MXFP8Linear`` modules in
-``LinearMode.MXFP8``. Its ``state_dict()`` / ``load_state_dict()`` speak the wrapped module's
-names with full fp32 main weights (collectives, like ``full_state_dict``); the module parameters
-themselves hold working storage only and are guarded against plain optimizers (``param_guard``).
+those pieces. MXFP8 applies to the parameters modules declare block-scaled through
+``mxfp8_params()`` (``common.formats.BlockScaledParams``: the weights of ``bridge.MXFP8Linear``
+modules in ``LinearMode.MXFP8``). Its ``state_dict()`` / ``load_state_dict()`` speak the wrapped
+module's names with full fp32 main weights (collectives, like ``full_state_dict``); the module
+parameters themselves hold working storage only and are guarded against plain optimizers
+(``param_guard``).
 See docs/fsdp.md for the user guide.
 """
 

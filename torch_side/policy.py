@@ -2,11 +2,12 @@
 
 A :class:`MixedPrecisionPolicy` says which format the *model weights* of each parameter take
 (what forward and backward read), plus the dtypes of the fp32 main weights, the main gradients
-and the gradient communication. The linear-weight format applies to the weights of
-``bridge.MXFP8Linear`` layers in ``LinearMode.MXFP8`` whose shape allows it; every other parameter
-(norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear weight whose
-shape does not fit a block-scaled format either raises or falls back to ``other_format``, by the
-explicit :class:`UnalignedLinear` choice.
+and the gradient communication. The linear-weight format applies to the parameters a module
+declares block-scaled through ``mxfp8_params()`` (``common.formats.BlockScaledParams``; e.g. the
+weight of a ``bridge.MXFP8Linear`` in ``LinearMode.MXFP8``) whose shape allows it; every other
+parameter (norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear
+weight whose shape does not fit a block-scaled format either raises or falls back to
+``other_format``, by the explicit :class:`UnalignedLinear` choice.
 
 Every fact about a format comes from the one table ``common.formats.FORMATS`` (buffer dtype,
 source dtype, planes, block scaling); the static helpers below answer the questions FSDP asks of
@@ -21,7 +22,14 @@ import enum
 
 import torch
 
-from common.formats import FORMATS, FormatSpec, Plane, WeightFormat, format_spec
+from common.formats import (
+    FORMATS,
+    FormatSpec,
+    Plane,
+    WeightFormat,
+    block_scaled_params,
+    format_spec,
+)
 
 __all__ = [
     "MixedPrecisionPolicy",
@@ -53,8 +61,8 @@ class UnalignedLinear(enum.Enum):
 class MixedPrecisionPolicy:
     """Frozen mixed-precision policy; validated on construction.
 
-    linear_weight_format: format of ``bridge.MXFP8Linear`` weights in ``LinearMode.MXFP8``
-    (MXFP8 when their shapes allow it).
+    linear_weight_format: format of the parameters modules declare block-scaled (``mxfp8_params()``,
+    e.g. ``bridge.MXFP8Linear`` weights in ``LinearMode.MXFP8``), when their shapes allow it.
     other_format: format of every other parameter (must not be block-scaled).
     main_param_dtype: dtype of the main weights the optimizer updates (fp32).
     main_grad_dtype: dtype of the reduced gradient shards (fp32 or bf16).
@@ -98,9 +106,16 @@ class MixedPrecisionPolicy:
                 f"UnalignedLinear.RAISE or UnalignedLinear.FALLBACK"
             )
 
-    def weight_format(self, name: str, param: torch.Tensor, is_linear_weight: bool) -> WeightFormat:
-        """The model weight format of one parameter (``name`` only appears in errors)."""
-        if not is_linear_weight:
+    def param_format(self, module, pname: str, qualified_name: str) -> WeightFormat:
+        """The model weight format of ``module``'s own parameter ``pname``, from what the module
+        declares (``common.formats.block_scaled_params``)."""
+        declared = pname in block_scaled_params(module)
+        return self.weight_format(qualified_name, getattr(module, pname), declared)
+
+    def weight_format(self, name: str, param: torch.Tensor, block_scaled: bool) -> WeightFormat:
+        """The model weight format of one parameter, declared block-scaled or not (``name`` only
+        appears in errors)."""
+        if not block_scaled:
             return self.other_format
         fmt = self.linear_weight_format
         shape = tuple(param.shape)

@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from bridge import TorchMXFP8Tensor
-from common.formats import Plane
 from torch_side.collectives import Phase
 from torch_side.param_group import ParamGroup
 from torch_side.weight_codecs import ParamStorage
@@ -124,8 +123,8 @@ def gathered_weights(
         g.unshard(g.planes, Phase.STATE)
         for i, s in enumerate(g.layout.slots):
             if g.codec.param_storage is ParamStorage.PLACEHOLDER:
-                row, col = g.plane_views(i, Plane.ROWWISE), g.plane_views(i, Plane.COLWISE)
-                out[s.name] = TorchMXFP8Tensor(*row, *col, s.shape, g.codec.source_dtype)
+                planes = {p: g.plane_views(i, p) for p in g.codec.planes}
+                out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype)
             else:
                 out[s.name] = g.param_view(i)
     try:

@@ -4,7 +4,9 @@ Units: every module in ``unit_modules`` (module types or instances) becomes a un
 parameters under it that no nested unit owns; the root unit owns the rest. Inside a unit,
 parameters are grouped by ``GroupKey`` = (device, weight format, requires_grad, DP group), so
 parameters of different formats never share a group; each group gets the codec of its format
-(``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Parameters under
+(``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Which format a
+parameter takes is the policy's answer (``MixedPrecisionPolicy.param_format``) to what its module
+declares through ``mxfp8_params()``; no layer class is checked here. Parameters under
 ``expert_modules`` are sharded over the expert-DP group; an expert module may not be a unit
 itself (``_check_expert_units``; see ``fsdp_unit`` on experts without tokens). For groups whose
 parameters are placeholders (MXFP8), a forward pre-hook on each owning layer injects its planes
@@ -20,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge import LinearMode, MXFP8Linear
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
@@ -49,10 +50,6 @@ class UnitConfig(NamedTuple):
 
 def _matches(module: nn.Module, spec: ModuleSpec) -> bool:
     return any(module is s or (isinstance(s, type) and isinstance(module, s)) for s in spec)
-
-
-def _is_mxfp8_linear_weight(module: nn.Module, pname: str) -> bool:
-    return isinstance(module, MXFP8Linear) and module.mode is LinearMode.MXFP8 and pname == "weight"
 
 
 def _check_device(name: str, p: torch.Tensor, comm: Communicator) -> None:
@@ -119,7 +116,7 @@ def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[Param
     by_key: dict[GroupKey, list[ParamEntry]] = {}
     for qual, mod, pname, p in params:
         _check_device(qual, p, cfg.comms["dp"])
-        fmt = cfg.policy.weight_format(qual, p, _is_mxfp8_linear_weight(mod, pname))
+        fmt = cfg.policy.param_format(mod, pname, qual)
         is_expert = any(qual.startswith(e + ".") for e in expert_prefixes)
         key = GroupKey(p.device, fmt, p.requires_grad, "expert_dp" if is_expert else "dp")
         by_key.setdefault(key, []).append(ParamEntry(qual, mod, p, tuple(p.shape), p.dtype))

@@ -120,9 +120,8 @@ def diff(quantity: Quantity, name: str, torch_value, flax_value) -> Diff:
 
 
 def mxfp8_bytes(t: MXFP8Tensor) -> np.ndarray:
-    parts = (t.rowwise_data, t.rowwise_scale, t.colwise_data, t.colwise_scale)
     return np.concatenate(
-        [np.asarray(p).view(np.uint8).reshape(-1) for p in parts if p is not None]
+        [np.asarray(a).view(np.uint8).reshape(-1) for pair in t.planes.values() for a in pair]
     )
 
 

@@ -98,18 +98,18 @@ def _import_gathered(gathered: Mapping[str, TorchMXFP8Tensor | torch.Tensor]) ->
     planes = {n: to_jax_mxfp8(t) for n, t in planes_t.items()}
     # MXFP8 weights: FSDP gathers no high-precision copy; Flax gets a zero slot for dW only.
     slots = {
-        n: torch.zeros(t.shape, dtype=torch.float32, device=t.rowwise_data.device)
+        n: torch.zeros(t.shape, dtype=torch.float32, device=t.rowwise().data.device)
         for n, t in planes_t.items()
     }
     weights = {**hp, **slots}
     shared = flax_params_view(weights)
     zero_copy = [ZeroCopy(n, hp[n].data_ptr(), shared[n].unsafe_buffer_pointer()) for n in hp]
     for n, t in planes_t.items():
-        for field in ("rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale"):
-            zero_copy.append(ZeroCopy(
-                f"{n}:{field}", getattr(t, field).data_ptr(),
-                getattr(planes[n], field).unsafe_buffer_pointer(),
-            ))
+        for plane, pair in t.planes.items():
+            for part, tt, jj in zip(("data", "scale"), pair, planes[n].plane(plane), strict=True):
+                zero_copy.append(ZeroCopy(
+                    f"{n}:{plane.value}_{part}", tt.data_ptr(), jj.unsafe_buffer_pointer()
+                ))
     return _Imported(planes, weights, shared, tuple(zero_copy))
 
 

@@ -18,7 +18,7 @@ from jax_side.mxfp8.gemm import matmul
 from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
 from jax_side.mxfp8.quantize import quantize
 from jax_side.mxfp8.slices import cast_slice, partial_block_amax, scales_from_amax
-from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
+from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, PlaneData, SliceCast
 
 __all__ = [
     "BLOCK_SIZE",
@@ -31,6 +31,7 @@ __all__ = [
     "KernelConfig",
     "MXFP8Tensor",
     "Plane",
+    "PlaneData",
     "Platform",
     "ResolvedKernels",
     "SliceCast",

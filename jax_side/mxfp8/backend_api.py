@@ -24,7 +24,7 @@ import jax
 
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, GemmImpl, Platform
-from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
+from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
 
 __all__ = [
     "Capabilities",
@@ -100,12 +100,12 @@ class KernelBackend(abc.ABC):
         return execution
 
     @abc.abstractmethod
-    def quantize(self, x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
-        """Both or one plane of a validated (M, K) bf16/fp32 x."""
+    def quantize(self, x: jax.Array, *, planes: tuple[Plane, ...]) -> MXFP8Tensor:
+        """The asked planes (non-empty, ``Plane`` order) of a validated (M, K) bf16/fp32 x."""
 
     @abc.abstractmethod
-    def partial_block_amax(self, flat, shape: tuple[int, int], start: int, rowwise: bool,
-                           colwise: bool) -> BlockAmax:
+    def partial_block_amax(self, flat, shape: tuple[int, int], start: int,
+                           planes: tuple[Plane, ...]) -> BlockAmax:
         """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
 
     @abc.abstractmethod

@@ -36,7 +36,7 @@ def _check_operands(a, b, role: GemmRole, spec: RoleSpec) -> None:
             raise ValueError(
                 f"matmul({role.value}, {spec.formula}): operand {name} of shape {t.shape} needs "
                 f"its {plane.value} plane, which was not quantized; quantize it with "
-                f"{plane.value}=True"
+                f"planes including Plane.{plane.name}"
             )
     ka, kb = a.shape[spec.a_contract], b.shape[spec.b_contract]
     if ka != kb:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.formats import BLOCK_SIZE
+from common.formats import BLOCK_SIZE, Plane
 from common.kernels import Backend, Platform
 from jax_side.mxfp8 import pallas_impl
 from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend, default_platform
@@ -47,8 +47,10 @@ def interpret_mode() -> bool:
 def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
     """Both or one plane of a validated (M, K) bf16/fp32 x, x read once."""
     p = pallas_impl.quantize_2d(x, rowwise=rowwise, colwise=colwise, interpret=interpret_mode())
-    return MXFP8Tensor(p.rowwise_data, p.rowwise_scale, p.colwise_data, p.colwise_scale,
-                       tuple(x.shape), np.dtype(x.dtype))
+    planes = {Plane.ROWWISE: (p.rowwise_data, p.rowwise_scale),
+              Plane.COLWISE: (p.colwise_data, p.colwise_scale)}
+    return MXFP8Tensor({k: v for k, v in planes.items() if v[0] is not None}, tuple(x.shape),
+                       np.dtype(x.dtype))
 
 
 def scales_from_amax(amax: jax.Array) -> jax.Array:
@@ -116,11 +118,13 @@ class PallasBackend(KernelBackend):
         own_gemm=False,
     )
 
-    def quantize(self, x, *, rowwise, colwise):
-        return quantize(x, rowwise=rowwise, colwise=colwise)
+    def quantize(self, x, *, planes):
+        return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
-        return partial_block_amax(flat, shape, start, rowwise, colwise)
+    def partial_block_amax(self, flat, shape, start, planes):
+        return partial_block_amax(
+            flat, shape, start, Plane.ROWWISE in planes, Plane.COLWISE in planes
+        )
 
     def scales_from_amax(self, amax):
         return scales_from_amax(amax)

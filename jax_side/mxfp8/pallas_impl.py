@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from common.formats import BLOCK_SIZE
+from common.formats import BLOCK_SIZE, check_mxfp8_shape
 from jax_side.mxfp8.pallas_elements import (
     COMPILED_DEFAULT,
     FTZ_PROOF_PATHS,
@@ -74,11 +74,10 @@ class Planes(NamedTuple):
 
 
 def _check_2d(x, what: str) -> tuple[int, int]:
-    if x.ndim != 2 or x.shape[0] % _BS or x.shape[1] % _BS or 0 in x.shape:
-        raise ValueError(f"{what}: expected 2-D (M, K) with M, K multiples of 32, got {x.shape}")
+    m, k = check_mxfp8_shape(x.shape, what)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"{what}: expected bfloat16 or float32 x, got {x.dtype}")
-    return int(x.shape[0]), int(x.shape[1])
+    return m, k
 
 
 def element_path(e4m3_cast: ElementPath | str | None, interpret: bool) -> ElementPath:

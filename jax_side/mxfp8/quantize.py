@@ -9,11 +9,13 @@ and backend-independent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.formats import check_mxfp8_shape
+from common.formats import ALL_PLANES, Plane, check_mxfp8_shape, parse_planes
 from common.kernels import Backend, KernelConfig
 from jax_side.mxfp8.backends import backend_impl
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
@@ -21,11 +23,6 @@ from jax_side.mxfp8.slices import check_dtype
 from jax_side.mxfp8.tensor import MXFP8Tensor
 
 __all__ = ["quantize"]
-
-
-def _check_planes(rowwise: bool, colwise: bool) -> None:
-    if not (rowwise or colwise):
-        raise ValueError("quantize: rowwise=False and colwise=False asks for nothing; set one")
 
 
 def _check_array(x) -> None:
@@ -41,17 +38,17 @@ def _check_array(x) -> None:
 def quantize(
     x: jax.Array,
     *,
-    rowwise: bool = True,
-    colwise: bool = True,
+    planes: Plane | str | Iterable[Plane | str] = ALL_PLANES,
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> MXFP8Tensor:
     """Quantize a 2-D (M, K) bf16/fp32 array (jax or numpy) to MXFP8 (DESIGN.md 3 numerics, 4
     layout). Lists, tuples and Python scalars are refused (TypeError): give the dtype explicitly.
 
-    rowwise: blocks 1x32 along K -> rowwise_data (M, K) e4m3, rowwise_scale (M, K/32) e8m0.
-    colwise: blocks 32x1 along M -> colwise_data (M, K) e4m3 (not transposed),
-    colwise_scale (M/32, K) e8m0. kernels: a ``KernelConfig`` (None: the automatic default for
+    planes: which planes to make (default both; a ``Plane``, its name, or several):
+    ``Plane.ROWWISE``, blocks 1x32 along K -> data (M, K) e4m3, scale (M, K/32) e8m0;
+    ``Plane.COLWISE``, blocks 32x1 along M -> data (M, K) e4m3 (not transposed), scale (M/32, K)
+    e8m0. kernels: a ``KernelConfig`` (None: the automatic default for
     JAX's default device; ``kernel_report`` says what runs); ``backend="xla"`` is shorthand for
     ``kernels=KernelConfig(backend="xla")``.
     """
@@ -60,6 +57,6 @@ def quantize(
     x = jnp.asarray(x)
     check_mxfp8_shape(x.shape, "quantize")
     check_dtype(x, "quantize")
-    _check_planes(rowwise, colwise)
+    planes = parse_planes(planes, "quantize")
     impl = backend_impl(resolve_call("quantize", kernels, backend).backend)
-    return impl.quantize(x, rowwise=bool(rowwise), colwise=bool(colwise))
+    return impl.quantize(x, planes=planes)

@@ -14,16 +14,17 @@ no slice building blocks (``te``) runs them on ``xla``, and ``kernel_report`` sa
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from common.formats import check_mxfp8_shape, scale_shape
+from common.formats import ALL_PLANES, Plane, check_mxfp8_shape, parse_planes, scale_shape
 from common.kernels import Backend, KernelConfig
 from jax_side.mxfp8.backend_api import KernelBackend
 from jax_side.mxfp8.backends import backend_impl
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
-from jax_side.mxfp8.tensor import BlockAmax, Plane, SliceCast, scale_bytes
+from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
 __all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
 
@@ -72,23 +73,24 @@ def partial_block_amax(
     shape: tuple[int, int],
     start: int,
     *,
-    rowwise: bool = True,
-    colwise: bool = True,
+    planes: Plane | str | Iterable[Plane | str] = ALL_PLANES,
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> BlockAmax:
     """Block amax of the part of a (M, K) tensor held in a flat slice.
 
     flat: 1-D bf16/fp32, elements ``[start, start + n)`` of the row-major (M, K) tensor; shape and
-    start are static. Returns fp32 arrays of the full scale shapes -- rowwise (M, K/32), blocks
-    along K; colwise (M/32, K), blocks along M -- holding this slice's contribution and 0
-    elsewhere. Elementwise ``max`` over the results of any split into slices (e.g. an
-    ``all_reduce(MAX)``) gives the whole tensor's block amax. NaN is ignored; Inf counts.
+    start are static; planes: which planes' amax to compute (default both). Returns fp32 arrays
+    of the full scale shapes -- rowwise (M, K/32), blocks along K; colwise (M/32, K), blocks
+    along M -- holding this slice's contribution and 0 elsewhere. Elementwise ``max`` over the
+    results of any split into slices (e.g. an ``all_reduce(MAX)``) gives the whole tensor's
+    block amax. NaN is ignored; Inf counts.
     """
     m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
     check_dtype(flat, "partial_block_amax")
     impl = _slice_impl("partial_block_amax", kernels, backend)
-    return impl.partial_block_amax(flat, (m, k), start, bool(rowwise), bool(colwise))
+    planes = parse_planes(planes, "partial_block_amax")
+    return impl.partial_block_amax(flat, (m, k), start, planes)
 
 
 def scales_from_amax(
@@ -112,25 +114,25 @@ def cast_slice(
     shape: tuple[int, int],
     start: int,
     *,
-    rowwise_scale: jax.Array | None = None,
-    colwise_scale: jax.Array | None = None,
+    scales: Mapping[Plane | str, jax.Array],
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> SliceCast:
     """Cast a flat slice of a (M, K) tensor to e4m3 with precomputed full scales.
 
-    flat: 1-D bf16/fp32, elements ``[start, start + n)`` (row-major); rowwise_scale: E8M0
-    (M, K/32) or None; colwise_scale: E8M0 (M/32, K) or None (uint8 bytes are accepted too).
+    flat: 1-D bf16/fp32, elements ``[start, start + n)`` (row-major); scales: the full E8M0 scale
+    of each plane to cast, ``{Plane.ROWWISE: (M, K/32), Plane.COLWISE: (M/32, K)}`` (one or both;
+    uint8 bytes are accepted too).
     Returns 1-D float8_e4m3fn arrays of length n per requested plane: exactly the bytes that the
     whole-tensor ``quantize`` has at those flat positions.
     """
     m, k, _, start = _check_slice(flat, shape, start, "cast_slice")
     check_dtype(flat, "cast_slice")
-    if rowwise_scale is None and colwise_scale is None:
-        raise ValueError("cast_slice: pass rowwise_scale and/or colwise_scale")
-    row_b = None if rowwise_scale is None else scale_bytes(
-        rowwise_scale, scale_shape((m, k), Plane.ROWWISE), "cast_slice rowwise_scale")
-    col_b = None if colwise_scale is None else scale_bytes(
-        colwise_scale, scale_shape((m, k), Plane.COLWISE), "cast_slice colwise_scale")
+    planes = parse_planes(list(scales), "cast_slice scales")
+    given = {Plane.parse(p): s for p, s in scales.items()}
+    b = {
+        p: scale_bytes(given[p], scale_shape((m, k), p), f"cast_slice {p.value} scale")
+        for p in planes
+    }
     impl = _slice_impl("cast_slice", kernels, backend)
-    return impl.cast_slice(flat, (m, k), start, row_b, col_b)
+    return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))

@@ -192,34 +192,30 @@ def _te_quantize(x: jax.Array, rowwise: bool, colwise: bool, path: TEPath) -> MX
             out = te.tex.quantize(x, quantizer)
         else:
             out = quantizer.quantize(x, is_rowwise=rowwise, is_colwise=colwise)
-    parts = {Plane.ROWWISE: None, Plane.COLWISE: None}
+    parts = {}
     for one in (out.rowwise_tensor, out.colwise_tensor) if rowwise and colwise else (out,):
         plane = Plane.COLWISE if one.is_colwise else Plane.ROWWISE
         parts[plane] = _plane_of(one, plane, x.shape)
-    row, col = parts[Plane.ROWWISE] or (None, None), parts[Plane.COLWISE] or (None, None)
-    return MXFP8Tensor(row[0], row[1], col[0], col[1], tuple(x.shape), np.dtype(x.dtype))
+    return MXFP8Tensor(parts, tuple(x.shape), np.dtype(x.dtype))
 
 
 def _splice(te_t: MXFP8Tensor, ref: MXFP8Tensor, edge: EdgeBlocks) -> MXFP8Tensor:
     """te_t with its edge blocks (data and scale) replaced by ref's."""
 
     def pick(mask, expand, a, b):
-        if a is None:
-            return None
         if a.ndim == 2 and a.shape != mask.shape:
             mask = expand(mask)
         return jnp.where(mask, b, a)
 
-    row = functools.partial(pick, edge.rowwise, lambda m: jnp.repeat(m, _BS, axis=1))
-    col = functools.partial(pick, edge.colwise, lambda m: jnp.repeat(m, _BS, axis=0))
-    return MXFP8Tensor(
-        row(te_t.rowwise_data, ref.rowwise_data),
-        row(te_t.rowwise_scale, ref.rowwise_scale),
-        col(te_t.colwise_data, ref.colwise_data),
-        col(te_t.colwise_scale, ref.colwise_scale),
-        te_t.shape,
-        te_t.dtype,
-    )
+    edges = {
+        Plane.ROWWISE: (edge.rowwise, lambda m: jnp.repeat(m, _BS, axis=1)),
+        Plane.COLWISE: (edge.colwise, lambda m: jnp.repeat(m, _BS, axis=0)),
+    }
+    planes = {
+        p: tuple(pick(*edges[p], a, b) for a, b in zip(te_t.plane(p), ref.plane(p), strict=True))
+        for p in te_t.planes
+    }
+    return MXFP8Tensor(planes, te_t.shape, te_t.dtype)
 
 
 def quantize(
@@ -297,10 +293,10 @@ class TEBackend(KernelBackend):
     )
     _NO_SLICES = "Transformer Engine quantizes whole tensors only; use backend 'xla' or 'pallas'"
 
-    def quantize(self, x, *, rowwise, colwise):
-        return quantize(x, rowwise=rowwise, colwise=colwise)
+    def quantize(self, x, *, planes):
+        return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
+    def partial_block_amax(self, flat, shape, start, planes):
         raise self.unsupported("partial_block_amax", self._NO_SLICES)
 
     def scales_from_amax(self, amax):

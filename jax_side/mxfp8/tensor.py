@@ -3,12 +3,16 @@ the slice building blocks (``BlockAmax``, ``SliceCast``).
 
 Layout (DESIGN.md 4) for a logical tensor of shape (M, K):
 
-- rowwise plane: ``rowwise_data`` float8_e4m3fn (M, K), blocks of 1x32 along K;
-  ``rowwise_scale`` float8_e8m0fnu (M, K // 32).
-- columnwise plane: ``colwise_data`` float8_e4m3fn (M, K) -- same, *not transposed* layout --
-  blocks of 32x1 along M; ``colwise_scale`` float8_e8m0fnu (M // 32, K).
+- ``Plane.ROWWISE``: data float8_e4m3fn (M, K), blocks of 1x32 along K; scale float8_e8m0fnu
+  (M, K // 32).
+- ``Plane.COLWISE``: data float8_e4m3fn (M, K) -- same, *not transposed* layout -- blocks of 32x1
+  along M; scale float8_e8m0fnu (M // 32, K).
 
-Scales are compact and unswizzled. A plane that was not requested is ``None``.
+The planes are one mapping, ``planes: {Plane: PlaneData(data, scale)}``, holding only the planes
+that were quantized (``t.plane(p)`` gives one, with a clear error if absent). Scales are compact
+and unswizzled. ``rowwise_data`` ... ``colwise_scale`` remain as read-only conveniences (None for
+an absent plane). The pytree's leaves are the present planes' arrays, in ``Plane`` order; which
+planes are present is static structure, like ``shape`` and ``dtype``.
 
 Construction checks every plane that is an array (``__post_init__``): data must be
 float8_e4m3fn and scales float8_e8m0fnu (uint8 bytes are refused, not guessed: ``astype`` would
@@ -23,14 +27,15 @@ allowed), anything without ``dtype`` and ``shape`` (placeholders, ``in_axes`` sp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from common.formats import Plane, check_mxfp8_shape, scale_shape
+from common.formats import Plane, PlaneData, check_mxfp8_shape, scale_shape
 
-__all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "SliceCast", "scale_bytes"]
+__all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "PlaneData", "SliceCast", "scale_bytes"]
 
 _DATA_DTYPE = np.dtype(jax.numpy.float8_e4m3fn)
 _SCALE_DTYPE = np.dtype(jax.numpy.float8_e8m0fnu)
@@ -60,14 +65,32 @@ def _check_leaf(owner: str, field: str, leaf, dtype: np.dtype, shape: tuple[int,
         )
 
 
+def _plane_mapping(owner: str, planes) -> dict[Plane, PlaneData]:
+    if not isinstance(planes, Mapping):
+        raise TypeError(
+            f"{owner}: planes must be a mapping {{Plane: PlaneData(data, scale)}}, got "
+            f"{type(planes).__name__}"
+        )
+    out = {}
+    for key, value in planes.items():
+        plane = Plane.parse(key)
+        data, scale = value
+        # Both None only as transient placeholders of JAX transformations (unflattening with
+        # None leaves); a plane that was not quantized is left out of the mapping.
+        if (data is None) != (scale is None):
+            raise ValueError(
+                f"{owner}: {plane.value} data and scale must both be given or both be None "
+                f"(leave an absent plane out of the mapping)"
+            )
+        out[plane] = PlaneData(data, scale)
+    return {p: out[p] for p in Plane if p in out}  # Plane order: a stable pytree structure
+
+
 @dataclasses.dataclass(frozen=True)
 class MXFP8Tensor:
     """MXFP8 planes of a logical (M, K) tensor. See the module docstring for the layout."""
 
-    rowwise_data: jax.Array | None
-    rowwise_scale: jax.Array | None
-    colwise_data: jax.Array | None
-    colwise_scale: jax.Array | None
+    planes: Mapping[Plane, PlaneData]  # only the planes that were quantized
     shape: tuple[int, int]
     dtype: np.dtype  # dtype of the high-precision tensor that was quantized
 
@@ -80,59 +103,58 @@ class MXFP8Tensor:
                 f"bfloat16, got {self.dtype}"
             )
         owner = f"MXFP8Tensor{shape}"
-        for plane, data, scale in (
-            (Plane.ROWWISE, self.rowwise_data, self.rowwise_scale),
-            (Plane.COLWISE, self.colwise_data, self.colwise_scale),
-        ):
-            if (data is None) != (scale is None):
-                raise ValueError(
-                    f"{owner}: {plane.value} data and scale must both be given or both be None"
-                )
+        planes = _plane_mapping(owner, self.planes)
+        object.__setattr__(self, "planes", planes)
+        for plane, (data, scale) in planes.items():
             _check_leaf(owner, f"{plane.value}_data", data, _DATA_DTYPE, shape)
             _check_leaf(
                 owner, f"{plane.value}_scale", scale, _SCALE_DTYPE, scale_shape(shape, plane)
             )
 
     def has_plane(self, plane: Plane | str) -> bool:
-        plane = Plane.parse(plane)
-        return (self.rowwise_data if plane is Plane.ROWWISE else self.colwise_data) is not None
+        return Plane.parse(plane) in self.planes
 
-    def plane(self, plane: Plane | str) -> tuple[jax.Array, jax.Array]:
+    def plane(self, plane: Plane | str) -> PlaneData:
         """(data, scale) of one plane; a clear error if that plane was not quantized."""
         plane = Plane.parse(plane)
-        if plane is Plane.ROWWISE:
-            data, scale = self.rowwise_data, self.rowwise_scale
-        else:
-            data, scale = self.colwise_data, self.colwise_scale
-        if data is None or scale is None:
-            flag = "rowwise" if plane is Plane.ROWWISE else "colwise"
+        if plane not in self.planes:
             raise ValueError(
                 f"this MXFP8Tensor of shape {self.shape} has no {plane.value} plane; "
-                f"quantize with {flag}=True to get it"
+                f"quantize with planes including Plane.{plane.name} to get it"
             )
-        return data, scale
+        return self.planes[plane]
 
     @property
     def scale_shapes(self) -> dict[Plane, tuple[int, int]]:
         return {p: scale_shape(self.shape, p) for p in Plane}
 
     def only(self, plane: Plane | str) -> MXFP8Tensor:
-        """The same tensor with only one plane kept (the other set to None)."""
+        """The same tensor with only one plane kept."""
         plane = Plane.parse(plane)
-        if plane is Plane.ROWWISE:
-            return MXFP8Tensor(
-                self.rowwise_data, self.rowwise_scale, None, None, self.shape, self.dtype
-            )
-        return MXFP8Tensor(
-            None, None, self.colwise_data, self.colwise_scale, self.shape, self.dtype
-        )
+        return MXFP8Tensor({plane: self.plane(plane)}, self.shape, self.dtype)
+
+    # Read-only conveniences (None when the plane is absent); the planes live in ``planes``.
+    rowwise_data = property(lambda self: _field(self, Plane.ROWWISE, 0))
+    rowwise_scale = property(lambda self: _field(self, Plane.ROWWISE, 1))
+    colwise_data = property(lambda self: _field(self, Plane.COLWISE, 0))
+    colwise_scale = property(lambda self: _field(self, Plane.COLWISE, 1))
 
 
-jax.tree_util.register_dataclass(
-    MXFP8Tensor,
-    data_fields=["rowwise_data", "rowwise_scale", "colwise_data", "colwise_scale"],
-    meta_fields=["shape", "dtype"],
-)
+def _field(t, plane: Plane, i: int):
+    got = t.planes.get(plane)
+    return None if got is None else got[i]
+
+
+def _flatten(t: MXFP8Tensor):
+    return tuple(t.planes.values()), (tuple(t.planes), t.shape, t.dtype)
+
+
+def _unflatten(aux, children) -> MXFP8Tensor:
+    keys, shape, dtype = aux
+    return MXFP8Tensor(dict(zip(keys, children, strict=True)), shape, dtype)
+
+
+jax.tree_util.register_pytree_node(MXFP8Tensor, _flatten, _unflatten)
 
 
 class BlockAmax(NamedTuple):

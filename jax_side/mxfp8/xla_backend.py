@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.formats import BLOCK_SIZE
+from common.formats import BLOCK_SIZE, Plane
 from common.kernels import Backend, Platform
 from jax_side.mxfp8 import xla_impl
 from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend
@@ -105,14 +105,12 @@ def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
     rs = None if amax.rowwise is None else scales_from_amax(amax.rowwise)
     cs = None if amax.colwise is None else scales_from_amax(amax.colwise)
     cast = cast_slice(flat, (m, k), 0, _bytes(rs), _bytes(cs))
-    return MXFP8Tensor(
-        rowwise_data=None if rs is None else cast.rowwise.reshape(m, k),
-        rowwise_scale=rs,
-        colwise_data=None if cs is None else cast.colwise.reshape(m, k),
-        colwise_scale=cs,
-        shape=(m, k),
-        dtype=np.dtype(x.dtype),
-    )
+    planes = {}
+    if rs is not None:
+        planes[Plane.ROWWISE] = (cast.rowwise.reshape(m, k), rs)
+    if cs is not None:
+        planes[Plane.COLWISE] = (cast.colwise.reshape(m, k), cs)
+    return MXFP8Tensor(planes, shape=(m, k), dtype=np.dtype(x.dtype))
 
 
 class XlaBackend(KernelBackend):
@@ -125,11 +123,13 @@ class XlaBackend(KernelBackend):
         own_gemm=False,
     )
 
-    def quantize(self, x, *, rowwise, colwise):
-        return quantize(x, rowwise=rowwise, colwise=colwise)
+    def quantize(self, x, *, planes):
+        return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, rowwise, colwise):
-        return partial_block_amax(flat, shape, start, rowwise, colwise)
+    def partial_block_amax(self, flat, shape, start, planes):
+        return partial_block_amax(
+            flat, shape, start, Plane.ROWWISE in planes, Plane.COLWISE in planes
+        )
 
     def scales_from_amax(self, amax):
         return scales_from_amax(amax)

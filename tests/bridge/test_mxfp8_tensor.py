@@ -41,7 +41,8 @@ def _fsdp_style_uint8(q: MXFP8Tensor, device="cpu") -> TorchMXFP8Tensor:
         v = buf[off : off + p.size].view(p.shape)
         v.copy_(torch.from_numpy(p.copy()))
         views.append(v)
-    return TorchMXFP8Tensor(*views, shape=(M, K), dtype=torch.bfloat16)
+    planes = {Plane.ROWWISE: views[:2], Plane.COLWISE: views[2:]}
+    return TorchMXFP8Tensor(planes, shape=(M, K), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -75,7 +76,7 @@ def test_to_jax_mxfp8_shares_uint8_fsdp_buffers(device, transport):
 
 
 def test_round_trip_keeps_addresses_and_missing_planes():
-    q = quantize(jnp.ones((M, K), jnp.float32), rowwise=False, colwise=True)
+    q = quantize(jnp.ones((M, K), jnp.float32), planes=(Plane.COLWISE,))
     tt = to_torch_mxfp8(q)
     assert tt.rowwise_data is None and not tt.has_plane("rowwise") and tt.has_plane(Plane.COLWISE)
     back = to_jax_mxfp8(tt)
@@ -119,7 +120,7 @@ def _u8(*shape):
     ],
 )
 def test_invalid_planes_are_refused_with_the_expected_layout(kwargs, match):
-    fields = dict(
+    parts = dict(
         rowwise_data=_u8(M, K),
         rowwise_scale=_u8(M, K // 32),
         colwise_data=_u8(M, K),
@@ -127,14 +128,15 @@ def test_invalid_planes_are_refused_with_the_expected_layout(kwargs, match):
         shape=(M, K),
         dtype=torch.bfloat16,
     )
-    fields.update(kwargs)
+    parts.update(kwargs)
+    planes = {p: (parts[f"{p.value}_data"], parts[f"{p.value}_scale"]) for p in Plane}
     with pytest.raises(ValueError, match=match):
-        TorchMXFP8Tensor(**fields)
+        TorchMXFP8Tensor(planes, parts["shape"], parts["dtype"])
 
 
 def test_misaligned_planes_are_refused_not_copied():
     buf = torch.zeros(M * K + 16, dtype=torch.uint8)
     data = buf[16:].view(M, K)  # 16 bytes past a 64-byte boundary
-    tt = TorchMXFP8Tensor(data, _u8(M, K // 32), None, None, shape=(M, K), dtype=torch.float32)
+    tt = TorchMXFP8Tensor({Plane.ROWWISE: (data, _u8(M, K // 32))}, (M, K), torch.float32)
     with pytest.raises(ZeroCopyError, match="16 bytes past a 64-byte boundary"):
         to_jax_mxfp8(tt)

@@ -36,7 +36,7 @@ def test_policy_is_frozen_and_validated():
 def test_weight_format_routing_and_helpers():
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16)
     w = torch.empty(64, 96)
-    assert policy.weight_format("fc.weight", w, is_linear_weight=True) is WeightFormat.MXFP8_E4M3
+    assert policy.weight_format("fc.weight", w, block_scaled=True) is WeightFormat.MXFP8_E4M3
     assert policy.weight_format("ln.weight", torch.empty(64), False) is WeightFormat.BF16
     with pytest.raises(ValueError, match=r"'odd.weight' of shape \(40, 64\)"):
         policy.weight_format("odd.weight", torch.empty(40, 64), True)

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from common.formats import ALL_PLANES, Plane
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8 import te_probe
@@ -73,11 +74,11 @@ def test_quantize_is_the_oracle_byte_for_byte(impl, case):
     shape, dtype = case
     x = special_mix(shape, dtype, seed=shape[0] + shape[1])
     want = oracle.quantize(x)
-    got = impl.quantize(jnp.asarray(x), rowwise=True, colwise=True)
+    got = impl.quantize(jnp.asarray(x), planes=ALL_PLANES)
     for field in FIELDS:
         np.testing.assert_array_equal(u8(getattr(got, field)), want[field], err_msg=field)
     if case == CASES[0]:
-        row_only = impl.quantize(jnp.asarray(x), rowwise=True, colwise=False)
+        row_only = impl.quantize(jnp.asarray(x), planes=(Plane.ROWWISE,))
         assert row_only.colwise_data is None and row_only.colwise_scale is None
         np.testing.assert_array_equal(u8(row_only.rowwise_data), want["rowwise_data"])
 
@@ -100,7 +101,7 @@ def test_slice_operations_rebuild_the_oracle_bytes(impl):
         _assert_slices_refused(impl, shape, parts[0])
         return
     want = oracle.quantize(x)
-    amax = [impl.partial_block_amax(p, shape, s, True, True) for s, p in parts]
+    amax = [impl.partial_block_amax(p, shape, s, ALL_PLANES) for s, p in parts]
     rs = impl.scales_from_amax(jnp.max(jnp.stack([a.rowwise for a in amax]), axis=0))
     cs = impl.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), axis=0))
     np.testing.assert_array_equal(u8(rs), want["rowwise_scale"])
@@ -114,7 +115,7 @@ def test_slice_operations_rebuild_the_oracle_bytes(impl):
 def _assert_slices_refused(impl, shape, part) -> None:
     start, flat = part
     calls = {
-        "partial_block_amax": lambda: impl.partial_block_amax(flat, shape, start, True, True),
+        "partial_block_amax": lambda: impl.partial_block_amax(flat, shape, start, ALL_PLANES),
         "scales_from_amax": lambda: impl.scales_from_amax(jnp.zeros((4,), jnp.float32)),
         "cast_slice": lambda: impl.cast_slice(flat, shape, start, None, None),
     }
@@ -141,7 +142,7 @@ def test_matmul_is_the_product_of_the_oracle_dequantized_operands(impl):
     shape, dtype = CASES[1]  # the shape quantized above: no new compilation
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal((2, *shape)) * np.exp2(rng.integers(-8, 8, (2, shape[0], 1))))
-    qa, qb = (impl.quantize(jnp.asarray(v.astype(dtype)), rowwise=True, colwise=True)
+    qa, qb = (impl.quantize(jnp.asarray(v.astype(dtype)), planes=ALL_PLANES)
               for v in (a, b))
     deq = [oracle.dequantize(u8(t.rowwise_data), np.repeat(u8(t.rowwise_scale), 32, axis=1))
            for t in (qa, qb)]

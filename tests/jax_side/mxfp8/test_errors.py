@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from common.formats import Plane
 from jax_side import mxfp8
 
 
@@ -33,7 +34,7 @@ def test_bad_dtypes(dtype):
 
 def test_no_plane_requested():
     with pytest.raises(ValueError, match="asks for nothing"):
-        mxfp8.quantize(jnp.zeros((32, 32)), rowwise=False, colwise=False)
+        mxfp8.quantize(jnp.zeros((32, 32)), planes=())
 
 
 def test_gemm_contracted_dims_must_match():
@@ -44,9 +45,9 @@ def test_gemm_contracted_dims_must_match():
 
 
 def test_gemm_needs_the_role_planes():
-    x = mxfp8.quantize(jnp.zeros((32, 64)), colwise=False)
-    w = mxfp8.quantize(jnp.zeros((32, 64)), colwise=False)
-    with pytest.raises(ValueError, match=r"operand b .* needs its colwise plane.*colwise=True"):
+    x = mxfp8.quantize(jnp.zeros((32, 64)), planes=(Plane.ROWWISE,))
+    w = mxfp8.quantize(jnp.zeros((32, 64)), planes=(Plane.ROWWISE,))
+    with pytest.raises(ValueError, match=r"operand b .* needs its colwise plane.*Plane.COLWISE"):
         mxfp8.matmul(mxfp8.quantize(jnp.zeros((32, 32))), w, "dgrad")
     with pytest.raises(ValueError, match=r"operand a .* needs its colwise plane"):
         mxfp8.matmul(x, x, "wgrad")
@@ -63,7 +64,7 @@ def test_gemm_operand_types_role_and_out_dtype():
 
 
 def test_dequantize_bad_plane_and_type():
-    t = mxfp8.quantize(jnp.zeros((32, 32)), colwise=False)
+    t = mxfp8.quantize(jnp.zeros((32, 32)), planes=(Plane.ROWWISE,))
     with pytest.raises(ValueError, match="unknown MXFP8 plane 'diag'"):
         mxfp8.dequantize(t, "diag")
     with pytest.raises(ValueError, match="no colwise plane"):
@@ -75,9 +76,9 @@ def test_dequantize_bad_plane_and_type():
 def test_scale_inputs_are_checked():
     flat = jnp.zeros((64,), jnp.float32)
     with pytest.raises(ValueError, match=r"expected scale shape \(32, 1\), got \(32, 2\)"):
-        mxfp8.cast_slice(flat, (32, 32), 0, rowwise_scale=jnp.zeros((32, 2), jnp.uint8))
+        mxfp8.cast_slice(flat, (32, 32), 0, scales={"rowwise": jnp.zeros((32, 2), jnp.uint8)})
     with pytest.raises(TypeError, match="float8_e8m0fnu"):
-        mxfp8.cast_slice(flat, (32, 32), 0, rowwise_scale=jnp.zeros((32, 1), jnp.float32))
+        mxfp8.cast_slice(flat, (32, 32), 0, scales={"rowwise": jnp.zeros((32, 1), jnp.float32)})
     with pytest.raises(TypeError, match="expected float32 amax"):
         mxfp8.scales_from_amax(jnp.zeros((4,), jnp.bfloat16))
 
@@ -90,25 +91,25 @@ def test_hand_built_tensor_with_uint8_planes_is_refused():
     e8m0 = jax.lax.bitcast_convert_type(jnp.asarray(scale), jnp.float8_e8m0fnu)
     f32 = np.dtype(np.float32)
     with pytest.raises(TypeError, match=r"rowwise_data has dtype uint8.*bitcast_convert_type"):
-        mxfp8.MXFP8Tensor(data, e8m0, None, None, (32, 32), f32)
+        mxfp8.MXFP8Tensor({Plane.ROWWISE: (data, e8m0)}, (32, 32), f32)
     with pytest.raises(TypeError, match=r"rowwise_scale has dtype uint8.*float8_e8m0fnu"):
-        mxfp8.MXFP8Tensor(e4m3, scale, None, None, (32, 32), f32)
-    good = mxfp8.MXFP8Tensor(e4m3, e8m0, None, None, (32, 32), f32)
+        mxfp8.MXFP8Tensor({Plane.ROWWISE: (e4m3, scale)}, (32, 32), f32)
+    good = mxfp8.MXFP8Tensor({Plane.ROWWISE: (e4m3, e8m0)}, (32, 32), f32)
     assert float(mxfp8.dequantize(good)[0, 0]) == 3.0
 
 
 def test_hand_built_tensor_with_wrong_shapes_is_refused():
     t = mxfp8.quantize(jnp.ones((32, 64), jnp.float32))
     with pytest.raises(ValueError, match=r"colwise_scale has shape \(64, 1\), expected \(1, 64\)"):
-        mxfp8.MXFP8Tensor(None, None, t.colwise_data, t.colwise_scale.reshape(64, 1), t.shape,
-                          t.dtype)
+        mxfp8.MXFP8Tensor({Plane.COLWISE: (t.colwise_data, t.colwise_scale.reshape(64, 1))},
+                          t.shape, t.dtype)
     with pytest.raises(ValueError, match=r"rowwise_data has shape \(64, 32\), expected \(32, 64\)"):
-        mxfp8.MXFP8Tensor(t.rowwise_data.reshape(64, 32), t.rowwise_scale, None, None, t.shape,
-                          t.dtype)
+        mxfp8.MXFP8Tensor({Plane.ROWWISE: (t.rowwise_data.reshape(64, 32), t.rowwise_scale)},
+                          t.shape, t.dtype)
     with pytest.raises(ValueError, match="both be given or both be None"):
-        mxfp8.MXFP8Tensor(t.rowwise_data, None, None, None, t.shape, t.dtype)
+        mxfp8.MXFP8Tensor({Plane.ROWWISE: (t.rowwise_data, None)}, t.shape, t.dtype)
     with pytest.raises(ValueError, match=r"M % 32 == 0"):
-        mxfp8.MXFP8Tensor(None, None, None, None, (40, 64), t.dtype)
+        mxfp8.MXFP8Tensor({}, (40, 64), t.dtype)
 
 
 def test_validation_works_under_jit_vmap_and_tree_map():
@@ -135,7 +136,8 @@ def test_slice_start_must_be_an_integer(start):
     with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
         mxfp8.partial_block_amax(flat, (32, 32), start)
     with pytest.raises(TypeError, match=r"start must be an integer flat offset"):
-        mxfp8.cast_slice(flat, (32, 32), start, rowwise_scale=jnp.zeros((32, 1), jnp.uint8))
+        row = {Plane.ROWWISE: jnp.zeros((32, 1), jnp.uint8)}
+        mxfp8.cast_slice(flat, (32, 32), start, scales=row)
 
 
 def test_float64_input_is_refused_before_jax_narrows_it():

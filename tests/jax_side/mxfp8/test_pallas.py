@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.formats import Plane
 from jax_side import mxfp8
 from jax_side.mxfp8 import e8m0, xla_impl
 from jax_side.mxfp8 import pallas_elements as pe
@@ -51,7 +52,8 @@ def assert_same_as_xla(x, *, rowwise=True, colwise=True, interpret=True, tiles=N
     x = jnp.asarray(x)
     got = pk.quantize_2d(x, rowwise=rowwise, colwise=colwise, interpret=interpret, tiles=tiles,
                          e4m3_cast=mode)
-    want = mxfp8.quantize(x, rowwise=rowwise, colwise=colwise, backend="xla")
+    planes = [p for p, on in ((Plane.ROWWISE, rowwise), (Plane.COLWISE, colwise)) if on]
+    want = mxfp8.quantize(x, planes=planes, backend="xla")
     for f in FIELDS:
         g, w = getattr(got, f), getattr(want, f)
         assert (g is None) == (w is None), f
@@ -340,10 +342,9 @@ def check_slice(x: np.ndarray, start: int, n: int) -> None:
     assert_bytes_equal(got.rowwise, want.rowwise, f"row amax [{start}, +{n})")
     assert_bytes_equal(got.colwise, want.colwise, f"col amax [{start}, +{n})")
     whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-    c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                         colwise_scale=whole.colwise_scale, backend="pallas")
-    ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                           colwise_scale=whole.colwise_scale, backend="xla")
+    scales = {p: whole.plane(p).scale for p in Plane}
+    c = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="pallas")
+    ref = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="xla")
     assert c.rowwise.dtype == jnp.float8_e4m3fn and c.rowwise.shape == (n,)
     assert_bytes_equal(c.rowwise, ref.rowwise, f"row cast [{start}, +{n})")
     assert_bytes_equal(c.colwise, ref.colwise, f"col cast [{start}, +{n})")
@@ -369,7 +370,7 @@ def test_split_into_slices_reproduces_whole_quantize():
                                 backend="pallas")
     cs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), 0),
                                 backend="pallas")
-    casts = [mxfp8.cast_slice(p, (m, k), s, rowwise_scale=rs, colwise_scale=cs,
+    casts = [mxfp8.cast_slice(p, (m, k), s, scales={Plane.ROWWISE: rs, Plane.COLWISE: cs},
                               backend="pallas") for s, p in parts]
     want = mxfp8.quantize(jnp.asarray(x), backend="xla")
     assert_bytes_equal(rs, want.rowwise_scale, "rowwise_scale")
@@ -388,7 +389,7 @@ def test_random_inputs_property(seed, shape, dtype, rate):
 
 
 def test_bad_input_is_refused():
-    with pytest.raises(ValueError, match="multiples of 32"):
+    with pytest.raises(ValueError, match=r"M % 32 == 0 and K % 32 == 0"):
         pk.quantize_2d(jnp.zeros((32, 48), jnp.float32), rowwise=True, colwise=True)
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         pk.quantize_2d(jnp.zeros((32, 32), jnp.float16), rowwise=True, colwise=True)
@@ -485,9 +486,8 @@ def test_gpu_amax_cast_and_slices():
         assert_bytes_equal(got.rowwise, want.rowwise, "row amax")
         assert_bytes_equal(got.colwise, want.colwise, "col amax")
         whole = mxfp8.quantize(jnp.asarray(x), backend="xla")
-        c = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                             colwise_scale=whole.colwise_scale, backend="pallas")
-        ref = mxfp8.cast_slice(flat, (m, k), start, rowwise_scale=whole.rowwise_scale,
-                               colwise_scale=whole.colwise_scale, backend="xla")
+        scales = {p: whole.plane(p).scale for p in Plane}
+        c = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="pallas")
+        ref = mxfp8.cast_slice(flat, (m, k), start, scales=scales, backend="xla")
         assert_bytes_equal(c.rowwise, ref.rowwise, "row cast")
         assert_bytes_equal(c.colwise, ref.colwise, "col cast")

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.formats import Plane
 from jax_side import mxfp8
 from jax_side.mxfp8 import e8m0, xla_impl
 from tests.jax_side.mxfp8.corner_cases import CORNERS, block_matrix
@@ -135,8 +136,8 @@ def test_random_inputs_match_oracle_eager(dtype):
 def test_single_plane_requests():
     x = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
     expected = ref.quantize(x)
-    row = mxfp8.quantize(jnp.asarray(x), colwise=False)
-    col = mxfp8.quantize(jnp.asarray(x), rowwise=False)
+    row = mxfp8.quantize(jnp.asarray(x), planes=(Plane.ROWWISE,))
+    col = mxfp8.quantize(jnp.asarray(x), planes=(Plane.COLWISE,))
     assert row.colwise_data is None and row.colwise_scale is None
     assert col.rowwise_data is None and col.rowwise_scale is None
     np.testing.assert_array_equal(as_u8(row.rowwise_data), expected["rowwise_data"])
@@ -153,7 +154,7 @@ def test_tensor_fields_dtypes_shapes_and_pytree():
     leaves, treedef = jax.tree_util.tree_flatten(t)
     assert len(leaves) == 4
     assert jax.tree_util.tree_unflatten(treedef, leaves) == t
-    row_only = mxfp8.quantize(x, colwise=False)
+    row_only = mxfp8.quantize(x, planes=(Plane.ROWWISE,))
     assert len(jax.tree_util.tree_leaves(row_only)) == 2
 
 

@@ -28,7 +28,7 @@ def compose(x: np.ndarray, cuts: list[int]) -> dict[str, np.ndarray]:
     col_amax = jnp.max(jnp.stack([p.colwise for p in partial]), axis=0)
     rs, cs = mxfp8.scales_from_amax(row_amax), mxfp8.scales_from_amax(col_amax)
     casts = [
-        mxfp8.cast_slice(sl, (m, k), s, rowwise_scale=rs, colwise_scale=cs) for s, sl in slices
+        mxfp8.cast_slice(sl, (m, k), s, scales={"rowwise": rs, "colwise": cs}) for s, sl in slices
     ]
     return {
         "rowwise_data": np.concatenate([np.asarray(c.rowwise).view(np.uint8) for c in casts]),
@@ -107,7 +107,7 @@ def test_empty_slice_contributes_nothing_and_casts_to_nothing():
     empty = jnp.zeros((0,), jnp.float32)
     p = mxfp8.partial_block_amax(empty, (32, 32), 1024)
     assert not np.any(np.asarray(p.rowwise)) and not np.any(np.asarray(p.colwise))
-    c = mxfp8.cast_slice(empty, (32, 32), 5, rowwise_scale=rs)
+    c = mxfp8.cast_slice(empty, (32, 32), 5, scales={"rowwise": rs})
     assert c.rowwise.shape == (0,) and c.colwise is None
 
 
@@ -115,7 +115,7 @@ def test_cast_slice_accepts_uint8_scale_bytes():
     x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32)
     t = mxfp8.quantize(x)
     u8 = np.asarray(t.rowwise_scale).view(np.uint8)
-    c = mxfp8.cast_slice(x.reshape(-1)[10:50], (32, 64), 10, rowwise_scale=jnp.asarray(u8))
+    c = mxfp8.cast_slice(x.reshape(-1)[10:50], (32, 64), 10, scales={"rowwise": jnp.asarray(u8)})
     np.testing.assert_array_equal(
         np.asarray(c.rowwise).view(np.uint8),
         np.asarray(t.rowwise_data).view(np.uint8).reshape(-1)[10:50],

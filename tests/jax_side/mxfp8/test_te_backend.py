@@ -115,9 +115,9 @@ def test_edge_blocks_are_exactly_the_nonfinite_and_tiny_blocks(column):
 def test_splice_takes_exactly_the_edge_blocks_from_the_reference():
     x = jnp.asarray(_blocks_matrix({**EDGE_BLOCKS, **FINITE_BLOCKS}, column=False))
     ref = mxfp8.quantize(x, backend="xla")
-    planes = (ref.rowwise_data, ref.rowwise_scale, ref.colwise_data, ref.colwise_scale)
     zeros = MXFP8Tensor(  # all-zero bytes (e8m0 has no 0.0, so build them as uint8)
-        *(jax.lax.bitcast_convert_type(jnp.zeros(a.shape, jnp.uint8), a.dtype) for a in planes),
+        {p: tuple(jax.lax.bitcast_convert_type(jnp.zeros(a.shape, jnp.uint8), a.dtype)
+                  for a in pair) for p, pair in ref.planes.items()},
         ref.shape, ref.dtype)
     edge = te_backend.edge_blocks(x, rowwise=True, colwise=True)
     out = te_backend._splice(zeros, ref, edge)
@@ -174,8 +174,9 @@ def test_quantize_random_matches_xla_bitwise(te_path, dtype, shape, wide):
 @pytest.mark.parametrize("rowwise, colwise", [(True, False), (False, True)], ids=["row", "col"])
 def test_quantize_single_plane_matches_xla_bitwise(te_path, rowwise, colwise):
     x = _random((256, 256), BF16, seed=3)
-    te = mxfp8.quantize(x, rowwise=rowwise, colwise=colwise, backend="te")
-    _assert_same_bytes(te, mxfp8.quantize(x, rowwise=rowwise, colwise=colwise, backend="xla"))
+    planes = [p for p, on in ((Plane.ROWWISE, rowwise), (Plane.COLWISE, colwise)) if on]
+    te = mxfp8.quantize(x, planes=planes, backend="te")
+    _assert_same_bytes(te, mxfp8.quantize(x, planes=planes, backend="xla"))
 
 
 @pytest.mark.gpu
