@@ -29,7 +29,7 @@ import torch
 
 from bridge.capabilities import Fp8Transport
 from bridge.dlpack import to_jax, to_torch
-from common.formats import Plane, PlaneData, check_mxfp8_shape, scale_shape
+from common.formats import Plane, PlaneData, PlaneFields, check_mxfp8_shape, scale_shape
 from jax_side.mxfp8 import MXFP8Tensor
 
 __all__ = [
@@ -91,7 +91,7 @@ def check_plane(
 
 
 @dataclasses.dataclass(frozen=True)
-class TorchMXFP8Tensor:
+class TorchMXFP8Tensor(PlaneFields):
     """MXFP8 planes of a logical (M, K) tensor held by Torch; see the module docstring."""
 
     planes: Mapping[Plane, PlaneData]  # only the planes present
@@ -136,17 +136,6 @@ class TorchMXFP8Tensor:
 
     def colwise(self) -> PlaneData:
         return self.plane(Plane.COLWISE)
-
-    # Read-only conveniences (None when the plane is absent); the planes live in ``planes``.
-    rowwise_data = property(lambda self: _field(self, Plane.ROWWISE, 0))
-    rowwise_scale = property(lambda self: _field(self, Plane.ROWWISE, 1))
-    colwise_data = property(lambda self: _field(self, Plane.COLWISE, 0))
-    colwise_scale = property(lambda self: _field(self, Plane.COLWISE, 1))
-
-
-def _field(t, plane: Plane, i: int):
-    got = t.planes.get(plane)
-    return None if got is None else got[i]
 
 
 def _as_native(t: torch.Tensor, native: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,7 @@ __all__ = [
     "ALL_PLANES",
     "Plane",
     "PlaneData",
+    "PlaneFields",
     "ScaleBlocks",
     "BlockScaledParams",
     "WeightFormat",
@@ -74,6 +75,22 @@ class PlaneData(NamedTuple):
 
     data: Any
     scale: Any
+
+
+class PlaneFields:
+    """Read-only conveniences of the tensor classes that hold ``planes: {Plane: PlaneData}``:
+    ``rowwise_data`` ... ``colwise_scale``, None when the plane is absent."""
+
+    planes: dict[Plane, PlaneData]
+
+    def _field(self, plane: Plane, i: int):
+        got = self.planes.get(plane)
+        return None if got is None else got[i]
+
+    rowwise_data = property(lambda self: self._field(Plane.ROWWISE, 0))
+    rowwise_scale = property(lambda self: self._field(Plane.ROWWISE, 1))
+    colwise_data = property(lambda self: self._field(Plane.COLWISE, 0))
+    colwise_scale = property(lambda self: self._field(Plane.COLWISE, 1))
 
 
 def parse_planes(planes: Plane | str | Iterable[Plane | str], what: str) -> tuple[Plane, ...]:

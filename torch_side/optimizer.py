@@ -44,9 +44,8 @@ class FSDPOptimizer:
         self.optimizer = optimizer_cls([g.main for g in self.groups], **kwargs)
 
     def _check_grads_complete(self, what: str) -> None:
-        self.model.state.require_idle(what)  # refuse before anything moves
         state = self.model.state
-        state.recover(what)
+        state.require_idle(what)  # refuse before anything moves (recovers an aborted backward)
         if state.grads_incomplete:
             raise RuntimeError(
                 f"rank {self.model.comms['dp'].rank}: {what}: the last backward "

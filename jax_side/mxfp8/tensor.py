@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from common.formats import Plane, PlaneData, check_mxfp8_shape, scale_shape
+from common.formats import Plane, PlaneData, PlaneFields, check_mxfp8_shape, scale_shape
 
 __all__ = ["BlockAmax", "MXFP8Tensor", "Plane", "PlaneData", "SliceCast", "scale_bytes"]
 
@@ -87,7 +87,7 @@ def _plane_mapping(owner: str, planes) -> dict[Plane, PlaneData]:
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8Tensor:
+class MXFP8Tensor(PlaneFields):
     """MXFP8 planes of a logical (M, K) tensor. See the module docstring for the layout."""
 
     planes: Mapping[Plane, PlaneData]  # only the planes that were quantized
@@ -132,17 +132,6 @@ class MXFP8Tensor:
         """The same tensor with only one plane kept."""
         plane = Plane.parse(plane)
         return MXFP8Tensor({plane: self.plane(plane)}, self.shape, self.dtype)
-
-    # Read-only conveniences (None when the plane is absent); the planes live in ``planes``.
-    rowwise_data = property(lambda self: _field(self, Plane.ROWWISE, 0))
-    rowwise_scale = property(lambda self: _field(self, Plane.ROWWISE, 1))
-    colwise_data = property(lambda self: _field(self, Plane.COLWISE, 0))
-    colwise_scale = property(lambda self: _field(self, Plane.COLWISE, 1))
-
-
-def _field(t, plane: Plane, i: int):
-    got = t.planes.get(plane)
-    return None if got is None else got[i]
 
 
 def _flatten(t: MXFP8Tensor):
