@@ -7,7 +7,9 @@ lifetime instead of once per layer and plane. The owner (FSDP) drops the ``Share
 buffer is freed or rewritten; the ownership rules of ``bridge/dlpack.py`` apply unchanged (the JAX
 view keeps the storage alive; Torch does not overwrite it while JAX work reading it is pending).
 
-``SharedPlane`` says where one weight's plane sits in two such buffers; ``to_flat_plane`` turns it
+``SharedTensor`` says where one high-precision parameter sits in such a buffer (a unit program
+reads it by offset, ``to_flat_tensor``). ``SharedPlane`` says where one weight's plane sits in
+two such buffers; ``to_flat_plane`` turns it
 into the ``jax_side.linear.FlatPlane`` the jitted linear cuts the plane out of.
 """
 
@@ -20,8 +22,9 @@ import torch
 from bridge.dlpack import to_jax
 from common.formats import Plane
 from jax_side.linear import FlatPlane
+from jax_side.unit_program import FlatTensor
 
-__all__ = ["SharedBuffer", "SharedPlane", "to_flat_plane"]
+__all__ = ["SharedBuffer", "SharedPlane", "SharedTensor", "to_flat_plane", "to_flat_tensor"]
 
 
 class SharedBuffer:
@@ -64,3 +67,16 @@ def to_flat_plane(p: SharedPlane) -> FlatPlane:
     """The JAX side of a ``SharedPlane`` (the buffers' JAX views; no copy, no per-call crossing
     once the buffers are shared)."""
     return FlatPlane(p.data.jax(), p.scale.jax(), p.data_offset, p.scale_offset, p.shape, p.plane)
+
+
+class SharedTensor(NamedTuple):
+    """One high-precision parameter inside a shared buffer (offset in elements)."""
+
+    data: SharedBuffer  # the buffer (the parameter's dtype): the parameter at offset, row-major
+    offset: int
+    shape: tuple[int, ...]
+
+
+def to_flat_tensor(t: SharedTensor) -> FlatTensor:
+    """The JAX side of a ``SharedTensor`` (no per-call crossing once the buffer is shared)."""
+    return FlatTensor(t.data.jax(), t.offset, tuple(t.shape))

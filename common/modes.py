@@ -1,7 +1,12 @@
-"""``LinearMode``: the one enum of how a linear layer multiplies, shared by every layer.
+"""The enums of how a model computes, shared by every layer and both frameworks.
 
-The bridge's Torch op, the Flax twin, the Torch twin, FSDP (which weights get MXFP8 planes) and
-the applications all take this enum; there is no second spelling to convert between.
+- ``LinearMode``: how a linear layer multiplies (the bridge's Torch op, the Flax twin, the Torch
+  twin, FSDP -- which weights get MXFP8 planes -- and the applications all take it).
+- ``Activations``: the activation dtype and attention kernel of the GPT twins.
+- ``Compute``: the granularity at which a Torch model enters JAX (one op per linear, or one
+  program per FSDP unit and direction; docs/DESIGN.md section 8).
+
+There is no second spelling of any of them to convert between.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import enum
 
 from common.enums import parse_enum
 
-__all__ = ["LinearMode"]
+__all__ = ["Activations", "Compute", "LinearMode"]
 
 
 class LinearMode(enum.Enum):
@@ -23,3 +28,25 @@ class LinearMode(enum.Enum):
     @classmethod
     def parse(cls, value: LinearMode | str) -> LinearMode:
         return parse_enum(cls, value, what="linear mode")
+
+
+class Activations(enum.Enum):
+    """Activation dtype and attention kernel of the GPT twins (Torch and Flax alike)."""
+
+    FP32 = "fp32"  # fp32 everywhere, attention written out: the exact twin the parity tests use
+    BF16 = "bf16"  # training speed: bf16 activations, fused attention, fp32 norm and loss math
+
+    @classmethod
+    def parse(cls, value: Activations | str) -> Activations:
+        return parse_enum(cls, value, what="activations")
+
+
+class Compute(enum.Enum):
+    """How a Torch model's registered blocks enter JAX (``bridge.units``)."""
+
+    OP = "op"  # one Torch autograd op per linear layer (MXFP8Linear anywhere)
+    UNIT = "unit"  # one jitted JAX program per block (FSDP unit) forward, one per backward
+
+    @classmethod
+    def parse(cls, value: Compute | str) -> Compute:
+        return parse_enum(cls, value, what="compute granularity")

@@ -54,7 +54,7 @@ from torch_side.collectives import Phase
 from torch_side.fsdp_state import FSDPState
 from torch_side.param_group import ParamGroup
 
-__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "TrainingState", "check_finite"]
+__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "ParamShare", "TrainingState", "check_finite"]
 
 
 class GradCheck(enum.Enum):
@@ -96,6 +96,22 @@ class MXFP8Planes:
             phase = Phase.BACKWARD
         self.group.unshard([plane], phase)
         return self.group.shared_plane(self.index, plane)
+
+
+class ParamShare:
+    """A high-precision parameter of a unit inside its group's weights buffer, shared with JAX
+    (``bridge.shared.SharedTensor``) for the unit programs (``bridge.units``); gathered lazily
+    with the phase of the moment, like ``MXFP8Planes``."""
+
+    def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
+        self.unit, self.group, self.index = unit, group, index
+
+    def shared_tensor(self):
+        phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
+        if self.unit.state is TrainingState.BACKWARD:
+            phase = Phase.BACKWARD
+        self.group.unshard([self.group.forward_plane], phase)
+        return self.group.shared_param(self.index)
 
 
 class _PostBackward(torch.autograd.Function):

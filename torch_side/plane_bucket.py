@@ -133,11 +133,16 @@ class PlaneBucket:
             self.allocator.free(self.label, self.plane.value)
             self.state = PlaneState.SHARDED
 
-    def shared(self, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:
-        """(full buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
+    def shared_data(self) -> SharedBuffer:
+        """The full buffer shared with JAX, made once per buffer lifetime."""
         full = self.full()  # waits for an in-flight gather; checks the state
         if self._data_share is None or self._data_share.tensor is not full:
             self._data_share = SharedBuffer(full)
+        return self._data_share
+
+    def shared(self, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:
+        """(full buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
+        self.shared_data()
         if self._scale_share is None:
             self._scale_share = SharedBuffer(scale_buffer)
         return self._data_share, self._scale_share

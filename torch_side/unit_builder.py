@@ -26,7 +26,7 @@ from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
 from torch_side.fsdp_state import FSDPState
-from torch_side.fsdp_unit import FSDPUnit, GradCheck, MXFP8Planes
+from torch_side.fsdp_unit import FSDPUnit, GradCheck, MXFP8Planes, ParamShare
 from torch_side.param_group import GroupKey, ParamEntry, ParamGroup
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import ShardingStrategy
@@ -164,14 +164,20 @@ def build_units(
 
 
 def install_plane_hooks(units: list[FSDPUnit]) -> list:
-    """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder."""
+    """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder,
+    and each owning module's ``fsdp_sources`` ({parameter name: ``MXFP8Planes`` or
+    ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from."""
     handles = []
     for unit in units:
         for g in unit.groups:
-            if g.codec.param_storage is not ParamStorage.PLACEHOLDER:
-                continue
+            placeholder = g.codec.param_storage is ParamStorage.PLACEHOLDER
             for i, e in enumerate(g.entries):
-                planes = MXFP8Planes(unit, g, i)
+                local = e.name.rsplit(".", 1)[-1]
+                sources = e.module.__dict__.setdefault("fsdp_sources", {})
+                if not placeholder:
+                    sources[local] = ParamShare(unit, g, i)
+                    continue
+                planes = sources[local] = MXFP8Planes(unit, g, i)
 
                 def inject(module, args, kwargs, planes=planes):
                     kwargs = dict(kwargs)

@@ -23,7 +23,11 @@ Variables (collections of ``apply``):
 
 Every linear runs through an injected ``LinearFn`` (``jax_side.linear``, the same JAX linear the
 Torch op runs): MXFP8 with the model's ``KernelConfig``, or the high-precision control, chosen by
-``LinearMode``. Activations are float32.
+``LinearMode``. The math between the linears (LayerNorm, attention, GELU, residuals, loss) is
+``jax_side.models.gpt_math``, the very functions the Torch model's unit programs run
+(``bridge.units``). ``activations``: ``Activations.FP32`` (default; attention written out) or
+``BF16`` (bf16 activations after the embeddings, fused attention, fp32 norm statistics and loss;
+the Torch training path's twin).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from common.kernels import KernelConfig
 from common.model_config import GPTConfig
-from common.modes import LinearMode
+from common.modes import Activations, LinearMode
 from jax_side.linear import LinearFn, linear_fn
+from jax_side.models import gpt_math as gm
 
 __all__ = [
     "FlaxGPT",
@@ -83,8 +88,7 @@ class Linear(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Written out (not ``nn.LayerNorm``) so both twins evaluate the same formula:
-    ``(x - mean) / sqrt(var + eps) * weight + bias``, biased variance over the last axis."""
+    """``gpt_math.layer_norm`` with its ``weight`` (ones) and ``bias`` (zeros) parameters."""
 
     dim: int
     eps: float
@@ -93,9 +97,7 @@ class LayerNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (self.dim,), _F32)
         bias = self.param("bias", nn.initializers.zeros, (self.dim,), _F32)
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(var + jnp.float32(self.eps)) * weight + bias
+        return gm.layer_norm(x, weight, bias, self.eps)
 
 
 class Embedding(nn.Module):
@@ -113,22 +115,16 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     cfg: GPTConfig
     fn: LinearFn
+    activations: Activations = Activations.FP32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        b, s, d = x.shape
-        h, hd = cfg.n_head, cfg.head_dim
-        qkv = Linear(d, 3 * d, self.fn, cfg.init_std, name="qkv")(x)  # (B, S, 3D)
-        q, k, v = jnp.split(qkv, 3, axis=-1)  # 3 x (B, S, D)
-        q, k, v = (t.reshape(b, s, h, hd).transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, S, hd)
-        att = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * jnp.float32(hd**-0.5)
-        causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-        att = jnp.where(causal, att, jnp.float32(-jnp.inf))
-        att = jax.nn.softmax(att, axis=-1)  # (B, H, S, S)
-        out = jnp.einsum("bhqk,bhkd->bhqd", att, v, precision="highest")  # (B, H, S, hd)
-        out = out.transpose(0, 2, 1, 3).reshape(b, s, d)  # (B, S, D)
-        return Linear(d, d, self.fn, cfg.init_std, name="proj")(out)
+        cfg, d = self.cfg, self.cfg.d_model
+        return gm.attention(
+            cfg, self.activations, x,
+            qkv=Linear(d, 3 * d, self.fn, cfg.init_std, name="qkv"),
+            proj=Linear(d, d, self.fn, cfg.init_std, name="proj"),
+        )
 
 
 class MLP(nn.Module):
@@ -138,32 +134,38 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        hid = Linear(cfg.d_model, cfg.d_ff, self.fn, cfg.init_std, name="fc")(x)  # (B, S, F)
-        hid = jax.nn.gelu(hid, approximate=True)
-        return Linear(cfg.d_ff, cfg.d_model, self.fn, cfg.init_std, name="proj")(hid)
+        return gm.mlp(
+            x,
+            fc=Linear(cfg.d_model, cfg.d_ff, self.fn, cfg.init_std, name="fc"),
+            proj=Linear(cfg.d_ff, cfg.d_model, self.fn, cfg.init_std, name="proj"),
+        )
 
 
 class Block(nn.Module):
     cfg: GPTConfig
     fn: LinearFn
+    activations: Activations = Activations.FP32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = x + Attention(cfg, self.fn, name="attn")(
-            LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_1")(x)
-        )
-        return x + MLP(cfg, self.fn, name="mlp")(
-            LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_2")(x)
+        return gm.block(
+            x,
+            ln_1=LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_1"),
+            attn=Attention(cfg, self.fn, self.activations, name="attn"),
+            ln_2=LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_2"),
+            mlp=MLP(cfg, self.fn, name="mlp"),
         )
 
 
 class FlaxGPT(nn.Module):
-    """tokens int32 (B, S), S <= max_seq_len -> logits float32 (B, S, vocab_size)."""
+    """tokens int32 (B, S), S <= max_seq_len -> logits (B, S, vocab_size) in the activation
+    dtype (float32, or bfloat16 with ``Activations.BF16``)."""
 
     cfg: GPTConfig
     mode: LinearMode = LinearMode.MXFP8
     kernels: KernelConfig | None = None  # None: the device default (jax_side.mxfp8.kernel_report)
+    activations: Activations = Activations.FP32
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -174,11 +176,14 @@ class FlaxGPT(nn.Module):
                 f"FlaxGPT: sequence length {s} exceeds max_seq_len={cfg.max_seq_len}; "
                 f"truncate the batch or build a config with a larger max_seq_len"
             )
+        acts = Activations.parse(self.activations)
         fn = linear_fn(self.mode, self.kernels)
         x = Embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, name="wte")(tokens)  # (B, S, D)
         x = x + Embedding(cfg.max_seq_len, cfg.d_model, cfg.init_std, name="wpe")(jnp.arange(s))
+        if acts is Activations.BF16:
+            x = x.astype(jnp.bfloat16)
         for i in range(cfg.n_layer):
-            x = Block(cfg, fn, name=f"h_{i}")(x)
+            x = Block(cfg, fn, acts, name=f"h_{i}")(x)
         x = LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_f")(x)
         logits = Linear(cfg.d_model, cfg.vocab_size, fn, cfg.init_std, name="lm_head")(x)
         self.sow("intermediates", "logits", logits)
@@ -186,10 +191,9 @@ class FlaxGPT(nn.Module):
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean token cross-entropy, fp32 scalar. logits (B, S, V) float32, targets int (B, S)."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # (B, S)
-    return -jnp.mean(picked)
+    """Mean token cross-entropy, fp32 scalar. logits (B, S, V) (bf16 widened first), targets
+    int (B, S) (``gpt_math.cross_entropy``)."""
+    return gm.cross_entropy(logits, targets)
 
 
 def flat_params(params: Mapping) -> dict[str, jax.Array]:

@@ -35,25 +35,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from bridge import MXFP8Linear
+from bridge.units import GPTBlockFn, GPTHeadFn, register_unit, run_unit, set_compute
 from common.kernels import KernelConfig
 from common.model_config import GPTConfig
-from common.modes import LinearMode
+from common.modes import Activations, Compute, LinearMode
 
 __all__ = [
     "Activations",
+    "Compute",
     "LinearImpl",
     "TorchGPT",
     "cross_entropy",
     "load_flat_params",
     "mxfp8_linears",
 ]
-
-
-class Activations(enum.Enum):
-    """Activation dtype and attention kernel of the Torch GPT (see the module docstring)."""
-
-    FP32 = "fp32"  # the twin of FlaxGPT: fp32 everywhere, attention written out
-    BF16 = "bf16"  # training speed: bf16 activations, SDPA attention, fp32 norm/loss math
 
 
 class LinearImpl(enum.Enum):
@@ -140,6 +135,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, spec: _Spec):
         super().__init__()
+        self.activations = spec.activations
         self.ln_1 = LayerNorm(cfg.d_model, cfg.ln_eps)
         self.attn = Attention(cfg, spec)
         self.ln_2 = LayerNorm(cfg.d_model, cfg.ln_eps)
@@ -150,13 +146,24 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+register_unit(Block, lambda b: GPTBlockFn(b.attn.cfg, b.activations))
+
+
 class TorchGPT(nn.Module):
-    """tokens int64 (B, S), S <= max_seq_len -> logits (B, S, vocab_size) in the activation dtype.
+    """tokens int64 (B, S), S <= max_seq_len -> logits (B, S, vocab_size) in the activation dtype;
+    with ``targets`` (int (B, S)) -> the mean token cross-entropy, an fp32 scalar.
 
     Initialised like GPT-2 (normal(0, init_std) weights, LayerNorm ones/zeros) from ``seed``;
     ``load_flat_params`` replaces that with a Flax checkpoint. Parameters are fp32 (FSDP's policy
     decides the model weights' format); ``activations`` picks the twin (FP32) or the training path
     (BF16); ``linear_impl=TORCH`` builds plain ``nn.Linear`` layers (no JAX).
+
+    compute: ``Compute.OP`` runs the Torch code above, each linear a ``bridge.MXFP8Linear`` op;
+    ``Compute.UNIT`` runs each block as one JAX program per direction (``bridge.units``: the
+    block math of ``jax_side.models.gpt_math``, the Flax twin's) and, when ``targets`` are given,
+    the final norm, LM head and loss as one more (the logits never reach Torch). Embeddings stay
+    Torch ops in both. ``recompute`` (UNIT only): every block recomputes its forward inside its
+    backward program instead of keeping activations (use ``torch.utils.checkpoint`` with OP).
     """
 
     def __init__(
@@ -169,11 +176,14 @@ class TorchGPT(nn.Module):
         kernels: KernelConfig | None = None,
         activations: Activations | str = Activations.FP32,
         linear_impl: LinearImpl | str = LinearImpl.BRIDGE,
+        compute: Compute | str = Compute.OP,
+        recompute: bool = False,
     ):
         super().__init__()
         self.cfg, self.mode, self.kernels = cfg, LinearMode.parse(mode), kernels
-        self.activations = Activations(activations)
-        spec = _Spec(self.mode, kernels, self.activations, LinearImpl(linear_impl))
+        self.activations = Activations.parse(activations)
+        self.linear_impl = LinearImpl(linear_impl)
+        spec = _Spec(self.mode, kernels, self.activations, self.linear_impl)
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         for i in range(cfg.n_layer):
@@ -186,17 +196,39 @@ class TorchGPT(nn.Module):
                 with torch.no_grad():
                     p.normal_(0.0, cfg.init_std, generator=gen)
         self.to(device)
+        self.compute = Compute.OP
+        self.set_compute(compute, recompute=recompute)
+
+    def set_compute(self, compute: Compute | str, *, recompute: bool = False) -> None:
+        """Switch between per-linear ops and unit programs (class docstring)."""
+        compute = Compute.parse(compute)
+        if compute is Compute.UNIT and self.linear_impl is LinearImpl.TORCH:
+            raise ValueError(
+                "TorchGPT: compute=unit runs the blocks in JAX, but linear_impl=torch builds "
+                "PyTorch-only layers; use compute=op for the PyTorch baselines"
+            )
+        if recompute and compute is not Compute.UNIT:
+            raise ValueError(
+                "TorchGPT: recompute=True is the unit programs' activation recompute; with "
+                "compute=op wrap the blocks in torch.utils.checkpoint instead"
+            )
+        set_compute(self, compute, recompute=recompute)
+        self.compute = compute
 
     @property
     def blocks(self) -> list[Block]:
         return [getattr(self, f"h_{i}") for i in range(self.cfg.n_layer)]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = tokens.shape
         if s > self.cfg.max_seq_len:
             raise ValueError(
                 f"TorchGPT: sequence length {s} exceeds max_seq_len={self.cfg.max_seq_len}; "
                 f"truncate the batch or build a config with a larger max_seq_len"
+            )
+        if targets is not None and tuple(targets.shape) != (b, s):
+            raise ValueError(
+                f"TorchGPT: targets of shape {tuple(targets.shape)} must match tokens {(b, s)}"
             )
         pos = torch.arange(s, device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)  # (B, S, D)
@@ -204,7 +236,11 @@ class TorchGPT(nn.Module):
             x = x.to(torch.bfloat16)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # (B, S, V)
+        if targets is None:
+            return self.lm_head(self.ln_f(x))  # (B, S, V)
+        if self.compute is Compute.UNIT:
+            return run_unit(self, GPTHeadFn(self.cfg), x, targets, parts=("ln_f", "lm_head"))
+        return cross_entropy(self.lm_head(self.ln_f(x)), targets)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

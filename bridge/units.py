@@ -1,0 +1,301 @@
+"""Unit compute: a Torch block's forward as one JAX program and its backward as one.
+
+The per-linear op (``bridge.linear``) enters JAX twice per linear layer and pays Python dispatch on
+both sides each time; a GPT step is then bound by the host, not the GPU (docs/DESIGN.md section
+8). Here a whole block -- a **unit** -- is one autograd op around ``jax_side.unit_program``: its
+forward runs the block's JAX function (the Flax twin's math, ``gpt_math``) in one jitted program
+that keeps its residuals on the JAX side, its backward one program that returns dx and every
+parameter's gradient in one crossing.
+
+Registering a block type: ``register_unit(BlockType, fn_for)``, where ``fn_for(module)`` returns
+the block's JAX function ``fn(params, linear, x) -> y`` (a hashable callable:
+``unit_program``'s contract). ``set_compute(model, Compute.UNIT)`` then runs every registered
+block of ``model`` through it (an instance-level ``forward``; ``Compute.OP`` restores the class's
+own forward, which the per-linear op serves). ``run_unit(module, fn, x, *aux, parts=...)`` runs
+any function over any set of submodules (the GPT's head and loss use it). The GPT's own block and
+head functions (``jax_side.models.gpt_math``) are re-exported here for ``torch_side``, which
+reaches JAX only through the bridge.
+
+What the unit reads, per parameter of the block (found once per module and cached):
+
+- an ``MXFP8Linear`` in ``LinearMode.MXFP8`` (bias-free): its weight's planes. Under FSDP the
+  module carries ``fsdp_sources["weight"]`` (set by ``torch_side``), whose ``shared(plane)`` is
+  the plane inside FSDP's gathered bucket, shared with JAX once per bucket lifetime: the rowwise
+  plane in forward, the colwise plane in backward (FSDP's phase rule). Without FSDP the weight
+  itself crosses and the program quantizes ``bf16(weight)`` (both planes);
+- every other parameter (LayerNorm, a high-precision linear's weight): by block-relative name;
+  under FSDP ``fsdp_sources[name].shared_tensor()`` is its slice of the group's shared buffer,
+  otherwise the tensor crosses.
+
+Gradients: the backward returns dx and the gradients of all parameters in one uint8 array (one
+crossing), cut into views; autograd hands them to the parameters (FSDP's gradient hooks stage
+them for reduce-scatter unchanged). dW comes in each weight's own dtype (its ``dtype``), as from
+the per-linear op.
+
+Recompute (``recompute=True``, or the model's ``set_compute(..., recompute=True)``): the forward
+keeps nothing but its inputs; the backward program runs the forward again, then the backward
+(under FSDP the rowwise planes are gathered again for it, phase ``RECOMPUTE``).
+
+Ahead-of-time compilation: inside ``compile_ahead()`` both programs are submitted and the op
+returns zeros, like the per-linear op.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from bridge.compile_ahead import active, run_in, run_or_compile
+from bridge.dlpack import to_jax
+from bridge.dtypes import torch_dtype_for
+from bridge.linear import MXFP8Linear, _result, _share, resolve_for
+from bridge.shared import to_flat_plane, to_flat_tensor
+from common.formats import Plane
+from common.modes import Compute, LinearMode
+from jax_side import unit_program as U
+from jax_side.models.gpt_math import GPTBlockFn, GPTHeadFn
+
+__all__ = [
+    "GPTBlockFn",
+    "GPTHeadFn",
+    "register_unit", "registered_fn", "run_unit", "set_compute", "unit_modules"]
+
+_REGISTRY: dict[type, Callable[[nn.Module], Callable]] = {}
+
+
+def register_unit(module_type: type, fn_for: Callable[[nn.Module], Callable]) -> None:
+    """Run ``module_type`` blocks as unit programs under ``Compute.UNIT`` (module docstring)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_unit: expected an nn.Module subclass, got {module_type!r}")
+    if not callable(fn_for):
+        raise TypeError(f"register_unit: fn_for must be callable(module) -> fn, got {fn_for!r}")
+    _REGISTRY[module_type] = fn_for
+
+
+def registered_fn(module: nn.Module) -> Callable | None:
+    """The JAX function of a registered block (None for other modules)."""
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return _REGISTRY[cls](module)
+    return None
+
+
+def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every registered block in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if registered_fn(m) is not None]
+
+
+def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = False) -> int:
+    """Run every registered block of ``model`` as a unit (``Compute.UNIT``) or through its own
+    forward (``Compute.OP``); returns how many blocks were switched."""
+    compute = Compute.parse(compute)
+    mods = unit_modules(model)
+    for _, m in mods:
+        m.__dict__.pop("forward", None)  # back to the class's forward
+        if compute is Compute.UNIT:
+            fn = registered_fn(m)
+            m.forward = types.MethodType(
+                lambda self, x, _fn=fn: run_unit(self, _fn, x, recompute=recompute), m
+            )
+    return len(mods)
+
+
+# ------------------------------------------------------------------ what a unit reads (cached)
+
+
+class _Param(NamedTuple):
+    name: str  # block-relative
+    owner: nn.Module
+    local: str  # name inside owner
+    param: nn.Parameter
+
+
+class _Layout(NamedTuple):
+    """The unit's parameters and MXFP8 linears, found once per (module, parts)."""
+
+    params: tuple[_Param, ...]
+    linears: tuple[tuple[str, MXFP8Linear], ...]  # MXFP8 mode
+    hp_linears: tuple[str, ...]
+
+
+def _walk(module: nn.Module, parts: Sequence[str] | None):
+    if parts is None:
+        yield from module.named_modules()
+        return
+    for part in parts:
+        sub = module.get_submodule(part)
+        for name, m in sub.named_modules():
+            yield (f"{part}.{name}" if name else part), m
+
+
+def _find_layout(module: nn.Module, parts: Sequence[str] | None) -> _Layout:
+    params, linears, hp_linears = [], [], []
+    for mname, mod in _walk(module, parts):
+        mx = isinstance(mod, MXFP8Linear)
+        if mx and mod.bias is not None:
+            raise ValueError(
+                f"unit compute: {type(module).__name__} layer {mname!r} is an MXFP8Linear with "
+                f"a bias; a unit program's linears are bias-free (as the GPT's): build the layer "
+                f"with bias=False, or run this block with Compute.OP"
+            )
+        if mx and mod.mode is LinearMode.MXFP8:
+            linears.append((mname, mod))
+            continue
+        if mx:
+            hp_linears.append(mname)
+        for pname, p in mod.named_parameters(recurse=False):
+            params.append(_Param(f"{mname}.{pname}" if mname else pname, mod, pname, p))
+    if not linears and not params:
+        raise ValueError(
+            f"unit compute: {type(module).__name__} (parts {parts}) has no parameters to run"
+        )
+    return _Layout(tuple(params), tuple(linears), tuple(hp_linears))
+
+
+def _layout(module: nn.Module, parts) -> _Layout:
+    cache = module.__dict__.setdefault("_unit_layouts", {})
+    key = None if parts is None else tuple(parts)
+    if key not in cache:
+        cache[key] = _find_layout(module, parts)
+    return cache[key]
+
+
+def _param_input(p: _Param):
+    source = getattr(p.owner, "fsdp_sources", {}).get(p.local)
+    if source is not None:
+        return to_flat_tensor(source.shared_tensor())
+    return _share(p.param)
+
+
+def _plane_input(lin: MXFP8Linear, plane: Plane):
+    """The weight's plane shared from FSDP, or (rowwise only) the weight itself to quantize."""
+    source = getattr(lin, "fsdp_sources", {}).get("weight")
+    if source is not None:
+        return to_flat_plane(source.shared(plane))
+    return _share(lin.weight) if plane is Plane.ROWWISE else None
+
+
+class _Call(NamedTuple):
+    """One unit call: what the autograd op needs besides tensors."""
+
+    layout: _Layout
+    spec: U.UnitSpec
+    n_aux: int
+    recompute: bool
+
+
+def _spec(fn, layout: _Layout, device: torch.device, kernels) -> U.UnitSpec:
+    return U.UnitSpec(
+        fn,
+        tuple(p.name for p in layout.params),
+        tuple(n for n, _ in layout.linears),
+        layout.hp_linears,
+        tuple(str(lin.weight.dtype).removeprefix("torch.") for _, lin in layout.linears),
+        resolve_for(kernels, device),
+    )
+
+
+def _kernels(layout: _Layout, module: nn.Module):
+    configs = {lin.kernels for _, lin in layout.linears}
+    if len(configs) > 1:
+        raise ValueError(
+            f"unit compute: the MXFP8 linears of {type(module).__name__} were built with "
+            f"different KernelConfigs {configs}; a unit program runs one: build them alike"
+        )
+    return next(iter(configs), None)
+
+
+def _jax_inputs(call: _Call, x: torch.Tensor, aux: Sequence[torch.Tensor]):
+    params = tuple(_param_input(p) for p in call.layout.params)
+    rows = tuple(_plane_input(lin, Plane.ROWWISE) for _, lin in call.layout.linears)
+    return params, rows, _share(x), tuple(to_jax(_aux32(a)) for a in aux)
+
+
+def _aux32(a: torch.Tensor) -> torch.Tensor:
+    """int64 (Torch's index dtype) as int32, which JAX uses without x64 (a small copy)."""
+    a = a.detach()
+    return a.to(torch.int32) if a.dtype == torch.int64 else a
+
+
+class _UnitFn(torch.autograd.Function):
+    """forward: ``unit_forward`` (or ``unit_apply`` when recomputing); backward:
+    ``unit_backward`` (or ``unit_recompute_backward``), one crossing back for every gradient."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, x, *rest):
+        aux = rest[: call.n_aux]
+        params, rows, xj, auxj = _jax_inputs(call, x, aux)
+        ctx.call, ctx.ahead = call, active()
+        ctx.x_dtype, ctx.x_shape = x.dtype, tuple(x.shape)
+        if call.recompute:
+            ctx.save_for_backward(x, *aux)
+            out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
+        else:
+            out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=call.spec)
+            ctx.save_for_backward(x.new_empty(0))  # a freed graph raises Torch's own error
+        return _result(out, x.device)
+
+    @staticmethod
+    def backward(ctx, dout):
+        call = ctx.call
+        cols = tuple(_plane_input(lin, Plane.COLWISE) for _, lin in call.layout.linears)
+        dj = _share(dout)
+        if call.recompute:
+            x, *aux = ctx.saved_tensors
+            params, rows, xj, auxj = _jax_inputs(call, x, aux)
+            packed = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj, dj,
+                            cols, spec=call.spec)
+        else:
+            ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed
+            packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, dj, cols, spec=call.spec)
+        grads = _unpack(_result(packed, dout.device), ctx)
+        return (None, grads[0], *([None] * call.n_aux), *grads[1:])
+
+
+def _unpack(raw: torch.Tensor, ctx) -> list[torch.Tensor | None]:
+    """dx, each parameter's gradient, each MXFP8 weight's dW: views of the one packed array."""
+    call = ctx.call
+    layout = U.grad_layout(
+        ctx.x_shape, _jax_name(ctx.x_dtype),
+        [tuple(p.param.shape) for p in call.layout.params],
+        [_jax_name(p.param.dtype) for p in call.layout.params],
+        [tuple(lin.weight.shape) for _, lin in call.layout.linears], call.spec.dw_dtypes,
+    )
+    segs = [layout.dx, *layout.params, *layout.mxfp8]
+    needs = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[2 + call.n_aux:]
+    out = []
+    for (start, shape, dtype), need in zip(segs, needs, strict=True):
+        if not need:
+            out.append(None)
+            continue
+        t = torch_dtype_for(dtype)
+        n = t.itemsize
+        for d in shape:
+            n *= d
+        out.append(raw[start:start + n].view(t).view(shape))
+    return out
+
+
+def _jax_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def run_unit(
+    module: nn.Module, fn: Callable, x: torch.Tensor, *aux: torch.Tensor,
+    parts: Sequence[str] | None = None, recompute: bool = False,
+) -> torch.Tensor:
+    """``fn(params, linear, x, *aux)`` over ``module``'s parameters (or those of its submodules
+    ``parts``) as one JAX program per direction (module docstring). x: the activations
+    (contiguous where possible: one Torch-side copy otherwise); aux: further non-differentiable
+    tensors (e.g. targets)."""
+    layout = _layout(module, parts)
+    spec = _spec(fn, layout, x.device, _kernels(layout, module))
+    if not torch.is_grad_enabled():
+        params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False), x, aux)
+        return _result(run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec), x.device)
+    tensors = [p.param for p in layout.params] + [lin.weight for _, lin in layout.linears]
+    return _UnitFn.apply(_Call(layout, spec, len(aux), recompute), x, *aux, *tensors)

@@ -1,0 +1,283 @@
+"""Unit programs: a whole block's forward as one jitted JAX program and its backward as one.
+
+A **unit function** ``fn(params, linear, x, *aux) -> out`` (e.g. ``gpt_math.GPTBlockFn``) is the
+block's math with its linears left open: ``linear(name, h)`` is filled in here with
+
+- the MXFP8 linear (``jax_side.linear``: the same jitted forward / backward pieces, hence the same
+  bytes, as the per-linear op and the Flax twin) for each name in ``UnitSpec.mxfp8``, reading
+  the weight's rowwise plane in forward and its colwise plane in backward, or
+- the high-precision control (``high_precision_linear``, as the Flax twin) for each name in
+  ``UnitSpec.hp_linears``, whose weight is the high-precision parameter ``<name>.weight``.
+
+The programs:
+
+- ``unit_forward(params, rows, x, aux, spec=)`` -> ``(out, saved)``: the forward and the
+  linearization (``jax.vjp``) in one program; ``saved`` (the residuals: activations the backward
+  needs, each MXFP8 linear's colwise x plane, and, for weights quantized here, their colwise
+  planes) stays on the JAX side until the backward;
+- ``unit_backward(saved, dout, cols, spec=)`` -> the gradients packed into one uint8 array
+  (``GradLayout``): dx, then each high-precision parameter's gradient, then each MXFP8 weight's
+  dW (in ``spec.dw_dtypes``), so they cross back to Torch once;
+- ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
+  (``spec`` says nothing is kept): the forward runs again inside the backward program;
+- ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (no gradient: evaluation).
+
+Weights. ``rows[i]`` is the i-th MXFP8 linear's rowwise plane (``FlatPlane`` inside a shared FSDP
+buffer, or an ``MXFP8Tensor``), or its high-precision weight (an array), which the program then
+quantizes as ``bf16(weight)`` (both planes, as the Flax twin does without planes). ``cols[i]`` is
+its colwise plane, gathered only for the backward (FSDP's phase rule), or None when the forward
+quantized it. A parameter is an array or a ``FlatTensor`` (a slice of a shared buffer).
+
+How the colwise planes reach the backward: each MXFP8 linear is a ``jax.custom_vjp`` whose
+residual is its x colwise plane only; its backward rule runs when ``unit_backward`` applies the
+saved linearization -- i.e. while ``unit_backward`` is traced -- and takes the weight's colwise
+plane (and returns dW) through ``_BackwardScope``, a trace-time table that ``unit_backward`` opens
+around that call. A rule running outside such a scope is an internal error and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from common.formats import ALL_PLANES, Plane
+from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
+from jax_side.mxfp8 import MXFP8Tensor
+from jax_side.mxfp8.kernels import ResolvedKernels
+
+__all__ = [
+    "FlatTensor",
+    "GradLayout",
+    "UnitSpec",
+    "grad_layout",
+    "unit_apply",
+    "unit_backward",
+    "unit_forward",
+    "unit_recompute_backward",
+]
+
+_ALIGN = 16  # byte alignment of every segment of the packed gradients (Torch views need it)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTensor:
+    """A parameter inside a flat shared buffer: ``data[offset : offset + prod(shape)]``, reshaped
+    (offset and shape are static, part of the compiled program)."""
+
+    data: jax.Array
+    offset: int
+    shape: tuple[int, ...]
+
+    def array(self) -> jax.Array:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return lax.slice(self.data, (self.offset,), (self.offset + n,)).reshape(self.shape)
+
+
+jax.tree_util.register_dataclass(FlatTensor, data_fields=["data"], meta_fields=["offset", "shape"])
+
+
+class UnitSpec(NamedTuple):
+    """The static part of a unit program (hashable: equal blocks share compiled programs)."""
+
+    fn: Callable  # fn(params, linear, x, *aux) -> out (module docstring)
+    params: tuple[str, ...]  # high-precision parameter names, the order of ``params`` arguments
+    mxfp8: tuple[str, ...]  # MXFP8 linear names, the order of ``rows`` / ``cols``
+    hp_linears: tuple[str, ...]  # high-precision linear names (weights among ``params``)
+    dw_dtypes: tuple[str, ...]  # dtype of each MXFP8 linear's dW (its Torch weight's dtype)
+    kernels: ResolvedKernels
+
+
+class GradLayout(NamedTuple):
+    """Where each gradient sits in ``unit_backward``'s packed uint8 result: (byte offset, shape,
+    dtype name) for dx, each parameter, each MXFP8 weight."""
+
+    dx: tuple[int, tuple[int, ...], str]
+    params: tuple[tuple[int, tuple[int, ...], str], ...]
+    mxfp8: tuple[tuple[int, tuple[int, ...], str], ...]
+    nbytes: int
+
+
+def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes) -> GradLayout:
+    """The packed layout for these shapes and dtypes (the Torch side cuts its views from it)."""
+    cursor = 0
+
+    def seg(shape, dtype):
+        nonlocal cursor
+        start = cursor
+        size = jnp.dtype(dtype).itemsize
+        for d in shape:
+            size *= d
+        cursor += -(-size // _ALIGN) * _ALIGN
+        return start, tuple(shape), jnp.dtype(dtype).name
+
+    dx = seg(x_shape, x_dtype)
+    params = tuple(seg(s, d) for s, d in zip(param_shapes, param_dtypes, strict=True))
+    mx = tuple(seg(s, d) for s, d in zip(w_shapes, w_dtypes, strict=True))
+    return GradLayout(dx, params, mx, cursor)
+
+
+def _pack(arrays) -> jax.Array:
+    parts = []
+    for a in arrays:
+        raw = lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+        pad = -raw.shape[0] % _ALIGN
+        parts.append(raw)
+        if pad:
+            parts.append(jnp.zeros((pad,), jnp.uint8))
+    return jnp.concatenate(parts)
+
+
+# ---------------------------------------------------------------- the MXFP8 linear of a unit
+
+
+class _BackwardScope:
+    """The colwise planes and dW dtypes of one ``unit_backward`` trace, and the dW it collects."""
+
+    def __init__(self, cols, dw_dtypes):
+        self.cols, self.dw_dtypes = cols, dw_dtypes
+        self.dw: list = [None] * len(cols)
+
+
+_SCOPES = threading.local()
+
+
+def _scope() -> _BackwardScope:
+    stack = getattr(_SCOPES, "stack", None)
+    if not stack:
+        raise AssertionError(
+            "unit_program: an MXFP8 linear's backward rule ran outside unit_backward (its colwise "
+            "weight plane comes from there); differentiate a unit function only through "
+            "unit_forward / unit_backward"
+        )
+    return stack[-1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _unit_linear(x2d, w_row, index: int, kernels: ResolvedKernels):
+    return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
+
+
+def _unit_linear_fwd(x2d, w_row, index, kernels):
+    out = forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=True, kernels=kernels)
+    return out.y, (out.x_colwise, jnp.zeros((), x2d.dtype))
+
+
+def _unit_linear_bwd(index, kernels, res, dy):
+    x_colwise, x_dtype = res
+    scope = _scope()
+    out = backward(dy, scope.cols[index], x_colwise, dx_dtype=x_dtype.dtype,
+                   dw_dtype=jnp.dtype(scope.dw_dtypes[index]), kernels=kernels)
+    prev = scope.dw[index]
+    scope.dw[index] = out.dw if prev is None else prev + out.dw  # a layer called twice
+    return out.dx, None
+
+
+_unit_linear.defvjp(_unit_linear_fwd, _unit_linear_bwd)
+
+
+def _weights(rows, kernels):
+    """(rowwise plane per MXFP8 linear, colwise plane quantized here or None)."""
+    row_planes, own_cols = [], []
+    for w in rows:
+        if isinstance(w, (FlatPlane, MXFP8Tensor)):
+            row_planes.append(w)
+            own_cols.append(None)
+        else:  # a high-precision weight: quantize bf16(w), both planes (the twin's rule)
+            q = quantize_weight(w, planes=ALL_PLANES, kernels=kernels)
+            row_planes.append(q.only(Plane.ROWWISE))
+            own_cols.append(q.only(Plane.COLWISE))
+    return row_planes, tuple(own_cols)
+
+
+def _values(params) -> tuple:
+    return tuple(p.array() if isinstance(p, FlatTensor) else p for p in params)
+
+
+def _bound(spec: UnitSpec, row_planes, aux):
+    """``f(param values, x) -> out`` with the linears filled in."""
+    index = {name: i for i, name in enumerate(spec.mxfp8)}
+    hp_lin = set(spec.hp_linears)
+
+    def f(values, x):
+        params = dict(zip(spec.params, values, strict=True))
+
+        def linear(name, h):
+            lead = h.shape[:-1]
+            h2 = h.reshape(-1, h.shape[-1])
+            if name in index:
+                y2 = _unit_linear(h2, row_planes[index[name]], index[name], spec.kernels)
+            elif name in hp_lin:
+                y2 = high_precision_linear(h2, params[f"{name}.weight"])
+            else:
+                raise KeyError(
+                    f"unit program {spec.fn!r}: linear {name!r} is neither an MXFP8 linear "
+                    f"{spec.mxfp8} nor a high-precision one {spec.hp_linears} of this unit"
+                )
+            return y2.reshape(*lead, y2.shape[-1])
+
+        return spec.fn(params, linear, x, *aux)
+
+    return f
+
+
+# ------------------------------------------------------------------------------- the programs
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def unit_apply(params, rows, x, aux, *, spec: UnitSpec):
+    """The unit's output alone (no residuals kept)."""
+    row_planes, _ = _weights(rows, spec.kernels)
+    return _bound(spec, row_planes, aux)(_values(params), x)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
+    """(out, saved): the forward and its linearization (module docstring)."""
+    row_planes, own_cols = _weights(rows, spec.kernels)
+    out, vjp = jax.vjp(_bound(spec, row_planes, aux), _values(params), x)
+    return out, (vjp, own_cols)
+
+
+def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
+    cols = tuple(c if c is not None else o for c, o in zip(cols, own_cols, strict=True))
+    missing = [spec.mxfp8[i] for i, c in enumerate(cols) if c is None]
+    if missing:
+        raise ValueError(
+            f"unit_backward: no colwise plane for the MXFP8 linears {missing}: pass each "
+            f"weight's colwise plane (or quantize it in the forward by passing the weight)"
+        )
+    scope = _BackwardScope(cols, spec.dw_dtypes)
+    stack = _SCOPES.__dict__.setdefault("stack", [])
+    stack.append(scope)
+    try:
+        d_params, dx = vjp(dout)
+    finally:
+        stack.pop()
+    dws = [jnp.zeros(c.shape, jnp.dtype(dt)) if dw is None else dw
+           for dw, c, dt in zip(scope.dw, cols, spec.dw_dtypes, strict=True)]
+    return _pack([dx, *d_params, *dws])
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def unit_backward(saved, dout, cols, *, spec: UnitSpec):
+    """The packed gradients (``GradLayout``) from the forward's ``saved`` and the output
+    gradient ``dout``; ``cols``: colwise plane per MXFP8 linear (None: quantized in forward)."""
+    vjp, own_cols = saved
+    return _gradients(vjp, own_cols, dout, cols, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def unit_recompute_backward(params, rows, x, aux, dout, cols, *, spec: UnitSpec):
+    """Recompute the forward, then the backward, in one program (activation recompute)."""
+    row_planes, own_cols = _weights(rows, spec.kernels)
+    _, vjp = jax.vjp(_bound(spec, row_planes, aux), _values(params), x)
+    return _gradients(vjp, own_cols, dout, cols, spec)
