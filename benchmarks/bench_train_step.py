@@ -1,18 +1,25 @@
 """One training step, side by side in one launch: this project (MXFP8 and BF16 linears) vs
-PyTorch FSDP2 in BF16, on the same Torch GPT, config and batch.
+PyTorch FSDP2 in BF16 (and torchao float8 where importable), on the same GPT, config and batch.
 
 Runs (``--runs``):
-- ``mxfp8``: ``torch_side.fully_shard`` (ZeRO-3, one unit per block), MXFP8 linears (JAX GEMMs
-  through the bridge, planes all-gathered as 1 byte/element), bf16 activations, fused attention;
+- ``mxfp8``: ``torch_side.fully_shard`` (ZeRO-3, one unit per block), MXFP8 linears (planes
+  all-gathered as 1 byte/element), bf16 activations, fused attention, unit compute (each block's
+  forward and backward, and the head with the loss, one JAX program each: ``bridge.units``);
   ``FSDPOptimizer`` (AdamW on fp32 main shards) and the distributed MXFP8 requantization.
-- ``bf16``: the same with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
+- ``mxfp8-op``: the same with per-linear ops (``Compute.OP``: one JAX op per linear layer,
+  LayerNorm, attention and GELU in Torch).
+- ``bf16``: ``mxfp8`` with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
   layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
+- ``torchao``: ``fsdp2`` with torchao's float8 training (rowwise scaling: real FP8 tensor-core
+  GEMMs) and ``torch.compile``; CUDA only, skipped (said so) where torchao is not importable.
 
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
-tokens/s, peak GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
+tokens/s, host time per step (until the step function returns, before the GPU sync) and GPU
+time per step (kernel time of one warm step in torch.profiler, which sees XLA's kernels too), peak
+GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
 the collective calls, the distributed-quantization time, bridge crossings per step and their host
 time, and the ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
 top costs.
@@ -33,7 +40,8 @@ import statistics
 import sys
 import time
 
-RUNS = ("mxfp8", "bf16", "fsdp2")
+RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2", "torchao")
+DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
 @dataclasses.dataclass
@@ -54,6 +62,8 @@ class RunResult:
     first_step_compiles: int
     first_step_compile_s: float
     losses: list
+    host_ms_median: float = 0.0  # the step function's own time, before the final GPU sync
+    gpu_ms: float = 0.0  # kernel time of one warm step (torch.profiler), 0 on CPU
     ratio_to_fsdp2: float | None = None
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
@@ -117,30 +127,14 @@ def _build(run, cfg, args):
 
     from common.modes import LinearMode
     from torch_side import FSDPOptimizer, MixedPrecisionPolicy, WeightFormat, fully_shard
-    from torch_side.models.gpt import Block, TorchGPT, cross_entropy
+    from torch_side.models.gpt import Block, TorchGPT
 
-    if run == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy as MP
-        from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    if run in ("fsdp2", "torchao"):
+        return _build_fsdp2(run, cfg, args)
 
-        model = TorchGPT(cfg, seed=0, device=args.device, activations="bf16", linear_impl="torch")
-        mp = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fsdp2_shard(block, mp_policy=mp)
-        fsdp2_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-
-        def step(tokens, targets):
-            loss = cross_entropy(model(tokens), targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return model, step, None
-
-    mode = LinearMode.MXFP8 if run == "mxfp8" else LinearMode.HIGH_PRECISION
-    model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16")
+    mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
+    compute = "op" if run == "mxfp8-op" else "unit"
+    model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute)
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16)
     fsdp = fully_shard(model, unit_modules=(Block,), policy=policy)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
@@ -157,13 +151,44 @@ def _build(run, cfg, args):
     fsdp.refresh_model_weights = timed_refresh  # FSDPOptimizer.step calls it after the update
 
     def step(tokens, targets):
-        loss = cross_entropy(fsdp(tokens), targets)
+        loss = fsdp(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
     return fsdp, step, timing
+
+
+def _build_fsdp2(run, cfg, args):
+    """PyTorch FSDP2 (bf16 params, fp32 reduction) on plain nn.Linear layers; ``torchao``: with
+    torchao's float8 rowwise training, compiled."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy as MP
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    from torch_side.models.gpt import TorchGPT, cross_entropy
+
+    model = TorchGPT(cfg, seed=0, device=args.device, activations="bf16", linear_impl="torch")
+    if run == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    mp = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fsdp2_shard(block, mp_policy=mp)
+    fsdp2_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+    forward = torch.compile(model) if run == "torchao" else model
+
+    def step(tokens, targets):
+        loss = cross_entropy(forward(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, step, None
 
 
 def _peaks(device):
@@ -191,17 +216,17 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         torch.cuda.reset_peak_memory_stats()
     model, step, timing = _build(run, cfg, args)
     pre_s, pre_programs = 0.0, 0
-    if args.precompile and run != "fsdp2":
+    ours = run not in ("fsdp2", "torchao")
+    if args.precompile and ours:
         from torch_side import precompile
-        from torch_side.models.gpt import cross_entropy
 
         dry = torch.zeros((args.batch_size, args.seq_len), dtype=torch.long, device=args.device)
         _sync(args.device)
         t0 = time.perf_counter()
-        report = precompile(model, lambda m=model: cross_entropy(m(dry), dry))
+        report = precompile(model, lambda m=model: m(dry, dry))
         _sync(args.device)
         pre_s, pre_programs = time.perf_counter() - t0, report.programs
-    times, losses = [], []
+    times, host, losses = [], [], []
     first = None
     counter = _CollectiveBytes()
     crossings = None
@@ -216,9 +241,10 @@ def _run_one(run, cfg, args, rank) -> RunResult:
             _sync(args.device)
             compiles0 = (_COMPILES.count, _COMPILES.seconds)
             t0 = time.perf_counter()
-            ctx = count_crossings() if measured and run != "fsdp2" else contextlib.nullcontext()
+            ctx = count_crossings() if measured and ours else contextlib.nullcontext()
             with ctx as stats:
                 loss = step(tokens, targets)
+                returned = time.perf_counter()
                 _sync(args.device)
             dt = time.perf_counter() - t0
             if stats is not None:
@@ -228,10 +254,11 @@ def _run_one(run, cfg, args, rank) -> RunResult:
                 first_compiles = (_COMPILES.count - compiles0[0], _COMPILES.seconds - compiles0[1])
             if measured:
                 times.append(dt)
-                if run != "fsdp2":  # our FSDP logs every collective (WireRecord), per step
+                host.append(returned - t0)
+                if ours:  # our FSDP logs every collective (WireRecord), per step
                     for kind, b in _wire_bytes(model.wire_log()).items():
                         counter.bytes[kind] += b
-            if run != "fsdp2":
+            if ours:
                 model.clear_wire_log()
             losses.append(float(loss))
     torch_peak, jax_peak = _peaks(args.device)
@@ -250,10 +277,12 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         crossing_host_ms_per_step=(1e3 * crossings.seconds / n) if crossings else 0.0,
         first_step_compiles=first_compiles[0], first_step_compile_s=first_compiles[1],
         losses=losses, precompile_s=pre_s, precompile_programs=pre_programs,
+        host_ms_median=1e3 * statistics.median(host),
     )
-    if args.profile and run == "mxfp8":
-        result_table = _profile(step, cfg, args, rank)
-        print(result_table, flush=True)
+    if args.device == "cuda":
+        result.gpu_ms, table = _profile(step, cfg, args, rank)
+        if args.profile and run in ("mxfp8", "mxfp8-op") and rank == 0:
+            print(f"=== {run}\n{table}", flush=True)
     if args.pyprofile and run == "mxfp8" and rank == 0:
         print(_pyprofile(step, cfg, args, rank), flush=True)
     del model, step
@@ -285,23 +314,22 @@ def _add(a, b):
     return a
 
 
-def _profile(step, cfg, args, rank) -> str:
+def _profile(step, cfg, args, rank) -> tuple[float, str]:
+    """(GPU kernel ms of one warm step, the profiler's tables of its top costs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     tokens, targets = _batch(cfg, args, rank, 10_000)
     with profile(activities=acts) as prof:
         step(tokens, targets)
         _sync(args.device)
-    key = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    try:
-        table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
-    except Exception:  # noqa: BLE001 -- older/newer profiler key names
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
-                                     max_name_column_width=60)
-    return ("=== profile of one warm mxfp8 step (top 25 by self device time)\n" + table
-            + "\n=== the same step, top 25 by self host time (CUDA API calls included)\n" + host)
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events
+                 if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    return gpu_us / 1e3, ("--- one warm step, top 25 by self device time\n" + table
+                          + "\n--- the same step, top 25 by self host time\n" + host)
 
 
 def _pyprofile(step, cfg, args, rank) -> str:
@@ -360,6 +388,8 @@ def _rank_main(args):
     cfg = PRESETS[args.config]
     results = []
     for run in args.runs:
+        if run == "torchao" and not _torchao_available(args):
+            continue
         if rank == 0:
             print(f"--- {run}", flush=True)
         results.append(_run_one(run, cfg, args, rank))
@@ -370,13 +400,25 @@ def _rank_main(args):
     return [dataclasses.asdict(r) for r in results]
 
 
+def _torchao_available(args) -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        print("--- torchao: skipped (torchao is not importable here)", flush=True)
+        return False
+    if args.device != "cuda":
+        print("--- torchao: skipped (float8 tensor cores need --device cuda)", flush=True)
+        return False
+    return True
+
+
 def _table(rows, args) -> str:
     head = ("| run | step ms (median) | min-max | precompile s (programs) | "
-            "first step s (compiles, s) | tokens/s | "
+            "first step s (compiles, s) | tokens/s | host ms | GPU ms | "
             "peak GiB torch+jax | "
             "gather MB/step | reduce-scatter MB/step | requant ms | crossings/step | "
             "crossing host ms | vs fsdp2 |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         ratio = "-" if r["ratio_to_fsdp2"] is None else f"{r['ratio_to_fsdp2']:.2f}x"
         lines.append(
@@ -384,6 +426,7 @@ def _table(rows, args) -> str:
             f"{r['step_ms_max']:.1f} | {r['precompile_s']:.1f} ({r['precompile_programs']}) | "
             f"{r['first_step_s']:.1f} ({r['first_step_compiles']}, "
             f"{r['first_step_compile_s']:.1f}) | {r['tokens_per_s']:,.0f} | "
+            f"{r['host_ms_median']:.1f} | {r['gpu_ms']:.1f} | "
             f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
             f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
             f"{r['crossings_per_step']:.0f} | {r['crossing_host_ms_per_step']:.2f} | {ratio} |"
@@ -400,8 +443,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--runs", default=",".join(RUNS))
-    p.add_argument("--profile", action="store_true", help="torch.profiler table of a warm step")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"a comma list from {RUNS}")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler tables of a warm mxfp8 and mxfp8-op step")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
     p.add_argument("--compile-cache", default="",
                    help="persistent JAX compilation cache directory (a second launch is warm)")

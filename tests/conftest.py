@@ -1,7 +1,8 @@
 """Test configuration shared by every test module.
 
-- JAX runs strict: dtype promotion "strict" (no silent widening in numerics code), and four
-  simulated CPU devices so sharding code paths are exercised without a GPU.
+- JAX runs strict: dtype promotion "strict" (no silent widening in numerics code), four
+  simulated CPU devices so sharding code paths are exercised without a GPU, and XLA rounds bf16
+  at every op (``--xla_allow_excess_precision=false``).
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA device is visible.
 - Hypothesis: no per-example deadline (XLA compiles on first call), a bounded example count.
 - ``single_rank_world``: a one-rank gloo group in this process (tests of collective code).
@@ -12,6 +13,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# bf16 values are rounded at every op, not only at program boundaries: the unit programs and the
+# whole-model Flax twin then give the same bits (bridge/units.py, "Exactness").
+if "xla_allow_excess_precision" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_allow_excess_precision=false"
 # JAX must not grab most of the GPU in a process where Torch allocates too (DESIGN.md 6).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

@@ -28,9 +28,8 @@ from apps.training.data import BYTE_VOCAB, Corpus, make_corpus
 from apps.training.options import Group, internal, non_negative_int, option, positive
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
-from common.modes import LinearMode
+from common.modes import Activations, Compute, LinearMode
 from torch_side import MixedPrecisionPolicy, ShardingStrategy, WeightFormat
-from torch_side.models.gpt import Activations
 
 __all__ = [
     "DEFAULT_ACTIVATIONS",
@@ -105,6 +104,10 @@ class TrainJob:
     strategy: ShardingStrategy = option(ShardingStrategy.OPTIM_GRADS_PARAMS, Group.MODEL)
     recompute: Recompute = option(Recompute.NONE, Group.MODEL,
                                   help="activation checkpointing of the transformer blocks")
+    compute: Compute = option(
+        Compute.UNIT, Group.MODEL,
+        help="unit: each block's forward and backward, and the head with the loss, as one JAX "
+             "program each; op: one JAX op per linear layer (bridge.MXFP8Linear)")
     steps: int = option(40, Group.OPTIM, parse=positive(int))
     micro_batches: int = option(2, Group.OPTIM, parse=positive(int))
     batch_size: int = option(8, Group.OPTIM, parse=positive(int),
@@ -139,6 +142,7 @@ class TrainJob:
         object.__setattr__(self, "weights", Weights(self.weights))
         object.__setattr__(self, "strategy", ShardingStrategy.parse(self.strategy))
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "compute", Compute.parse(self.compute))
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"{owner}.device={self.device!r}: expected 'cpu' or 'cuda'")
         if self.activations is not None:

@@ -35,8 +35,9 @@ from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from bridge.determinism import make_deterministic
+from common.modes import Compute
 from torch_side import FSDPOptimizer, fully_shard, precompile
-from torch_side.models.gpt import Block, TorchGPT, cross_entropy
+from torch_side.models.gpt import Block, TorchGPT
 
 __all__ = [
     "MARKOV_MAX_VOCAB",
@@ -98,11 +99,13 @@ class _Model:
         self.corpus: Corpus = job.corpus()
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
+        unit = job.compute is Compute.UNIT
         model = TorchGPT(
             self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,
-            activations=job.resolved_activations,
+            activations=job.resolved_activations, compute=job.compute,
+            recompute=unit and job.recompute is Recompute.BLOCK,  # inside the backward program
         )
-        if job.recompute is Recompute.BLOCK:
+        if job.recompute is Recompute.BLOCK and not unit:
             for block in model.blocks:
                 block.forward = _checkpointed(block.forward)
         self.fsdp = fully_shard(
@@ -144,7 +147,7 @@ def heldout_loss(m: _Model, job: TrainJob) -> float:
             i = rank + k * world
             tokens, targets = _batch(m.corpus, Split.HELDOUT, ids[min(i, len(ids) - 1)], job)
             weight = 1.0 if i < len(ids) else 0.0
-            total[0] += weight * cross_entropy(m.fsdp(tokens), targets).double()
+            total[0] += weight * m.fsdp(tokens, targets).double()
             total[1] += weight
     dist.all_reduce(total)
     return float(total[0] / total[1])
@@ -155,7 +158,7 @@ def _precompile(m: _Model, job: TrainJob):
     of the same shape), in parallel (torch_side.precompile: a dry micro-batch of the training
     shapes, zero tokens; weights, optimizer, data position and RNG untouched)."""
     tokens = torch.zeros((job.batch_size, job.seq_len), dtype=torch.long, device=job.device)
-    report = precompile(m.fsdp, lambda: cross_entropy(m.fsdp(tokens), tokens),
+    report = precompile(m.fsdp, lambda: m.fsdp(tokens, tokens),
                         no_grad_forward=True)
     _sync(job)
     return report
@@ -179,7 +182,7 @@ def _forward_backward(m: _Model, job: TrainJob, position: DataPosition) -> tuple
         ids = sample_ids(position, rank=rank, world_size=world, micro_batch=mb,
                          micro_batches=job.micro_batches, batch_size=job.batch_size)
         tokens, targets = _batch(m.corpus, Split.TRAIN, ids, job)
-        loss = cross_entropy(m.fsdp(tokens), targets) * targets.numel()  # token sum, see above
+        loss = m.fsdp(tokens, targets) * targets.numel()  # token sum, see above
         loss.backward()
         total += loss.detach()
     tokens_per_rank = job.micro_batches * job.batch_size * job.seq_len

@@ -7,7 +7,7 @@ import pytest
 from apps.training.job import RECIPES, TrainJob, Weights
 from common.modes import LinearMode
 from torch_side import WeightFormat
-from torch_side.models.gpt import Activations
+from common.modes import Activations
 
 # (weights, activations) -> (linear mode, FSDP format of the other weights): the module docstring
 # table, written out.

@@ -15,7 +15,7 @@ from apps.training.job import OnNonFinite, RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, flags, from_args, option, to_argv
 from common.kernels import Backend, GemmImpl, KernelConfig
 from torch_side import ShardingStrategy
-from torch_side.models.gpt import Activations
+from common.modes import Activations
 
 # The flags of mxfp8-train before its parser was derived from the fields (and their dests).
 FLAGS_BEFORE = {
@@ -49,7 +49,7 @@ def test_every_field_has_exactly_one_flag_and_no_flag_two_fields():
 
 def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
-    assert set(_parser_flags()) - FLAGS_BEFORE == {"--branching"}  # the one new flag
+    assert set(_parser_flags()) - FLAGS_BEFORE == {"--branching", "--compute"}  # the new flags
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
