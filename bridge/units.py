@@ -96,10 +96,9 @@ def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = F
     mods = unit_modules(model)
     for _, m in mods:
         m.__dict__.pop("forward", None)  # back to the class's forward
-        if compute is Compute.UNIT:
-            fn = registered_fn(m)
+        if compute is Compute.UNIT:  # the function is asked for at each call (device moves)
             m.forward = types.MethodType(
-                lambda self, x, _fn=fn: run_unit(self, _fn, x, recompute=recompute), m
+                lambda self, x: run_unit(self, registered_fn(self), x, recompute=recompute), m
             )
     return len(mods)
 

@@ -259,7 +259,10 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
     stack = _SCOPES.__dict__.setdefault("stack", [])
     stack.append(scope)
     try:
-        d_params, dx = vjp(dout)
+        # Library backward rules (jax.nn.dot_product_attention's) mix bf16 and fp32 internally;
+        # under jax_numpy_dtype_promotion="strict" (the tests) they need the standard rules.
+        with jax.numpy_dtype_promotion("standard"):
+            d_params, dx = vjp(dout)
     finally:
         stack.pop()
     dws = [jnp.zeros(c.shape, jnp.dtype(dt)) if dw is None else dw

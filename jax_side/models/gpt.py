@@ -116,6 +116,7 @@ class Attention(nn.Module):
     cfg: GPTConfig
     fn: LinearFn
     activations: Activations = Activations.FP32
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -124,6 +125,7 @@ class Attention(nn.Module):
             cfg, self.activations, x,
             qkv=Linear(d, 3 * d, self.fn, cfg.init_std, name="qkv"),
             proj=Linear(d, d, self.fn, cfg.init_std, name="proj"),
+            fused=self.fused,
         )
 
 
@@ -145,6 +147,7 @@ class Block(nn.Module):
     cfg: GPTConfig
     fn: LinearFn
     activations: Activations = Activations.FP32
+    fused: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -152,7 +155,7 @@ class Block(nn.Module):
         return gm.block(
             x,
             ln_1=LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_1"),
-            attn=Attention(cfg, self.fn, self.activations, name="attn"),
+            attn=Attention(cfg, self.fn, self.activations, self.fused, name="attn"),
             ln_2=LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_2"),
             mlp=MLP(cfg, self.fn, name="mlp"),
         )
@@ -166,6 +169,8 @@ class FlaxGPT(nn.Module):
     mode: LinearMode = LinearMode.MXFP8
     kernels: KernelConfig | None = None  # None: the device default (jax_side.mxfp8.kernel_report)
     activations: Activations = Activations.FP32
+    # bf16 attention through cuDNN; None: where JAX's default backend is a GPU
+    fused_attention: bool | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -182,8 +187,11 @@ class FlaxGPT(nn.Module):
         x = x + Embedding(cfg.max_seq_len, cfg.d_model, cfg.init_std, name="wpe")(jnp.arange(s))
         if acts is Activations.BF16:
             x = x.astype(jnp.bfloat16)
+        fused = self.fused_attention
+        if fused is None:
+            fused = jax.default_backend() == "gpu"
         for i in range(cfg.n_layer):
-            x = Block(cfg, fn, acts, name=f"h_{i}")(x)
+            x = Block(cfg, fn, acts, fused, name=f"h_{i}")(x)
         x = LayerNorm(cfg.d_model, cfg.ln_eps, name="ln_f")(x)
         logits = Linear(cfg.d_model, cfg.vocab_size, fn, cfg.init_std, name="lm_head")(x)
         self.sow("intermediates", "logits", logits)

@@ -5,8 +5,8 @@ Pure functions of arrays and callables (no Linen, no parameters of their own):
 - ``layer_norm``: ``(x - mean) / sqrt(var + eps) * weight + bias``, biased variance, statistics
   and affine in fp32; the result in x's dtype (a no-op cast for fp32 activations);
 - ``attention``: causal multi-head self-attention around two linears (``qkv``, ``proj``):
-  written out in fp32 (``Activations.FP32``, the exact twin) or fused
-  (``jax.nn.dot_product_attention``: cuDNN flash attention on the GPU) for bf16 activations;
+  written out in fp32, or, for bf16 activations on a GPU (``fused``), cuDNN flash attention
+  (``jax.nn.dot_product_attention``);
 - ``mlp``: ``proj(gelu_tanh(fc(x)))``, GELU evaluated in fp32 and rounded once to x's dtype;
 - ``block``: the pre-norm residual block ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``;
 - ``head_loss``: final norm, LM head and the mean token cross-entropy (fp32) in one function.
@@ -55,22 +55,27 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (out + bias.astype(_F32)).astype(x.dtype)
 
 
-def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *, qkv: Fn, proj: Fn) -> jax.Array:
-    """Causal self-attention. x (B, S, D) -> (B, S, D)."""
+def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *, qkv: Fn, proj: Fn,
+              fused: bool = False) -> jax.Array:
+    """Causal self-attention. x (B, S, D) -> (B, S, D) in x's dtype.
+
+    fused (bf16 activations on a GPU): cuDNN flash attention (``jax.nn.dot_product_attention``,
+    implementation "cudnn"). Otherwise written out in fp32 (q, k, v widened first), the result
+    rounded once to x's dtype."""
     b, s, d = x.shape
     h, hd = cfg.n_head, cfg.head_dim
     q, k, v = jnp.split(qkv(x), 3, axis=-1)  # 3 x (B, S, D)
-    if acts is Activations.BF16:
+    if fused and acts is Activations.BF16:
         q, k, v = (t.reshape(b, s, h, hd) for t in (q, k, v))  # (B, S, H, hd)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, S, H, hd)
-        return proj(out.reshape(b, s, d))
-    q, k, v = (t.reshape(b, s, h, hd).transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, S, hd)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return proj(out.reshape(b, s, d))  # (B, S, D)
+    q, k, v = (t.astype(_F32).reshape(b, s, h, hd).transpose(0, 2, 1, 3) for t in (q, k, v))
     att = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * jnp.float32(hd**-0.5)
     causal = jnp.tril(jnp.ones((s, s), dtype=bool))
     att = jnp.where(causal, att, jnp.float32(-jnp.inf))
     att = jax.nn.softmax(att, axis=-1)  # (B, H, S, S)
     out = jnp.einsum("bhqk,bhkd->bhqd", att, v, precision="highest")  # (B, H, S, hd)
-    return proj(out.transpose(0, 2, 1, 3).reshape(b, s, d))  # (B, S, D)
+    return proj(out.transpose(0, 2, 1, 3).reshape(b, s, d).astype(x.dtype))  # (B, S, D)
 
 
 def mlp(x: jax.Array, *, fc: Fn, proj: Fn) -> jax.Array:
@@ -118,6 +123,7 @@ class GPTBlockFn:
 
     cfg: GPTConfig
     activations: Activations
+    fused_attention: bool = False  # cuDNN attention (bf16 activations on a GPU)
 
     def __call__(self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array):
         cfg, acts = self.cfg, self.activations
@@ -125,7 +131,8 @@ class GPTBlockFn:
             x,
             ln_1=_norm(params, "ln_1", cfg.ln_eps),
             attn=lambda h: attention(cfg, acts, h, qkv=_linear(linear, "attn.qkv"),
-                                     proj=_linear(linear, "attn.proj")),
+                                     proj=_linear(linear, "attn.proj"),
+                                     fused=self.fused_attention),
             ln_2=_norm(params, "ln_2", cfg.ln_eps),
             mlp=lambda h: mlp(h, fc=_linear(linear, "mlp.fc"), proj=_linear(linear, "mlp.proj")),
         )

@@ -45,6 +45,7 @@ def _loss_and_grads(model, tokens, targets):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow  # compiles the whole Flax model (~30 s per activation mode on 2 cores)
 @pytest.mark.parametrize("acts", [Activations.FP32, Activations.BF16])
 def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
     model = TorchGPT(TINY, seed=1, activations=acts, compute="unit")
@@ -55,9 +56,9 @@ def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
 
     @jax.jit
     def value_and_grad(params, tok, tgt):
-        return jax.value_and_grad(lambda p: cross_entropy(flax.apply({"params": p}, tok), tgt))(
-            params
-        )
+        with jax.numpy_dtype_promotion("standard"):  # attention's backward rule (unit_program)
+            return jax.value_and_grad(
+                lambda p: cross_entropy(flax.apply({"params": p}, tok), tgt))(params)
 
     want_loss, want = value_and_grad(params, jnp.asarray(tokens.numpy(), jnp.int32),
                                      jnp.asarray(targets.numpy(), jnp.int32))
@@ -66,12 +67,15 @@ def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
         assert np.asarray(g).tobytes() == grads[name].numpy().tobytes(), name
 
 
-# Observed on CPU (tiny GPT, seed 1, one batch): fp32 |loss diff| 4.8e-7, worst relative L2
-# gradient difference 2.0e-5; bf16 1.1e-4 and 0.096 (bf16 LayerNorm/GELU outputs that round
-# differently move MXFP8 block scales and elements, and the wte gradient sums those).
-BOUNDS = {Activations.FP32: (1e-5, 1e-3), Activations.BF16: (1e-3, 0.2)}
+# (relative loss difference, worst relative L2 difference of a parameter's gradient). Observed on
+# CPU (tiny GPT, model seed 1, batch seeds 2-4): fp32 <= 9.8e-8 and 2.3e-5 .. 2.4e-2 (one fp32
+# rounding difference in LayerNorm or softmax can move an activation or dy element across an
+# E4M3 rounding boundary, which changes that element's product in every GEMM reading it); bf16
+# <= 1.4e-4 and <= 6.1e-2 (bf16 LayerNorm / GELU / attention outputs round differently).
+BOUNDS = {Activations.FP32: (1e-6, 0.05), Activations.BF16: (1e-3, 0.15)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("acts", [Activations.FP32, Activations.BF16])
 def test_unit_path_stays_within_the_stated_bound_of_the_op_path(acts):
     tokens, targets = _batch(2)
@@ -87,6 +91,7 @@ def test_unit_path_stays_within_the_stated_bound_of_the_op_path(acts):
     assert any(not torch.equal(unit[n], op[n]) for n in op)  # two different computations
 
 
+@pytest.mark.slow
 def test_recompute_inside_the_backward_program_gives_the_same_bits():
     tokens, targets = _batch(3)
     keep = _loss_and_grads(TorchGPT(TINY, seed=1, compute="unit"), tokens, targets)

@@ -146,7 +146,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-register_unit(Block, lambda b: GPTBlockFn(b.attn.cfg, b.activations))
+def _block_fn(block: Block) -> GPTBlockFn:
+    """The block's JAX function (``gpt_math``): cuDNN attention where the block is on a GPU."""
+    on_gpu = block.ln_1.weight.device.type == "cuda"
+    return GPTBlockFn(block.attn.cfg, block.activations, fused_attention=on_gpu)
+
+
+register_unit(Block, _block_fn)
 
 
 class TorchGPT(nn.Module):
