@@ -211,3 +211,19 @@ def test_bad_compute_settings_are_refused():
         TorchGPT(TINY, compute="units")
     with pytest.raises(ValueError, match="targets of shape"):
         TorchGPT(TINY, compute="unit")(*_batch(0)[:1], torch.zeros(B, S + 1, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_unit_path_stays_within_the_bound_of_the_op_path():
+    """bf16 activations with cuDNN attention (unit) against SDPA (op), on CUDA."""
+    tokens, targets = (t.cuda() for t in _batch(2))
+    unit_loss, unit = _loss_and_grads(
+        TorchGPT(TINY, seed=1, activations="bf16", compute="unit", device="cuda"), tokens,
+        targets)
+    op_loss, op = _loss_and_grads(
+        TorchGPT(TINY, seed=1, activations="bf16", compute="op", device="cuda"), tokens, targets)
+    loss_bound, grad_bound = BOUNDS[Activations.BF16]
+    assert abs(float(unit_loss - op_loss)) <= loss_bound * abs(float(op_loss))
+    worst = max(float((unit[n].float() - op[n].float()).norm() / op[n].float().norm())
+                for n in op)
+    assert worst <= grad_bound, worst
