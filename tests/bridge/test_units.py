@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -51,8 +50,10 @@ def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
     model = TorchGPT(TINY, seed=1, activations=acts, compute="unit")
     tokens, targets = _batch(0)
     loss, grads = _loss_and_grads(model, tokens, targets)
-    flax = FlaxGPT(TINY, activations=acts)
-    params = nested_params({n: jnp.asarray(p.detach().numpy()) for n, p in model.named_parameters()})
+    flax = FlaxGPT(TINY, activations=acts, fused_attention=False)
+    cpu = jax.devices("cpu")[0]  # where the Torch model's programs ran (also on a GPU machine)
+    params = nested_params({n: jax.device_put(p.detach().numpy(), cpu)
+                            for n, p in model.named_parameters()})
 
     @jax.jit
     def value_and_grad(params, tok, tgt):
@@ -60,8 +61,9 @@ def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
             return jax.value_and_grad(
                 lambda p: cross_entropy(flax.apply({"params": p}, tok), tgt))(params)
 
-    want_loss, want = value_and_grad(params, jnp.asarray(tokens.numpy(), jnp.int32),
-                                     jnp.asarray(targets.numpy(), jnp.int32))
+    want_loss, want = value_and_grad(
+        params, jax.device_put(tokens.numpy().astype(np.int32), cpu),
+        jax.device_put(targets.numpy().astype(np.int32), cpu))
     assert np.asarray(want_loss).tobytes() == loss.numpy().tobytes()
     for name, g in flat_params(want).items():
         assert np.asarray(g).tobytes() == grads[name].numpy().tobytes(), name
