@@ -8,7 +8,8 @@
   (``torch_side.step_digest``): the reduced gradient of the step (hashed before the update) and
   the main weights, planes and scales after it; the run record gets ``digest`` of the state the
   run starts from (the initial weights, or the resumed checkpoint's), and each step record
-  ``digest_s``. ``mxfp8-digest-diff`` (``apps.training.digest_diff``) compares two files.
+  ``digest_s`` (its gradient part runs before the update, so inside ``step_s`` too).
+  ``mxfp8-digest-diff`` (``apps.training.digest_diff``) compares two files.
 
 Both are collectives: every rank calls ``start_fields``, ``before_update`` and ``after_update``
 in the same order; rank 0 writes what they return.
