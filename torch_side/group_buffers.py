@@ -64,6 +64,8 @@ class GroupBuffers:
         self.scales, self.scale_buffers, self.scale_offsets = (
             scales.views, scales.buffers, scales.offsets
         )
+        # Set by torch_side.numerics_telemetry: sees each refresh's reduced block amax (MXFP8).
+        self.amax_observer = None
 
     def _local(self, sharded: bool) -> int:
         return self.layout.shard_numel if sharded else self.layout.padded_numel
@@ -101,6 +103,7 @@ class GroupBuffers:
             comm=self.comm,
             main_sharded=self.facts.main_weights_sharded,
             kernels=self.kernels,
+            amax_observer=self.amax_observer,
         )
 
     def refresh(self, phase: Phase) -> None:

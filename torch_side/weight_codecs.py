@@ -21,6 +21,7 @@ reduction -- exactly what a codec reads and writes, nothing else of the group.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -76,6 +77,10 @@ class CodecContext(NamedTuple):
     comm: Communicator  # the group's DP communicator (the amax all-reduce)
     main_sharded: bool  # main holds a 1/DP shard: the amax must be reduced over ranks
     kernels: KernelConfig | None  # FSDP's own MXFP8 numerics (None: the device default)
+    # Called once per MXFP8 fill with the group's reduced packed block amax (layout:
+    # bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so that
+    # nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
+    amax_observer: Callable[[torch.Tensor], None] | None = None
 
 
 class WeightCodec:
@@ -138,9 +143,12 @@ class MXFP8Codec(WeightCodec):
             pieces.append(Piece(shape, 0, 0, 0) if p is None
                           else Piece(shape, p.param_offset, p.shard_offset, p.numel))
 
+        reduced: list[torch.Tensor] = []
+
         def reduce_max(packed: torch.Tensor) -> None:
             if ctx.main_sharded:  # else every rank holds whole parameters
                 ctx.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, f"{ctx.label}/amax")
+            reduced.append(packed)
 
         results = quantize_with_reducer(
             ctx.main, pieces, reduce_max, ctx.main.device, kernels=ctx.kernels,
@@ -154,6 +162,8 @@ class MXFP8Codec(WeightCodec):
                 lo, hi = p.shard_offset, p.shard_offset + p.numel
                 targets[Plane.ROWWISE][lo:hi].copy_(res.rowwise)
                 targets[Plane.COLWISE][lo:hi].copy_(res.colwise)
+        if ctx.amax_observer is not None:
+            ctx.amax_observer(reduced[0])
 
 
 CODECS: dict[WeightFormat, type[WeightCodec]] = {

@@ -4,6 +4,8 @@
     mxfp8-train --compare                         # ... and the same run with fp32 linears
     mxfp8-train --data stdlib --config small --steps 200 --metrics runs/s.jsonl --plot runs/s.png
     mxfp8-train --save-dir ckpt --save-every 20 ; mxfp8-train --resume ckpt --steps 80
+    mxfp8-train --metrics a.jsonl --telemetry --digest --plot a.png  # + a.telemetry.png
+    mxfp8-digest-diff a.jsonl b.jsonl             # first step/group/tensor where runs differ
     torchrun --nproc_per_node 2 -m apps.training --device cuda --config gpt2-124m --data stdlib
 
 Without torchrun the command spawns ``--nproc`` local ranks itself (``torch_side.launch``); under
@@ -222,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
 
             paths = [o.metrics for _, _, o in runs if o.metrics]  # parse_args: at least one
             print(f"loss curves: {plot_runs(paths, args.plot)}")
+            if args.telemetry:  # the first run's MXFP8 numerics, beside the curves
+                from pathlib import Path
+
+                from apps.training.plot_telemetry import plot_telemetry
+
+                out = Path(args.plot).with_suffix(".telemetry.png")
+                print(f"MXFP8 telemetry: {plot_telemetry(paths[0], out)}")
     return 0
 
 

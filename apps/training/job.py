@@ -252,6 +252,16 @@ class RunOptions:
     max_consecutive_skips: int = option(
         10, Group.OPTIM, parse=positive(int),
         help="with --on-nonfinite skip: stop after this many skipped steps in a row")
+    telemetry: bool = option(  # apps.training.instruments, torch_side.numerics_telemetry
+        False, Group.OUTPUTS,
+        help="MXFP8 numerics per group, plane and step in the --metrics step records: E8M0 "
+             "scale-exponent histogram, shares of elements quantized to zero / subnormal, of "
+             "scale blocks changed since the last step, amax headroom (docs/training.md)")
+    digest: bool = option(  # apps.training.instruments, torch_side.step_digest
+        False, Group.OUTPUTS,
+        help="64-bit hashes per group and step of the main weights, reduced gradients, MXFP8 "
+             "planes and scales in the --metrics records, independent of the world size; "
+             "compare two runs with mxfp8-digest-diff A.jsonl B.jsonl")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))

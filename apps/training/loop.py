@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apps.training import checkpoint as ckpt
 from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
+from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from bridge.determinism import make_deterministic
@@ -241,6 +242,7 @@ class Trainer:
         self.job, self.opts = job, opts
         self.saver = ckpt.CheckpointSaver.start(opts.save_dir) if opts.save_dir else None
         self.metrics: MetricsWriter | None = None
+        self.instruments: StepInstruments | None = None
         try:
             if job.deterministic:
                 make_deterministic()  # before the first JAX computation (XLA reads its flags once)
@@ -251,7 +253,9 @@ class Trainer:
                 resumed = ckpt.load(opts.resume, fsdp=self.parts.fsdp, opt=self.parts.opt,
                                     job=self.desc, data_digest=self.parts.corpus.content_digest())
                 self.start_step, self.position = resumed.step, resumed.position
-            self._open_metrics()
+            self.instruments = StepInstruments(self.parts.fsdp, telemetry=opts.telemetry,
+                                               digest=opts.digest)
+            self._open_metrics(self.instruments.start_fields())
         except BaseException:
             self.close()
             raise
@@ -259,7 +263,7 @@ class Trainer:
         self.skips = 0  # consecutive skipped steps
         self.logs: list[StepLog] = []  # the steps this trainer ran
 
-    def _open_metrics(self) -> None:
+    def _open_metrics(self, extra: dict) -> None:
         if dist.get_rank() != 0 or not self.opts.metrics:
             return
         m = self.parts
@@ -267,7 +271,7 @@ class Trainer:
         self.metrics.write(run_record(
             job=self.desc, world_size=dist.get_world_size(), label=self.opts.label,
             corpus=m.corpus.describe(), loss_floor=m.corpus.loss_floor(self.job.seq_len),
-            resumed_from=self.start_step, params=m.cfg.num_parameters(),
+            resumed_from=self.start_step, params=m.cfg.num_parameters(), **extra,
         ))
 
     def step(self) -> StepLog:
@@ -276,18 +280,20 @@ class Trainer:
         job, world = self.job, dist.get_world_size()
         t0 = time.perf_counter()
         loss, norm = _forward_backward(self.parts, job, self.position)
+        self.instruments.before_update()
         outcome, self.skips = _update(self.parts, self.opts, loss, norm, self.skips)
         self.position = advance(self.position, world_size=world,
                                 micro_batches=job.micro_batches, batch_size=job.batch_size)
         _sync(job)
         seconds = time.perf_counter() - t0
+        extra = self.instruments.after_update()  # --telemetry, --digest (outside step_s)
         log = StepLog(self.done, loss, seconds, job.tokens_per_step(world) / seconds, norm,
                       outcome)
         self.logs.append(log)
         if self.metrics is not None:
             self.metrics.write(step_record(step=log.step, loss=loss, step_s=seconds,
                                            tokens_per_s=log.tokens_per_s, grad_norm=norm,
-                                           outcome=outcome.value))
+                                           outcome=outcome.value, **extra))
         if outcome is StepOutcome.STOPPED:
             raise NonFiniteTraining(_stop_message(log, self.opts, self.skips))
         self.done += 1
@@ -347,6 +353,8 @@ class Trainer:
     def close(self) -> None:
         """Close the metrics file, then release the writer lock (in that order, on every exit)."""
         try:
+            if self.instruments is not None:
+                self.instruments.close()
             if self.metrics is not None:
                 self.metrics.close()
         finally:

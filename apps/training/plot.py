@@ -10,6 +10,10 @@ switch, no display). Null values in the file (non-finite when written) are gaps 
 Command line::
 
     python -m apps.training.plot RUN.jsonl [RUN2.jsonl ...] -o curves.png [--labels a b] [--title T]
+    python -m apps.training.plot RUN.jsonl --telemetry numerics.png [--group LABEL]
+
+``--telemetry`` draws the MXFP8 numerics of a ``--telemetry`` run (``apps.training.plot_telemetry``)
+instead of, or besides (with ``-o``), the loss curves.
 """
 
 from __future__ import annotations
@@ -145,27 +149,39 @@ def _parser() -> argparse.ArgumentParser:
         description="Plot training loss, held-out evals and tokens/s of JSONL metrics files.",
     )
     p.add_argument("runs", nargs="+", type=Path, help="metrics files (RUN.jsonl)")
-    p.add_argument("-o", "--out", type=Path, required=True,
+    p.add_argument("-o", "--out", type=Path,
                    help="output file, written as given: PNG unless the suffix names another "
                         "format matplotlib writes (.svg, .pdf)")
     p.add_argument("--labels", nargs="+", help="one legend label per file (default: file stems)")
     p.add_argument("--title", help="figure title")
+    p.add_argument("--telemetry", type=Path, metavar="OUT",
+                   help="also draw the MXFP8 telemetry of the first file (a run with "
+                        "--telemetry) into OUT")
+    p.add_argument("--group", help="with --telemetry: one parameter group (default: all summed)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line; returns the exit status (0 ok, 2 missing files, 1 unreadable files)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.out is None and args.telemetry is None:
+        parser.error("give -o/--out (loss curves), --telemetry OUT (MXFP8 numerics), or both")
     missing = [str(p) for p in args.runs if not p.is_file()]
     if missing:
         print(f"plot: error: metrics file(s) not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     try:
-        out = plot_runs(args.runs, args.out, labels=args.labels, title=args.title)
+        if args.out is not None:
+            print(plot_runs(args.runs, args.out, labels=args.labels, title=args.title))
+        if args.telemetry is not None:
+            from apps.training.plot_telemetry import plot_telemetry
+
+            print(plot_telemetry(args.runs[0], args.telemetry, group=args.group,
+                                 title=args.title))
     except ValueError as err:
         print(f"plot: error: {err}", file=sys.stderr)
         return 1
-    print(out)
     return 0
 
 

@@ -49,7 +49,9 @@ def test_every_field_has_exactly_one_flag_and_no_flag_two_fields():
 
 def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
-    assert set(_parser_flags()) - FLAGS_BEFORE == {"--branching", "--compute"}  # the new flags
+    # the flags added since (issue 19: --compute; issue 21: --telemetry, --digest)
+    assert set(_parser_flags()) - FLAGS_BEFORE == {
+        "--branching", "--compute", "--telemetry", "--digest"}
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
