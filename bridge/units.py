@@ -235,6 +235,8 @@ class _UnitFn(torch.autograd.Function):
             out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
         else:
             out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=call.spec)
+            # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here
+            ctx.kept = ctx.saved.forwarded.kept(params, rows, xj, auxj)
             ctx.save_for_backward(x.new_empty(0))  # a freed graph raises Torch's own error
         return _result(out, x.device)
 
@@ -250,7 +252,8 @@ class _UnitFn(torch.autograd.Function):
                             cols, spec=call.spec)
         else:
             ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed
-            packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, dj, cols, spec=call.spec)
+            packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, ctx.kept, dj, cols,
+                            spec=call.spec)
         grads = _unpack(_result(packed, dout.device), ctx)
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
 

@@ -15,7 +15,7 @@ The programs:
   linearization (``jax.vjp``) in one program; ``saved`` (the residuals: activations the backward
   needs, each MXFP8 linear's colwise x plane, and, for weights quantized here, their colwise
   planes) stays on the JAX side until the backward;
-- ``unit_backward(saved, dout, cols, spec=)`` -> the gradients packed into one uint8 array
+- ``unit_backward(saved, kept, dout, cols, spec=)`` -> the gradients packed into one uint8 array
   (``GradLayout``): dx, then each high-precision parameter's gradient, then each MXFP8 weight's
   dW (in ``spec.dw_dtypes``), so they cross back to Torch once;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
@@ -54,7 +54,9 @@ from jax_side.mxfp8.kernels import ResolvedKernels
 
 __all__ = [
     "FlatTensor",
+    "Forwarded",
     "GradLayout",
+    "Saved",
     "UnitSpec",
     "grad_layout",
     "unit_apply",
@@ -239,12 +241,67 @@ def unit_apply(params, rows, x, aux, *, spec: UnitSpec):
     return _bound(spec, row_planes, aux)(_values(params), x)
 
 
+class Forwarded:
+    """Which residuals of a forward are its own inputs, as static pytree data: ``positions`` =
+    ((residual leaf index, input leaf index), ...) over ``jax.tree.leaves`` of the linearization
+    and of ``(params, rows, x, aux)``. Such a residual is not returned by the program (XLA
+    would copy the input into a new output buffer, a device-to-device memcpy per call; in a
+    CUDA-graph command buffer that copy failed on Torch-allocated inputs on the H200); the
+    caller keeps those inputs (``kept``) and hands them to ``unit_backward``."""
+
+    def __init__(self, positions: tuple[tuple[int, int], ...]):
+        self.positions = positions
+
+    def kept(self, params, rows, x, aux) -> tuple:
+        """The input leaves the backward needs back, in ``positions`` order."""
+        flat = jax.tree.leaves((params, rows, x, aux))
+        return tuple(flat[i] for _, i in self.positions)
+
+    def __repr__(self) -> str:
+        return f"Forwarded({self.positions})"
+
+
+jax.tree_util.register_pytree_node(
+    Forwarded, lambda f: ((), f.positions), lambda positions, _: Forwarded(positions)
+)
+
+
+class Saved(NamedTuple):
+    """What ``unit_forward`` keeps for ``unit_backward`` (on the JAX side)."""
+
+    vjp: object  # the linearization, inputs among its residuals replaced (``Forwarded``)
+    own_cols: tuple  # colwise planes of weights quantized in the forward (else None)
+    forwarded: Forwarded
+
+
+def _strip_inputs(vjp, inputs):
+    """(the linearization with residuals that are inputs replaced by scalars, Forwarded)."""
+    leaves, tree = jax.tree.flatten(vjp)
+    where = {id(t): i for i, t in enumerate(jax.tree.leaves(inputs))}
+    positions = []
+    for k, leaf in enumerate(leaves):
+        i = where.get(id(leaf))
+        if i is not None:
+            positions.append((k, i))
+            leaves[k] = jnp.zeros((), leaf.dtype)
+    return jax.tree.unflatten(tree, leaves), Forwarded(tuple(positions))
+
+
+def _restore_inputs(saved: Saved, kept):
+    leaves, tree = jax.tree.flatten(saved.vjp)
+    for (k, _), value in zip(saved.forwarded.positions, kept, strict=True):
+        leaves[k] = value
+    return jax.tree.unflatten(tree, leaves)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
-    """(out, saved): the forward and its linearization (module docstring)."""
+    """(out, ``Saved``): the forward and its linearization (module docstring)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
-    out, vjp = jax.vjp(_bound(spec, row_planes, aux), _values(params), x)
-    return out, (vjp, own_cols)
+    values = _values(params)
+    out, vjp = jax.vjp(_bound(spec, row_planes, aux), values, x)
+    vjp, forwarded = _strip_inputs(vjp, (params, rows, x, aux))
+    return out, Saved(vjp, own_cols, forwarded)
 
 
 def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
@@ -271,11 +328,11 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_backward(saved, dout, cols, *, spec: UnitSpec):
-    """The packed gradients (``GradLayout``) from the forward's ``saved`` and the output
-    gradient ``dout``; ``cols``: colwise plane per MXFP8 linear (None: quantized in forward)."""
-    vjp, own_cols = saved
-    return _gradients(vjp, own_cols, dout, cols, spec)
+def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
+    """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs it
+    forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout``; ``cols``: the
+    colwise plane of each MXFP8 linear (None: quantized in the forward)."""
+    return _gradients(_restore_inputs(saved, kept), saved.own_cols, dout, cols, spec)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -1,0 +1,68 @@
+"""``jax_side.unit_program`` on its own (no Torch): residuals that are inputs are not returned,
+the packed gradient layout, and the kept-residual backward equals the recompute backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common.formats import Plane
+from common.model_config import TINY
+from common.modes import Activations
+from jax_side import unit_program as U
+from jax_side.linear import quantize_weight
+from jax_side.models.gpt_math import GPTBlockFn
+from jax_side.mxfp8 import resolve_kernels
+
+NORMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias")
+LINEARS = {"attn.qkv": (3 * TINY.d_model, TINY.d_model), "attn.proj": (TINY.d_model,) * 2,
+           "mlp.fc": (TINY.d_ff, TINY.d_model), "mlp.proj": (TINY.d_model, TINY.d_ff)}
+
+
+def _inputs():
+    keys = jax.random.split(jax.random.key(0), 8)
+    params = tuple(jnp.ones(TINY.d_model) if n.endswith("weight") else jnp.zeros(TINY.d_model)
+                   for n in NORMS)
+    weights = [0.05 * jax.random.normal(k, s)
+               for k, s in zip(keys[:4], LINEARS.values(), strict=True)]
+    x = jax.random.normal(keys[-1], (2, 32, TINY.d_model)).astype(jnp.bfloat16)
+    spec = U.UnitSpec(GPTBlockFn(TINY, Activations.BF16), NORMS, tuple(LINEARS), (),
+                      ("float32",) * 4, resolve_kernels(None, "cpu"))
+    return spec, params, weights, x
+
+
+def test_the_block_input_is_kept_by_the_caller_not_returned_by_the_program():
+    spec, params, weights, x = _inputs()
+    planes = [quantize_weight(w) for w in weights]
+    rows = tuple(p.only(Plane.ROWWISE) for p in planes)
+    _, saved = U.unit_forward(params, rows, x, (), spec=spec)
+    flat_inputs = jax.tree.leaves((params, rows, x, ()))
+    x_index = next(i for i, a in enumerate(flat_inputs) if a is x)
+    assert any(i == x_index for _, i in saved.forwarded.positions), saved.forwarded
+    leaves = jax.tree.leaves(saved.vjp)
+    assert all(leaves[k].shape == () for k, _ in saved.forwarded.positions)
+    assert any(a is x for a in saved.forwarded.kept(params, rows, x, ()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["planes", "weights"])
+def test_the_kept_backward_equals_the_recompute_backward(given):
+    spec, params, weights, x = _inputs()
+    planes = [quantize_weight(w) for w in weights]
+    if given == "planes":  # FSDP's case: rowwise in forward, colwise in backward
+        rows = tuple(p.only(Plane.ROWWISE) for p in planes)
+        cols = tuple(p.only(Plane.COLWISE) for p in planes)
+    else:  # quantized inside the forward program
+        rows, cols = tuple(weights), (None,) * 4
+    dout = jnp.ones_like(x)
+    out, saved = U.unit_forward(params, rows, x, (), spec=spec)
+    kept = saved.forwarded.kept(params, rows, x, ())
+    packed = U.unit_backward(saved, kept, dout, cols, spec=spec)
+    redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec)
+    assert np.array_equal(np.asarray(packed), np.asarray(redo))
+    layout = U.grad_layout(x.shape, x.dtype, [p.shape for p in params], ["float32"] * 4,
+                           list(LINEARS.values()), spec.dw_dtypes)
+    assert packed.shape == (layout.nbytes,)
+    assert np.array_equal(np.asarray(out), np.asarray(U.unit_apply(params, rows, x, (), spec=spec)))
