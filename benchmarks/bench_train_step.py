@@ -5,6 +5,8 @@ Runs (``--runs``):
 - ``mxfp8``: ``torch_side.fully_shard`` (ZeRO-3, one unit per block), MXFP8 linears (JAX GEMMs
   through the bridge, planes all-gathered as 1 byte/element), bf16 activations, fused attention;
   ``FSDPOptimizer`` (AdamW on fp32 main shards) and the distributed MXFP8 requantization.
+- ``mxfp8_bf16_gather``: ``mxfp8`` with ``GatherMode.BF16``: the MXFP8 weights are all-gathered as
+  bf16 (2 bytes/element) and every rank quantizes them itself; the GEMMs read the same bytes.
 - ``bf16``: the same with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
@@ -33,7 +35,7 @@ import statistics
 import sys
 import time
 
-RUNS = ("mxfp8", "bf16", "fsdp2")
+RUNS = ("mxfp8", "mxfp8_bf16_gather", "bf16", "fsdp2")
 
 
 @dataclasses.dataclass
@@ -116,7 +118,13 @@ def _build(run, cfg, args):
     import torch
 
     from common.modes import LinearMode
-    from torch_side import FSDPOptimizer, MixedPrecisionPolicy, WeightFormat, fully_shard
+    from torch_side import (
+        FSDPOptimizer,
+        GatherMode,
+        MixedPrecisionPolicy,
+        WeightFormat,
+        fully_shard,
+    )
     from torch_side.models.gpt import Block, TorchGPT, cross_entropy
 
     if run == "fsdp2":
@@ -139,9 +147,10 @@ def _build(run, cfg, args):
 
         return model, step, None
 
-    mode = LinearMode.MXFP8 if run == "mxfp8" else LinearMode.HIGH_PRECISION
+    mode = LinearMode.MXFP8 if run.startswith("mxfp8") else LinearMode.HIGH_PRECISION
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16")
-    policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16)
+    gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
+    policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     fsdp = fully_shard(model, unit_modules=(Block,), policy=policy)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
     timing = {"requant_s": 0.0}

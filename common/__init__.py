@@ -5,7 +5,8 @@ nor jax (numpy and ml_dtypes only).
   facts (``FORMATS``), scale shapes, the MXFP8 shape rule, and the ``mxfp8_params()`` protocol
   by which a module declares its block-scaled parameters;
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
-- ``modes``: ``LinearMode``, the one enum of how a linear layer multiplies;
+- ``modes``: ``LinearMode``, the one enum of how a linear layer multiplies, and ``GatherMode``
+  (MXFP8 or bf16 weight all-gathers);
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
 - ``model_config``: ``GPTConfig`` and its presets, shared by the Torch and Flax twins;
 - ``enums``: ``parse_enum``, the one way user input becomes an enum member.
@@ -30,7 +31,7 @@ from common.formats import (
 from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
 from common.kernels import Backend, GemmImpl, KernelConfig
 from common.model_config import PRESETS, GPTConfig
-from common.modes import LinearMode
+from common.modes import GatherMode, LinearMode
 
 __all__ = [
     "BLOCK_SIZE",
@@ -43,6 +44,7 @@ __all__ = [
     "BlockScaledParams",
     "FormatSpec",
     "GPTConfig",
+    "GatherMode",
     "GemmImpl",
     "GemmRole",
     "KernelConfig",
