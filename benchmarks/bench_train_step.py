@@ -8,6 +8,8 @@ Runs (``--runs``):
   ``FSDPOptimizer`` (AdamW on fp32 main shards) and the distributed MXFP8 requantization.
 - ``mxfp8-op``: the same with per-linear ops (``Compute.OP``: one JAX op per linear layer,
   LayerNorm, attention and GELU in Torch).
+- ``mxfp8_bf16_gather``: ``mxfp8`` with ``GatherMode.BF16``: the MXFP8 weights are all-gathered as
+  bf16 (2 bytes/element) and every rank quantizes them itself; the GEMMs read the same bytes.
 - ``bf16``: ``mxfp8`` with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
@@ -40,7 +42,7 @@ import statistics
 import sys
 import time
 
-RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2", "torchao")
+RUNS = ("mxfp8", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "torchao")
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -126,7 +128,13 @@ def _build(run, cfg, args):
     import torch
 
     from common.modes import LinearMode
-    from torch_side import FSDPOptimizer, MixedPrecisionPolicy, WeightFormat, fully_shard
+    from torch_side import (
+        FSDPOptimizer,
+        GatherMode,
+        MixedPrecisionPolicy,
+        WeightFormat,
+        fully_shard,
+    )
     from torch_side.models.gpt import Block, TorchGPT
 
     if run in ("fsdp2", "torchao"):
@@ -135,7 +143,8 @@ def _build(run, cfg, args):
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute)
-    policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16)
+    gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
+    policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     fsdp = fully_shard(model, unit_modules=(Block,), policy=policy)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
     timing = {"requant_s": 0.0}

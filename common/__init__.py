@@ -6,7 +6,8 @@ nor jax (numpy and ml_dtypes only).
   by which a module declares its block-scaled parameters;
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
 - ``modes``: ``LinearMode`` (how a linear layer multiplies), ``Activations`` (the GPT twins'
-  activation dtype), ``Compute`` (one JAX op per linear or one program per FSDP unit);
+  activation dtype), ``Compute`` (one JAX op per linear or one program per FSDP unit),
+  ``GatherMode`` (MXFP8 or bf16 weight all-gathers);
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
 - ``model_config``: ``GPTConfig`` and its presets, shared by the Torch and Flax twins;
 - ``enums``: ``parse_enum``, the one way user input becomes an enum member.
@@ -31,7 +32,7 @@ from common.formats import (
 from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
 from common.kernels import Backend, GemmImpl, KernelConfig
 from common.model_config import PRESETS, GPTConfig
-from common.modes import Activations, Compute, LinearMode
+from common.modes import Activations, Compute, GatherMode, LinearMode
 
 __all__ = [
     "BLOCK_SIZE",
@@ -46,6 +47,7 @@ __all__ = [
     "Compute",
     "FormatSpec",
     "GPTConfig",
+    "GatherMode",
     "GemmImpl",
     "GemmRole",
     "KernelConfig",

@@ -3,6 +3,8 @@
 - ``LinearMode``: how a linear layer multiplies (the bridge's Torch op, the Flax twin, the Torch
   twin, FSDP -- which weights get MXFP8 planes -- and the applications all take it).
 - ``Activations``: the activation dtype and attention kernel of the GPT twins.
+- ``GatherMode``: how FSDP all-gathers block-scaled weights (``MixedPrecisionPolicy.gather``,
+  ``mxfp8-train --gather``).
 - ``Compute``: the granularity at which a Torch model enters JAX (one op per linear, or one
   program per FSDP unit and direction; docs/DESIGN.md section 8).
 
@@ -15,7 +17,7 @@ import enum
 
 from common.enums import parse_enum
 
-__all__ = ["Activations", "Compute", "LinearMode"]
+__all__ = ["Activations", "Compute", "GatherMode", "LinearMode"]
 
 
 class LinearMode(enum.Enum):
@@ -50,3 +52,21 @@ class Compute(enum.Enum):
     @classmethod
     def parse(cls, value: Compute | str) -> Compute:
         return parse_enum(cls, value, what="compute granularity")
+
+
+class GatherMode(enum.Enum):
+    """How FSDP all-gathers block-scaled (MXFP8) weights (``MixedPrecisionPolicy.gather``).
+
+    MXFP8: the MXFP8 planes themselves, 1 byte per element per plane (forward the rowwise, backward
+    the columnwise plane), quantized once per optimizer step by the distributed recipe.
+    BF16: bf16(main), 2 bytes per element, once for forward and once for backward; every rank then
+    quantizes the full bf16 weight itself (Megatron-LM's ``fp8_param_gather=False``). Both give
+    the same MXFP8 bytes to the GEMMs (DESIGN.md 5: distributed quantization equals quantizing
+    the full bf16(main) on one rank)."""
+
+    MXFP8 = "mxfp8"
+    BF16 = "bf16"
+
+    @classmethod
+    def parse(cls, value: GatherMode | str) -> GatherMode:
+        return parse_enum(cls, value, what="weight gather mode")

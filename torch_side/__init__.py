@@ -3,8 +3,10 @@
 Public API (user guide: docs/fsdp.md):
 - ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
   init_sync=...)`` -> ``FSDPModel`` (``InitSync``);
-  ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``
-- ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear``, ``ShardingStrategy``
+  ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
+  (global norm over every shard); ``LRScheduler(opt, ScheduleConfig(lr, LRSchedule.COSINE, ...))``
+- ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,
+  ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
 - ``FlatLayout`` / ``check_layout``, ``BucketAllocator``, ``WireRecord`` (wire accounting)
 - ``CollectiveMismatchError``: raised by ``fully_shard(..., check_collectives=True)`` when the
@@ -37,8 +39,13 @@ _EXPORTS: dict[str, str] = {
     "fully_shard": "torch_side.fsdp_model",
     "InitSync": "torch_side.init_sync",
     "FSDPOptimizer": "torch_side.optimizer",
+    "clip_grad_norm_": "torch_side.optimizer",
+    "LRSchedule": "torch_side.lr_schedule",
+    "LRScheduler": "torch_side.lr_schedule",
+    "ScheduleConfig": "torch_side.lr_schedule",
     "PlaneState": "torch_side.plane_bucket",
     "precompile": "torch_side.precompile",
+    "GatherMode": "torch_side.policy",
     "MixedPrecisionPolicy": "torch_side.policy",
     "UnalignedLinear": "torch_side.policy",
     "WeightFormat": "torch_side.policy",

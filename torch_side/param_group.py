@@ -17,6 +17,14 @@ sharded, or storage-free placeholders: the codec's ``ParamStorage``), and gives 
 FSDP one object per group. ``main``, ``model``, ``main_grad``, ``scales``, ``scale_buffers`` and
 ``scale_offsets`` are the ``GroupBuffers`` tensors themselves (never rebound).
 
+Under ``GatherMode.BF16`` (``BF16GatherCodec``) the group stores and gathers bf16 weights and
+its layers read MXFP8 planes that every rank quantizes from the full bf16 buffer on first read
+after a gather (``compute_buffer``): the **quantized buffers** (rowwise and columnwise, laid out
+like the gathered buffer, from the ``BucketAllocator``, keys ``(label, "quantized_<plane>")``),
+freed on every ``reshard`` and at a refresh, so they live exactly as long as a ZeRO-3 bucket
+(under the replicated strategies too: each forward and backward quantizes again, as Transformer
+Engine does without an FP8 weight cache).
+
 Sharing with JAX (``shared_plane``): a plane's full buffer (the unsharded bucket, or the
 replicated model buffer) and the plane's scale buffer cross the bridge once per lifetime as
 ``bridge.shared.SharedBuffer``; every layer of the group reads its weight from them by offset.
@@ -39,10 +47,10 @@ from torch_side.collectives import Communicator, Phase
 from torch_side.flat_layout import FlatLayout, OwnedPiece, ParamSlot, check_layout
 from torch_side.grad_reducer import GradReducer
 from torch_side.group_buffers import GroupBuffers
-from torch_side.plane_bucket import PlaneBucket, PlaneState
+from torch_side.plane_bucket import PlaneBucket, PlaneState, QuantizedPlanes
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import STRATEGY_FACTS, ShardingStrategy
-from torch_side.weight_codecs import ParamStorage, WeightCodec
+from torch_side.weight_codecs import CodecContext, ParamStorage, WeightCodec
 
 __all__ = ["GroupKey", "ParamEntry", "ParamGroup", "PlaneState"]
 
@@ -123,6 +131,8 @@ class ParamGroup:
             )
             for p in self.planes
         }
+        # BF16GatherCodec: the MXFP8 planes quantized from the gathered bf16 buffer (module note)
+        self.quantized = QuantizedPlanes(label, codec.compute_planes, allocator)
         self.grads: GradReducer | None = None
         if key.requires_grad:
             self.grads = GradReducer(
@@ -163,6 +173,7 @@ class ParamGroup:
         for bucket in self.buckets.values():
             bucket.expect(PlaneState.REPLICATED, PlaneState.SHARDED)
             bucket.drop_shares()  # scales (and replicated planes) are rewritten below
+        self.quantized.drop()
         self.buffers.refresh(phase)
 
     # ---- unshard / reshard (PlaneBucket) --------------------------------------------------
@@ -172,8 +183,9 @@ class ParamGroup:
 
     def unshard(self, planes: Iterable[Plane], phase: Phase, async_op: bool = False) -> None:
         """All-gather planes into temporary buckets (ZeRO-3; a no-op for a plane already
-        unsharded, except that a gather still in flight is waited for unless async_op)."""
-        for plane in planes:
+        unsharded, except that a gather still in flight is waited for unless async_op). A
+        compute plane the group does not store gathers the stored plane it is made from."""
+        for plane in dict.fromkeys(self.codec.stored_plane(p) for p in planes):
             bucket = self._bucket(plane).unshard(phase, async_op)
             if bucket is not None and self.codec.param_storage is ParamStorage.BUFFER_VIEW:
                 _point_params_at(self.entries, self.layout.slots, bucket)  # valid once waited
@@ -182,6 +194,7 @@ class ParamGroup:
         """Free every unsharded bucket of this group (ZeRO-3 only)."""
         for bucket in self.buckets.values():
             bucket.reshard()
+        self.quantized.drop()
         if self.facts.model_weights_sharded and (
             self.codec.param_storage is ParamStorage.BUFFER_VIEW
         ):
@@ -191,6 +204,8 @@ class ParamGroup:
         """What this group holds beyond its shards: planes gathered or gathering, and a grad
         bucket of staged gradients not reduced yet. Empty between iterations."""
         live = [p.value for p, b in self.buckets.items() if b.live]
+        if self.quantized.live:
+            live.append("quantized")
         if self.grads is not None and self.grads.staged:
             live.append("grad")
         return live
@@ -213,18 +228,41 @@ class ParamGroup:
         else:
             _point_params_at(self.entries, self.layout.slots, self.model[self.forward_plane])
 
+    # ---- MXFP8 planes quantized after a bf16 gather (BF16GatherCodec) ----------------------
+    def compute_buffer(self, plane: Plane) -> torch.Tensor:
+        """The full (padded) buffer of compute plane ``plane``: the stored plane's full buffer,
+        or (BF16GatherCodec) the planes this rank quantizes from the gathered bf16 weights, made
+        on first read after a gather and kept until reshard."""
+        if not self.codec.quantizes_after_gather:
+            return self.full_buffer(plane)
+        if not self.quantized.live:
+            full = self.full_buffer(self.codec.stored_plane(plane))
+            targets = self.quantized.allocate(self.layout.padded_numel, self.device)
+            ctx = CodecContext(
+                label=self.label, main=full, shapes=[s.shape for s in self.layout.slots],
+                owned=[OwnedPiece(i, 0, s.start, s.numel) for i, s in
+                       enumerate(self.layout.slots)],
+                scales=self.scales, comm=self.comm, main_sharded=False, kernels=self.kernels,
+            )
+            self.codec.quantize_gathered(ctx, targets)
+            self.quantized.buffers = targets
+        return self.quantized.buffers[plane]
+
     def plane_views(self, index: int, plane: Plane) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data (M, K) uint8, scale uint8) of block-scaled parameter ``index`` from the full
-        buffer of ``plane``."""
+        """(data (M, K) uint8, scale uint8) of block-scaled parameter ``index``'s compute plane
+        ``plane``."""
         s = self.layout.slots[index]
-        data = self.full_buffer(plane)[s.start : s.end].view(s.shape)
+        data = self.compute_buffer(plane)[s.start : s.end].view(s.shape)
         return data, self.scales[plane][index]
 
     def shared_plane(self, index: int, plane: Plane) -> SharedPlane:
-        """Block-scaled parameter ``index``'s plane inside this group's buffers, shared with JAX
-        once per buffer lifetime (the plane must be unsharded or replicated)."""
-        self.full_buffer(plane)  # the plane must exist and be readable (checked first)
-        data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
+        """Block-scaled parameter ``index``'s compute plane inside this group's buffers, shared
+        with JAX once per buffer lifetime (the plane must be unsharded or replicated)."""
+        self.compute_buffer(plane)  # the plane must exist and be readable (checked first)
+        if self.codec.quantizes_after_gather:
+            data, scale = self.quantized.shared(plane, self.scale_buffers[plane])
+        else:
+            data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
         s = self.layout.slots[index]
         return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane)
 

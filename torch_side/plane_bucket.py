@@ -31,7 +31,7 @@ from common.formats import Plane
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator, Phase
 
-__all__ = ["PlaneBucket", "PlaneState"]
+__all__ = ["PlaneBucket", "PlaneState", "QuantizedPlanes"]
 
 
 class PlaneState(enum.Enum):
@@ -150,3 +150,36 @@ class PlaneBucket:
     def drop_shares(self) -> None:
         """The group rewrote its buffers (a refresh): share them afresh on next use."""
         self._data_share = self._scale_share = None
+
+
+class QuantizedPlanes:
+    """``GatherMode.BF16``: the MXFP8 planes a rank quantized from a group's gathered bf16
+    buffer (``ParamGroup.compute_buffer``), from the ``BucketAllocator`` (keys ``(label,
+    "quantized_<plane>")``), and their shares with JAX; held from the first read after a gather
+    until ``drop`` (every reshard, and a refresh)."""
+
+    def __init__(self, label: str, planes: tuple[Plane, ...], allocator: BucketAllocator):
+        self.label, self.planes, self.allocator = label, planes, allocator
+        self.buffers: dict[Plane, torch.Tensor] | None = None
+        self._shares: dict[Plane, tuple[SharedBuffer, SharedBuffer]] = {}
+
+    @property
+    def live(self) -> bool:
+        return self.buffers is not None
+
+    def allocate(self, numel: int, device: torch.device) -> dict[Plane, torch.Tensor]:
+        """Empty buffers for every plane (the caller fills them and sets ``buffers``)."""
+        return {p: self.allocator.allocate(self.label, f"quantized_{p.value}", numel,
+                                           torch.uint8, device) for p in self.planes}
+
+    def shared(self, plane: Plane, scale_buffer: torch.Tensor):
+        """(plane buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
+        if plane not in self._shares:
+            self._shares[plane] = (SharedBuffer(self.buffers[plane]), SharedBuffer(scale_buffer))
+        return self._shares[plane]
+
+    def drop(self) -> None:
+        if self.buffers is not None:
+            self.buffers, self._shares = None, {}
+            for p in self.planes:
+                self.allocator.free(self.label, f"quantized_{p.value}")

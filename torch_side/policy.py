@@ -7,7 +7,10 @@ declares block-scaled through ``mxfp8_params()`` (``common.formats.BlockScaledPa
 weight of a ``bridge.MXFP8Linear`` in ``LinearMode.MXFP8``) whose shape allows it; every other
 parameter (norms, biases, embeddings, plain ``nn.Linear``) takes ``other_format``. A linear
 weight whose shape does not fit a block-scaled format either raises or falls back to
-``other_format``, by the explicit :class:`UnalignedLinear` choice.
+``other_format``, by the explicit :class:`UnalignedLinear` choice. ``gather``
+(``common.modes.GatherMode``) says what a block-scaled weight's all-gathers carry: its MXFP8
+planes (1 byte per element) or bf16(main) (2 bytes per element, quantized by every rank after the
+gather); the GEMMs read the same MXFP8 bytes either way (``torch_side.weight_codecs``).
 
 Every fact about a format comes from the one table ``common.formats.FORMATS`` (buffer dtype,
 source dtype, planes, block scaling); the static helpers below answer the questions FSDP asks of
@@ -22,6 +25,7 @@ import enum
 
 import torch
 
+from common.enums import parse_enum
 from common.formats import (
     FORMATS,
     FormatSpec,
@@ -30,8 +34,10 @@ from common.formats import (
     block_scaled_params,
     format_spec,
 )
+from common.modes import GatherMode
 
 __all__ = [
+    "GatherMode",
     "MixedPrecisionPolicy",
     "UnalignedLinear",
     "WeightFormat",
@@ -68,6 +74,10 @@ class MixedPrecisionPolicy:
     main_grad_dtype: dtype of the reduced gradient shards (fp32 or bf16).
     grad_comm_dtype: dtype gradients are reduced in (fp32 or bf16).
     unaligned_linear: RAISE or FALLBACK for linear weights whose shape does not fit the format.
+    gather: what the all-gathers of block-scaled weights carry (``GatherMode``): MXFP8 planes
+    (default) or bf16(main), quantized after the gather; BF16 needs a block-scaled
+    ``linear_weight_format``. Either way dW arrives in the parameter's dtype (fp32), never
+    rounded to the gather's dtype.
     """
 
     linear_weight_format: WeightFormat = WeightFormat.MXFP8_E4M3
@@ -76,6 +86,7 @@ class MixedPrecisionPolicy:
     main_grad_dtype: torch.dtype = torch.float32
     grad_comm_dtype: torch.dtype = torch.float32
     unaligned_linear: UnalignedLinear = UnalignedLinear.RAISE
+    gather: GatherMode = GatherMode.MXFP8
 
     def __post_init__(self) -> None:
         for name in ("linear_weight_format", "other_format"):
@@ -104,6 +115,16 @@ class MixedPrecisionPolicy:
             raise TypeError(
                 f"MixedPrecisionPolicy.unaligned_linear={self.unaligned_linear!r}: expected "
                 f"UnalignedLinear.RAISE or UnalignedLinear.FALLBACK"
+            )
+        gather = parse_enum(GatherMode, self.gather, what="MixedPrecisionPolicy.gather")
+        object.__setattr__(self, "gather", gather)
+        if gather is GatherMode.BF16 and FORMATS[self.linear_weight_format].blocks is None:
+            raise ValueError(
+                f"MixedPrecisionPolicy(gather=GatherMode.BF16, linear_weight_format="
+                f"{self.linear_weight_format}): a bf16 gather replaces the all-gather of "
+                f"block-scaled weights, but {self.linear_weight_format.value} weights are gathered "
+                f"as they are; use linear_weight_format=WeightFormat.MXFP8_E4M3, or "
+                f"gather=GatherMode.MXFP8"
             )
 
     def param_format(self, module, pname: str, qualified_name: str) -> WeightFormat:

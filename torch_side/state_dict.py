@@ -123,7 +123,7 @@ def gathered_weights(
         g.unshard(g.planes, Phase.STATE)
         for i, s in enumerate(g.layout.slots):
             if g.codec.param_storage is ParamStorage.PLACEHOLDER:
-                planes = {p: g.plane_views(i, p) for p in g.codec.planes}
+                planes = {p: g.plane_views(i, p) for p in g.codec.compute_planes}
                 out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype)
             else:
                 out[s.name] = g.param_view(i)

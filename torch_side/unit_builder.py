@@ -135,7 +135,7 @@ def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[Param
                 cfg.comms[key.dp_group],
                 cfg.allocator,
                 grad_divisor=cfg.comms["dp"].world_size,
-                codec=codec_for(key.weight_format),
+                codec=codec_for(key.weight_format, cfg.policy.gather),
                 kernels=cfg.kernels,
             )
         )

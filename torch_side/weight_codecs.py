@@ -13,6 +13,14 @@ implemented here) with a clear error. A codec answers, from the format's table r
   MXFP8 quantization (DESIGN.md 5: partial amax, one all-reduce MAX, scales, cast of owned
   elements).
 
+A codec's ``planes`` are what the model weight buffers store and all-gather; ``compute_planes``
+what the layers read. They are the same planes except under ``GatherMode.BF16``
+(:class:`BF16GatherCodec`): an MXFP8 weight is then stored and gathered as bf16(main), one plane
+of 2 bytes per element, and after each gather every rank quantizes the group's full bf16 weights
+itself (``quantize_gathered``, the MXFP8 codec's ``fill`` on the whole tensor with no amax
+reduction) into buffers laid out like the MXFP8 planes -- the same bytes the distributed
+quantization writes (DESIGN.md 5), read by the same linear programs at the same offsets.
+
 ``fill`` sees its group only through a :class:`CodecContext`: the main weights, which pieces of
 which parameter shapes they hold, the scale tensors to write and the communicator for the amax
 reduction -- exactly what a codec reads and writes, nothing else of the group.
@@ -28,6 +36,7 @@ import torch
 
 from common.formats import FormatSpec, Plane, WeightFormat, format_spec, scale_shape
 from common.kernels import KernelConfig
+from common.modes import GatherMode
 from torch_side.collectives import Collective, Communicator, Phase
 from torch_side.distributed_quantize import Piece, quantize_with_reducer
 from torch_side.flat_layout import OwnedPiece
@@ -35,6 +44,7 @@ from torch_side.policy import MixedPrecisionPolicy, torch_dtype
 
 __all__ = [
     "CODECS",
+    "BF16GatherCodec",
     "CastCodec",
     "CodecContext",
     "MXFP8Codec",
@@ -87,6 +97,7 @@ class WeightCodec:
     """Base: the facts every codec shares (from the format's row of ``FORMATS``)."""
 
     param_storage: ParamStorage
+    quantizes_after_gather = False  # BF16GatherCodec: the layers read planes made locally
 
     def __init__(self, fmt: WeightFormat):
         self.format = fmt
@@ -96,7 +107,17 @@ class WeightCodec:
 
     @property
     def planes(self) -> tuple[Plane, ...]:
+        """The planes the model weight buffers store (and all-gather)."""
         return self.spec.planes
+
+    @property
+    def compute_planes(self) -> tuple[Plane, ...]:
+        """The planes the layers read."""
+        return self.planes
+
+    def stored_plane(self, plane: Plane) -> Plane:
+        """The stored plane whose gather makes compute plane ``plane`` readable."""
+        return plane
 
     def make_scales(self, shapes, device) -> Scales:
         """Scale tensors per plane, one per parameter (none for unscaled formats)."""
@@ -166,6 +187,43 @@ class MXFP8Codec(WeightCodec):
             ctx.amax_observer(reduced[0])
 
 
+class BF16GatherCodec(WeightCodec):
+    """MXFP8 compute from bf16 all-gathers (``GatherMode.BF16``; module note). Stored and
+    gathered: bf16(main), one plane; read by the layers: the MXFP8 planes ``quantize_gathered``
+    makes from the full bf16 weights. Parameters are placeholders, as for MXFP8, so dW arrives in
+    the parameter's dtype (fp32), never rounded to bf16."""
+
+    param_storage = ParamStorage.PLACEHOLDER
+    quantizes_after_gather = True
+
+    def __init__(self, fmt: WeightFormat):
+        super().__init__(WeightFormat.BF16)  # what the buffers hold
+        self.compute = MXFP8Codec(fmt)
+        self.format = fmt  # the format the layers compute with (the group's key)
+
+    @property
+    def compute_planes(self) -> tuple[Plane, ...]:
+        return self.compute.planes
+
+    def stored_plane(self, plane: Plane) -> Plane:
+        return self.spec.forward_plane
+
+    def make_scales(self, shapes, device) -> Scales:
+        return self.compute.make_scales(shapes, device)  # written by quantize_gathered
+
+    def fill(self, ctx: CodecContext, targets, phase) -> None:
+        (plane,) = self.planes
+        targets[plane].copy_(MixedPrecisionPolicy.high_precision_value(WeightFormat.BF16,
+                                                                       ctx.main))
+
+    def quantize_gathered(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor]) -> None:
+        """``targets[plane]`` (full, laid out like the gathered buffer ``ctx.main``) and
+        ``ctx.scales`` from the full bf16 weights: every parameter whole, no collective
+        (``ctx.main_sharded`` must be False)."""
+        assert not ctx.main_sharded and ctx.main.dtype == torch.bfloat16, ctx
+        self.compute.fill(ctx, targets, Phase.FORWARD)  # phase: only names a collective
+
+
 CODECS: dict[WeightFormat, type[WeightCodec]] = {
     WeightFormat.FP32: CastCodec,
     WeightFormat.BF16: CastCodec,
@@ -173,8 +231,11 @@ CODECS: dict[WeightFormat, type[WeightCodec]] = {
 }
 
 
-def codec_for(fmt: WeightFormat) -> WeightCodec:
-    """The codec of a format FSDP implements; a clear error for any other."""
+def codec_for(fmt: WeightFormat, gather: GatherMode = GatherMode.MXFP8) -> WeightCodec:
+    """The codec of a format FSDP implements (a block-scaled one gathered as ``gather`` says);
+    a clear error for any other."""
+    if gather is GatherMode.BF16 and fmt is WeightFormat.MXFP8_E4M3:
+        return BF16GatherCodec(fmt)
     try:
         cls = CODECS[fmt]
     except KeyError:

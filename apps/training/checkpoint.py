@@ -13,7 +13,11 @@ torchtitan's checkpointer composes ``Stateful`` objects), each writing its own e
 - the RNG (``RngState``): each rank's ``rng/<rank>/torch`` and ``rng/<rank>/cuda`` (restored only
   at the same world size).
 
-An LR schedule, when there is one, is one more part (its JSON state as a field). The app adds the
+- the learning-rate schedule (``LRScheduleState``): the ``lr_schedule`` field, the scheduler's
+  ``state_dict()`` (its step and, for the record, its config). On load the step is restored; the
+  config in force is the resuming run's (as with ``--lr`` before schedules existed), so a resume
+  with the same flags is bit-exact. A checkpoint without the field (written before schedules)
+  resumes the schedule at its step. The app adds the
 ``job`` and ``data_digest`` fields, checked on load. The files (``torch_side.sharded_files``):
 ``<save_dir>/step_<k>/rank_<r>.bin`` / ``rank_<r>.json`` per rank and ``meta.json`` (rank 0,
 last: format version 2, run id, step, world size, sha256 and size of every file, the fields).
@@ -76,6 +80,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaver",
     "DataPositionState",
+    "LRScheduleState",
     "ResumeState",
     "RngKey",
     "RngState",
@@ -166,10 +171,41 @@ class DataPositionState:
         return restore
 
 
-def _parts(fsdp, opt, position: DataPositionState) -> list[Stateful]:
+class LRScheduleState:
+    """The learning-rate scheduler's step (and config, for the record): a ``meta.json`` field."""
+
+    schema: dict[str, torch.dtype] = {}
+    FIELD = "lr_schedule"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler  # torch_side.lr_schedule.LRScheduler
+
+    def state_entries(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_fields(self) -> dict[str, Any]:
+        return {self.FIELD: self.scheduler.state_dict()}
+
+    def read_state(self, reader: ShardedReader) -> Restore:
+        step = reader.meta.get("step")
+        saved = reader.meta.get(self.FIELD, {"step": step})  # older checkpoints: at their step
+        if not isinstance(saved, dict) or saved.get("step") != step:
+            raise CheckpointError(
+                f"{reader.path / META}: field {self.FIELD!r} = {saved!r} does not hold the "
+                f"checkpoint's step {step}; the metadata is inconsistent"
+            )
+
+        def restore() -> None:
+            self.scheduler.load_state_dict(saved)
+
+        return restore
+
+
+def _parts(fsdp, opt, position: DataPositionState, scheduler=None) -> list[Stateful]:
     """What a training checkpoint holds, in save order (main weights first, so a non-finite
     refusal names a weight before its optimizer state)."""
-    return [fsdp.sharded_state(), opt.sharded_state(), position, RngState()]
+    parts = [fsdp.sharded_state(), opt.sharded_state(), position, RngState()]
+    return parts if scheduler is None else [*parts, LRScheduleState(scheduler)]
 
 
 def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
@@ -217,7 +253,7 @@ class CheckpointSaver:
             self._lock = None
 
     def save(self, *, step: int, fsdp, opt, position: DataPosition, job: Mapping,
-             data_digest: str) -> Path:
+             data_digest: str, scheduler=None) -> Path:
         """Write the checkpoint of ``step`` completed steps, then point ``latest`` at it.
 
         Refused on every rank, with nothing written and ``latest`` unchanged, when a main weight
@@ -228,8 +264,9 @@ class CheckpointSaver:
                     f"took the directory over; refusing to save step {step} there")
         agree(lost)
         path = checkpoint_dir(self.save_dir, step)
-        save_parts(path, _parts(fsdp, opt, DataPositionState(position)), run_id=self.run_id,
-                   step=step, fields={"data_digest": data_digest, "job": dict(job)})
+        save_parts(path, _parts(fsdp, opt, DataPositionState(position), scheduler),
+                   run_id=self.run_id, step=step,
+                   fields={"data_digest": data_digest, "job": dict(job)})
         if dist.get_rank() == 0:
             latest = self.save_dir / (LATEST + ".tmp")
             latest.write_text(path.name + "\n")
@@ -308,17 +345,17 @@ def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> No
         )
 
 
-def load(path, *, fsdp, opt, job: Mapping, data_digest: str) -> ResumeState:
+def load(path, *, fsdp, opt, job: Mapping, data_digest: str, scheduler=None) -> ResumeState:
     """Restore every part (main weights, then MXFP8 planes re-derived; optimizer state; data
-    position; RNG) -- a collective: call on every rank. Checks the checkpoint against this run
-    and every file it reads against meta.json first; any rank's refusal is raised on every rank
-    with nothing restored."""
+    position; RNG; the LR scheduler's step when one is given) -- a collective: call on every
+    rank. Checks the checkpoint against this run and every file it reads against meta.json
+    first; any rank's refusal is raised on every rank with nothing restored."""
     problem, pending = None, None
     position = DataPositionState()
     try:
         path = resolve(path)
         _check_version(path)
-        pending = read_parts(path, _parts(fsdp, opt, position),
+        pending = read_parts(path, _parts(fsdp, opt, position, scheduler),
                              lambda meta: _check_meta(path, meta, job, data_digest))
     except (CheckpointError, TypeError, ValueError) as e:
         problem = str(e)

@@ -12,7 +12,13 @@ The weights choice (``Weights``) picks a recipe from ONE table, ``RECIPES``:
 
 Main weights, optimizer state and gradient reduction are fp32 in every case. Activations default
 to fp32 on CPU (the exact twin) and bf16 with fused attention on CUDA (the training path):
-``DEFAULT_ACTIVATIONS``.
+``DEFAULT_ACTIVATIONS``. ``gather`` (``--gather``) picks what the MXFP8 weights' all-gathers carry
+(``GatherMode``: MXFP8 planes, or bf16 that every rank quantizes itself): the same bytes reach the
+GEMMs either way, only the wire differs.
+
+The learning rate follows ``schedule()`` (``torch_side.lr_schedule.ScheduleConfig``: linear warmup
+over ``warmup_steps``, then constant, cosine or linear decay to ``min_lr`` at ``steps``), and
+``grad_clip`` > 0 clips the global gradient norm (``torch_side.clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -25,11 +31,19 @@ from collections.abc import Mapping
 import torch
 
 from apps.training.data import BYTE_VOCAB, Corpus, make_corpus
-from apps.training.options import Group, internal, non_negative_int, option, positive
+from apps.training.options import (
+    Group,
+    internal,
+    non_negative_float,
+    non_negative_int,
+    option,
+    positive,
+)
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
-from common.modes import Activations, Compute, LinearMode
+from common.modes import Activations, Compute, GatherMode, LinearMode
 from torch_side import MixedPrecisionPolicy, ShardingStrategy, WeightFormat
+from torch_side.lr_schedule import LRSchedule, ScheduleConfig
 
 __all__ = [
     "DEFAULT_ACTIVATIONS",
@@ -102,6 +116,11 @@ class TrainJob:
         None, Group.MODEL,
         help="activation dtype (default fp32 on cpu, bf16 + fused attention on cuda)")
     strategy: ShardingStrategy = option(ShardingStrategy.OPTIM_GRADS_PARAMS, Group.MODEL)
+    gather: GatherMode = option(
+        GatherMode.MXFP8, Group.MODEL,
+        help="what the MXFP8 weights' all-gathers carry: their MXFP8 planes (1 byte/element) or "
+             "bf16 (2 bytes/element) that every rank quantizes itself; the GEMMs read the same "
+             "bytes either way (--weights mxfp8 only)")
     recompute: Recompute = option(Recompute.NONE, Group.MODEL,
                                   help="activation checkpointing of the transformer blocks")
     compute: Compute = option(
@@ -115,6 +134,17 @@ class TrainJob:
     seq_len: int = option(32, Group.OPTIM, parse=positive(int))
     lr: float = option(3e-3, Group.OPTIM, parse=positive(float))
     weight_decay: float = option(0.0, Group.OPTIM)
+    lr_schedule: LRSchedule = option(
+        LRSchedule.CONSTANT, Group.OPTIM,
+        help="after warmup: constant --lr, or cosine / linear decay from --lr to --min-lr at "
+             "--steps")
+    warmup_steps: int = option(0, Group.OPTIM, parse=non_negative_int,
+                               help="linear warmup: step s < N trains at lr * (s + 1) / N")
+    min_lr: float = option(0.0, Group.OPTIM, parse=non_negative_float,
+                           help="the learning rate cosine / linear decay ends at")
+    grad_clip: float = option(
+        0.0, Group.OPTIM, parse=non_negative_float,
+        help="clip the global gradient norm (all shards and ranks) to this; 0: off")
     seed: int = option(0, Group.OPTIM, parse=non_negative_int)
     data: str = option(  # apps.training.data.make_corpus
         "markov", Group.OPTIM,
@@ -141,6 +171,8 @@ class TrainJob:
             raise ValueError(f"{owner}.config={self.config!r}: expected one of {list(PRESETS)}")
         object.__setattr__(self, "weights", Weights(self.weights))
         object.__setattr__(self, "strategy", ShardingStrategy.parse(self.strategy))
+        object.__setattr__(self, "gather", GatherMode.parse(self.gather))
+        object.__setattr__(self, "lr_schedule", LRSchedule.parse(self.lr_schedule))
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         object.__setattr__(self, "compute", Compute.parse(self.compute))
         if self.device not in ("cpu", "cuda"):
@@ -154,6 +186,7 @@ class TrainJob:
             raise ValueError(f"{owner}.lr={self.lr!r}: expected a finite learning rate > 0")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"{owner}.weight_decay={self.weight_decay!r}: expected >= 0")
+        self._check_schedule_and_gather(owner)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{owner}.seed={self.seed!r}: expected an integer >= 0")
         if self.seq_len > PRESETS[self.config].max_seq_len:
@@ -166,7 +199,33 @@ class TrainJob:
         if self.kernels is not None and not isinstance(self.kernels, KernelConfig):
             raise TypeError(f"{owner}.kernels={self.kernels!r}: expected a KernelConfig")
 
+    def _check_schedule_and_gather(self, owner: str) -> None:
+        if isinstance(self.grad_clip, bool) or not (
+            isinstance(self.grad_clip, int | float) and math.isfinite(self.grad_clip)
+            and self.grad_clip >= 0
+        ):
+            raise ValueError(f"{owner}.grad_clip={self.grad_clip!r}: expected a number >= 0 "
+                             f"(0: no clipping)")
+        try:
+            self.schedule()
+        except ValueError as e:  # name the flags, not the library's fields
+            raise ValueError(
+                f"{owner}: lr_schedule={self.lr_schedule.value}, lr={self.lr}, min_lr="
+                f"{self.min_lr}, warmup_steps={self.warmup_steps}, steps={self.steps}: {e}"
+            ) from None
+        if self.gather is GatherMode.BF16 and self.weights is not Weights.MXFP8:
+            raise ValueError(
+                f"{owner}.gather=bf16 with weights={self.weights.value}: the gather mode applies "
+                f"to MXFP8 weights only (--weights {self.weights.value} gathers its weights as "
+                f"they are); drop --gather or use --weights mxfp8"
+            )
+
     # ---- what the job means ----------------------------------------------------------------
+    def schedule(self) -> ScheduleConfig:
+        """The learning-rate schedule over the run's ``steps``."""
+        return ScheduleConfig(self.lr, self.lr_schedule, self.warmup_steps, self.steps,
+                              self.min_lr)
+
     @property
     def resolved_activations(self) -> Activations:
         return self.activations or DEFAULT_ACTIVATIONS[self.device]
@@ -182,7 +241,8 @@ class TrainJob:
     def policy(self) -> MixedPrecisionPolicy:
         """The FSDP policy of the recipe (the table in the module docstring)."""
         other = self.recipe.other_format[self.resolved_activations]
-        return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32)
+        return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32,
+                                    gather=self.gather)
 
     def corpus(self) -> Corpus:
         """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's
@@ -204,7 +264,7 @@ class TrainJob:
 
     def control(self) -> TrainJob:
         """The same run with fp32 linear layers (the ``--compare`` control)."""
-        return dataclasses.replace(self, weights=Weights.FP32)
+        return dataclasses.replace(self, weights=Weights.FP32, gather=GatherMode.MXFP8)
 
     def describe(self) -> dict:
         """JSON-safe description (for metrics run records and checkpoint metadata)."""

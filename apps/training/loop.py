@@ -37,7 +37,8 @@ from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptio
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from bridge.determinism import make_deterministic
 from common.modes import Compute
-from torch_side import FSDPOptimizer, fully_shard, precompile
+from torch_side import FSDPOptimizer, clip_grad_norm_, fully_shard, precompile
+from torch_side.lr_schedule import LRScheduler
 from torch_side.models.gpt import Block, TorchGPT
 
 __all__ = [
@@ -74,8 +75,9 @@ class StepLog:
     loss: float  # mean token loss over ranks and micro-batches
     seconds: float  # wall time of the step on rank 0 (forward, backward, optimizer, requant)
     tokens_per_s: float
-    grad_norm: float = float("nan")  # global L2 norm of the gradient of the mean loss
+    grad_norm: float = float("nan")  # global L2 norm of the gradient of the mean loss (unclipped)
     outcome: StepOutcome = StepOutcome.APPLIED
+    lr: float = float("nan")  # the learning rate of this step (job.schedule())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,8 @@ class TrainResult:
 
 
 class _Model:
-    """The wrapped model, its optimizer and the corpus of one job."""
+    """The wrapped model, its optimizer, its learning-rate scheduler (at step 0) and the corpus
+    of one job."""
 
     def __init__(self, job: TrainJob):
         self.corpus: Corpus = job.corpus()
@@ -117,6 +120,7 @@ class _Model:
             self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,
             foreach=False,
         )
+        self.schedule = LRScheduler(self.opt, job.schedule())
 
 
 def _checkpointed(forward):
@@ -192,11 +196,15 @@ def _forward_backward(m: _Model, job: TrainJob, position: DataPosition) -> tuple
     return float(total) / (tokens_per_rank * world), float(m.opt.grad_norm())
 
 
-def _update(m: _Model, opts: RunOptions, loss: float, norm: float,
+def _update(m: _Model, job: TrainJob, opts: RunOptions, loss: float, norm: float,
             skips: int) -> tuple[StepOutcome, int]:
-    """Apply the step, or drop it when the loss or gradient norm is not finite (the same values
-    on every rank, so every rank decides alike); returns (outcome, consecutive skips)."""
+    """Apply the step (its gradients clipped to ``job.grad_clip`` by the norm already computed:
+    no second all-reduce), or drop it when the loss or gradient norm is not finite (the same
+    values on every rank, so every rank decides alike, before any clipping); returns (outcome,
+    consecutive skips)."""
     if math.isfinite(loss) and math.isfinite(norm):
+        if job.grad_clip > 0:
+            clip_grad_norm_(m.opt, job.grad_clip, total_norm=norm)
         m.opt.step()
         m.opt.zero_grad()
         return StepOutcome.APPLIED, 0
@@ -251,7 +259,8 @@ class Trainer:
             self.start_step, self.position = 0, DataPosition(0)
             if opts.resume:
                 resumed = ckpt.load(opts.resume, fsdp=self.parts.fsdp, opt=self.parts.opt,
-                                    job=self.desc, data_digest=self.parts.corpus.content_digest())
+                                    job=self.desc, data_digest=self.parts.corpus.content_digest(),
+                                    scheduler=self.parts.schedule)
                 self.start_step, self.position = resumed.step, resumed.position
             self.instruments = StepInstruments(self.parts.fsdp, telemetry=opts.telemetry,
                                                digest=opts.digest)
@@ -279,24 +288,26 @@ class Trainer:
         on a non-finite loss or gradient norm, a skip, or NonFiniteTraining before the update)."""
         job, world = self.job, dist.get_world_size()
         t0 = time.perf_counter()
+        lr = self.parts.schedule.lr  # this step's (set in the optimizer since the last step)
         loss, norm = _forward_backward(self.parts, job, self.position)
         self.instruments.before_update()
-        outcome, self.skips = _update(self.parts, self.opts, loss, norm, self.skips)
+        outcome, self.skips = _update(self.parts, job, self.opts, loss, norm, self.skips)
         self.position = advance(self.position, world_size=world,
                                 micro_batches=job.micro_batches, batch_size=job.batch_size)
         _sync(job)
         seconds = time.perf_counter() - t0
         extra = self.instruments.after_update()  # --telemetry, --digest (outside step_s)
         log = StepLog(self.done, loss, seconds, job.tokens_per_step(world) / seconds, norm,
-                      outcome)
+                      outcome, lr)
         self.logs.append(log)
         if self.metrics is not None:
             self.metrics.write(step_record(step=log.step, loss=loss, step_s=seconds,
                                            tokens_per_s=log.tokens_per_s, grad_norm=norm,
-                                           outcome=outcome.value, **extra))
+                                           lr=lr, outcome=outcome.value, **extra))
         if outcome is StepOutcome.STOPPED:
             raise NonFiniteTraining(_stop_message(log, self.opts, self.skips))
         self.done += 1
+        self.parts.schedule.step()  # a skipped step counts: the lr follows the step index
         return log
 
     def save(self) -> None:
@@ -304,7 +315,8 @@ class Trainer:
         if self.saver is not None:
             self.saver.save(step=self.done, fsdp=self.parts.fsdp, opt=self.parts.opt,
                             position=self.position, job=self.desc,
-                            data_digest=self.parts.corpus.content_digest())
+                            data_digest=self.parts.corpus.content_digest(),
+                            scheduler=self.parts.schedule)
 
     def evaluate(self) -> float:
         """The held-out loss (``heldout_loss``), also written as the ``eval`` metrics record."""

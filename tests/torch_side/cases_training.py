@@ -11,11 +11,19 @@ agree to ``RTOL``/``ATOL`` (fp32 reduction order, amplified a little by bf16/MXF
 weights that land near a rounding boundary). ``Precision.BF16`` runs the model in bf16 (MXFP8 +
 BF16 formats, bf16 gradients and gradient communication) against a reference that keeps fp32
 master weights and a bf16 compute copy; it is exact at world size 1 too.
+
+The gather-mode cases (``_gather_modes``) train the same net twice, with MXFP8 and with bf16 weight
+all-gathers (``GatherMode``), beside the reference: each all-gather of an MXFP8 group carries 1 byte
+(uint8 planes) or 2 bytes (bf16) per element, the bf16 run matches the reference like the MXFP8
+one (exactly at world size 1), and the two runs' losses, reduced gradients and weights are bit
+for bit the same at every world size (every rank quantizes the same full bf16 weight into the
+bytes the distributed quantization writes, and dW stays fp32 in both).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 
 import torch
@@ -23,7 +31,9 @@ import torch.distributed as dist
 
 from tests.torch_side.toy_models import Recompute, make_batch, make_net, mse
 from torch_side import (
+    Collective,
     FSDPOptimizer,
+    GatherMode,
     MixedPrecisionPolicy,
     ShardingStrategy,
     WeightFormat,
@@ -92,16 +102,16 @@ class _Reference:
 
 def _train_and_compare(
     ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32,
-    tokens: int = T, precompiled: bool = False,
+    tokens: int = T, precompiled: bool = False, gather: GatherMode = GatherMode.MXFP8,
 ) -> None:
     """precompiled: ``torch_side.precompile`` runs first (a dry micro-batch); the comparison with
     the reference then shows it changed nothing, and the steps after it compile nothing."""
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     net = make_net(0, recompute=recompute, device=ctx.device).to(dtype)
     ref = _Reference(net, precision)
-    model = fully_shard(
-        net, unit_modules=(type(net.blocks[0]),), strategy=strategy, policy=POLICIES[precision]
-    )
+    policy = dataclasses.replace(POLICIES[precision], gather=gather)
+    model = fully_shard(net, unit_modules=(type(net.blocks[0]),), strategy=strategy,
+                        policy=policy)
     cls, kwargs = OPTIMIZERS[precision]
     opt = FSDPOptimizer(model, cls, **kwargs)
     w, r = ctx.world_size, ctx.rank
@@ -171,6 +181,84 @@ def _assert_close(what, got, want, exact: bool, precision: Precision) -> None:
         return
     rtol, atol = (BF16_RTOL, BF16_ATOL) if precision is Precision.BF16 else (RTOL, ATOL)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _train_gathered(ctx, strategy, gather: GatherMode, steps: int = STEPS):
+    """(losses, full grads per step, full main weights, wire log of every step) of ToyNet with
+    MXFP8 linears trained under ``gather``."""
+    net = make_net(0, device=ctx.device)
+    model = fully_shard(net, unit_modules=(type(net.blocks[0]),), strategy=strategy,
+                        policy=MixedPrecisionPolicy(gather=gather))
+    cls, kwargs = OPTIMIZERS[Precision.FP32]
+    opt = FSDPOptimizer(model, cls, **kwargs)
+    w, r = ctx.world_size, ctx.rank
+    losses, grads, wire = [], [], []
+    for step in range(steps):
+        x, y = make_batch(100 * step, T * w, ctx.device)
+        model.clear_wire_log()
+        loss = mse(model(x[r * T:(r + 1) * T]), y[r * T:(r + 1) * T])
+        loss.backward()
+        grads.append(model.full_grads())
+        opt.step()
+        opt.zero_grad()
+        wire.append(model.wire_log())
+        losses.append(float(loss.detach()))
+    mx = [g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3]
+    assert model.allocator.live_keys() == [], model.allocator.live_keys()
+    return losses, grads, model.full_state_dict(), wire, mx
+
+
+def _check_gather_bytes(wire, groups, gather: GatherMode) -> None:
+    """Every all-gather of an MXFP8 group (forward, backward or after the optimizer step) moves
+    1 byte (MXFP8 planes) or 2 bytes (bf16) per element; no scales ever travel; a bf16
+    gather needs no amax all-reduce (each rank quantizes whole weights); dW is reduced in fp32."""
+    want = {GatherMode.MXFP8: torch.uint8, GatherMode.BF16: torch.bfloat16}[gather]
+    seen = 0
+    for rec in (r for step in wire for r in step):
+        assert "scale" not in rec.label, rec
+        g = next((g for g in groups if rec.label.startswith(g.label + "/")), None)
+        if g is None or "main" in rec.label:  # another group, or full_grads()
+            continue
+        if gather is GatherMode.BF16:
+            assert rec.op is not Collective.ALL_REDUCE_MAX, rec
+        if rec.label.endswith("/grad"):
+            assert rec.dtype == torch.float32, rec
+        elif rec.op is Collective.ALL_GATHER:
+            assert rec.dtype == want and rec.numel == g.layout.padded_numel, rec
+            assert rec.bytes_sent == want.itemsize * g.layout.shard_numel, rec
+            seen += 1
+    # no_shard gathers no weights; every other strategy does (world 1 logs them too)
+    assert seen or not groups[0].facts.main_weights_sharded, "no MXFP8 all-gather was logged"
+
+
+def _gather_modes(ctx, strategy) -> None:
+    mx = _train_gathered(ctx, strategy, GatherMode.MXFP8)
+    bf = _train_gathered(ctx, strategy, GatherMode.BF16)
+    _check_gather_bytes(mx[3], mx[4], GatherMode.MXFP8)
+    _check_gather_bytes(bf[3], bf[4], GatherMode.BF16)
+    assert mx[0] == bf[0], (mx[0], bf[0])  # losses, bit for bit
+    for step, (a, b) in enumerate(zip(mx[1], bf[1], strict=True)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step} grad {name}"
+    for name in mx[2]:
+        assert torch.equal(mx[2][name], bf[2][name]), f"weight {name}"
+    _train_and_compare(ctx, strategy, gather=GatherMode.BF16)  # and the replicated reference
+
+
+def case_gather_modes_no_shard(ctx):
+    _gather_modes(ctx, ShardingStrategy.NO_SHARD)
+
+
+def case_gather_modes_optim(ctx):
+    _gather_modes(ctx, ShardingStrategy.OPTIM)
+
+
+def case_gather_modes_optim_grads(ctx):
+    _gather_modes(ctx, ShardingStrategy.OPTIM_GRADS)
+
+
+def case_gather_modes_optim_grads_params(ctx):
+    _gather_modes(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS)
 
 
 def case_no_shard(ctx):
@@ -247,4 +335,8 @@ SLOW_CASES = {
     f"{_M}:case_zero2_bf16_mixed_formats": (2,),
     f"{_M}:case_zero1_grad_accumulation_recompute": (2,),
     f"{_M}:case_zero3_precompiled": (2,),
+    f"{_M}:case_gather_modes_no_shard": (1, 2),
+    f"{_M}:case_gather_modes_optim": (1, 2),
+    f"{_M}:case_gather_modes_optim_grads": (1, 2),
+    f"{_M}:case_gather_modes_optim_grads_params": (1, 2, 4),
 }

@@ -12,6 +12,7 @@ import pytest
 from tests.torch_side import (
     cases_collective_check,
     cases_exceptions,
+    cases_grad_clip,
     cases_grad_norm,
     cases_init_sync,
     cases_instruments,
@@ -26,7 +27,8 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # runs all of its cases. SLOW_CASES (tests marked slow) run in a second spawn of their world, so
 # `make test` (-m "not slow") never pays for them.
 _MODULES = (
-    cases_collective_check, cases_exceptions, cases_grad_norm, cases_init_sync, cases_instruments,
+    cases_collective_check, cases_exceptions, cases_grad_clip, cases_grad_norm, cases_init_sync,
+    cases_instruments,
     cases_quantize, cases_reliability, cases_training, cases_wire,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}

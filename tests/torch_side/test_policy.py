@@ -88,3 +88,14 @@ def test_fsdp_is_driven_by_the_format_table_and_refuses_unimplemented_formats():
     assert bf.param_storage is ParamStorage.BUFFER_VIEW
     with pytest.raises(ValueError, match=r"'nvfp4' \(block-scaled, 16-element blocks.*supported"):
         codec_for(WeightFormat.NVFP4)
+
+
+def test_the_gather_mode_is_an_explicit_policy_field():
+    from torch_side import GatherMode
+
+    assert MixedPrecisionPolicy().gather is GatherMode.MXFP8
+    assert MixedPrecisionPolicy(gather="bf16").gather is GatherMode.BF16
+    with pytest.raises(ValueError, match="a bf16 gather replaces the all-gather of block-scaled"):
+        MixedPrecisionPolicy(linear_weight_format=WeightFormat.BF16, gather=GatherMode.BF16)
+    with pytest.raises(ValueError, match="unknown MixedPrecisionPolicy.gather 'int4'"):
+        MixedPrecisionPolicy(gather="int4")

@@ -4,7 +4,9 @@ Every strategy at world sizes 1, 2 and 4 (4: slow) trains ``ToyNet`` (MXFP8 line
 layers + a frozen parameter) for 2 Adam steps (the second with forward prefetch); losses and main
 weights agree exactly at world size 1 and to a stated fp32 tolerance otherwise. Activation
 recompute (whole unit, submodule inside a unit) and gradient accumulation over micro-batches are
-covered under ZeRO-3 at world sizes 1 and 2, and once under ZeRO-1.
+covered under ZeRO-3 at world sizes 1 and 2, and once under ZeRO-1. Both weight gather modes
+(MXFP8 planes, bf16) at world sizes 1 and 2 for every strategy (4: ZeRO-3), all slow: wire bytes
+per element, the reference, and bit-identity between the modes.
 """
 
 from __future__ import annotations
@@ -68,4 +70,20 @@ def test_bf16_mixed_formats_match_reference(spawned, case, world_size):
 def test_precompiled_training_matches_reference(spawned, case, world_size):
     """torch_side.precompile before training: the same losses and weights as the reference
     (exactly at world size 1), nothing compiled in the steps after it, wire log untouched."""
+    check_case(spawned, ct, case, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [(ct.case_gather_modes_no_shard, 1), (ct.case_gather_modes_no_shard, 2),
+     (ct.case_gather_modes_optim, 1), (ct.case_gather_modes_optim, 2),
+     (ct.case_gather_modes_optim_grads, 1), (ct.case_gather_modes_optim_grads, 2),
+     (ct.case_gather_modes_optim_grads_params, 1), (ct.case_gather_modes_optim_grads_params, 2),
+     (ct.case_gather_modes_optim_grads_params, 4)],
+    ids=lambda v: v if isinstance(v, int) else v.__name__.removeprefix("case_gather_modes_"),
+)
+def test_bf16_and_mxfp8_weight_gathers_train_bit_identically(spawned, case, world_size):
+    """GatherMode.BF16 moves 2 bytes per element where MXFP8 moves 1, matches the replicated
+    reference like it, and gives the same losses, gradients and weights bit for bit."""
     check_case(spawned, ct, case, world_size)

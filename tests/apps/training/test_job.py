@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from apps.training.job import RECIPES, TrainJob, Weights
-from common.modes import LinearMode
+from common.modes import Activations, LinearMode
 from torch_side import WeightFormat
-from common.modes import Activations
 
 # (weights, activations) -> (linear mode, FSDP format of the other weights): the module docstring
 # table, written out.
@@ -53,3 +52,32 @@ def test_the_job_branching_reaches_the_markov_corpus(single_rank_world):
     assert _Model(TrainJob()).corpus.branching == 4
     with pytest.raises(ValueError, match="branching=0: expected an integer >= 1"):
         TrainJob(branching=0)
+
+
+def test_the_schedule_and_gather_fields_reach_the_schedule_and_the_policy():
+    from common.modes import GatherMode
+    from torch_side.lr_schedule import LRSchedule
+
+    job = TrainJob(steps=10, lr=1e-3, lr_schedule="cosine", warmup_steps=2, min_lr=1e-4,
+                   grad_clip=1.0, gather="bf16")
+    sched = job.schedule()
+    assert (sched.schedule, sched.warmup_steps, sched.total_steps, sched.min_lr) == (
+        LRSchedule.COSINE, 2, 10, 1e-4)
+    assert sched.lr_at(0) == 5e-4 and sched.lr_at(2) == 1e-3
+    assert job.policy().gather is GatherMode.BF16 and TrainJob().policy().gather is GatherMode.MXFP8
+    control = job.control()  # the fp32 control gathers its fp32 weights as they are
+    assert control.weights is Weights.FP32 and control.gather is GatherMode.MXFP8
+    assert job.describe()["lr_schedule"] == "cosine" and job.describe()["gather"] == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"lr_schedule": "cosine", "warmup_steps": 40}, r"steps=40: .*total_steps > warmup"),
+     ({"min_lr": 1.0}, r"min_lr=1.0: expected 0 <= min_lr <= lr"),
+     ({"grad_clip": -1.0}, r"grad_clip=-1.0: expected a number >= 0"),
+     ({"gather": "bf16", "weights": "fp32"}, r"gather=bf16 with weights=fp32"),
+     ({"gather": "fp8"}, r"unknown weight gather mode 'fp8'")],
+)
+def test_bad_schedule_clip_and_gather_values_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainJob(**kwargs)

@@ -110,6 +110,34 @@ def test_skip_stops_after_too_many_consecutive_skips(one_rank, tmp_path, monkeyp
         "applied", "skipped", "skipped", "stopped"]
 
 
+@pytest.mark.slow
+def test_clipping_never_touches_a_nonfinite_step_and_the_schedule_counts_it(one_rank, tmp_path,
+                                                                             monkeypatch):
+    """--grad-clip with a NaN norm: the step is skipped before any clipping (clip_grad_norm_ is
+    not called, so the gradients are not scaled to NaN), the learning rate still follows the
+    step index, and the finite steps are clipped by the norm already computed."""
+    updates = _nan_norm_at(monkeypatch, {1})
+    clipped: list[float] = []
+    real_clip = loop.clip_grad_norm_
+
+    def clip(opt, max_norm, *, total_norm):
+        clipped.append(total_norm)
+        return real_clip(opt, max_norm, total_norm=total_norm)
+
+    monkeypatch.setattr(loop, "clip_grad_norm_", clip)
+    job = TrainJob(**{**JOB.__dict__, "grad_clip": 1e-3, "lr_schedule": "linear",
+                      "warmup_steps": 2})
+    result = train_rank(job, _opts(tmp_path, on_nonfinite=OnNonFinite.SKIP))
+    assert [s.outcome.value for s in result.steps] == ["applied", "skipped", "applied",
+                                                       "applied", "applied"]
+    assert updates == [0, 2, 3, 4]
+    norms = [s.grad_norm for s in result.steps]
+    assert clipped == [norms[0], norms[2], norms[3], norms[4]]  # once per applied step
+    records = _step_records(tmp_path)
+    assert [r["lr"] for r in records] == [job.schedule().lr_at(s) for s in range(5)]
+    assert [s.lr for s in result.steps] == [r["lr"] for r in records]
+
+
 def test_run_options_validation():
     with pytest.raises(ValueError, match="'sometimes' is not a valid OnNonFinite"):
         RunOptions(on_nonfinite="sometimes")

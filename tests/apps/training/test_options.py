@@ -14,8 +14,8 @@ from apps.training import cli
 from apps.training.job import OnNonFinite, RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, flags, from_args, option, to_argv
 from common.kernels import Backend, GemmImpl, KernelConfig
-from torch_side import ShardingStrategy
 from common.modes import Activations
+from torch_side import ShardingStrategy
 
 # The flags of mxfp8-train before its parser was derived from the fields (and their dests).
 FLAGS_BEFORE = {
@@ -49,9 +49,10 @@ def test_every_field_has_exactly_one_flag_and_no_flag_two_fields():
 
 def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
-    # the flags added since (issue 19: --compute; issue 21: --telemetry, --digest)
+    # the flags added since (issue 19: --compute; issue 21: the rest)
     assert set(_parser_flags()) - FLAGS_BEFORE == {
-        "--branching", "--compute", "--telemetry", "--digest"}
+        "--branching", "--compute", "--telemetry", "--digest", "--gather", "--lr-schedule",
+        "--warmup-steps", "--min-lr", "--grad-clip"}
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
@@ -61,6 +62,8 @@ def test_enum_fields_take_their_enum_values_as_choices():
     assert choices["--activations"] == tuple(a.value for a in Activations)
     assert choices["--strategy"] == tuple(s.value for s in ShardingStrategy)
     assert choices["--on-nonfinite"] == tuple(o.value for o in OnNonFinite)
+    assert choices["--gather"] == ("mxfp8", "bf16")
+    assert choices["--lr-schedule"] == ("constant", "cosine", "linear")
     assert choices["--backend"] == tuple(b.value for b in Backend)
     assert choices["--gemm"] == tuple(g.value for g in GemmImpl)
 
@@ -70,7 +73,8 @@ def test_the_parser_round_trips_a_job_and_its_options():
                    recompute="block", steps=7, micro_batches=3, batch_size=5, seq_len=16,
                    lr=1.25e-4, weight_decay=0.1, seed=9, data="stdlib", branching=3,
                    eval_batches=2, device="cuda", kernels=KernelConfig("pallas"),
-                   deterministic=True)
+                   deterministic=True, lr_schedule="cosine", warmup_steps=2, min_lr=1e-5,
+                   grad_clip=0.5)
     opts = RunOptions(metrics="m.jsonl", save_dir="ck", save_every=2, resume="old",
                       progress=False, precompile=False, on_nonfinite="skip",
                       max_consecutive_skips=4)
@@ -80,6 +84,8 @@ def test_the_parser_round_trips_a_job_and_its_options():
     assert job2 == job
     assert opts2 == dataclasses.replace(opts, label="bf16") and label == "bf16"
     assert to_argv(TrainJob()) == [] and to_argv(RunOptions()) == []
+    gathered = TrainJob(gather="bf16", strategy="optim")
+    assert cli._runs(cli.parse_args(to_argv(gathered)))[0][1] == gathered
 
 
 class Color(enum.Enum):

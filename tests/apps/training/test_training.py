@@ -7,6 +7,10 @@ processes and compiles JAX kernels).
   size 2, MXFP8, ZeRO-3 and ZeRO-2); resuming at world size 1 with the same global batch agrees to
   fp32 summation order; bad checkpoints (truncated, one rank's files from another run) give clear
   errors naming the file (the other refusals: test_checkpoint.py, in one process).
+- With warmup, cosine decay, gradient clipping and bf16 weight gathers, a resume mid-warmup
+  (step 2) and mid-decay (step 4) is bit-exact too; every step record holds the schedule's lr
+  and the global gradient norm; and the bf16-gather run's losses equal an MXFP8-gather run's
+  bit for bit.
 - ``FSDPModel.state_dict()`` holds the full main weights.
 """
 
@@ -27,6 +31,9 @@ from torch_side.launch import run_local_ranks
 pytestmark = pytest.mark.slow
 
 JOB = TrainJob(steps=6, micro_batches=2, batch_size=4, seq_len=32, lr=1e-2, seed=3)
+# warmup over steps 0-2, cosine decay over 3-5, clipped (the tiny GPT's norms: ~0.8-1.2)
+SCHED = dataclasses.replace(JOB, lr_schedule="cosine", warmup_steps=3, min_lr=1e-3,
+                            grad_clip=0.3, gather="bf16")
 
 
 def _losses(result) -> dict[int, float]:
@@ -44,6 +51,14 @@ def _train_and_resume(root: str) -> dict:
                                           metrics=f"{root}/{name}.jsonl"))
         resumed = train_rank(job, RunOptions(resume=f"{save}/step_000003", progress=False))
         out[name] = (_losses(full), _losses(resumed), full.heldout_loss, resumed.heldout_loss)
+    save = f"{root}/sched"
+    full = train_rank(SCHED, RunOptions(save_dir=save, save_every=2, progress=False,
+                                        metrics=f"{root}/sched.jsonl"))
+    resumed = [train_rank(SCHED, RunOptions(resume=f"{save}/step_00000{k}", progress=False))
+               for k in (2, 4)]
+    mx = train_rank(dataclasses.replace(SCHED, gather="mxfp8"), RunOptions(progress=False))
+    out["sched"] = (_losses(full), [_losses(r) for r in resumed], _losses(mx),
+                    [full.heldout_loss] + [r.heldout_loss for r in resumed])
     control = train_rank(JOB.control(), RunOptions(progress=False))
     out["control"] = (_losses(control), control.heldout_loss)
     first = train_rank(dataclasses.replace(JOB, steps=1), RunOptions(progress=False))
@@ -70,6 +85,22 @@ def test_resume_continues_the_loss_curve_bit_for_bit(two_ranks, strategy):
     assert sorted(resumed) == [3, 4, 5]
     assert {k: full[k] for k in resumed} == resumed  # exact float equality
     assert held_full == held_resumed
+
+
+def test_schedule_clipping_and_bf16_gathers_resume_bit_for_bit(two_ranks):
+    root, results = two_ranks
+    full, (from2, from4), mx, held = results[0]["sched"]
+    assert sorted(from2) == [2, 3, 4, 5] and sorted(from4) == [4, 5]
+    assert {k: full[k] for k in from2} == from2  # mid-warmup resume, exact
+    assert {k: full[k] for k in from4} == from4  # mid-decay resume, exact
+    assert held[0] == held[1] == held[2]
+    assert mx == full  # MXFP8 and bf16 weight gathers: the same losses, bit for bit
+    steps = [r for r in map(json.loads, (root / "sched.jsonl").read_text().splitlines())
+             if r["kind"] == "step"]
+    assert [r["lr"] for r in steps] == [SCHED.schedule().lr_at(s) for s in range(6)]
+    assert steps[0]["lr"] == SCHED.lr / 3 and steps[2]["lr"] == SCHED.lr  # warmup
+    assert steps[5]["lr"] < steps[4]["lr"] < steps[3]["lr"] == SCHED.lr  # decay from lr
+    assert any(r["grad_norm"] > SCHED.grad_clip for r in steps), steps  # clipping did act
 
 
 def test_mxfp8_learns_and_tracks_the_fp32_control(two_ranks):
