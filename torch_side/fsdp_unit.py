@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from bridge.shared import SharedTensor
 from common.formats import Plane
 from torch_side.collectives import Phase
 from torch_side.fsdp_state import FSDPState
@@ -110,8 +111,11 @@ class ParamShare:
         phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
         if self.unit.state is TrainingState.BACKWARD:
             phase = Phase.BACKWARD
-        self.group.unshard([self.group.forward_plane], phase)
-        return self.group.shared_param(self.index)
+        g = self.group
+        g.unshard([g.forward_plane], phase)
+        data = g.buckets[g.forward_plane].shared_data()  # the full buffer, shared once
+        s = g.layout.slots[self.index]
+        return SharedTensor(data, s.start, tuple(s.shape))
 
 
 class _PostBackward(torch.autograd.Function):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge.shared import SharedPlane, SharedTensor
+from bridge.shared import SharedPlane
 from common.formats import Plane, WeightFormat
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
@@ -265,13 +265,6 @@ class ParamGroup:
             data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
         s = self.layout.slots[index]
         return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane)
-
-    def shared_param(self, index: int) -> SharedTensor:
-        """(Unscaled) parameter ``index`` inside the full buffer of its weights, shared with JAX
-        once per buffer lifetime (the weights must be unsharded or replicated)."""
-        data = self._bucket(self.forward_plane).shared_data()
-        s = self.layout.slots[index]
-        return SharedTensor(data, s.start, tuple(s.shape))
 
     def param_view(self, index: int) -> torch.Tensor:
         """The full weights of (unscaled) parameter ``index``, a view of the full buffer."""
