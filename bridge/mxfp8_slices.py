@@ -40,7 +40,15 @@ from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.kernels import Backend, KernelConfig
 from jax_side.mxfp8 import cast_slice, partial_block_amax, scales_from_amax
 
-__all__ = ["Piece", "SliceBytes", "packed_partial_amax", "scales_and_cast", "slice_backend"]
+__all__ = [
+    "Piece",
+    "ScaleLayout",
+    "SliceBytes",
+    "packed_partial_amax",
+    "scales_and_cast",
+    "scales_and_cast_images",
+    "slice_backend",
+]
 
 
 class Piece(NamedTuple):
@@ -97,6 +105,69 @@ def _scales_and_cast(buf, packed_amax, pieces, backend, source):
                      lax.bitcast_convert_type(cast.colwise, jnp.uint8)]
         offset += 2 * n_scale
     return jnp.concatenate([*data, scale_bytes])
+
+
+class ScaleLayout(NamedTuple):
+    """Where each parameter's scales sit in a flat scale buffer (one per plane; static)."""
+
+    offsets: tuple[int, ...]  # parameter i's scales start here
+    total: int  # the buffer's length
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales"))
+def _scales_and_cast_images(buf, packed_amax, pieces, backend, source, scales: ScaleLayout):
+    """``_scales_and_cast`` with its bytes laid out as the caller's buffers are: the rowwise and
+    columnwise shard images (each ``len(buf)`` bytes, piece i at ``pieces[i].offset``, zeros
+    between pieces), then the rowwise and columnwise scale buffers (``scales``)."""
+    scale_bytes = lax.bitcast_convert_type(
+        scales_from_amax(packed_amax, backend=backend), jnp.uint8
+    )
+    n = buf.shape[0]
+    row = col = jnp.zeros((n,), jnp.uint8)
+    row_s = col_s = jnp.zeros((scales.total,), jnp.uint8)
+    offset = 0
+    for p, at in zip(pieces, scales.offsets, strict=True):
+        m, k = p.shape
+        n_scale = m * k // BLOCK_SIZE
+        rs = scale_bytes[offset:offset + n_scale]
+        cs = scale_bytes[offset + n_scale:offset + 2 * n_scale]
+        row_s = lax.dynamic_update_slice(row_s, rs, (at,))
+        col_s = lax.dynamic_update_slice(col_s, cs, (at,))
+        if p.numel:
+            planes = {Plane.ROWWISE: rs.reshape(m, k // BLOCK_SIZE),
+                      Plane.COLWISE: cs.reshape(m // BLOCK_SIZE, k)}
+            cast = cast_slice(_flat(buf, p, source), (m, k), p.start, scales=planes,
+                              backend=backend)
+            row = lax.dynamic_update_slice(
+                row, lax.bitcast_convert_type(cast.rowwise, jnp.uint8), (p.offset,))
+            col = lax.dynamic_update_slice(
+                col, lax.bitcast_convert_type(cast.colwise, jnp.uint8), (p.offset,))
+        offset += 2 * n_scale
+    return jnp.concatenate([row, col, row_s, col_s])
+
+
+def scales_and_cast_images(
+    buf: SharedBuffer,
+    packed_amax: torch.Tensor,
+    pieces: Sequence[Piece],
+    scales: ScaleLayout,
+    device: torch.device,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 3-4 as ``scales_and_cast``, returned as four uint8 images of the caller's buffers:
+    (rowwise shard, columnwise shard, rowwise scale buffer, columnwise scale buffer), views of
+    one packed Torch tensor over JAX's result (the caller copies each with one ``copy_``)."""
+    packed = to_torch(_scales_and_cast_images(
+        buf.jax(), to_jax(packed_amax.contiguous()), tuple(Piece(*p) for p in pieces),
+        slice_backend(kernels, device), jax_dtype_for(source_dtype),
+        ScaleLayout(tuple(scales.offsets), int(scales.total)),
+    ))
+    if packed.device != device:
+        packed = packed.to(device)
+    n, t = buf.tensor.numel(), int(scales.total)
+    return packed[:n], packed[n:2 * n], packed[2 * n:2 * n + t], packed[2 * n + t:]
 
 
 def slice_backend(kernels: KernelConfig | None, device: torch.device) -> Backend:

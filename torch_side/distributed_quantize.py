@@ -23,12 +23,26 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from bridge.mxfp8_slices import Piece, SliceBytes, packed_partial_amax, scales_and_cast
+from bridge.mxfp8_slices import (
+    Piece,
+    ScaleLayout,
+    SliceBytes,
+    packed_partial_amax,
+    scales_and_cast,
+    scales_and_cast_images,
+)
 from bridge.shared import SharedBuffer
 from common.formats import check_mxfp8_shape
 from common.kernels import KernelConfig
 
-__all__ = ["Piece", "QuantizedShard", "distributed_mxfp8_quantize", "quantize_with_reducer"]
+__all__ = [
+    "Piece",
+    "QuantizedShard",
+    "ScaleLayout",
+    "distributed_mxfp8_quantize",
+    "quantize_into_images",
+    "quantize_with_reducer",
+]
 
 
 # One parameter's result: this rank's rowwise / colwise bytes of its flat slice (uint8, 1-D) and the
@@ -120,6 +134,27 @@ def quantize_with_reducer(
     packed = packed_partial_amax(shared, pieces, device, **kw)
     all_reduce_max(packed)
     return scales_and_cast(shared, packed, pieces, device, **kw)
+
+
+def quantize_into_images(
+    buffer: torch.Tensor,
+    pieces: Sequence[Piece],
+    all_reduce_max: Callable[[torch.Tensor], None],
+    device: torch.device,
+    scales: ScaleLayout,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_with_reducer`` returning the bytes as images of the caller's buffers (rowwise
+    and columnwise shards laid out like ``buffer``, then the two scale buffers laid out by
+    ``scales``): FSDP's refresh copies them with four ``copy_`` calls per group, whatever its
+    number of parameters (``bridge.mxfp8_slices.scales_and_cast_images``)."""
+    shared = SharedBuffer(buffer)
+    kw = {"kernels": kernels, "source_dtype": source_dtype}
+    packed = packed_partial_amax(shared, pieces, device, **kw)
+    all_reduce_max(packed)
+    return scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
 
 
 def _group_device(group) -> torch.device:

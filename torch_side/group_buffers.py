@@ -104,6 +104,8 @@ class GroupBuffers:
             main_sharded=self.facts.main_weights_sharded,
             kernels=self.kernels,
             amax_observer=self.amax_observer,
+            scale_buffers=self.scale_buffers,
+            scale_offsets=self.scale_offsets,
         )
 
     def refresh(self, phase: Phase) -> None:

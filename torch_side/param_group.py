@@ -243,6 +243,7 @@ class ParamGroup:
                 owned=[OwnedPiece(i, 0, s.start, s.numel) for i, s in
                        enumerate(self.layout.slots)],
                 scales=self.scales, comm=self.comm, main_sharded=False, kernels=self.kernels,
+                scale_buffers=self.scale_buffers, scale_offsets=self.scale_offsets,
             )
             self.codec.quantize_gathered(ctx, targets)
             self.quantized.buffers = targets

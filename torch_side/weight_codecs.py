@@ -38,7 +38,7 @@ from common.formats import FormatSpec, Plane, WeightFormat, format_spec, scale_s
 from common.kernels import KernelConfig
 from common.modes import GatherMode
 from torch_side.collectives import Collective, Communicator, Phase
-from torch_side.distributed_quantize import Piece, quantize_with_reducer
+from torch_side.distributed_quantize import Piece, ScaleLayout, quantize_into_images
 from torch_side.flat_layout import OwnedPiece
 from torch_side.policy import MixedPrecisionPolicy, torch_dtype
 
@@ -91,6 +91,10 @@ class CodecContext(NamedTuple):
     # bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so that
     # nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
     amax_observer: Callable[[torch.Tensor], None] | None = None
+    # The flat scale buffers per plane (parameter i's scales at scale_offsets[i]), which
+    # ``scales[plane][i]`` view: an MXFP8 fill writes each with one copy.
+    scale_buffers: dict[Plane, torch.Tensor] | None = None
+    scale_offsets: list[int] | None = None
 
 
 class WeightCodec:
@@ -171,18 +175,16 @@ class MXFP8Codec(WeightCodec):
                 ctx.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, f"{ctx.label}/amax")
             reduced.append(packed)
 
-        results = quantize_with_reducer(
-            ctx.main, pieces, reduce_max, ctx.main.device, kernels=ctx.kernels,
-            source_dtype=self.source_dtype,
+        row, col, row_s, col_s = quantize_into_images(
+            ctx.main, pieces, reduce_max, ctx.main.device,
+            ScaleLayout(tuple(ctx.scale_offsets), ctx.scale_buffers[Plane.ROWWISE].numel()),
+            kernels=ctx.kernels, source_dtype=self.source_dtype,
         )
-        for i, res in enumerate(results):
-            ctx.scales[Plane.ROWWISE][i].copy_(res.rowwise_scale)
-            ctx.scales[Plane.COLWISE][i].copy_(res.colwise_scale)
-            p = owned.get(i)
-            if p is not None:
-                lo, hi = p.shard_offset, p.shard_offset + p.numel
-                targets[Plane.ROWWISE][lo:hi].copy_(res.rowwise)
-                targets[Plane.COLWISE][lo:hi].copy_(res.colwise)
+        # whole-buffer copies: the images hold zeros where padding or other ranks' parts are
+        targets[Plane.ROWWISE].copy_(row)
+        targets[Plane.COLWISE].copy_(col)
+        ctx.scale_buffers[Plane.ROWWISE].copy_(row_s)
+        ctx.scale_buffers[Plane.COLWISE].copy_(col_s)
         if ctx.amax_observer is not None:
             ctx.amax_observer(reduced[0])
 

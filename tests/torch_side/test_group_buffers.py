@@ -131,7 +131,8 @@ def test_mxfp8_fill_reduces_the_amax_only_when_main_is_sharded(main_sharded):
     codec = codec_for(MX)
     scales = codec.make_scales([shape], torch.device("cpu"))
     whole = [OwnedPiece(0, 0, 0, main.numel())]  # main holds the whole parameter
-    ctx = CodecContext("u/g", main, [shape], whole, scales.views, comm, main_sharded, None)
+    ctx = CodecContext("u/g", main, [shape], whole, scales.views, comm, main_sharded, None,
+                       scale_buffers=scales.buffers, scale_offsets=scales.offsets)
     targets = {p: torch.zeros(main.numel(), dtype=torch.uint8) for p in codec.planes}
     codec.fill(ctx, targets, Phase.OPTIMIZER)
     want = [(Collective.ALL_REDUCE_MAX, Phase.OPTIMIZER, "u/g/amax")] if main_sharded else []

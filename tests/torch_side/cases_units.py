@@ -1,0 +1,108 @@
+"""Spawned-rank cases: the GPT under unit compute (``bridge.units``), sharded, against a replicated
+single-process reference.
+
+The reference is the same ``TorchGPT`` (unit compute, no FSDP) trained on the whole global batch:
+its unit programs quantize ``bf16(weight)`` themselves, which is what the FSDP model reads from
+its planes. Rank r's micro-batch is sequences ``[r * B, (r + 1) * B)`` of the global batch, its
+loss the mean over its tokens, and FSDP averages gradients over ranks, so both follow the same
+gradient. World size 1 runs the same arithmetic in the same order: losses and main weights are
+equal. With more ranks the gradient sums run in another order, so they agree to ``RTOL`` /
+``ATOL`` (SGD: weight differences stay proportional to gradient differences).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from common.model_config import GPTConfig
+from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch_side.models.gpt import Block, TorchGPT
+
+CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=2, d_model=64, d_ff=128)
+B, S, STEPS, LR = 2, 32, 2, 0.5
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def _batch(step: int, mb: int, sequences: int, device):
+    g = torch.Generator().manual_seed(1000 * step + mb)
+    tokens = torch.randint(0, CFG.vocab_size, (sequences, S + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def _train_and_compare(ctx, strategy, recompute=False, micro_batches=1, gather="mxfp8") -> None:
+    net = TorchGPT(CFG, seed=5, device=ctx.device, compute="unit", recompute=recompute)
+    ref = TorchGPT(CFG, seed=5, device=ctx.device, compute="unit")
+    model = fully_shard(net, unit_modules=(Block,), strategy=strategy,
+                        policy=MixedPrecisionPolicy(gather=gather))
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    w, r = ctx.world_size, ctx.rank
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(STEPS):
+        losses = torch.zeros(1, device=ctx.device)
+        ref_loss = torch.zeros(1, device=ctx.device)
+        for mb in range(micro_batches):
+            tokens, targets = _batch(step, mb, B * w, ctx.device)
+            loss = model(tokens[mine], targets[mine]) / micro_batches
+            loss.backward()
+            losses += loss.detach()
+            lref = ref(tokens, targets) / micro_batches
+            lref.backward()
+            ref_loss += lref.detach()
+        dist.all_reduce(losses)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _assert_close(f"loss step {step}", losses / w, ref_loss, w == 1)
+    state = model.full_state_dict()
+    for name, p in ref.named_parameters():
+        _assert_close(name, state[name], p.detach(), w == 1)
+    assert model.allocator.live_keys() == [], model.allocator.live_keys()
+
+
+def _assert_close(what, got, want, exact: bool) -> None:
+    if exact:
+        assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
+        return
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def case_unit_no_shard(ctx):
+    _train_and_compare(ctx, ShardingStrategy.NO_SHARD)
+
+
+def case_unit_optim(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM)
+
+
+def case_unit_optim_grads(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS)
+
+
+def case_unit_optim_grads_params(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS)
+
+
+def case_unit_zero3_recompute_accumulation(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, recompute=True, micro_batches=2)
+
+
+def case_unit_zero3_bf16_gather(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, gather="bf16")
+
+
+_M = "tests.torch_side.cases_units"
+CASES = {
+    f"{_M}:case_unit_optim_grads_params": (1,),
+    f"{_M}:case_unit_zero3_recompute_accumulation": (1,),
+}
+SLOW_CASES = {
+    f"{_M}:case_unit_no_shard": (1, 2, 4),
+    f"{_M}:case_unit_optim": (1, 2, 4),
+    f"{_M}:case_unit_optim_grads": (1, 2, 4),
+    f"{_M}:case_unit_optim_grads_params": (2, 4),
+    f"{_M}:case_unit_zero3_recompute_accumulation": (2,),
+    f"{_M}:case_unit_zero3_bf16_gather": (1, 2),
+}
