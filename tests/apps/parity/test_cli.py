@@ -14,6 +14,13 @@ from apps.parity.cli import parse_args
         (["--world-size", "-2"], "--world-size must be >= 1, got -2"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--steps", "-3"], "--steps must be >= 1, got -3"),
+        (["--from-checkpoint", "/no/such/dir"],
+         "--from-checkpoint /no/such/dir: no such directory; pass the --save-dir"),
+        (["--lr", "1e-3"], "--lr / --weight-decay set the replay's AdamW; add --steps N"),
+        (["--compute", "op", "--activations", "bf16"], "--activations bf16 needs --compute unit"),
+        (["--steps", "2", "--device", "cuda"], "the unit report and the replay run on the CPU"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
@@ -24,6 +31,15 @@ def test_bad_arguments_are_argparse_errors(argv, message, capsys):
 
 
 def test_defaults_and_single_process():
-    assert parse_args([]).world_size == 2
-    assert parse_args(["--world-size", "1", "--device", "cuda"]).device == "cuda"
-    assert parse_args(["--world-size", "2", "--device", "cuda"]).device == "cuda"  # NCCL ranks
+    args = parse_args([])
+    assert args.world_size == 2 and args.compute == "unit" and not args.replay
+    replay = parse_args(["--steps", "3"])
+    assert replay.replay and replay.world_size == 1 and replay.adamw_sqrt == "torch"
+    assert parse_args(["--steps", "3", "--world-size", "2"]).world_size == 2
+    assert parse_args(["--world-size", "1", "--compute", "op", "--device", "cuda"]).device == "cuda"
+    assert parse_args(["--compute", "op", "--device", "cuda"]).device == "cuda"  # NCCL ranks
+
+
+def test_a_checkpoint_directory_starts_a_five_step_replay(tmp_path):
+    args = parse_args(["--from-checkpoint", str(tmp_path)])
+    assert args.replay and args.steps == 5 and args.from_checkpoint == str(tmp_path)
