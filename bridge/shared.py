@@ -7,6 +7,17 @@ lifetime instead of once per layer and plane. The owner (FSDP) drops the ``Share
 buffer is freed or rewritten; the ownership rules of ``bridge/dlpack.py`` apply unchanged (the JAX
 view keeps the storage alive; Torch does not overwrite it while JAX work reading it is pending).
 
+Reuse across in-place rewrites. A share may outlive Torch rewriting its buffer in place (FSDP
+rewrites a group's scale buffers and replicated planes at every optimizer step and keeps their
+shares). That is safe on CUDA because every JAX program that reads a share also takes a freshly
+imported input in the same call (the activation ``x`` in a forward, ``dy`` in a backward, the main
+shard in a refresh): the import records an event on Torch's current stream and JAX's stream waits
+for it, and the program cannot start before its inputs are defined, so it runs after every Torch
+write enqueued before that import -- the rewrite included. The reverse order holds as before:
+Torch reads a program's results only through ``to_torch``, which waits for the program, so a
+rewrite never races a program that read the old values. A caller that runs a JAX program on
+shares alone must import one fresh input (or synchronise) first.
+
 ``SharedTensor`` says where one high-precision parameter sits in such a buffer (a unit program
 reads it by offset, ``to_flat_tensor``). ``SharedPlane`` says where one weight's plane sits in
 two such buffers; ``to_flat_plane`` turns it

@@ -172,7 +172,8 @@ class ParamGroup:
         Every plane must be out of its bucket (a gathered plane would keep the old values)."""
         for bucket in self.buckets.values():
             bucket.expect(PlaneState.REPLICATED, PlaneState.SHARDED)
-            bucket.drop_shares()  # scales (and replicated planes) are rewritten below
+        # The scale buffers and replicated planes are rewritten in place below; their JAX shares
+        # stay valid (bridge/shared.py, "Reuse across in-place rewrites").
         self.quantized.drop()
         self.buffers.refresh(phase)
 

@@ -7,8 +7,9 @@ Tensors owned:
   ``unshard`` and freed on ``reshard``;
 - the plane's **shares** with JAX (``shared``): the full buffer (the bucket, or the replicated
   model buffer) and the plane's scale buffer, each wrapped once per buffer lifetime as a
-  ``bridge.shared.SharedBuffer``. The data share is dropped when the bucket is freed; both when
-  the group rewrites its buffers (``drop_shares`` at a refresh).
+  ``bridge.shared.SharedBuffer``. The data share is dropped when the bucket is freed. A refresh
+  rewrites the scale buffer and a replicated plane in place, so their shares are kept (the
+  ordering argument is in ``bridge/shared.py``, "Reuse across in-place rewrites").
 
 The plane's shard (or replicated buffer) itself belongs to ``GroupBuffers.model[plane]``; the
 bucket only reads it. Transitions, each checked by ``expect`` (an internal error naming the rank,
