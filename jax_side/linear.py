@@ -358,9 +358,13 @@ def mxfp8_linear(
 
 
 def high_precision_linear(
-    x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None = None
+    x: jax.Array, weight: jax.Array, weight_q: MXFP8Tensor | None = None, *,
+    kernels: ResolvedKernels | None = None,
 ) -> jax.Array:
-    """Control ``y = x W^T`` without quantization: fp32 accumulation at HIGHEST precision.
+    """Control ``y = x W^T`` without quantization, fp32 accumulation: at HIGHEST precision, except
+    that bf16 operands run on bf16 tensor cores when ``kernels``' GEMM is not the exact reference
+    (``dequant_dot``): exact bf16 products, fp32 accumulation in the tensor cores' order (the
+    per-linear op's ``hp_forward`` trade).
 
     weight_q must be None (the control has no MXFP8 planes to use).
     """
@@ -372,11 +376,14 @@ def high_precision_linear(
             "high_precision_linear: got MXFP8 planes (weight_q); the high-precision control "
             "reads the weight itself -- use mxfp8_linear to run on MXFP8 planes"
         )
+    w = weight.astype(x.dtype)
+    tensor_cores = (kernels is not None and kernels.gemm is not GemmImpl.DEQUANT_DOT
+                    and x.dtype == jnp.bfloat16)
     y = lax.dot_general(
         x,
-        weight.astype(x.dtype),
+        w,
         (((1,), (1,)), ((), ())),
-        precision=lax.Precision.HIGHEST,
+        precision=None if tensor_cores else lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
     )
     return y.astype(x.dtype)
@@ -388,5 +395,5 @@ def linear_fn(
     """The ``LinearFn`` implementing a ``LinearMode`` (MXFP8 with the given kernels, or HP)."""
     mode = LinearMode.parse(mode)
     if mode is LinearMode.HIGH_PRECISION:
-        return high_precision_linear
+        return functools.partial(high_precision_linear, kernels=_kernels(kernels))
     return functools.partial(mxfp8_linear, kernels=_kernels(kernels))

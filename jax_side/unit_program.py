@@ -218,7 +218,7 @@ def _bound(spec: UnitSpec, row_planes, aux):
             if name in index:
                 y2 = _unit_linear(h2, row_planes[index[name]], index[name], spec.kernels)
             elif name in hp_lin:
-                y2 = high_precision_linear(h2, params[f"{name}.weight"])
+                y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
             else:
                 raise KeyError(
                     f"unit program {spec.fn!r}: linear {name!r} is neither an MXFP8 linear "

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from bridge import MXFP8Linear, count_crossings
+from bridge import MXFP8Linear, count_crossings, resolve_for
 from bridge.units import register_unit, run_unit, set_compute
 from common.model_config import TINY
 from common.modes import Activations, Compute
@@ -50,7 +50,9 @@ def test_unit_path_is_bit_identical_to_the_flax_twin(acts):
     model = TorchGPT(TINY, seed=1, activations=acts, compute="unit")
     tokens, targets = _batch(0)
     loss, grads = _loss_and_grads(model, tokens, targets)
-    flax = FlaxGPT(TINY, activations=acts, fused_attention=False)
+    # the kernels the Torch model's CPU programs ran (a GPU machine's default would be Pallas)
+    flax = FlaxGPT(TINY, activations=acts, fused_attention=False,
+                   kernels=resolve_for(None, torch.device("cpu")))
     cpu = jax.devices("cpu")[0]  # where the Torch model's programs ran (also on a GPU machine)
     params = nested_params({n: jax.device_put(p.detach().numpy(), cpu)
                             for n, p in model.named_parameters()})

@@ -85,7 +85,7 @@ def test_high_precision_control_is_an_fp32_matmul():
     y = high_precision_linear(x, w)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
-    assert linear_fn(LinearMode.HIGH_PRECISION) is high_precision_linear
+    assert linear_fn(LinearMode.HIGH_PRECISION).func is high_precision_linear  # bound kernels
     assert linear_fn("mxfp8").func is mxfp8_linear  # bound to the resolved kernels
 
 
