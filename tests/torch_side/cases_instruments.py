@@ -164,4 +164,7 @@ def case_telemetry_zero3(ctx):
 
 
 STRATEGIES = ("no_shard", "optim", "zero3")
-CASES = {f"{_M}:case_{what}_{s}": (1, 2) for what in ("digest", "telemetry") for s in STRATEGIES}
+FAST = ("zero3",)  # the other strategies run only under `make test-all` (fast-suite budget)
+CASES = {f"{_M}:case_{what}_{s}": (1, 2) for what in ("digest", "telemetry") for s in FAST}
+SLOW_CASES = {f"{_M}:case_{what}_{s}": (1, 2) for what in ("digest", "telemetry")
+              for s in STRATEGIES if s not in FAST}

@@ -96,13 +96,12 @@ def case_unit_zero3_bf16_gather(ctx):
 _M = "tests.torch_side.cases_units"
 CASES = {
     f"{_M}:case_unit_optim_grads_params": (1,),
-    f"{_M}:case_unit_zero3_recompute_accumulation": (1,),
 }
 SLOW_CASES = {
     f"{_M}:case_unit_no_shard": (1, 2, 4),
     f"{_M}:case_unit_optim": (1, 2, 4),
     f"{_M}:case_unit_optim_grads": (1, 2, 4),
     f"{_M}:case_unit_optim_grads_params": (2, 4),
-    f"{_M}:case_unit_zero3_recompute_accumulation": (2,),
+    f"{_M}:case_unit_zero3_recompute_accumulation": (1, 2),
     f"{_M}:case_unit_zero3_bf16_gather": (1, 2),
 }

@@ -14,14 +14,18 @@ from torch_side.rank_share import rank_share
 from torch_side.step_digest import chunk_sum, full_tensor_digest
 
 
+_STRATEGIES = [s if s in ci.FAST else pytest.param(s, marks=pytest.mark.slow)
+               for s in ci.STRATEGIES]
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("strategy", ci.STRATEGIES)
+@pytest.mark.parametrize("strategy", _STRATEGIES)
 def test_digest_is_the_full_tensor_digest(spawned, strategy, world_size):
     check_case(spawned, ci, getattr(ci, f"case_digest_{strategy}"), world_size)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("strategy", ci.STRATEGIES)
+@pytest.mark.parametrize("strategy", _STRATEGIES)
 def test_telemetry_matches_the_full_planes(spawned, strategy, world_size):
     check_case(spawned, ci, getattr(ci, f"case_telemetry_{strategy}"), world_size)
 

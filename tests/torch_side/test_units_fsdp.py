@@ -16,7 +16,7 @@ SLOW = pytest.mark.slow
     ("case", "world_size"),
     [
         (cu.case_unit_optim_grads_params, 1),
-        (cu.case_unit_zero3_recompute_accumulation, 1),
+        pytest.param(cu.case_unit_zero3_recompute_accumulation, 1, marks=SLOW),
         *[pytest.param(c, w, marks=SLOW)
           for c in (cu.case_unit_no_shard, cu.case_unit_optim, cu.case_unit_optim_grads)
           for w in (1, 2, 4)],

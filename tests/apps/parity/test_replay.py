@@ -81,6 +81,7 @@ def world(single_rank_world):
     return None
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (fast-suite budget)
 def test_three_unit_steps_are_bit_identical(world):
     r = _replay()
     assert [s.step for s in r.steps] == [1, 2, 3] and r.world_size == 1 and r.start_step == 0
@@ -132,6 +133,7 @@ def test_xla_sqrt_differs_from_torch_cpu_sqrt_after_the_first_update(world):
     assert step.step == 1 and first.kind is Kind.MAIN, r.format()
 
 
+@pytest.mark.slow
 def test_a_training_checkpoint_replays_bit_identically(world, tmp_path):
     """mxfp8-train's model after one AdamW step, saved by its CheckpointSaver: the replay starts
     from its main weights, moments and step count."""
