@@ -13,7 +13,6 @@ from torch_side.flat_layout import FlatLayout
 from torch_side.rank_share import rank_share
 from torch_side.step_digest import chunk_sum, full_tensor_digest
 
-
 _STRATEGIES = [s if s in ci.FAST else pytest.param(s, marks=pytest.mark.slow)
                for s in ci.STRATEGIES]
 
