@@ -9,8 +9,9 @@ share a communicator ("dp" or "expert_dp"), device, kernels and source dtype for
 1. one program computes the packed partial amax of every group of the batch (each group's main
    shard crosses to JAX once), one crossing back;
 2. ONE ``all_reduce(MAX)`` of the batch's concatenated packed amax on the communicator, labelled
-   ``"<communicator name>/amax"`` (e.g. ``"dp/amax"``; numel: the sum of the groups' packed
-   amax), issued when some group of the batch holds a sharded main;
+   ``"*/<format>/<communicator name>/amax"`` (e.g. ``"*/mxfp8_e4m3/dp/amax"``: a group label
+   with ``*`` for the unit; numel: the sum of the groups' packed amax), issued when some group of
+   the batch holds a sharded main;
 3. one program turns the reduced amax into every group's scales and bytes (one crossing each
    way), as images of each group's buffers;
 4. per group, in ``param_groups`` order: its four ``copy_`` (``GroupBuffers.refresh_from``), its
@@ -59,7 +60,8 @@ def _batches(groups: Sequence[ParamGroup]) -> dict[int, list[int]]:
 def _quantize(groups: list[ParamGroup], phase: Phase) -> BatchImages:
     first = groups[0].buffers
     ctxs = [g.buffers.codec_context() for g in groups]
-    return first.codec.quantize_batch(ctxs, phase, f"{first.comm.name}/amax")
+    label = f"*/{first.codec.format.value}/{first.comm.name}/amax"  # "*": every unit's group
+    return first.codec.quantize_batch(ctxs, phase, label)
 
 
 def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:

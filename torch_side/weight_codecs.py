@@ -94,9 +94,9 @@ class CodecContext(NamedTuple):
     comm: Communicator  # the group's DP communicator (the amax all-reduce)
     main_sharded: bool  # main holds a 1/DP shard: the amax must be reduced over ranks
     kernels: KernelConfig | None  # FSDP's own MXFP8 numerics (None: the device default)
-    # Called once per MXFP8 fill with the group's reduced packed block amax (layout:
-    # bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so that
-    # nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
+    # Called once per MXFP8 fill (or batched write) with the group's reduced packed block amax
+    # (layout: bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so
+    # that nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
     amax_observer: Callable[[torch.Tensor], None] | None = None
     # The flat scale buffers per plane (parameter i's scales at scale_offsets[i]), which
     # ``scales[plane][i]`` view: an MXFP8 fill writes each with one copy.

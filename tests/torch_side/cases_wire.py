@@ -72,7 +72,7 @@ def case_wire_forward_rowwise_backward_colwise(ctx):
     assert not [r for g in mx for r in step if r.label.startswith(g.label)], step
     (amax,) = step
     assert amax.op is Collective.ALL_REDUCE_MAX and amax.dtype == torch.float32, amax
-    assert amax.label == "dp/amax" and amax.phase is Phase.OPTIMIZER, amax
+    assert amax.label == "*/mxfp8_e4m3/dp/amax" and amax.phase is Phase.OPTIMIZER, amax
     assert amax.numel == sum(2 * s.numel // 32 for g in mx for s in g.layout.slots), amax
 
 
@@ -327,7 +327,7 @@ def case_batched_refresh_matches_per_group(ctx):
         amax = [r for r in log if r.op is Collective.ALL_REDUCE_MAX]
         sharded = mx[0].facts.main_weights_sharded
         assert [(r.label, r.numel) for r in amax] == ([(
-            "dp/amax", sum(2 * s.numel // 32 for g in mx for s in g.layout.slots))]
+            "*/mxfp8_e4m3/dp/amax", sum(2 * s.numel // 32 for g in mx for s in g.layout.slots))]
             if sharded else []), (strategy, log)
         _clear(model)
         for g in model.param_groups:
