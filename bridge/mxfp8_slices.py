@@ -15,6 +15,13 @@ crosses once for both steps, the packed amax once each way, and all the bytes co
 array: a fixed handful per group, whatever the number of parameters. Each slice is a ``Piece``
 (static: shape, flat start in the parameter, offset in the buffer, length).
 
+Batches (``batched_partial_amax`` / ``batched_scales_and_cast_images``): several buffers, each
+with its own pieces (e.g. every MXFP8 group of an FSDP model on one communicator), in ONE program
+per step: each buffer still crosses once, the packed amax of the batch is the concatenation of
+the buffers' packed amax (buffer order), and the bytes of every buffer come back in one array.
+Each buffer's part is the single-buffer program traced inside the batch's, so its bytes are
+identical to the single-buffer path.
+
 Packed amax layout: ``[row_0 (M0*K0/32), col_0 (M0*K0/32), row_1, col_1, ...]``, each plane's amax
 in its scale tensor's row-major order (rowwise (M, K/32), columnwise (M/32, K)). Packed bytes
 layout: ``[row bytes_0 (n_0), col bytes_0 (n_0), row bytes_1, ...]`` then, per parameter, its
@@ -43,7 +50,11 @@ from jax_side.mxfp8 import cast_slice, partial_block_amax, scales_from_amax
 __all__ = [
     "Piece",
     "ScaleLayout",
+    "GroupImages",
     "SliceBytes",
+    "amax_numel",
+    "batched_partial_amax",
+    "batched_scales_and_cast_images",
     "packed_partial_amax",
     "scales_and_cast",
     "scales_and_cast_images",
@@ -144,6 +155,90 @@ def _scales_and_cast_images(buf, packed_amax, pieces, backend, source, scales: S
                 col, lax.bitcast_convert_type(cast.colwise, jnp.uint8), (p.offset,))
         offset += 2 * n_scale
     return jnp.concatenate([row, col, row_s, col_s])
+
+
+class GroupImages(NamedTuple):
+    """One buffer's bytes laid out as the caller's buffers are (uint8, 1-D views)."""
+
+    rowwise: torch.Tensor  # like the buffer: piece i at pieces[i].offset, zeros between pieces
+    colwise: torch.Tensor
+    rowwise_scale: torch.Tensor  # like the scale buffer (ScaleLayout)
+    colwise_scale: torch.Tensor
+
+
+def amax_numel(pieces: Sequence[Piece]) -> int:
+    """Length of the packed amax of ``pieces`` (both planes: M*K/32 each)."""
+    return sum(2 * p.shape[0] * p.shape[1] // BLOCK_SIZE for p in pieces)
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source"))
+def _batched_partial_amax(bufs, pieces, backend, source):
+    return jnp.concatenate([_packed_partial_amax(b, p, backend, source)
+                            for b, p in zip(bufs, pieces, strict=True)])
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales"))
+def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, scales):
+    out, at = [], 0
+    for b, p, s in zip(bufs, pieces, scales, strict=True):
+        n = amax_numel(p)
+        out.append(_scales_and_cast_images(
+            b, lax.slice(packed_amax, (at,), (at + n,)), p, backend, source, s))
+        at += n
+    return jnp.concatenate(out)
+
+
+def _static_pieces(pieces) -> tuple[tuple[Piece, ...], ...]:
+    return tuple(tuple(Piece(*p) for p in ps) for ps in pieces)
+
+
+def batched_partial_amax(
+    bufs: Sequence[SharedBuffer],
+    pieces: Sequence[Sequence[Piece]],
+    device: torch.device,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``packed_partial_amax`` of several buffers (``pieces[j]``: buffer j's pieces) in one
+    program: the concatenation of their packed amax, in buffer order (module note), a Torch-owned
+    copy on ``device`` ready for ONE ``all_reduce(MAX)``."""
+    packed = _batched_partial_amax(
+        tuple(b.jax() for b in bufs), _static_pieces(pieces), slice_backend(kernels, device),
+        jax_dtype_for(source_dtype),
+    )
+    t = to_torch(packed, copy=True)
+    return t if t.device == device else t.to(device)
+
+
+def batched_scales_and_cast_images(
+    bufs: Sequence[SharedBuffer],
+    packed_amax: torch.Tensor,
+    pieces: Sequence[Sequence[Piece]],
+    scales: Sequence[ScaleLayout],
+    device: torch.device,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> list[GroupImages]:
+    """``scales_and_cast_images`` of several buffers in one program, from the batch's reduced
+    packed amax (``batched_partial_amax``'s layout): per buffer its four images, views of ONE
+    Torch tensor over JAX's result (one crossing each way for the whole batch)."""
+    layouts = tuple(ScaleLayout(tuple(s.offsets), int(s.total)) for s in scales)
+    packed = to_torch(_batched_scales_and_cast_images(
+        tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
+        slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts,
+    ))
+    if packed.device != device:
+        packed = packed.to(device)
+    out, at = [], 0
+    for b, s in zip(bufs, layouts, strict=True):
+        n, t = b.tensor.numel(), s.total
+        cuts = (at, at + n, at + 2 * n, at + 2 * n + t, at + 2 * n + 2 * t)
+        spans = zip(cuts[:-1], cuts[1:], strict=True)
+        out.append(GroupImages(*(packed[lo:hi] for lo, hi in spans)))
+        at = cuts[-1]
+    return out
 
 
 def scales_and_cast_images(

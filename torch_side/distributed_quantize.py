@@ -19,14 +19,19 @@ this module owns the packing contract and the collective.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from bridge.mxfp8_slices import (
+    GroupImages,
     Piece,
     ScaleLayout,
     SliceBytes,
+    amax_numel,
+    batched_partial_amax,
+    batched_scales_and_cast_images,
     packed_partial_amax,
     scales_and_cast,
     scales_and_cast_images,
@@ -36,10 +41,13 @@ from common.formats import check_mxfp8_shape
 from common.kernels import KernelConfig
 
 __all__ = [
+    "BatchImages",
+    "GroupImages",
     "Piece",
     "QuantizedShard",
     "ScaleLayout",
     "distributed_mxfp8_quantize",
+    "quantize_batch_into_images",
     "quantize_into_images",
     "quantize_with_reducer",
 ]
@@ -155,6 +163,42 @@ def quantize_into_images(
     packed = packed_partial_amax(shared, pieces, device, **kw)
     all_reduce_max(packed)
     return scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
+
+
+class BatchImages(NamedTuple):
+    """``quantize_batch_into_images``'s result, one entry per buffer of the batch."""
+
+    images: list[GroupImages]  # buffer j's four images (views of one packed tensor)
+    amax: list[torch.Tensor]  # buffer j's slice of the reduced packed amax (views of one tensor)
+
+
+def quantize_batch_into_images(
+    buffers: Sequence[torch.Tensor],
+    pieces: Sequence[Sequence[Piece]],
+    all_reduce_max: Callable[[torch.Tensor], None],
+    device: torch.device,
+    scales: Sequence[ScaleLayout],
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> BatchImages:
+    """``quantize_into_images`` of several buffers at once (``pieces[j]``, ``scales[j]``: buffer
+    j's), e.g. every MXFP8 group of an FSDP model on one communicator: one program for the partial
+    amax of all of them, ONE ``all_reduce_max`` of the concatenated packed amax, one program for
+    every buffer's scales and bytes. Each buffer crosses to JAX once; the bytes are identical to
+    ``quantize_into_images`` of each buffer alone (amax and scales are per block; the reduction
+    is elementwise)."""
+    shared = [SharedBuffer(b) for b in buffers]
+    kw = {"kernels": kernels, "source_dtype": source_dtype}
+    packed = batched_partial_amax(shared, pieces, device, **kw)
+    all_reduce_max(packed)
+    images = batched_scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
+    amax, at = [], 0
+    for ps in pieces:
+        n = amax_numel(ps)
+        amax.append(packed[at:at + n])
+        at += n
+    return BatchImages(images, amax)
 
 
 def _group_device(group) -> torch.device:

@@ -38,6 +38,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from bridge import TorchMXFP8Tensor
 from common.kernels import KernelConfig
 from torch_side import state_dict as sd
+from torch_side.batched_refresh import refresh_groups
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collective_check import check_requested
 from torch_side.collectives import Communicator, Phase, WireRecord
@@ -111,9 +112,11 @@ class FSDPModel(nn.Module):
         self.units: list[FSDPUnit] = build_units(
             module, unit_modules, expert_modules, cfg, self.state
         )
-        for g in self.param_groups:  # the same order on every rank: collectives match
+        groups = self.param_groups  # the same order on every rank: collectives match
+        for g in groups:
             g.load_main_from(initial_values(g, self.init_sync))
-            g.refresh_model_weights(Phase.STATE)
+        refresh_groups(groups, Phase.STATE)  # MXFP8 groups quantized in batches
+        for g in groups:
             g.install_params()
             for e in g.entries:
                 mark(e.param, e.name)
@@ -143,11 +146,11 @@ class FSDPModel(nn.Module):
                 g.main_grad.zero_()
 
     def refresh_model_weights(self) -> None:
-        """After the main weights changed: requantize / recast the model weight buffers.
+        """After the main weights changed: requantize / recast the model weight buffers (the
+        MXFP8 groups of each communicator in one batch: ``torch_side.batched_refresh``).
         Refused (nothing changed) while an iteration is unfinished (``FSDPState.require_idle``)."""
         self.state.require_idle("refresh_model_weights()")
-        for g in self.param_groups:
-            g.refresh_model_weights(Phase.OPTIMIZER)
+        refresh_groups(self.param_groups, Phase.OPTIMIZER)  # MXFP8 groups quantized in batches
         self.state.weights_changed()
 
     def wire_log(self) -> list[WireRecord]:

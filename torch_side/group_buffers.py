@@ -16,7 +16,9 @@ Tensors owned (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLayout`
 
 The temporary buckets (all-gathered planes, staged gradients) are not here: ``PlaneBucket`` and
 ``GradReducer`` own them. ``refresh`` rewrites the model weights and scales from ``main``
-through the group's ``WeightCodec``, which sees only a ``CodecContext`` of these buffers.
+through the group's ``WeightCodec``, which sees only a ``CodecContext`` of these buffers;
+``refresh_from`` writes bytes that a batched quantization of several groups made
+(``torch_side.batched_refresh``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from common.formats import Plane
 from common.kernels import KernelConfig
 from torch_side.collectives import Communicator, Phase
+from torch_side.distributed_quantize import GroupImages
 from torch_side.flat_layout import FlatLayout, OwnedPiece
 from torch_side.strategy import StrategyFacts
 from torch_side.weight_codecs import CodecContext, WeightCodec
@@ -110,16 +113,32 @@ class GroupBuffers:
 
     def refresh(self, phase: Phase) -> None:
         """Model weight buffers (and scales) from ``main``; all-gathered where replicated."""
-        f = self.facts
-        staged = f.main_weights_sharded and not f.model_weights_sharded
-        # Local targets: the model buffers themselves, or shard staging areas then gathered.
-        targets = {
+        targets = self._targets()
+        self.codec.fill(self.codec_context(), targets, phase)
+        self._publish(targets, phase)
+
+    def refresh_from(self, images: GroupImages, amax: torch.Tensor, phase: Phase) -> None:
+        """``refresh`` of an MXFP8 group whose bytes a batched quantization made
+        (``torch_side.batched_refresh``): the codec's four copies (and the telemetry's amax
+        slice), then the all-gathers where replicated, as ``refresh`` does."""
+        targets = self._targets()
+        self.codec.write_images(self.codec_context(), images, amax, targets)
+        self._publish(targets, phase)
+
+    def _staged(self) -> bool:
+        return self.facts.main_weights_sharded and not self.facts.model_weights_sharded
+
+    def _targets(self) -> dict[Plane, torch.Tensor]:
+        """Local targets: the model buffers themselves, or shard staging areas then gathered."""
+        staged = self._staged()
+        return {
             p: torch.zeros_like(self.main, dtype=self.codec.buffer_dtype) if staged
             else self.model[p]
             for p in self.codec.planes
         }
-        self.codec.fill(self.codec_context(), targets, phase)
-        if staged:
+
+    def _publish(self, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
+        if self._staged():
             for p in self.codec.planes:
                 label = f"{self.label}/{'model' if p is Plane.ROWWISE else p.value}"
                 self.comm.all_gather(self.model[p], targets[p], phase, label)

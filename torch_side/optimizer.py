@@ -2,7 +2,8 @@
 
 Each step: hand every group's main grads (fp32, matching its main-weight shard) to the inner
 optimizer, step it, then refresh the model weights from the new main weights -- the batched
-distributed MXFP8 quantization for MXFP8 groups (one amax all-reduce per group), a cast for the
+distributed MXFP8 quantization for MXFP8 groups (one amax all-reduce per communicator for all of
+them: ``torch_side.batched_refresh``), a cast for the
 others, and under ZeRO-1/2 an all-gather of the refreshed shards into the replicated buffers.
 Optimizer states live next to the main-weight shards (1/DP per rank when sharded).
 

@@ -167,15 +167,12 @@ class ParamGroup:
         """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
         self.buffers.load_main(full_values)
 
-    def refresh_model_weights(self, phase: Phase = Phase.OPTIMIZER) -> None:
-        """Model weight buffers (and scales) from ``main``; all-gather where replicated.
-        Every plane must be out of its bucket (a gathered plane would keep the old values)."""
+    def expect_refreshable(self) -> None:
+        """Refuse a refresh of the model weights (``torch_side.batched_refresh``, which checks
+        every group before it changes any) while a plane is in its bucket: a gathered plane would
+        keep the old values."""
         for bucket in self.buckets.values():
             bucket.expect(PlaneState.REPLICATED, PlaneState.SHARDED)
-        # The scale buffers and replicated planes are rewritten in place below; their JAX shares
-        # stay valid (bridge/shared.py, "Reuse across in-place rewrites").
-        self.quantized.drop()
-        self.buffers.refresh(phase)
 
     # ---- unshard / reshard (PlaneBucket) --------------------------------------------------
     def full_buffer(self, plane: Plane) -> torch.Tensor:

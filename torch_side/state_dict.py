@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from bridge import TorchMXFP8Tensor
+from torch_side.batched_refresh import refresh_groups
 from torch_side.collectives import Phase
 from torch_side.param_group import ParamGroup
 from torch_side.weight_codecs import ParamStorage
@@ -78,7 +79,7 @@ def load_full_state_dict(groups: list[ParamGroup], state: Mapping[str, torch.Ten
     _check_state(groups, state)
     for g in groups:
         g.load_main_from([state[s.name] for s in g.layout.slots])
-        g.refresh_model_weights(Phase.STATE)
+    refresh_groups(groups, Phase.STATE)  # MXFP8 groups quantized in batches
 
 
 def split_state_keys(groups: list[ParamGroup], module: torch.nn.Module) -> tuple[set, set]:

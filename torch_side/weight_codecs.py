@@ -38,7 +38,14 @@ from common.formats import FormatSpec, Plane, WeightFormat, format_spec, scale_s
 from common.kernels import KernelConfig
 from common.modes import GatherMode
 from torch_side.collectives import Collective, Communicator, Phase
-from torch_side.distributed_quantize import Piece, ScaleLayout, quantize_into_images
+from torch_side.distributed_quantize import (
+    BatchImages,
+    GroupImages,
+    Piece,
+    ScaleLayout,
+    quantize_batch_into_images,
+    quantize_into_images,
+)
 from torch_side.flat_layout import OwnedPiece
 from torch_side.policy import MixedPrecisionPolicy, torch_dtype
 
@@ -87,9 +94,9 @@ class CodecContext(NamedTuple):
     comm: Communicator  # the group's DP communicator (the amax all-reduce)
     main_sharded: bool  # main holds a 1/DP shard: the amax must be reduced over ranks
     kernels: KernelConfig | None  # FSDP's own MXFP8 numerics (None: the device default)
-    # Called once per MXFP8 fill with the group's reduced packed block amax (layout:
-    # bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so that
-    # nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
+    # Called once per MXFP8 fill (or batched write) with the group's reduced packed block amax
+    # (layout: bridge.mxfp8_slices), after the scales are written; telemetry reads it there, so
+    # that nothing keeps the buffer alive (torch_side.numerics_telemetry). None: nobody listens.
     amax_observer: Callable[[torch.Tensor], None] | None = None
     # The flat scale buffers per plane (parameter i's scales at scale_offsets[i]), which
     # ``scales[plane][i]`` view: an MXFP8 fill writes each with one copy.
@@ -161,13 +168,6 @@ class MXFP8Codec(WeightCodec):
         return Scales(buffers, views, offsets)
 
     def fill(self, ctx: CodecContext, targets, phase) -> None:
-        owned = {p.slot_index: p for p in ctx.owned}
-        pieces = []
-        for i, shape in enumerate(ctx.shapes):
-            p = owned.get(i)
-            pieces.append(Piece(shape, 0, 0, 0) if p is None
-                          else Piece(shape, p.param_offset, p.shard_offset, p.numel))
-
         reduced: list[torch.Tensor] = []
 
         def reduce_max(packed: torch.Tensor) -> None:
@@ -175,18 +175,58 @@ class MXFP8Codec(WeightCodec):
                 ctx.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, f"{ctx.label}/amax")
             reduced.append(packed)
 
-        row, col, row_s, col_s = quantize_into_images(
-            ctx.main, pieces, reduce_max, ctx.main.device,
-            ScaleLayout(tuple(ctx.scale_offsets), ctx.scale_buffers[Plane.ROWWISE].numel()),
+        images = quantize_into_images(
+            ctx.main, _pieces(ctx), reduce_max, ctx.main.device, _scale_layout(ctx),
             kernels=ctx.kernels, source_dtype=self.source_dtype,
         )
+        self.write_images(ctx, GroupImages(*images), reduced[0], targets)
+
+    def quantize_batch(self, ctxs: list[CodecContext], phase: Phase, label: str) -> BatchImages:
+        """``fill``'s numerics and collective for several groups at once (FSDP's batched
+        refresh, ``torch_side.batched_refresh``): the groups must share this codec's source
+        dtype, their communicator, device and kernels. ONE amax all-reduce (labelled ``label``)
+        of the whole batch's packed amax, when some group's main is sharded. The caller then
+        writes each group with ``write_images``."""
+        first = ctxs[0]
+        assert all(c.comm is first.comm and c.main.device == first.main.device
+                   and c.kernels == first.kernels for c in ctxs), [c.label for c in ctxs]
+
+        def reduce_max(packed: torch.Tensor) -> None:
+            if any(c.main_sharded for c in ctxs):  # else every rank holds whole parameters
+                first.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, label)
+
+        return quantize_batch_into_images(
+            [c.main for c in ctxs], [_pieces(c) for c in ctxs], reduce_max, first.main.device,
+            [_scale_layout(c) for c in ctxs], kernels=first.kernels,
+            source_dtype=self.source_dtype,
+        )
+
+    def write_images(self, ctx: CodecContext, images: GroupImages, amax: torch.Tensor,
+                     targets: dict[Plane, torch.Tensor]) -> None:
+        """Copy a group's images into its targets and scale buffers (four ``copy_``), then show
+        its reduced packed amax to ``ctx.amax_observer``."""
         # whole-buffer copies: the images hold zeros where padding or other ranks' parts are
-        targets[Plane.ROWWISE].copy_(row)
-        targets[Plane.COLWISE].copy_(col)
-        ctx.scale_buffers[Plane.ROWWISE].copy_(row_s)
-        ctx.scale_buffers[Plane.COLWISE].copy_(col_s)
+        targets[Plane.ROWWISE].copy_(images.rowwise)
+        targets[Plane.COLWISE].copy_(images.colwise)
+        ctx.scale_buffers[Plane.ROWWISE].copy_(images.rowwise_scale)
+        ctx.scale_buffers[Plane.COLWISE].copy_(images.colwise_scale)
         if ctx.amax_observer is not None:
-            ctx.amax_observer(reduced[0])
+            ctx.amax_observer(amax)
+
+
+def _pieces(ctx: CodecContext) -> list[Piece]:
+    """Every parameter's piece in ``ctx.main`` (numel 0: this rank holds none of it)."""
+    owned = {p.slot_index: p for p in ctx.owned}
+    pieces = []
+    for i, shape in enumerate(ctx.shapes):
+        p = owned.get(i)
+        pieces.append(Piece(shape, 0, 0, 0) if p is None
+                      else Piece(shape, p.param_offset, p.shard_offset, p.numel))
+    return pieces
+
+
+def _scale_layout(ctx: CodecContext) -> ScaleLayout:
+    return ScaleLayout(tuple(ctx.scale_offsets), ctx.scale_buffers[Plane.ROWWISE].numel())
 
 
 class BF16GatherCodec(WeightCodec):

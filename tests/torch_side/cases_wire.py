@@ -67,16 +67,20 @@ def case_wire_forward_rowwise_backward_colwise(ctx):
     model.clear_wire_log()
     opt.step()
     step = model.wire_log()
-    for g in mx:  # one amax all-reduce per MXFP8 group, both planes' amax packed; no gathers
-        (amax,) = [r for r in step if r.label.startswith(g.label)]
-        assert amax.op is Collective.ALL_REDUCE_MAX and amax.dtype == torch.float32, amax
-        assert amax.numel == sum(2 * s.numel // 32 for s in g.layout.slots), amax
+    # ONE amax all-reduce for the communicator's whole batch of MXFP8 groups (both planes of
+    # every group packed; torch_side.batched_refresh), nothing per group, no gathers
+    assert not [r for g in mx for r in step if r.label.startswith(g.label)], step
+    (amax,) = step
+    assert amax.op is Collective.ALL_REDUCE_MAX and amax.dtype == torch.float32, amax
+    assert amax.label == "*/mxfp8_e4m3/dp/amax" and amax.phase is Phase.OPTIMIZER, amax
+    assert amax.numel == sum(2 * s.numel // 32 for g in mx for s in g.layout.slots), amax
 
 
 def case_bridge_crossings_per_step(ctx):
     """Weights cross the bridge once per bucket lifetime, not per layer: a ZeRO-3 step of ToyNet
     (2 MXFP8 groups of 2 linears) crosses activations once per linear and direction, each group's
-    bucket and scale buffer once per plane, and the requantization 2 + 2 times per group."""
+    bucket and scale buffer once per plane; the batched requantization crosses each group's main
+    shard once, and the batch's packed amax and bytes once each way."""
     model = fully_shard(make_net(0, device=ctx.device), unit_modules=(Block,), strategy=ZERO3)
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
     x, y = make_batch(0, T, ctx.device)
@@ -88,7 +92,7 @@ def case_bridge_crossings_per_step(ctx):
     assert c.to_torch == 2 * linears, c  # y per linear; dx and dW together per linear
     with bridge.count_crossings() as c:
         opt.step()
-    assert (c.to_jax, c.to_torch) == (2 * groups, 2 * groups), c
+    assert (c.to_jax, c.to_torch) == (groups + 1, 2), c
 
 
 def case_wire_recompute_gathers_both_planes_once(ctx):
@@ -290,6 +294,51 @@ def case_bucket_outlives_reshard_while_jax_reads(ctx):
     assert (np.asarray(alias) == expect.numpy()).all(), "bucket bytes changed under JAX"
 
 
+def _planes_and_scales(model) -> dict[str, bytes]:
+    return {f"{g.label}/{k}/{p.value}": t.cpu().numpy().tobytes()
+            for g in model.param_groups
+            for k, d in (("model", g.model), ("scale", g.scale_buffers)) for p, t in d.items()}
+
+
+def _clear(model) -> None:
+    for g in model.param_groups:
+        for t in (*g.model.values(), *g.scale_buffers.values()):
+            t.zero_()
+
+
+def case_batched_refresh_matches_per_group(ctx):
+    """Every strategy: the batched refresh of 3 MXFP8 groups (FSDPModel.refresh_model_weights)
+    writes the same model-buffer and scale bytes as each group's own refresh, with one amax
+    all-reduce for the batch (when main is sharded) instead of one per group."""
+    for strategy in ShardingStrategy:
+        model = fully_shard(make_net(0, device=ctx.device, n_blocks=3), unit_modules=(Block,),
+                            strategy=strategy)
+        mx = [g for g in model.param_groups if g.format is WeightFormat.MXFP8_E4M3]
+        assert len(mx) == 3, [g.label for g in model.param_groups]
+        gen = torch.Generator().manual_seed(1 + ctx.rank)
+        for g in model.param_groups:  # new main values, different per rank (unlike training)
+            noise = torch.randn(g.main.shape, generator=gen) * 4.0 ** torch.randint(
+                -6, 6, g.main.shape, generator=gen)
+            g.main.copy_(noise.to(ctx.device))
+        _clear(model)
+        model.clear_wire_log()
+        model.refresh_model_weights()
+        batched, log = _planes_and_scales(model), model.wire_log()
+        amax = [r for r in log if r.op is Collective.ALL_REDUCE_MAX]
+        sharded = mx[0].facts.main_weights_sharded
+        assert [(r.label, r.numel) for r in amax] == ([(
+            "*/mxfp8_e4m3/dp/amax", sum(2 * s.numel // 32 for g in mx for s in g.layout.slots))]
+            if sharded else []), (strategy, log)
+        _clear(model)
+        for g in model.param_groups:
+            g.buffers.refresh(Phase.OPTIMIZER)  # the per-group path
+        alone = _planes_and_scales(model)
+        assert alone.keys() == batched.keys()
+        differ = [k for k in alone if alone[k] != batched[k]]
+        assert not differ, (strategy, differ)
+        assert any(any(v) for k, v in alone.items() if "scale" in k), "nothing was written"
+
+
 _M = "tests.torch_side.cases_wire"
 CASES = {
     f"{_M}:case_wire_forward_rowwise_backward_colwise": (2,),
@@ -302,4 +351,5 @@ CASES = {
     f"{_M}:case_plane_states_are_explicit_and_checked": (2,),
     f"{_M}:case_gathered_weights_and_state_dict": (2,),
     f"{_M}:case_bucket_outlives_reshard_while_jax_reads": (2,),
+    f"{_M}:case_batched_refresh_matches_per_group": (1, 2),
 }

@@ -10,12 +10,24 @@ from tests.torch_side.conftest import check_case
 
 def test_forward_gathers_rowwise_bytes_backward_colwise_only(spawned):
     """MXFP8 all-gather: 1 byte per element, no scales; forward rowwise, backward colwise; the
-    optimizer step sends one packed amax all-reduce per group."""
+    optimizer step sends ONE packed amax all-reduce for all the MXFP8 groups of the communicator
+    (the batched refresh), none per group."""
     check_case(spawned, cw, cw.case_wire_forward_rowwise_backward_colwise, 2)
 
 
 def test_weights_cross_the_bridge_once_per_bucket_not_per_layer(spawned):
     check_case(spawned, cw, cw.case_bridge_crossings_per_step, 2)
+
+
+def test_batched_refresh_writes_the_bytes_of_the_per_group_refresh(spawned):
+    """Every strategy, one rank: the batched MXFP8 refresh of 3 groups equals each group's own
+    refresh byte for byte (model buffers and scales), with one amax all-reduce for the batch."""
+    check_case(spawned, cw, cw.case_batched_refresh_matches_per_group, 1)
+
+
+def test_batched_refresh_writes_the_bytes_of_the_per_group_refresh_two_ranks(spawned):
+    """The same with main weights sharded over two ranks (each rank its own main values)."""
+    check_case(spawned, cw, cw.case_batched_refresh_matches_per_group, 2)
 
 
 def test_recompute_forward_gathers_both_planes_once(spawned):

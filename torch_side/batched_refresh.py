@@ -1,0 +1,89 @@
+"""``refresh_groups``: the model weights of many groups from their main weights, MXFP8 batched.
+
+Every refresh of an ``FSDPModel`` (the optimizer step, the wrap, ``load_full_state_dict`` and
+sharded-state loads) goes through here. The host cost of the distributed MXFP8 quantization
+(DESIGN.md 5) is a fixed handful of JAX programs, crossings and one collective per call, so a
+model's MXFP8 groups are quantized together: the groups whose codec is ``MXFP8Codec`` and that
+share a communicator ("dp" or "expert_dp"), device, kernels and source dtype form one **batch**:
+
+1. one program computes the packed partial amax of every group of the batch (each group's main
+   shard crosses to JAX once), one crossing back;
+2. ONE ``all_reduce(MAX)`` of the batch's concatenated packed amax on the communicator, labelled
+   ``"*/<format>/<communicator name>/amax"`` (e.g. ``"*/mxfp8_e4m3/dp/amax"``: a group label
+   with ``*`` for the unit; numel: the sum of the groups' packed amax), issued when some group of
+   the batch holds a sharded main;
+3. one program turns the reduced amax into every group's scales and bytes (one crossing each
+   way), as images of each group's buffers;
+4. per group, in ``param_groups`` order: its four ``copy_`` (``GroupBuffers.refresh_from``), its
+   amax slice to the telemetry observer, and under ZeRO-1/2 the all-gathers of its staged
+   shards, exactly as the per-group refresh does.
+
+The bytes are identical to the per-group refresh (``bridge.mxfp8_slices``: each group's part is
+the single-group program). A batch of one group, and every other codec (cast formats, the
+``BF16GatherCodec``), refreshes alone (``GroupBuffers.refresh``; its amax all-reduce is labelled
+``"<group label>/amax"``). Collective order, the same on every rank: each batch's amax
+all-reduce when the walk over the groups (``param_groups`` order) reaches the batch's first
+group, then each group's own collectives at its turn. Memory: a batch's images (2 bytes per
+element of the batch's main shards, plus scales) live until its last group is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch_side.collectives import Phase
+from torch_side.distributed_quantize import BatchImages
+from torch_side.param_group import ParamGroup
+from torch_side.weight_codecs import MXFP8Codec
+
+__all__ = ["refresh_groups"]
+
+
+def _batch_key(g: ParamGroup):
+    """Groups with equal keys are quantized together; None: the group refreshes alone."""
+    b = g.buffers
+    if type(b.codec) is not MXFP8Codec:
+        return None
+    return (id(b.comm), b.device, b.kernels, b.codec.source_dtype)
+
+
+def _batches(groups: Sequence[ParamGroup]) -> dict[int, list[int]]:
+    """{index of a batch's first group: indices of its groups}, for batches of two or more."""
+    by_key: dict[object, list[int]] = {}
+    for i, g in enumerate(groups):
+        key = _batch_key(g)
+        if key is not None:
+            by_key.setdefault(key, []).append(i)
+    return {members[0]: members for members in by_key.values() if len(members) > 1}
+
+
+def _quantize(groups: list[ParamGroup], phase: Phase) -> BatchImages:
+    first = groups[0].buffers
+    ctxs = [g.buffers.codec_context() for g in groups]
+    label = f"*/{first.codec.format.value}/{first.comm.name}/amax"  # "*": every unit's group
+    return first.codec.quantize_batch(ctxs, phase, label)
+
+
+def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:
+    """Model weight buffers (and scales) of ``groups`` from their main weights, MXFP8 groups in
+    batches (module note). Every rank must pass the same groups in the same order (collectives).
+    Every plane of every group must be out of its bucket: all groups are checked before any is
+    changed (``ParamGroup.expect_refreshable``)."""
+    for g in groups:
+        g.expect_refreshable()
+    for g in groups:
+        # The scale buffers and replicated planes are rewritten in place; their JAX shares stay
+        # valid (bridge/shared.py, "Reuse across in-place rewrites"). Locally quantized planes
+        # (BF16GatherCodec) would be stale.
+        g.quantized.drop()
+    batches = _batches(groups)
+    pending: dict[int, tuple[BatchImages, int]] = {}  # group index -> (its batch's bytes, slot)
+    for i, g in enumerate(groups):
+        if i in batches:
+            made = _quantize([groups[j] for j in batches[i]], phase)
+            pending.update({j: (made, k) for k, j in enumerate(batches[i])})
+        if i not in pending:
+            g.buffers.refresh(phase)
+            continue
+        made, k = pending.pop(i)
+        g.buffers.refresh_from(made.images[k], made.amax[k], phase)
