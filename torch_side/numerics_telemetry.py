@@ -35,9 +35,10 @@ it), so no step loops over parameters or pieces and no step makes a tensor from 
   ``collect()``, and nothing keeps the amax alive;
 - ``collect()``: per group and plane, two compares and sums over the rank's plane bytes (and
   over the padding between its pieces); for all groups at once, one concatenation of the scale
-  bytes, one compare with the previous collect's, ONE histogram (``histc`` over float64 keys
-  ``512 * row + 256 * changed + byte``: exact, and no device sync, unlike ``bincount``), the
-  all-reduce, and ONE device-to-host copy of one table (rows x 265 float64, exact counts).
+  bytes, one compare with the previous collect's, ONE histogram of the keys
+  ``512 * row + 256 * changed + byte`` (a sort and a search of the bin edges: exact,
+  deterministic, and no device sync, unlike ``bincount``), the all-reduce, and ONE
+  device-to-host copy of one table (rows x 265 float64; the counts exact below 2**53).
 
 ``observing = False`` (``--telemetry-every N`` between recorded steps) makes the observer return
 at once, so steps that are not recorded pay nothing.
@@ -184,10 +185,11 @@ class NumericsTelemetry:
             device=device)
         self._scale_padding = torch.tensor(
             [g.scale_buffers[p].numel() - sum(v.numel() for v in g.scales[p])
-             for g, p in self._rows], dtype=torch.float64, device=device)
+             for g, p in self._rows], dtype=torch.int64, device=device)
         self._bin_base = torch.cat([
-            torch.full((g.scale_buffers[p].numel(),), r * _BINS, dtype=torch.float64)
+            torch.full((g.scale_buffers[p].numel(),), r * _BINS, dtype=torch.int64)
             for r, (g, p) in enumerate(self._rows)]).to(device) if self._rows else None
+        self._bin_edges = torch.arange(len(self._rows) * _BINS + 1, device=device)
         self._none = torch.zeros((), dtype=torch.int64, device=device)
         self._no_headroom = torch.full((2, 5), math.nan, dtype=torch.float64, device=device)
         self._prev = self._scale_bytes() if self._rows else None
@@ -232,13 +234,15 @@ class NumericsTelemetry:
         return torch.stack([c[:, 0], c[:, 1] - c[:, 0], self._local_elements], 1)
 
     def _scale_counts(self) -> torch.Tensor:
-        """float64 (rows, 257): histogram of the scale bytes (padding taken out), changed
-        blocks; one histogram over every row, (unchanged, changed) halves per row."""
+        """int64 (rows, 257): histogram of the scale bytes (padding taken out), changed
+        blocks; one histogram over every row, (unchanged, changed) halves per row. Counted by
+        sorting the keys and searching the bin edges: exact, no device sync (``bincount``
+        reads its max on the host), deterministic (``histc`` on CUDA is not)."""
         cur = self._scale_bytes()
         key = self._bin_base + cur + (cur != self._prev) * 256
         self._prev = cur
-        n = len(self._rows) * _BINS  # exact: integer keys, bins of width 1, float64 counts
-        hist = torch.histc(key, bins=n, min=0, max=n).view(-1, 2, 256)
+        ends = torch.searchsorted(key.sort().values, self._bin_edges)
+        hist = ends.diff().view(-1, 2, 256)
         out = torch.cat([hist.sum(1), hist[:, 1].sum(1, keepdim=True)], 1)
         out[:, 0] -= self._scale_padding  # the alignment padding: zero bytes, never changed
         return out
