@@ -30,7 +30,7 @@ tensors per group (``_GroupIndex``: the packed amax -> one rowwise and one colum
 the scale bytes of those blocks, the span of the rank's plane elements and the padding inside
 it), so no step loops over parameters or pieces and no step makes a tensor from host data:
 
-- an observed refresh: ~20 calls per group (two gathers, elementwise ops and row reductions
+- an observed refresh: ~30 calls per group (two gathers, elementwise ops and row reductions
   over a (2, blocks) array), summarised at once -- cheaper than keeping a clone of the amax for
   ``collect()``, and nothing keeps the amax alive;
 - ``collect()``: per group and plane, two compares and sums over the rank's plane bytes (and
