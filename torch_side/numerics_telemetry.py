@@ -22,9 +22,26 @@ plane (``PlaneTelemetry``):
   ``collect()`` (e.g. a skipped step).
 
 Expert groups count over the DP group (every expert once); their scale histograms are this rank's
-expert-DP group's. Cost: a bincount and a compare over the scale bytes (1/32 of the elements),
-two compares over the rank's plane bytes, a few elementwise ops over the amax, one small
-all-reduce, and one device-to-host copy of the counts (measured in docs/training.md).
+expert-DP group's.
+
+Cost (measured in docs/training.md): the step is often host-bound, so the number of Torch calls
+matters as much as the bytes. Everything a step reads is located once, in ``__init__``, as index
+tensors per group (``_GroupIndex``: the packed amax -> one rowwise and one columnwise vector,
+the scale bytes of those blocks, the span of the rank's plane elements and the padding inside
+it), so no step loops over parameters or pieces and no step makes a tensor from host data:
+
+- an observed refresh: ~30 calls per group (two gathers, elementwise ops and row reductions
+  over a (2, blocks) array), summarised at once -- cheaper than keeping a clone of the amax for
+  ``collect()``, and nothing keeps the amax alive;
+- ``collect()``: per group and plane, two compares and sums over the rank's plane bytes (and
+  over the padding between its pieces); for all groups at once, one concatenation of the scale
+  bytes, one compare with the previous collect's, ONE histogram of the keys
+  ``512 * row + 256 * changed + byte`` (a sort and a search of the bin edges: exact,
+  deterministic, and no device sync, unlike ``bincount``), the all-reduce, and ONE
+  device-to-host copy of one table (rows x 265 float64; the counts exact below 2**53).
+
+``observing = False`` (``--telemetry-every N`` between recorded steps) makes the observer return
+at once, so steps that are not recorded pay nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +62,50 @@ __all__ = ["Headroom", "NumericsTelemetry", "PlaneTelemetry"]
 
 _E4M3_MAX_LOG2 = math.log2(E4M3_MAX)
 _NAN_SCALE = 255
+_PLANES = (Plane.ROWWISE, Plane.COLWISE)  # the packed amax's plane order
+_BINS = 512  # per (group, plane) row of the scale histogram: 256 bytes x (unchanged, changed)
+
+
+class _GroupIndex(NamedTuple):
+    """Made once per group (``NumericsTelemetry.__init__``): where a collect reads, as index
+    tensors on the group's device, so that no step loops over parameters or pieces."""
+
+    amax: torch.Tensor  # int64 (2B,): packed amax -> [rowwise blocks..., colwise blocks...]
+    scales: torch.Tensor  # int64 (2B,): cat(row, col scale buffer) -> the same blocks' bytes
+    span: tuple[int, int]  # this rank's elements of each g.model[plane] lie in [lo, hi) ...
+    gaps: torch.Tensor | None  # ... except these (int64, from lo): padding between its pieces
+    local_elements: int  # elements this rank counts per plane
+
+
+def _group_index(g: ParamGroup) -> _GroupIndex:
+    amax: dict[Plane, list[torch.Tensor]] = {p: [] for p in _PLANES}
+    scale_idx, offset = [], 0
+    for slot, start in zip(g.layout.slots, g.scale_offsets, strict=True):
+        n = slot.numel // BLOCK_SIZE  # blocks per plane (both planes: M*K/32)
+        for k, p in enumerate(_PLANES):
+            amax[p].append(torch.arange(offset + k * n, offset + (k + 1) * n))
+        scale_idx.append(torch.arange(start, start + n))
+        offset += 2 * n
+    scale_idx = torch.cat(scale_idx)
+    width = g.scale_buffers[Plane.ROWWISE].numel()
+    buf = g.model[g.planes[0]]  # every plane's buffer has the same size, so the same pieces
+    ranges = sorted((s.values.storage_offset() - buf.storage_offset(), s.values.numel())
+                    for s in rank_share(buf, g.layout, g.comm.rank))
+    lo, hi = (ranges[0][0], ranges[-1][0] + ranges[-1][1]) if ranges else (0, 0)
+    gaps = [torch.arange(a + n - lo, b - lo)
+            for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False) if b > a + n]
+    return _GroupIndex(
+        amax=torch.cat(amax[Plane.ROWWISE] + amax[Plane.COLWISE]).to(g.device),
+        scales=torch.cat([scale_idx, scale_idx + width]).to(g.device),
+        span=(lo, hi), gaps=torch.cat(gaps).to(g.device) if gaps else None,
+        local_elements=sum(n for _, n in ranges),
+    )
+
+
+def _low_counts(b: torch.Tensor) -> list[torch.Tensor]:
+    """E4M3 bytes ``b``: [+-0 count, count with exponent field 0 (zero or subnormal)]."""
+    mag = b & 0x7F
+    return [(mag == 0).sum(), (mag < 8).sum()]
 
 
 class Headroom(NamedTuple):
@@ -89,29 +150,50 @@ class PlaneTelemetry(NamedTuple):
 
 
 def _headroom(amax: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    """float64 (5,): blocks, sum, min, max, zero blocks of one slot's headroom."""
-    e = scale_bytes.reshape(-1).to(torch.float32)
-    ok = (amax > 0) & torch.isfinite(amax) & (scale_bytes.reshape(-1) != _NAN_SCALE)
-    h = (e - E8M0_BIAS + _E4M3_MAX_LOG2) - torch.log2(torch.where(ok, amax, 1.0))
-    h = h.double()
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=h.device)
+    """float64 (planes, 5): blocks, sum, min, max, zero blocks of the headroom of each row of
+    ``amax`` / ``scale_bytes`` (planes, blocks)."""
+    e = scale_bytes.to(torch.float32)
+    ok = (amax > 0) & torch.isfinite(amax) & (scale_bytes != _NAN_SCALE)
+    h = ((e - E8M0_BIAS + _E4M3_MAX_LOG2) - torch.log2(torch.where(ok, amax, 1.0))).double()
     return torch.stack([
-        ok.sum().double(), torch.where(ok, h, 0.0).sum(),
-        torch.where(ok, h, inf).min(), torch.where(ok, h, -inf).max(),
-        (amax == 0).sum().double(),
-    ])
+        ok.sum(1).double(), torch.where(ok, h, 0.0).sum(1),
+        torch.where(ok, h, math.inf).amin(1), torch.where(ok, h, -math.inf).amax(1),
+        (amax == 0).sum(1).double(),
+    ], 1)
 
 
 class NumericsTelemetry:
     """Telemetry of ``model``'s MXFP8 groups (module note). A collective object: every rank
-    makes one and calls ``collect()`` at the same points. ``close()`` detaches it."""
+    makes one and calls ``collect()`` at the same points. ``close()`` detaches it.
+
+    ``observing``: whether a refresh's amax is summarised (headroom). A caller that collects
+    only every N steps sets it False on the other steps' refreshes, which then cost nothing;
+    ``collect()`` reports the headroom of the latest observed refresh since the previous one."""
 
     def __init__(self, model: FSDPModel):
         self.model = model
         self.groups = [g for g in model.param_groups if g.scale_buffers]
-        self._prev = {(g.label, p): b.clone() for g in self.groups
-                      for p, b in g.scale_buffers.items()}
-        self._headroom: dict[str, torch.Tensor] = {}  # label -> (planes, 5), latest refresh
+        self.observing = True
+        self._index = {g.label: _group_index(g) for g in self.groups}
+        self._rows = [(g, p) for g in self.groups for p in g.planes]  # one row per group, plane
+        device = self.groups[0].device if self.groups else torch.device("cpu")
+        # constants of collect(), made once: per row, elements this rank counts, the alignment
+        # padding (zero bytes) in its scale buffer, and its first histogram bin
+        idx = self._index
+        self._local_elements = torch.tensor(
+            [idx[g.label].local_elements for g, _ in self._rows], dtype=torch.int64,
+            device=device)
+        self._scale_padding = torch.tensor(
+            [g.scale_buffers[p].numel() - sum(v.numel() for v in g.scales[p])
+             for g, p in self._rows], dtype=torch.int64, device=device)
+        self._bin_base = torch.cat([
+            torch.full((g.scale_buffers[p].numel(),), r * _BINS, dtype=torch.int64)
+            for r, (g, p) in enumerate(self._rows)]).to(device) if self._rows else None
+        self._bin_edges = torch.arange(len(self._rows) * _BINS + 1, device=device)
+        self._none = torch.zeros((), dtype=torch.int64, device=device)
+        self._no_headroom = torch.full((2, 5), math.nan, dtype=torch.float64, device=device)
+        self._prev = self._scale_bytes() if self._rows else None
+        self._headroom: dict[str, torch.Tensor] = {}  # label -> (2, 5), latest observed refresh
         for g in self.groups:
             g.buffers.amax_observer = functools.partial(self._observe, g)
 
@@ -119,71 +201,77 @@ class NumericsTelemetry:
         for g in self.groups:
             g.buffers.amax_observer = None
 
+    def _scale_bytes(self) -> torch.Tensor:
+        return torch.cat([g.scale_buffers[p] for g, p in self._rows])
+
     def _observe(self, g: ParamGroup, packed: torch.Tensor) -> None:
         """The group's reduced packed amax ``[row_0, col_0, row_1, col_1, ...]`` (each in its
-        scale tensor's row-major order), right after its scales were written."""
-        per_plane = {p: [] for p in (Plane.ROWWISE, Plane.COLWISE)}
-        offset = 0
-        for i, slot in enumerate(g.layout.slots):
-            n = slot.numel // BLOCK_SIZE
-            for k, p in enumerate((Plane.ROWWISE, Plane.COLWISE)):
-                amax = packed[offset + k * n:offset + (k + 1) * n]
-                per_plane[p].append(_headroom(amax, g.scales[p][i]))
-            offset += 2 * n
-        rows = []
-        for p in g.planes:
-            s = torch.stack(per_plane[p])
-            rows.append(torch.stack([s[:, 0].sum(), s[:, 1].sum(), s[:, 2].min(),
-                                     s[:, 3].max(), s[:, 4].sum()]))
-        self._headroom[g.label] = torch.stack(rows)
+        scale tensor's row-major order), right after its scales were written: summarised at
+        once (a few ops over the group's blocks), so nothing keeps the amax alive."""
+        if not self.observing:
+            return
+        idx = self._index[g.label]
+        amax = packed.index_select(0, idx.amax).view(2, -1)
+        scales = torch.cat([g.scale_buffers[p] for p in _PLANES]).index_select(0, idx.scales)
+        self._headroom[g.label] = _headroom(amax, scales.view(2, -1))
 
-    def _element_counts(self, g: ParamGroup, plane: Plane) -> torch.Tensor:
-        zero = sub = torch.zeros((), dtype=torch.int64, device=g.device)
-        n = 0
-        for share in rank_share(g.model[plane], g.layout, g.comm.rank):
-            mag = share.values & 0x7F
-            zero = zero + (mag == 0).sum()
-            sub = sub + ((mag > 0) & (mag < 8)).sum()
-            n += share.values.numel()
-        return torch.stack([zero, sub, torch.tensor(n, device=g.device)])
+    @staticmethod
+    def _plane_rows(g: ParamGroup, h: torch.Tensor) -> torch.Tensor:
+        """The rows of ``h`` (one per plane of the packed amax) of ``g.planes``."""
+        return h if tuple(g.planes) == _PLANES else h[[_PLANES.index(p) for p in g.planes]]
 
-    def _scale_counts(self, g: ParamGroup, plane: Plane) -> torch.Tensor:
-        """int64 (257,): bincount of the scale bytes (padding taken out), changed blocks."""
-        buf = g.scale_buffers[plane]
-        real = sum(v.numel() for v in g.scales[plane])
-        hist = torch.bincount(buf.to(torch.int64), minlength=256)
-        hist[0] -= buf.numel() - real  # the alignment padding between parameters: zero bytes
-        prev = self._prev[g.label, plane]
-        changed = (buf != prev).sum()  # padding never changes
-        prev.copy_(buf)
-        return torch.cat([hist, changed.reshape(1)])
+    def _element_counts(self) -> torch.Tensor:
+        """int64 (rows, 3): this rank's zero, subnormal and element counts per row."""
+        counts = []
+        for g, p in self._rows:
+            idx = self._index[g.label]
+            span = g.model[p][idx.span[0]:idx.span[1]]
+            counts += _low_counts(span)
+            counts += (self._none, self._none) if idx.gaps is None else _low_counts(
+                span.index_select(0, idx.gaps))
+        c = torch.stack(counts).view(-1, 2, 2)
+        c = c[:, 0] - c[:, 1]  # the span less the padding between pieces
+        return torch.stack([c[:, 0], c[:, 1] - c[:, 0], self._local_elements], 1)
+
+    def _scale_counts(self) -> torch.Tensor:
+        """int64 (rows, 257): histogram of the scale bytes (padding taken out), changed
+        blocks; one histogram over every row, (unchanged, changed) halves per row. Counted by
+        sorting the keys and searching the bin edges: exact, no device sync (``bincount``
+        reads its max on the host), deterministic (``histc`` on CUDA is not)."""
+        cur = self._scale_bytes()
+        key = self._bin_base + cur + (cur != self._prev) * 256
+        self._prev = cur
+        ends = torch.searchsorted(key.sort().values, self._bin_edges)
+        hist = ends.diff().view(-1, 2, 256)
+        out = torch.cat([hist.sum(1), hist[:, 1].sum(1, keepdim=True)], 1)
+        out[:, 0] -= self._scale_padding  # the alignment padding: zero bytes, never changed
+        return out
 
     def collect(self) -> dict[str, dict[str, PlaneTelemetry]]:
-        """COLLECTIVE (one all-reduce SUM over the DP group): {group label: {plane: stats}}."""
+        """COLLECTIVE (one all-reduce SUM over the DP group): {group label: {plane: stats}}.
+        One device-to-host copy of everything."""
         if not self.groups:
             return {}
-        elements = torch.stack([self._element_counts(g, p)
-                                for g in self.groups for p in g.planes])
+        elements = self._element_counts()
         self.model.comms["dp"].all_reduce(elements, Collective.ALL_REDUCE_SUM, Phase.STATE,
                                           "telemetry")
-        scales = torch.stack([self._scale_counts(g, p) for g in self.groups for p in g.planes])
-        elements, scales = elements.cpu().tolist(), scales.cpu().tolist()
-        headroom = {k: v.cpu().tolist() for k, v in self._headroom.items()}
+        seen = [g.label in self._headroom for g in self.groups]
+        headroom = torch.cat([self._plane_rows(g, self._headroom.get(g.label, self._no_headroom))
+                              for g in self.groups])
         self._headroom.clear()
+        table = torch.cat([elements.double(), self._scale_counts(), headroom], 1).cpu().tolist()
         out: dict[str, dict[str, PlaneTelemetry]] = {}
-        row = 0
-        for g in self.groups:
-            for k, p in enumerate(g.planes):
-                hist, changed = scales[row][:256], scales[row][256]
-                h = headroom.get(g.label)
+        rows = iter(table)
+        for g, observed in zip(self.groups, seen, strict=True):
+            for p in g.planes:
+                r = next(rows)
+                counts = [int(c) for c in r[:260]]
+                hist, changed, h = counts[3:259], counts[259], r[260:]
                 out.setdefault(g.label, {})[p.value] = PlaneTelemetry(
                     scale_exponents={b - E8M0_BIAS: c for b, c in enumerate(hist[:255]) if c},
                     nan_scales=hist[_NAN_SCALE], blocks=sum(hist), changed_blocks=changed,
-                    zero=elements[row][0], subnormal=elements[row][1],
-                    elements=elements[row][2],
-                    headroom=None if h is None else Headroom(
-                        int(h[k][0]), h[k][1] / h[k][0] if h[k][0] else math.nan,
-                        h[k][2], h[k][3], int(h[k][4])),
+                    zero=counts[0], subnormal=counts[1], elements=counts[2],
+                    headroom=Headroom(int(h[0]), h[1] / h[0] if h[0] else math.nan, h[2], h[3],
+                                      int(h[4])) if observed else None,
                 )
-                row += 1
         return out

@@ -317,6 +317,11 @@ class RunOptions:
         help="MXFP8 numerics per group, plane and step in the --metrics step records: E8M0 "
              "scale-exponent histogram, shares of elements quantized to zero / subnormal, of "
              "scale blocks changed since the last step, amax headroom (docs/training.md)")
+    telemetry_every: int = option(  # apps.training.instruments
+        1, Group.OUTPUTS, parse=positive(int),
+        help="with --telemetry: record it only on the steps whose index is a multiple of N "
+             "(changed blocks then count since the previous recorded step); the other steps "
+             "pay nothing for it")
     digest: bool = option(  # apps.training.instruments, torch_side.step_digest
         False, Group.OUTPUTS,
         help="64-bit hashes per group and step of the main weights, reduced gradients, MXFP8 "
@@ -325,6 +330,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
+        _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
         if isinstance(self.max_consecutive_skips, bool) or not (
             isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
         ):

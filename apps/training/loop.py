@@ -263,7 +263,8 @@ class Trainer:
                                     scheduler=self.parts.schedule)
                 self.start_step, self.position = resumed.step, resumed.position
             self.instruments = StepInstruments(self.parts.fsdp, telemetry=opts.telemetry,
-                                               digest=opts.digest)
+                                               digest=opts.digest,
+                                               telemetry_every=opts.telemetry_every)
             self._open_metrics(self.instruments.start_fields())
         except BaseException:
             self.close()
@@ -290,7 +291,7 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.parts.schedule.lr  # this step's (set in the optimizer since the last step)
         loss, norm = _forward_backward(self.parts, job, self.position)
-        self.instruments.before_update()
+        self.instruments.before_update(self.done)
         outcome, self.skips = _update(self.parts, job, self.opts, loss, norm, self.skips)
         self.position = advance(self.position, world_size=world,
                                 micro_batches=job.micro_batches, batch_size=job.batch_size)

@@ -51,8 +51,8 @@ def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
     # the flags added since (issue 19: --compute; issue 21: the rest)
     assert set(_parser_flags()) - FLAGS_BEFORE == {
-        "--branching", "--compute", "--telemetry", "--digest", "--gather", "--lr-schedule",
-        "--warmup-steps", "--min-lr", "--grad-clip"}
+        "--branching", "--compute", "--telemetry", "--telemetry-every", "--digest", "--gather",
+        "--lr-schedule", "--warmup-steps", "--min-lr", "--grad-clip"}
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
