@@ -173,6 +173,13 @@ class NumericsTelemetry:
     def __init__(self, model: FSDPModel):
         self.model = model
         self.groups = [g for g in model.param_groups if g.scale_buffers]
+        bf16_gathered = [g.label for g in self.groups if g.codec.quantizes_after_gather]
+        if bf16_gathered:
+            raise ValueError(
+                f"NumericsTelemetry: groups {bf16_gathered} gather bf16 weights and quantize "
+                f"them after each gather (GatherMode.BF16), so they hold no MXFP8 shards to "
+                f"count; run the telemetry with MXFP8 gathers (--gather mxfp8)"
+            )
         self.observing = True
         self._index = {g.label: _group_index(g) for g in self.groups}
         self._rows = [(g, p) for g in self.groups for p in g.planes]  # one row per group, plane

@@ -19,6 +19,8 @@ import os
 import time
 from pathlib import Path
 
+from common.model_config import PRESETS
+
 __all__ = ["main", "parse_args"]
 
 _EXCESS = "--xla_allow_excess_precision=false"
@@ -44,7 +46,8 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m apps.parity", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="tiny", choices=["tiny", "small"], help="GPTConfig preset")
+    p.add_argument("--config", default="tiny", choices=list(PRESETS),
+                   help="GPTConfig preset (gpt2-124m and gpt2-350m: slow on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=40, help="tokens per sequence (any, <= max)")

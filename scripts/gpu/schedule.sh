@@ -2,7 +2,7 @@
 # Issue 21 on one H200: GPT-2 124M on the stdlib corpus, 60 steps, with today's defaults (constant
 # lr, no clipping: the loss jumps at step 2) and with warmup + cosine decay + clipping; the
 # telemetry's cost (the same run with --telemetry); metrics JSONL under $OUT for mxfp8-plot.
-#   bash scripts/gpu/schedule.sh
+#   bash scripts/gpu/schedule.sh [constant] [cosine] [cosine_telemetry]
 set -u
 OUT=${OUT:-$PWD/out/schedule}
 mkdir -p "$OUT"
@@ -18,6 +18,12 @@ run() {  # name, extra args...
     > "$OUT/$name.log" 2>&1
   echo "=== $name: rc=$? in $((SECONDS - t0)) s"; tail -3 "$OUT/$name.log"
 }
-run constant
-run cosine "${sched[@]}"
-run cosine_telemetry "${sched[@]}" --telemetry
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(constant cosine cosine_telemetry)
+for part in "${parts[@]}"; do
+  case "$part" in
+    constant) run constant ;;
+    cosine) run cosine "${sched[@]}" ;;
+    cosine_telemetry) run cosine_telemetry "${sched[@]}" --telemetry ;;
+  esac
+done

@@ -23,7 +23,7 @@ for part in "${parts[@]}"; do
     step124)
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 10 --warmup 3 --profile \
-        --runs mxfp8,mxfp8-op,bf16,fsdp2,torchao --out "$OUT/step124.json" \
+        --runs ${RUNS124:-mxfp8,mxfp8-op,bf16,fsdp2,torchao} --out "$OUT/step124.json" \
         > "$OUT/step124.log" 2>&1; tail -12 "$OUT/step124.log" ;;
     step350)
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \

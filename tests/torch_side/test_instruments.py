@@ -60,3 +60,15 @@ def test_a_digest_does_not_depend_on_the_world_size_or_the_strategy():
     assert _sharded_digest(values, 4, replicated=False)[0] != want
     swapped = [values[0], values[2].reshape(96, 64), values[1]]  # position matters (the salt)
     assert full_tensor_digest(swapped, unit) != full_tensor_digest(values[:3], unit)
+
+
+def test_telemetry_refuses_bf16_gathered_groups_by_name(single_rank_world):
+    from tests.torch_side.toy_models import make_net
+    from torch_side import MixedPrecisionPolicy, fully_shard
+    from torch_side.numerics_telemetry import NumericsTelemetry
+
+    net = make_net(0)
+    model = fully_shard(net, unit_modules=(type(net.blocks[0]),),
+                        policy=MixedPrecisionPolicy(gather="bf16"))
+    with pytest.raises(ValueError, match=r"gather bf16 weights.*--gather mxfp8"):
+        NumericsTelemetry(model)
