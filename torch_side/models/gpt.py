@@ -18,6 +18,12 @@ out with the Flax twin's formula: what the parity tests compare), and ``BF16``, 
 computed in fp32 from bf16 inputs). ``LinearImpl.TORCH`` builds plain ``nn.Linear`` layers instead
 of the bridge's (no JAX at all): the model PyTorch-only baselines such as FSDP2 run.
 
+Compute (``common.modes.Compute``): the above is ``Compute.OP``. With ``Compute.UNIT`` each
+``Block`` runs as one JAX program per direction (``bridge.units``) whose math is the Flax twin's
+(``jax_side.models.gpt_math``: LayerNorm, attention -- cuDNN for bf16 on a GPU --, GELU, the
+residuals), and ``model(tokens, targets)`` runs the final norm, LM head and loss as one more;
+the parameters, their names and FSDP's view of them are the same in both.
+
 FSDP: the linear weights are the MXFP8 parameters (2-D, dims multiples of 32); embeddings and
 LayerNorm stay in a high-precision group. ``torch_side`` FSDP supplies the MXFP8 planes to each
 ``MXFP8Linear`` through its ``weight_planes`` argument.
