@@ -187,6 +187,17 @@ class _Call(NamedTuple):
     recompute: bool
 
 
+def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device):
+    """The unit's layout and program spec, made once per (parts, function, device) and cached on
+    the module: the per-call path only looks them up (a unit call is on the host-bound path)."""
+    cache = module.__dict__.setdefault("_unit_specs", {})
+    key = (None if parts is None else tuple(parts), fn, device)
+    if key not in cache:
+        layout = _layout(module, parts)
+        cache[key] = layout, _spec(fn, layout, device, _kernels(layout, module))
+    return cache[key]
+
+
 def _spec(fn, layout: _Layout, device: torch.device, kernels) -> U.UnitSpec:
     return U.UnitSpec(
         fn,
@@ -294,8 +305,7 @@ def run_unit(
     ``parts``) as one JAX program per direction (module docstring). x: the activations
     (contiguous where possible: one Torch-side copy otherwise); aux: further non-differentiable
     tensors (e.g. targets)."""
-    layout = _layout(module, parts)
-    spec = _spec(fn, layout, x.device, _kernels(layout, module))
+    layout, spec = _layout_and_spec(module, fn, parts, x.device)
     if not torch.is_grad_enabled():
         params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False), x, aux)
         return _result(run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec), x.device)

@@ -148,10 +148,6 @@ class PlaneBucket:
             self._scale_share = SharedBuffer(scale_buffer)
         return self._data_share, self._scale_share
 
-    def drop_shares(self) -> None:
-        """The group rewrote its buffers (a refresh): share them afresh on next use."""
-        self._data_share = self._scale_share = None
-
 
 class QuantizedPlanes:
     """``GatherMode.BF16``: the MXFP8 planes a rank quantized from a group's gathered bf16
