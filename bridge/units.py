@@ -54,6 +54,7 @@ from bridge.dlpack import to_jax
 from bridge.dtypes import torch_dtype_for
 from bridge.linear import MXFP8Linear, _result, _share, resolve_for
 from bridge.shared import to_flat_plane, to_flat_tensor
+from common import trace
 from common.formats import Plane
 from common.modes import Compute, LinearMode
 from jax_side import unit_program as U
@@ -65,6 +66,7 @@ __all__ = [
     "register_unit", "registered_fn", "run_unit", "set_compute", "unit_modules"]
 
 _REGISTRY: dict[type, Callable[[nn.Module], Callable]] = {}
+TRACK = "jax: unit programs (dispatch)"  # trace track: host time to hand a program to JAX
 
 
 def register_unit(module_type: type, fn_for: Callable[[nn.Module], Callable]) -> None:
@@ -243,11 +245,16 @@ class _UnitFn(torch.autograd.Function):
         ctx.x_dtype, ctx.x_shape = x.dtype, tuple(x.shape)
         if call.recompute:
             ctx.save_for_backward(x, *aux)
-            out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
+            with trace.span(TRACK, "unit_apply"):
+                out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
         else:
-            out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=call.spec)
-            # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here
-            ctx.kept = ctx.saved.forwarded.kept(params, rows, xj, auxj)
+            with trace.span(TRACK, "unit_forward"):
+                out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj,
+                                                spec=call.spec)
+            # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here;
+            # parameters are read again at backward (FSDP gathers them for it), so the forward's
+            # gathered buckets go back to FSDP's pool at reshard instead of living till then
+            ctx.kept = ctx.saved.forwarded.kept_without_params(params, rows, xj, auxj)
             ctx.save_for_backward(x.new_empty(0))  # a freed graph raises Torch's own error
         return _result(out, x.device)
 
@@ -259,12 +266,18 @@ class _UnitFn(torch.autograd.Function):
         if call.recompute:
             x, *aux = ctx.saved_tensors
             params, rows, xj, auxj = _jax_inputs(call, x, aux)
-            packed = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj, dj,
-                            cols, spec=call.spec)
+            with trace.span(TRACK, "unit_recompute_backward"):
+                packed = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj,
+                                dj, cols, spec=call.spec)
         else:
             ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed
-            packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, ctx.kept, dj, cols,
-                            spec=call.spec)
+            kept = ctx.kept
+            if any(k is None for k in kept):
+                params = tuple(_param_input(p) for p in call.layout.params)
+                kept = ctx.saved.forwarded.with_params(kept, params)
+            with trace.span(TRACK, "unit_backward"):
+                packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols,
+                                spec=call.spec)
         grads = _unpack(_result(packed, dout.device), ctx)
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
 

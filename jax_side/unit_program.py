@@ -257,6 +257,20 @@ class Forwarded:
         flat = jax.tree.leaves((params, rows, x, aux))
         return tuple(flat[i] for _, i in self.positions)
 
+    def kept_without_params(self, params, rows, x, aux) -> tuple:
+        """``kept``, with None where a leaf comes from ``params``: a caller that can give the
+        same parameter values again at backward (FSDP gathers them again) does not hold the
+        forward's parameter buffers until then; ``with_params`` fills them in."""
+        n = len(jax.tree.leaves(params))
+        flat = jax.tree.leaves((params, rows, x, aux))
+        return tuple(None if i < n else flat[i] for _, i in self.positions)
+
+    def with_params(self, kept: tuple, params) -> tuple:
+        """``kept_without_params``'s result completed from ``params`` (the same values)."""
+        flat = jax.tree.leaves(params)
+        return tuple(flat[i] if k is None else k
+                     for (_, i), k in zip(self.positions, kept, strict=True))
+
     def __repr__(self) -> str:
         return f"Forwarded({self.positions})"
 

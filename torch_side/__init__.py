@@ -2,7 +2,8 @@
 
 Public API (user guide: docs/fsdp.md):
 - ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
-  init_sync=...)`` -> ``FSDPModel`` (``InitSync``);
+  init_sync=..., overlap=...)`` -> ``FSDPModel`` (``InitSync``, ``Overlap``: prefetch depth
+  and asynchronous gradient reductions);
   ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
   (global norm over every shard); ``LRScheduler(opt, ScheduleConfig(lr, LRSchedule.COSINE, ...))``
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,
@@ -38,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "FSDPModel": "torch_side.fsdp_model",
     "fully_shard": "torch_side.fsdp_model",
     "InitSync": "torch_side.init_sync",
+    "Overlap": "torch_side.overlap",
     "FSDPOptimizer": "torch_side.optimizer",
     "clip_grad_norm_": "torch_side.optimizer",
     "LRSchedule": "torch_side.lr_schedule",

@@ -1,49 +1,163 @@
-"""Allocator for the temporary unsharded buckets (all-gathered weights, gradient staging).
+"""Allocator for the temporary unsharded buckets (all-gathered weights, gradient staging): a pool.
 
-A bucket is keyed by (owner label, purpose). ``free`` drops the allocator's reference only; the
-storage itself is released by Torch when the last user lets go. That is what keeps a bucket alive
-while JAX still reads it through the bridge: a DLPack export holds a reference to the Torch
-storage until JAX drops its array, and on CUDA the bridge orders Torch's stream after JAX's reads
-(DESIGN.md 6), so freeing here can never hand memory that JAX is reading to a new bucket.
-``live_bytes`` / ``peak_bytes`` count what the allocator has handed out and not yet freed.
+A bucket is keyed by (owner label, purpose) while it is live. ``free`` returns its tensor to the
+pool, and a later ``allocate`` of the same size, dtype and device (the next unit's bucket: the
+blocks of a model have equal layouts) takes it back instead of asking Torch for new memory.
+``zero=False`` skips the zero-fill for a bucket that is written whole (an all-gather output);
+a bucket that is accumulated into (the grad bucket) asks for ``zero=True``.
+
+When a pooled tensor may be reused -- never while anyone may still read it:
+
+- **References.** A freed bucket is reused only when the pool holds the last reference to its
+  memory (``_sole_owner``): a JAX array imported through DLPack holds one (the bridge's export
+  keeps the Torch tensor alive until JAX drops the array), and so does every Torch view (a
+  tensor Torch's autograd saved, a parameter that still points into the bucket). A bucket
+  with such a holder is left alone (counted in ``held_bytes``) and a new one is made; it is
+  reused once the holder lets go.
+- **Streams (CUDA).** ``free`` records an event on the current stream, which at that point is
+  ordered after every reader's work: JAX's programs that read the bucket produced results Torch
+  imported before the reshard (``to_torch`` waits for the program), and Torch's own kernels are on
+  that stream. The next user of the tensor (``allocate`` returns it with ``ready``, the event)
+  makes its stream wait for that event before writing -- the communication stream for a gather.
+
+Accounting (bytes): ``live_bytes`` handed out and not freed, ``peak_bytes`` its maximum;
+``reserved_bytes`` everything the pool holds (live + idle + held), ``peak_reserved_bytes`` its
+maximum -- the bucket memory a step really needs. ``trim()`` releases idle tensors to Torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import torch
+
+from common import trace
 
 __all__ = ["BucketAllocator"]
 
 
+@dataclasses.dataclass
+class _Pooled:
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None  # recorded at free (CUDA): writers wait for it
+
+
+def _sole_owner(pooled: _Pooled) -> bool:
+    """Whether the pool holds the only reference to a pooled tensor's memory: no other Python
+    reference to the tensor, no other holder of its TensorImpl (a DLPack export: JAX's view),
+    no other tensor on its storage (a Torch view, e.g. one autograd saved)."""
+    t = pooled.tensor
+    return (
+        sys.getrefcount(pooled.tensor) <= 3  # pooled.tensor, t, the argument
+        and t._use_count() == 1
+        and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2  # t, the temporary
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class BucketAllocator:
     def __init__(self) -> None:
-        self._live: dict[tuple[str, str], torch.Tensor] = {}
+        self._live: dict[tuple[str, str], _Pooled] = {}
+        self._idle: list[_Pooled] = []  # freed, possibly still referenced elsewhere
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.reserved_bytes = 0
+        self.peak_reserved_bytes = 0
+        self.reused = 0  # allocations served from the pool
+        self.made = 0  # allocations that asked Torch for new memory
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Pooled | None:
+        for i, p in enumerate(self._idle):  # (no local name for p.tensor: _sole_owner counts)
+            if (p.tensor.numel(), p.tensor.dtype, p.tensor.device) == (numel, dtype, device) and (
+                _sole_owner(p)
+            ):
+                return self._idle.pop(i)
+        return None
 
     def allocate(
-        self, owner: str, purpose: str, numel: int, dtype: torch.dtype, device: torch.device
+        self,
+        owner: str,
+        purpose: str,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        zero: bool = True,
     ) -> torch.Tensor:
-        """A zero-filled 1-D bucket; error if (owner, purpose) is already live (a leak)."""
+        """A 1-D bucket (zero-filled when ``zero``); error if (owner, purpose) is already live
+        (a leak). On CUDA, write it only after ``ready_event(owner, purpose)`` (module note)."""
         key = (owner, purpose)
         if key in self._live:
             raise RuntimeError(
                 f"BucketAllocator: bucket {key} is still live; free it (reshard) before "
                 f"allocating it again"
             )
-        t = torch.zeros(numel, dtype=dtype, device=device)
-        self._live[key] = t
-        self.live_bytes += t.numel() * t.element_size()
+        pooled = self._take(numel, dtype, device)
+        if pooled is None:
+            pooled = _Pooled(torch.empty(numel, dtype=dtype, device=device), None)
+            self.made += 1
+            self.reserved_bytes += _nbytes(pooled.tensor)
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        else:
+            self.reused += 1
+            if pooled.ready is not None:  # later kernels on this stream run after the readers
+                torch.cuda.current_stream(device).wait_event(pooled.ready)
+                pooled.ready = None
+        if zero:
+            pooled.tensor.zero_()
+        self._live[key] = pooled
+        self.live_bytes += _nbytes(pooled.tensor)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return t
+        trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+        return pooled.tensor
 
     def get(self, owner: str, purpose: str) -> torch.Tensor | None:
-        return self._live.get((owner, purpose))
+        p = self._live.get((owner, purpose))
+        return None if p is None else p.tensor
+
+    def rename(self, owner: str, purpose: str, new_purpose: str) -> None:
+        """Keep a live bucket under a new key (a grad bucket whose reduction is in flight)."""
+        key, new = (owner, purpose), (owner, new_purpose)
+        if key not in self._live or new in self._live:
+            raise RuntimeError(f"BucketAllocator: cannot rename {key} to {new}: "
+                               f"{'not live' if key not in self._live else 'target live'}")
+        self._live[new] = self._live.pop(key)
 
     def free(self, owner: str, purpose: str) -> None:
-        t = self._live.pop((owner, purpose), None)
-        if t is not None:
-            self.live_bytes -= t.numel() * t.element_size()
+        """Return the bucket to the pool (a no-op if it is not live)."""
+        p = self._live.pop((owner, purpose), None)
+        if p is None:
+            return
+        self.live_bytes -= _nbytes(p.tensor)
+        if p.tensor.is_cuda:
+            p.ready = torch.cuda.Event()
+            p.ready.record(torch.cuda.current_stream(p.tensor.device))
+        self._idle.append(p)
+        trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Freed buckets that something outside the pool still references (not reusable yet)."""
+        return sum(_nbytes(p.tensor) for p in self._idle if not _sole_owner(p))
+
+    def trim(self) -> int:
+        """Release the idle tensors nobody else references back to Torch; returns the bytes."""
+        keep, released = [], 0
+        for p in self._idle:
+            if not _sole_owner(p):
+                keep.append(p)
+            else:
+                released += _nbytes(p.tensor)
+        self._idle = keep
+        self.reserved_bytes -= released
+        return released
+
+    def reset_peaks(self) -> None:
+        """Start measuring peaks afresh (from what is held now)."""
+        self.peak_bytes, self.peak_reserved_bytes = self.live_bytes, self.reserved_bytes
 
     def live_keys(self) -> list[tuple[str, str]]:
         return sorted(self._live)

@@ -12,6 +12,23 @@ With ``check=True`` every collective is preceded by the collective-consistency c
 about to run and raise ``CollectiveMismatchError``, naming each rank's unit, when they disagree.
 Without it, a failing collective (a timeout, a closed connection) gets a note pointing at the
 switch.
+
+Asynchronous collectives (``async_op=True``) return a :class:`Handle`; ``wait()`` it before
+reading the output, and keep the input unchanged until then. Where they run:
+
+- **CUDA**: on a communication stream of the communicator's own, one per kind (all-gathers and
+  reduce-scatters / all-reduces on separate streams, as FSDP2 does, so a gradient reduction never
+  queues behind the next unit's gather). The stream first waits for the current stream (the
+  input and the output bucket are ready: the shard was written, the pooled bucket's previous
+  readers are done), the collective is issued on it, and an event is recorded after it;
+  ``wait()`` makes the *current* stream wait for that event (the host does not block), so every
+  later kernel -- Torch's, and JAX's, which the bridge orders after Torch's current stream at
+  each import (DESIGN.md 6) -- sees the result.
+- **CPU (gloo)**: on gloo's own thread; ``wait()`` blocks the host until it completes.
+
+A synchronous collective runs on the current stream, as before. With a ``common.trace`` recorder
+active, each collective is recorded from issue to completion on the track of its stream (GPU
+times through CUDA events; on the CPU, gloo's completion callback).
 """
 
 from __future__ import annotations
@@ -23,6 +40,7 @@ import enum
 import torch
 import torch.distributed as dist
 
+from common import trace
 from torch_side.collective_check import (
     CHECK_ENV,
     DESCRIPTOR_INTS,
@@ -31,7 +49,7 @@ from torch_side.collective_check import (
     mismatch_message,
 )
 
-__all__ = ["Collective", "Communicator", "Phase", "WireRecord"]
+__all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -79,18 +97,37 @@ _VERB = {
 _ORDINALS: dict[object, int] = {}
 
 
-class _NotedWork:
-    """An async work handle whose ``wait()`` failure carries the communicator's note."""
+_STREAM_OF = {  # which communication stream (and trace track) each collective runs on
+    Collective.ALL_GATHER: "all-gather",
+    Collective.REDUCE_SCATTER: "reduce",
+    Collective.ALL_REDUCE_SUM: "reduce",
+    Collective.ALL_REDUCE_MAX: "reduce",
+}
 
-    def __init__(self, work, comm: Communicator, op: Collective, phase: Phase, label: str):
-        self._work, self._comm, self._what = work, comm, (op, phase, label)
 
-    def wait(self):
-        try:
-            return self._work.wait()
-        except RuntimeError as e:
-            e.add_note(self._comm._failure_note(*self._what, checking=False))
-            raise
+class Handle:
+    """An issued asynchronous collective (module note). ``wait()`` is idempotent; a failure of
+    the collective surfaces there with the communicator's note."""
+
+    def __init__(self, comm: Communicator, what: tuple, work=None, event=None):
+        self._comm, self._what, self._work, self._event = comm, what, work, event
+        self.done = False
+        self.on_wait = None  # called once the wait returns (the trace's end of the interval)
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._event is not None:  # CUDA: the current stream waits, the host does not
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                e.add_note(self._comm._failure_note(*self._what, checking=False))
+                raise
+        if self.on_wait is not None:
+            self.on_wait()
 
 
 class Communicator:
@@ -111,6 +148,8 @@ class Communicator:
         self.ordinal = _ORDINALS.get(group, 0)
         _ORDINALS[group] = self.ordinal + 1
         self.seq = 0  # collectives issued so far (the check compares it across ranks)
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+        self._anchor = None  # (recorder, CUDA event, host us): GPU times on the trace clock
 
     def _agree(self, device: torch.device) -> None:
         """Once, before the first collective: the switch is on if any rank asked for it."""
@@ -168,6 +207,74 @@ class Communicator:
             e.add_note(self._failure_note(op, phase, label, checking))
             raise
 
+    def stream(self, kind: str, device: torch.device) -> torch.cuda.Stream:
+        """The communication stream of ``kind`` ("all-gather" or "reduce") on ``device``."""
+        s = self._streams.get((kind, device))
+        if s is None:
+            s = self._streams[(kind, device)] = torch.cuda.Stream(device)
+        return s
+
+    def _issue(self, op, phase, label, t: torch.Tensor, call, async_op: bool):
+        """Run call(async_op) on the right stream (module note); a Handle when async_op."""
+        kind = _STREAM_OF[op]
+        what = (op, phase, label)
+        rec = trace.active()
+        args = {"phase": phase.value, "bytes": t.numel() * t.element_size()}
+        if not async_op or self.world_size == 1:
+            with trace.span(f"comm: {kind} (sync)", f"{_VERB[op]} {label}", **args):
+                self._run(op, phase, label, lambda: call(False))
+            return Handle(self, what) if async_op else None
+        if not t.is_cuda:  # gloo: its own thread; the host blocks at wait()
+            pending = None if rec is None else trace.begin(f"comm: {kind} (gloo)",
+                                                           f"{_VERB[op]} {label}", **args)
+            work = self._run(op, phase, label, lambda: call(True))
+            handle = Handle(self, what, work=work)
+            if pending is not None:
+                try:  # completion time from gloo's callback where its work has a future
+                    work.get_future().add_done_callback(lambda _f: pending.end())
+                except RuntimeError:  # (gloo's reduce-scatter has none): seen at wait()
+                    handle.on_wait = lambda: pending.end(completion="observed at wait()")
+            return handle
+        current = torch.cuda.current_stream(t.device)
+        stream = self.stream(kind, t.device)
+        stream.wait_stream(current)
+        timing = self._cuda_timing(rec, stream, f"comm: {kind} stream", f"{_VERB[op]} {label}",
+                                   args)
+        with torch.cuda.stream(stream):
+            self._run(op, phase, label, lambda: call(False))
+        event = torch.cuda.Event()
+        event.record(stream)
+        if timing is not None:
+            timing()
+        return Handle(self, what, event=event)
+
+    def _cuda_timing(self, rec, stream, track: str, name: str, args: dict):
+        """With a recorder: a start event on ``stream`` now, and a function of the end event
+        that records the interval on the trace clock when the trace is read (CUDA events)."""
+        if rec is None:
+            return None
+        if self._anchor is None or self._anchor[0] is not rec:
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record(torch.cuda.current_stream(stream.device))
+            self._anchor = (rec, anchor, rec.now_us())
+        _, anchor, anchor_us = self._anchor
+        args = {**args, "issued_us": rec.now_us()}  # the host's issue time (ts: the GPU's)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+
+        def finish():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+
+            def resolve():
+                end.synchronize()
+                rec.complete(track, name, anchor_us + 1000 * anchor.elapsed_time(start),
+                             anchor_us + 1000 * anchor.elapsed_time(end), args)
+
+            rec.defer(resolve)
+
+        return finish
+
     def all_gather(
         self,
         out: torch.Tensor,
@@ -175,39 +282,55 @@ class Communicator:
         phase: Phase,
         label: str,
         async_op: bool = False,
-    ):
+    ) -> Handle | None:
         """out (world * n,) <- concatenation of every rank's shard (n,).
 
-        Returns the async work handle when async_op (``.wait()`` before reading out), else None.
+        Returns a ``Handle`` when async_op (``.wait()`` before reading out), else None.
         """
         assert out.numel() == shard.numel() * self.world_size, (out.shape, shard.shape)
         op = Collective.ALL_GATHER
         self._before(op, phase, label, out)
         self._log(op, phase, label, out, shard.numel() * shard.element_size())
-        if self.world_size == 1:
-            out.copy_(shard)
-            return None
-        work = self._run(
-            op, phase, label,
-            lambda: _all_gather(out, shard, group=self.group, async_op=async_op),
-        )
-        return None if work is None else _NotedWork(work, self, op, phase, label)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, phase: Phase, label: str):
+        def call(async_):
+            if self.world_size == 1:
+                return out.copy_(shard)
+            return _all_gather(out, shard, group=self.group, async_op=async_)
+
+        return self._issue(op, phase, label, out, call, async_op)
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        phase: Phase,
+        label: str,
+        async_op: bool = False,
+    ) -> Handle | None:
         """out (n,) <- sum over ranks of this rank's slice of full (world * n,)."""
         assert full.numel() == out.numel() * self.world_size, (out.shape, full.shape)
         op = Collective.REDUCE_SCATTER
         self._before(op, phase, label, full)
         self._log(op, phase, label, full, full.numel() * full.element_size())
-        if self.world_size == 1:
-            out.copy_(full)
-        else:
-            self._run(op, phase, label, lambda: _reduce_scatter(out, full, group=self.group))
 
-    def all_reduce(self, t: torch.Tensor, op: Collective, phase: Phase, label: str) -> None:
+        def call(async_):
+            if self.world_size == 1:
+                return out.copy_(full)
+            return _reduce_scatter(out, full, group=self.group, async_op=async_)
+
+        return self._issue(op, phase, label, full, call, async_op)
+
+    def all_reduce(
+        self, t: torch.Tensor, op: Collective, phase: Phase, label: str, async_op: bool = False
+    ) -> Handle | None:
         """In place; op is ALL_REDUCE_SUM or ALL_REDUCE_MAX."""
         self._before(op, phase, label, t)
         self._log(op, phase, label, t, t.numel() * t.element_size())
-        if self.world_size > 1:
-            red = dist.ReduceOp.SUM if op is Collective.ALL_REDUCE_SUM else dist.ReduceOp.MAX
-            self._run(op, phase, label, lambda: dist.all_reduce(t, op=red, group=self.group))
+        red = dist.ReduceOp.SUM if op is Collective.ALL_REDUCE_SUM else dist.ReduceOp.MAX
+
+        def call(async_):
+            if self.world_size == 1:
+                return None
+            return dist.all_reduce(t, op=red, group=self.group, async_op=async_)
+
+        return self._issue(op, phase, label, t, call, async_op)

@@ -28,3 +28,13 @@ class ExecutionOrder:
             return None
         i = self._order.index(unit) + step
         return self._order[i] if 0 <= i < len(self._order) else None
+
+    def ahead(self, unit, depth: int, direction: int) -> list:
+        """The next ``depth`` units after ``unit`` in forward order (direction +1) or before
+        it (-1: backward order), nearest first; empty until the order is frozen."""
+        if not self.frozen or unit not in self._order or depth <= 0:
+            return []
+        i = self._order.index(unit)
+        if direction > 0:
+            return self._order[i + 1 : i + 1 + depth]
+        return self._order[max(i - depth, 0) : i][::-1]

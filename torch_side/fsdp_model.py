@@ -45,6 +45,7 @@ from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
 from torch_side.init_sync import InitSync, initial_values
+from torch_side.overlap import Overlap
 from torch_side.param_group import ParamGroup
 from torch_side.param_guard import mark
 from torch_side.policy import MixedPrecisionPolicy
@@ -86,6 +87,7 @@ class FSDPModel(nn.Module):
         kernels: KernelConfig | None,
         init_sync: InitSync,
         check_collectives: bool | None = None,
+        overlap: Overlap | None = None,
     ):
         super().__init__()
         _check_group(group, "data-parallel")
@@ -105,7 +107,12 @@ class FSDPModel(nn.Module):
         self.comms = {"dp": Communicator(group, "dp", check)}
         if expert_modules:
             self.comms["expert_dp"] = Communicator(expert_group, "expert_dp", check)
-        self.state = FSDPState()
+        if overlap is not None and not isinstance(overlap, Overlap):
+            raise TypeError(
+                f"fully_shard: overlap must be a torch_side.Overlap (or None for the default), "
+                f"got {overlap!r}"
+            )
+        self.state = FSDPState(overlap)
         cfg = UnitConfig(
             policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels
         )
@@ -258,6 +265,7 @@ def fully_shard(
     kernels: KernelConfig | None = None,
     init_sync: InitSync | str = InitSync.BROADCAST,
     check_collectives: bool | None = None,
+    overlap: Overlap | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
 
@@ -273,7 +281,9 @@ def fully_shard(
     model's ``MXFP8Linear`` layers were built with. check_collectives: before each FSDP
     collective, check that every rank is about to run the same one, and raise naming each rank's
     unit if not (a debug switch with a cost per collective; None: the environment variable
-    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``).
+    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``). overlap: how far
+    all-gathers run ahead of the compute and whether gradient reductions are asynchronous
+    (``torch_side.Overlap``; None: one unit ahead, asynchronous reductions).
     """
     return FSDPModel(
         module,
@@ -287,4 +297,5 @@ def fully_shard(
         kernels,
         init_sync,
         check_collectives,
+        overlap,
     )

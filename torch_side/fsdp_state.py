@@ -39,12 +39,17 @@ Forwards are tracked per unit (``fsdp_unit.TrainingState``): the root is IDLE du
 - ``weights_version``: counts model-weight refreshes (optimizer steps, state loads). A forward
   passes the version it read to its backward hook, which refuses to run on different weights.
 - prefetch (``prefetch_after`` / ``prefetch_before``): with the order recorded in the first
-  iteration (``ExecutionOrder``), start the next unit's forward planes, or the previous unit's
-  backward planes, as asynchronous all-gathers.
+  iteration (``ExecutionOrder``), start the forward planes of the next ``overlap.prefetch``
+  units, or the backward planes of the ``overlap.prefetch`` units backward reaches next, as
+  asynchronous all-gathers (``torch_side.overlap``).
+- reductions in flight (``track_reduction``): asynchronous gradient reductions, oldest first;
+  beyond ``overlap.reductions_in_flight`` the oldest is settled. ``settle_reductions`` settles
+  all of them (before the weights change, and at every reset).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import warnings
 
@@ -53,6 +58,7 @@ import torch.distributed as dist
 
 from torch_side.collectives import Phase
 from torch_side.execution_order import ExecutionOrder
+from torch_side.overlap import Overlap
 
 __all__ = ["FSDPState", "RootState"]
 
@@ -75,7 +81,9 @@ class RootState(enum.Enum):
 
 
 class FSDPState:
-    def __init__(self) -> None:
+    def __init__(self, overlap: Overlap | None = None) -> None:
+        self.overlap = Overlap() if overlap is None else overlap
+        self._reductions: collections.deque = collections.deque()  # GradReducers in flight
         self.units: list = []
         self.order = ExecutionOrder()
         self.state = RootState.IDLE
@@ -152,6 +160,7 @@ class FSDPState:
         refresh, a state load) while an iteration is unfinished: a gathered plane would keep the
         old values, and the refresh would stop half-way at it."""
         self.recover(where, quiet=True)
+        self.settle_reductions()
         live = [f"{g.label}/{b}" for u in self.units for g in u.groups for b in g.live_buckets()]
         if not live and not self.backward_active:
             return
@@ -167,6 +176,7 @@ class FSDPState:
         )
 
     def _abort_units(self) -> None:
+        self.settle_reductions()
         for unit in reversed(self.units):
             unit.abort()
 
@@ -191,19 +201,32 @@ class FSDPState:
         """The model weights were refreshed (a step or a state load): a new version."""
         self.weights_version += 1
 
-    # ---- prefetch ----------------------------------------------------------------------------
+    # ---- prefetch and reductions in flight ---------------------------------------------------
     def prefetch_after(self, unit) -> None:
-        """Forward prefetch: start the next unit's forward-plane all-gathers now (async); the
-        next unit's pre-forward waits for them."""
-        nxt = self.order.neighbour(unit, +1)
-        if nxt is not None:
+        """Forward prefetch: start the forward-plane all-gathers of the next
+        ``overlap.prefetch`` units now (async); each unit's pre-forward waits for its own."""
+        for nxt in self.order.ahead(unit, self.overlap.prefetch, +1):
             for g in nxt.groups:
                 g.unshard([g.forward_plane], Phase.FORWARD, async_op=True)
 
     def prefetch_before(self, unit) -> None:
-        """Backward prefetch: start the backward planes of the unit that ran before ``unit`` in
-        forward (the next one backward reaches); its pre-backward waits for them."""
-        prev = self.order.neighbour(unit, -1)
-        if prev is not None:
+        """Backward prefetch: start the backward planes of the ``overlap.prefetch`` units that
+        ran before ``unit`` in forward (the next ones backward reaches); their pre-backward
+        waits for them."""
+        for prev in self.order.ahead(unit, self.overlap.prefetch, -1):
             for g in prev.groups:
                 g.unshard([g.backward_plane], Phase.BACKWARD, async_op=True)
+
+    def track_reduction(self, reducer) -> None:
+        """A gradient reduction was issued asynchronously: keep at most
+        ``overlap.reductions_in_flight`` in flight (the oldest is settled first)."""
+        if reducer in self._reductions:  # settled by its own next reduce: now the newest
+            self._reductions.remove(reducer)
+        self._reductions.append(reducer)
+        while len(self._reductions) > self.overlap.reductions_in_flight:
+            self._reductions.popleft().settle()
+
+    def settle_reductions(self) -> None:
+        """Settle every reduction in flight, oldest first."""
+        while self._reductions:
+            self._reductions.popleft().settle()

@@ -50,12 +50,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bridge.shared import SharedTensor
+from common import trace
 from common.formats import Plane
 from torch_side.collectives import Phase
 from torch_side.fsdp_state import FSDPState
 from torch_side.param_group import ParamGroup
 
 __all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "ParamShare", "TrainingState", "check_finite"]
+
+TRACK = "compute: units"  # trace track of each unit's forward / backward (host view)
 
 
 class GradCheck(enum.Enum):
@@ -161,6 +164,7 @@ class FSDPUnit:
         self.grad_check = grad_check
         self.state = TrainingState.IDLE
         self._pending = 0
+        self._span = None  # the trace interval of this unit's forward or backward
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
         # Gradients of expert parameters may not arrive on every rank: reduce when backward
         # leaves the unit (or at the end), never when the count of gradients completes.
@@ -186,6 +190,7 @@ class FSDPUnit:
             return None
         self.state = TrainingState.FORWARD
         self.fsdp.order.record(self)
+        self._span = trace.begin(TRACK, f"forward {self.name}")
         for g in self.groups:
             g.unshard([g.forward_plane], Phase.FORWARD)
         self.fsdp.prefetch_after(self)
@@ -206,6 +211,7 @@ class FSDPUnit:
     def _post_forward(self, module, args, output):
         if self.fsdp.backward_active:
             return None
+        self._end_span()
         for g in self.groups:
             g.reshard()
         tensors = [
@@ -215,6 +221,11 @@ class FSDPUnit:
             hook = functools.partial(self._pre_backward, self.fsdp.weights_version)
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return None
+
+    def _end_span(self) -> None:
+        span, self._span = self._span, None
+        if span is not None:
+            span.end()
 
     # ---- backward ---------------------------------------------------------------------------
     def _check_weights_version(self, version: int) -> None:
@@ -235,6 +246,7 @@ class FSDPUnit:
             return
         self.state = TrainingState.BACKWARD
         self._pending = self._grad_params
+        self._span = trace.begin(TRACK, f"backward {self.name}")
         for g in self.groups:
             g.unshard([g.backward_plane], Phase.BACKWARD)
         self.fsdp.prefetch_before(self)
@@ -256,10 +268,15 @@ class FSDPUnit:
         return hook
 
     def post_backward(self) -> None:
-        """Reduce this micro-batch's gradients into the main grads and reshard."""
+        """Reduce this micro-batch's gradients into the main grads (asynchronously under
+        ``Overlap.async_reduce``: settled where they are read) and reshard."""
+        self._end_span()
+        async_op = self.fsdp.overlap.async_reduce
         for g in self.groups:
             if g.grads is not None:
-                g.grads.reduce()
+                g.grads.reduce(async_op)
+                if g.grads.in_flight:
+                    self.fsdp.track_reduction(g.grads)
             g.reshard()
         self.state = TrainingState.REDUCED
 

@@ -12,6 +12,14 @@ Tensors owned:
 the strategy shards gradients (ZeRO-2/3), else an all-reduce of the full buffer. Parameters that
 got no gradient this micro-batch leave zeros in the bucket, so every rank joins the collective.
 
+**Asynchronous reduction** (``reduce(async_op=True)``, FSDP's default): the collective is issued
+and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
+for it and adds the result into ``main_grad``. ``settle`` runs where the result is read: the
+next ``reduce`` of this group (a later micro-batch), every read of ``ParamGroup.main_grad`` (the
+optimizer, clipping, state dicts, ``zero_grad``), an abort; and ``FSDPState`` settles the oldest
+reduction when more than ``Overlap.reductions_in_flight`` are in flight, which bounds the
+gradient buckets alive at once. Until then the bucket is not written (``stage`` makes a new one).
+
 Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
 included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
 gradient of the mean loss over all DP ranks is sum(local grads) / DP (Megatron's expert gradient
@@ -29,6 +37,7 @@ from torch_side.flat_layout import FlatLayout
 __all__ = ["GradReducer"]
 
 GRAD_PURPOSE = "grad"  # the allocator key's purpose of a group's grad bucket
+REDUCING_PURPOSE = "grad_reducing"  # ... and of the bucket of a reduction in flight
 
 
 class GradReducer:
@@ -48,6 +57,12 @@ class GradReducer:
             comm_dtype, grads_sharded, grad_divisor
         )
         self.comm, self.allocator = comm, allocator
+        self._inflight = None  # (Handle, reduced output) of the reduction in flight
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous reduction is issued and not settled yet."""
+        return self._inflight is not None
 
     @property
     def staged(self) -> bool:
@@ -60,7 +75,7 @@ class GradReducer:
         if bucket is None:
             bucket = self.allocator.allocate(
                 self.label, GRAD_PURPOSE, self.layout.padded_numel, self.comm_dtype,
-                self.main_grad.device,
+                self.main_grad.device, zero=True,  # accumulated into; absent grads stay zero
             )
         return bucket
 
@@ -70,22 +85,41 @@ class GradReducer:
         s = self.layout.slots[index]
         bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
 
-    def reduce(self) -> None:
+    def reduce(self, async_op: bool = False) -> None:
         """Average the staged gradients over the DP group into ``main_grad`` (accumulating)
-        and free the bucket (module note)."""
+        and free the bucket (module note); with ``async_op`` the add happens at ``settle``."""
+        self.settle()  # an earlier micro-batch's reduction adds into main_grad first
         bucket = self._bucket()
         bucket.div_(self.grad_divisor)
+        label = f"{self.label}/grad"
         if self.grads_sharded:
             out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
-            self.comm.reduce_scatter(out, bucket, Phase.GRAD_REDUCE, f"{self.label}/grad")
+            handle = self.comm.reduce_scatter(out, bucket, Phase.GRAD_REDUCE, label, async_op)
         else:
-            self.comm.all_reduce(
-                bucket, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE, f"{self.label}/grad"
+            handle = self.comm.all_reduce(
+                bucket, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE, label, async_op
             )
             out = bucket
+        if handle is None:
+            self._finish(out, GRAD_PURPOSE)
+            return
+        self.allocator.rename(self.label, GRAD_PURPOSE, REDUCING_PURPOSE)
+        self._inflight = (handle, out)
+
+    def _finish(self, out: torch.Tensor, purpose: str) -> None:
         self.main_grad.add_(out.to(self.main_grad.dtype))
-        self.allocator.free(self.label, GRAD_PURPOSE)
+        self.allocator.free(self.label, purpose)
+
+    def settle(self) -> None:
+        """Wait for the reduction in flight (if any) and add its result into ``main_grad``."""
+        if self._inflight is None:
+            return
+        (handle, out), self._inflight = self._inflight, None
+        handle.wait()
+        self._finish(out, REDUCING_PURPOSE)
 
     def drop(self) -> None:
-        """Free the grad bucket without reducing it (an aborted backward)."""
+        """Free the grad bucket without reducing it (an aborted backward); a reduction already
+        issued is settled (every rank issued it)."""
+        self.settle()
         self.allocator.free(self.label, GRAD_PURPOSE)

@@ -14,8 +14,9 @@ requires_grad, DP group), laid out by one ``FlatLayout``. Its parts, one noun pe
 ``ParamGroup`` owns no tensor itself: it wires those parts together, keeps the module
 parameters' working storage in step with the planes (views of the full buffer, empty while
 sharded, or storage-free placeholders: the codec's ``ParamStorage``), and gives the rest of
-FSDP one object per group. ``main``, ``model``, ``main_grad``, ``scales``, ``scale_buffers`` and
-``scale_offsets`` are the ``GroupBuffers`` tensors themselves (never rebound).
+FSDP one object per group. ``main``, ``model``, ``scales``, ``scale_buffers`` and
+``scale_offsets`` are the ``GroupBuffers`` tensors themselves (never rebound); ``main_grad`` is
+too, read through a property that first settles a gradient reduction still in flight.
 
 Under ``GatherMode.BF16`` (``BF16GatherCodec``) the group stores and gathers bf16 weights and
 its layers read MXFP8 planes that every rank quantizes from the full bf16 buffer on first read
@@ -120,7 +121,7 @@ class ParamGroup:
         self.buffers = b = GroupBuffers(
             label, self.layout, self.facts, codec, comm, grad_dtype, self.device, kernels
         )
-        self.main, self.model, self.main_grad = b.main, b.model, b.main_grad
+        self.main, self.model = b.main, b.model
         self.scales, self.scale_buffers, self.scale_offsets = (
             b.scales, b.scale_buffers, b.scale_offsets
         )
@@ -139,6 +140,18 @@ class ParamGroup:
                 label, self.layout, b.main_grad, policy.grad_comm_dtype,
                 self.facts.grads_sharded, grad_divisor, comm, allocator,
             )
+
+    @property
+    def main_grad(self) -> torch.Tensor | None:
+        """``GroupBuffers.main_grad``, with a reduction still in flight added into it first
+        (``GradReducer.settle``): every reader sees the finished gradient."""
+        self.settle_grads()
+        return self.buffers.main_grad
+
+    def settle_grads(self) -> None:
+        """Finish a gradient reduction in flight (``GradReducer.settle``)."""
+        if self.grads is not None:
+            self.grads.settle()
 
     @property
     def state(self) -> dict[Plane, PlaneState]:
@@ -161,7 +174,13 @@ class ParamGroup:
 
     def main_grad_for_optimizer(self) -> torch.Tensor:
         """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
+        self.settle_grads()
         return self.buffers.grad_for_optimizer()
+
+    def full_main_grad(self) -> torch.Tensor:
+        """The full reduced gradient (a collective under sharded grads; settled first)."""
+        self.settle_grads()
+        return self.buffers.full_main_grad()
 
     def load_main_from(self, full_values: list[torch.Tensor]) -> None:
         """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
@@ -206,6 +225,8 @@ class ParamGroup:
             live.append("quantized")
         if self.grads is not None and self.grads.staged:
             live.append("grad")
+        if self.grads is not None and self.grads.in_flight:
+            live.append("grad_reducing")
         return live
 
     # ---- module parameters and views -------------------------------------------------------

@@ -112,8 +112,9 @@ class PlaneBucket:
                 self.wait()
             return None
         self.expect(PlaneState.SHARDED)
-        bucket = self.allocator.allocate(
-            self.label, self.plane.value, self.padded_numel, self.local.dtype, self.local.device
+        bucket = self.allocator.allocate(  # written whole by the gather: no zero-fill
+            self.label, self.plane.value, self.padded_numel, self.local.dtype, self.local.device,
+            zero=False,
         )
         work = self.comm.all_gather(
             bucket, self.local, phase, f"{self.label}/{self.plane.value}", async_op=async_op

@@ -106,7 +106,7 @@ def full_grads(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     for g in groups:
         if g.main_grad is None:
             continue
-        full = g.buffers.full_main_grad()
+        full = g.full_main_grad()
         for s in g.layout.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).float().clone()
     return out

@@ -44,6 +44,15 @@ def test_the_block_input_is_kept_by_the_caller_not_returned_by_the_program():
     leaves = jax.tree.leaves(saved.vjp)
     assert all(leaves[k].shape == () for k, _ in saved.forwarded.positions)
     assert any(a is x for a in saved.forwarded.kept(params, rows, x, ()))
+    # the parameters can be left out at forward and given again at backward (FSDP's pool)
+    held = saved.forwarded.kept_without_params(params, rows, x, ())
+    n = len(jax.tree.leaves(params))
+    assert [k is None for k in held] == [i < n for _, i in saved.forwarded.positions]
+    assert any(k is None for k in held), "the LayerNorm weights are residuals of the block"
+    again = tuple(jnp.array(p) for p in params)  # the same values in other buffers
+    filled = saved.forwarded.with_params(held, again)
+    want = saved.forwarded.kept(again, rows, x, ())
+    assert all(a is b for a, b in zip(filled, want, strict=True))
 
 
 @pytest.mark.slow

@@ -115,8 +115,11 @@ def case_zero_grad_after_an_aborted_backward_resets_quietly(ctx):
     assert not model.state.backward_active and not model.state.grads_incomplete
     assert model.allocator.live_keys() == []
     good.backward()  # the graph built before the failure
-    assert not model.state.backward_active and model.allocator.live_keys() == []
+    # only gradient reductions still in flight (Overlap.async_reduce), settled when read
+    assert not model.state.backward_active
+    assert {p for _, p in model.allocator.live_keys()} <= {"grad_reducing"}
     assert all(torch.isfinite(g).all() for g in model.full_grads().values())
+    assert model.allocator.live_keys() == []
 
 
 # ---- item 2: a second backward over a retained graph -----------------------------------------

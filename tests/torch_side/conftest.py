@@ -16,6 +16,7 @@ from tests.torch_side import (
     cases_grad_norm,
     cases_init_sync,
     cases_instruments,
+    cases_overlap,
     cases_quantize,
     cases_reliability,
     cases_training,
@@ -29,7 +30,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # `make test` (-m "not slow") never pays for them.
 _MODULES = (
     cases_collective_check, cases_exceptions, cases_grad_clip, cases_grad_norm, cases_init_sync,
-    cases_instruments,
+    cases_instruments, cases_overlap,
     cases_quantize, cases_reliability, cases_training, cases_units, cases_wire,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}

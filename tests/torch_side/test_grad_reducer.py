@@ -41,12 +41,12 @@ class _PeerComm:
     def __init__(self, rank: int, peer: torch.Tensor):
         self.rank, self.peer, self.ops = rank, peer, []
 
-    def reduce_scatter(self, out, full, phase, label):
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
         self.ops.append((Collective.REDUCE_SCATTER, phase, label))
         n = out.numel()
         out.copy_((full + self.peer.to(full.dtype))[self.rank * n : (self.rank + 1) * n])
 
-    def all_reduce(self, t, op, phase, label):
+    def all_reduce(self, t, op, phase, label, async_op=False):
         self.ops.append((op, phase, label))
         t.add_(self.peer.to(t.dtype))
 
@@ -124,3 +124,44 @@ def test_drop_frees_the_staged_gradients_without_a_collective():
     assert not red.staged and alloc.live_keys() == [] and comm.ops == []
     assert torch.count_nonzero(red.main_grad) == 0
     red.drop()  # nothing staged: a no-op
+
+
+class _DeferredComm(_PeerComm):
+    """A reduce-scatter that lands only when its handle is waited for (an async collective)."""
+
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
+        snapshot = full.clone()  # what the collective reads at issue time
+        test = self
+
+        class _Handle:
+            def wait(self):
+                test.waits += 1
+                _PeerComm.reduce_scatter(test, out, snapshot, phase, label)
+
+        return _Handle() if async_op else _PeerComm.reduce_scatter(self, out, full, phase, label)
+
+
+def test_async_reduction_lands_where_it_is_read_and_keeps_its_bucket_until_then():
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    comm = _DeferredComm(0, torch.zeros(layout.padded_numel))
+    comm.waits = 0
+    red, alloc = _reducer(layout, comm, sharded=True, divisor=1)
+    first, second = _grads(0), _grads(1)
+    for i, g in enumerate(first):
+        red.stage(i, g)
+    red.reduce(async_op=True)
+    # issued, not landed: the bucket is held under its in-flight key, main_grad untouched
+    assert red.in_flight and not red.staged and comm.waits == 0
+    assert alloc.live_keys() == [("u/fp32", "grad_reducing")]
+    assert torch.count_nonzero(red.main_grad) == 0
+    for i, g in enumerate(second):  # the next micro-batch stages into a new bucket
+        red.stage(i, g)
+    assert alloc.live_keys() == [("u/fp32", "grad"), ("u/fp32", "grad_reducing")]
+    red.reduce(async_op=True)  # settles the first reduction before issuing the second
+    assert comm.waits == 1 and red.in_flight
+    red.settle()
+    red.settle()  # idempotent
+    lo, hi = layout.shard_range(0)
+    want = (_flat(layout, first) + _flat(layout, second))[lo:hi]
+    torch.testing.assert_close(red.main_grad, want, rtol=0, atol=1e-6)
+    assert comm.waits == 2 and not red.in_flight and alloc.live_keys() == []

@@ -8,8 +8,6 @@ be observed without a second process.
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 
@@ -146,15 +144,51 @@ def test_shares_are_made_once_per_buffer_lifetime():
     assert data2 is not data and data2.tensor is b.full() and scale2 is scale
 
 
-def test_reshard_lets_go_of_the_bucket_even_when_it_was_shared():
-    """The share must not keep a freed bucket's memory alive (only JAX's own view may)."""
-    b, _ = _bucket()
+def test_reshard_returns_a_shared_bucket_to_the_pool_which_reuses_it_once_jax_lets_go():
+    """The share must not keep a freed bucket away from the pool, and the pool must not hand
+    out a bucket that JAX (or a Torch view) still references."""
+    b, alloc = _bucket()
     b.unshard(Phase.BACKWARD)
     data, _ = b.shared(torch.zeros(256, dtype=torch.uint8))
-    gone = weakref.ref(data.tensor)
+    first = data.tensor.data_ptr()
+    held = data.jax()  # a JAX array still reading the bucket (a residual kept for backward)
     del data
     b.reshard()
-    assert gone() is None, "the freed bucket is still referenced"
+    assert alloc.live_keys() == [] and alloc.held_bytes == b.padded_numel
+    b.unshard(Phase.BACKWARD)  # the held bucket is not reused: a new one is made
+    assert b.full().data_ptr() != first and alloc.made == 2 and alloc.reused == 0
+    b.reshard()
+    del held  # JAX lets go: both buckets are idle and reusable
+    assert alloc.held_bytes == 0
+    b.unshard(Phase.BACKWARD)
+    assert alloc.reused == 1 and alloc.made == 2
+    assert alloc.reserved_bytes == 2 * b.padded_numel
+    b.reshard()
+    assert alloc.trim() == 2 * b.padded_numel and alloc.reserved_bytes == 0
+
+
+def test_gathered_buckets_are_not_zero_filled_but_grad_buckets_are():
+    alloc = BucketAllocator()
+    cpu = torch.device("cpu")
+    t = alloc.allocate("u", "rowwise", 64, torch.uint8, cpu, zero=False)
+    t.fill_(7)
+    ptr = t.data_ptr()
+    alloc.free("u", "rowwise")
+    fresh = alloc.allocate("w", "rowwise", 64, torch.uint8, cpu, zero=False)
+    assert fresh.data_ptr() != ptr  # `t` still references the freed bucket: not reused
+    del t
+    again = alloc.allocate("v", "rowwise", 64, torch.uint8, cpu, zero=False)
+    assert again.data_ptr() == ptr and int(again[0]) == 7  # reused as is, not zero-filled
+    del again
+    alloc.free("v", "rowwise")
+    grad = alloc.allocate("v", "grad", 64, torch.uint8, cpu)  # zero=True by default
+    assert grad.data_ptr() == ptr and not grad.any()
+    view = grad[8:]  # a Torch view (e.g. saved by autograd) also keeps it from the pool
+    del grad
+    alloc.free("v", "grad")
+    assert alloc.held_bytes == 64
+    del view
+    assert alloc.held_bytes == 0
 
 
 def test_sharing_a_sharded_plane_is_refused():

@@ -1,0 +1,37 @@
+"""The overlap and unit-compute cases with NCCL on CUDA ranks (one GPU each): world size 1 on a
+one-GPU machine, and 2 where two GPUs exist (``scripts/gpu/two_gpu.sh tests``). Skipped without a
+GPU. The cases are those of the gloo tests (cases_overlap.py, cases_units.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.torch_side.multiprocess import run_cases
+
+pytestmark = pytest.mark.gpu
+
+CASES = (
+    "tests.torch_side.cases_overlap:case_overlap_unit_compute_bytes",
+    "tests.torch_side.cases_overlap:case_peak_bucket_bytes_follow_the_layout",
+    "tests.torch_side.cases_overlap:case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one",
+    "tests.torch_side.cases_units:case_unit_optim_grads_params",
+    "tests.torch_side.cases_units:case_unit_zero3_recompute_accumulation",
+)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@functools.cache
+def _outcomes(world_size: int):
+    return run_cases(world_size, list(CASES), backend="nccl")
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.skipif(
+    GPUS < 2, reason="needs two GPUs (NCCL refuses two ranks on one GPU)"))])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.split(":case_")[1])
+def test_case_on_nccl(world_size, case):
+    outcome = _outcomes(world_size)[case]
+    assert outcome.ok, outcome.detail
