@@ -6,6 +6,9 @@ Runs (``--runs``):
   all-gathered as 1 byte/element), bf16 activations, fused attention, unit compute (each block's
   forward and backward, and the head with the loss, one JAX program each: ``bridge.units``);
   ``FSDPOptimizer`` (AdamW on fp32 main shards) and the distributed MXFP8 requantization.
+- ``mxfp8-sync``: ``mxfp8`` without overlap (``Overlap.none()``: each unit gathered when it
+  runs, gradient reductions waited for at once); ``mxfp8`` prefetches one unit ahead and reduces
+  asynchronously (the default, ``torch_side.Overlap``).
 - ``mxfp8-op``: the same with per-linear ops (``Compute.OP``: one JAX op per linear layer,
   LayerNorm, attention and GELU in Torch).
 - ``mxfp8_bf16_gather``: ``mxfp8`` with ``GatherMode.BF16``: the MXFP8 weights are all-gathered as
@@ -20,7 +23,8 @@ Runs (``--runs``):
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
 tokens/s, host time per step (until the step function returns, before the GPU sync) and GPU
-time per step (kernel time of one warm step in torch.profiler, which sees XLA's kernels too), peak
+time per step (kernel time of one warm step in torch.profiler, which sees XLA's kernels too), the
+exposed communication of that step (NCCL kernel time during which no other kernel ran), peak
 GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
 the collective calls, the distributed-quantization time, bridge crossings per step and their host
 time, and the ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
@@ -42,7 +46,7 @@ import statistics
 import sys
 import time
 
-RUNS = ("mxfp8", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "torchao")
+RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "torchao")
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -66,6 +70,8 @@ class RunResult:
     losses: list
     host_ms_median: float = 0.0  # the step function's own time, before the final GPU sync
     gpu_ms: float = 0.0  # kernel time of one warm step (torch.profiler), 0 on CPU
+    comm_ms: float = 0.0  # NCCL kernel time of that step
+    exposed_comm_ms: float = 0.0  # ... of which no other kernel ran at the same time
     ratio_to_fsdp2: float | None = None
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
@@ -132,6 +138,7 @@ def _build(run, cfg, args):
         FSDPOptimizer,
         GatherMode,
         MixedPrecisionPolicy,
+        Overlap,
         WeightFormat,
         fully_shard,
     )
@@ -145,7 +152,8 @@ def _build(run, cfg, args):
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute)
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
-    fsdp = fully_shard(model, unit_modules=(Block,), policy=policy)
+    overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
+    fsdp = fully_shard(model, unit_modules=(Block,), policy=policy, overlap=overlap)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
     timing = {"requant_s": 0.0}
     refresh = fsdp.refresh_model_weights
@@ -289,7 +297,8 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         host_ms_median=1e3 * statistics.median(host),
     )
     if args.device == "cuda":
-        result.gpu_ms, table = _profile(step, cfg, args, rank)
+        result.gpu_ms, result.comm_ms, result.exposed_comm_ms, table = _profile(
+            step, cfg, args, rank)
         if args.profile and run in ("mxfp8", "mxfp8-op") and rank == 0:
             print(f"=== {run}\n{table}", flush=True)
     if args.pyprofile and run == "mxfp8" and rank == 0:
@@ -323,8 +332,30 @@ def _add(a, b):
     return a
 
 
-def _profile(step, cfg, args, rank) -> tuple[float, str]:
-    """(GPU kernel ms of one warm step, the profiler's tables of its top costs)."""
+def _union(intervals):
+    """Merged, sorted (start, end) intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _exposed(comm, compute) -> float:
+    """Length of the union of ``comm`` not covered by the union of ``compute``."""
+    total = 0.0
+    cover = _union(compute)
+    for a, b in _union(comm):
+        covered = sum(max(0.0, min(b, d) - max(a, c)) for c, d in cover)
+        total += (b - a) - covered
+    return total
+
+
+def _profile(step, cfg, args, rank) -> tuple[float, float, float, str]:
+    """(GPU kernel ms of one warm step, its NCCL kernel ms, the exposed part of those, the
+    profiler's tables of its top costs)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -335,10 +366,18 @@ def _profile(step, cfg, args, rank) -> tuple[float, str]:
     events = prof.key_averages()
     gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events
                  if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    comm, compute = [], []
+    for e in prof.events():
+        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    comm_us = sum(b - a for a, b in _union(comm))
     table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    return gpu_us / 1e3, ("--- one warm step, top 25 by self device time\n" + table
-                          + "\n--- the same step, top 25 by self host time\n" + host)
+    return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, (
+        "--- one warm step, top 25 by self device time\n" + table
+        + "\n--- the same step, top 25 by self host time\n" + host)
 
 
 def _pyprofile(step, cfg, args, rank) -> str:
@@ -423,11 +462,11 @@ def _torchao_available(args) -> bool:
 
 def _table(rows, args) -> str:
     head = ("| run | step ms (median) | min-max | precompile s (programs) | "
-            "first step s (compiles, s) | tokens/s | host ms | GPU ms | "
+            "first step s (compiles, s) | tokens/s | host ms | GPU ms | comm ms (exposed) | "
             "peak GiB torch+jax | "
             "gather MB/step | reduce-scatter MB/step | requant ms | crossings/step | "
             "crossing host ms | vs fsdp2 |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         ratio = "-" if r["ratio_to_fsdp2"] is None else f"{r['ratio_to_fsdp2']:.2f}x"
         lines.append(
@@ -436,6 +475,7 @@ def _table(rows, args) -> str:
             f"{r['first_step_s']:.1f} ({r['first_step_compiles']}, "
             f"{r['first_step_compile_s']:.1f}) | {r['tokens_per_s']:,.0f} | "
             f"{r['host_ms_median']:.1f} | {r['gpu_ms']:.1f} | "
+            f"{r['comm_ms']:.1f} ({r['exposed_comm_ms']:.1f}) | "
             f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
             f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
             f"{r['crossings_per_step']:.0f} | {r['crossing_host_ms_per_step']:.2f} | {ratio} |"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -42,7 +43,7 @@ from apps.training.options import (
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, GatherMode, LinearMode
-from torch_side import MixedPrecisionPolicy, ShardingStrategy, WeightFormat
+from torch_side import MixedPrecisionPolicy, Overlap, ShardingStrategy, WeightFormat
 from torch_side.lr_schedule import LRSchedule, ScheduleConfig
 
 __all__ = [
@@ -322,15 +323,45 @@ class RunOptions:
         help="with --telemetry: record it only on the steps whose index is a multiple of N "
              "(changed blocks then count since the previous recorded step); the other steps "
              "pay nothing for it")
+    prefetch: int = option(  # torch_side.Overlap
+        1, Group.WHERE, parse=non_negative_int,
+        help="units whose weight all-gathers are issued ahead of the compute, forward and "
+             "backward (0: gather each unit when it runs); up to N + 1 units' weights are "
+             "gathered at once. Never changes the numbers")
+    sync_reduce: bool = option(  # torch_side.Overlap
+        False, Group.WHERE,
+        help="wait for each unit's gradient reduce-scatter before backward goes on (default: "
+             "asynchronous, settled where the gradients are read). Never changes the numbers")
+    trace: str | None = option(  # common.trace, apps.training.loop
+        None, Group.OUTPUTS,
+        help="write a Chrome / Perfetto trace (JSON) of --trace-steps steps after the first: "
+             "collectives with their streams, bucket memory, unit forward / backward and JAX "
+             "program dispatch. With several ranks each writes PATH with .rank<r> before the "
+             "suffix")
+    trace_steps: int = option(2, Group.OUTPUTS, parse=positive(int),
+                              help="with --trace: how many steps to trace")
     digest: bool = option(  # apps.training.instruments, torch_side.step_digest
         False, Group.OUTPUTS,
         help="64-bit hashes per group and step of the main weights, reduced gradients, MXFP8 "
              "planes and scales in the --metrics records, independent of the world size; "
              "compare two runs with mxfp8-digest-diff A.jsonl B.jsonl")
 
+    def overlap(self) -> Overlap:
+        """FSDP's communication schedule (``torch_side.Overlap``)."""
+        return Overlap(prefetch=self.prefetch, async_reduce=not self.sync_reduce)
+
+    def trace_path(self, rank: int, world_size: int) -> str | None:
+        """Where this rank writes ``--trace`` (None: no trace)."""
+        if not self.trace or world_size == 1:
+            return self.trace
+        stem, suffix = os.path.splitext(self.trace)
+        return f"{stem}.rank{rank}{suffix}"
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
+        _positive_int("RunOptions", "trace_steps", self.trace_steps)
+        self.overlap()  # checks prefetch / sync_reduce (torch_side.Overlap names them)
         if isinstance(self.max_consecutive_skips, bool) or not (
             isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
         ):

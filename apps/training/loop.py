@@ -36,8 +36,9 @@ from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from bridge.determinism import make_deterministic
+from common import trace
 from common.modes import Compute
-from torch_side import FSDPOptimizer, clip_grad_norm_, fully_shard, precompile
+from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard, precompile
 from torch_side.lr_schedule import LRScheduler
 from torch_side.models.gpt import Block, TorchGPT
 
@@ -99,7 +100,7 @@ class _Model:
     """The wrapped model, its optimizer, its learning-rate scheduler (at step 0) and the corpus
     of one job."""
 
-    def __init__(self, job: TrainJob):
+    def __init__(self, job: TrainJob, overlap: Overlap | None = None):
         self.corpus: Corpus = job.corpus()
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
@@ -114,7 +115,7 @@ class _Model:
                 block.forward = _checkpointed(block.forward)
         self.fsdp = fully_shard(
             model, unit_modules=(Block,), strategy=job.strategy, policy=job.policy(),
-            kernels=job.kernels,
+            kernels=job.kernels, overlap=overlap,
         )
         self.opt = FSDPOptimizer(
             self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,
@@ -251,10 +252,11 @@ class Trainer:
         self.saver = ckpt.CheckpointSaver.start(opts.save_dir) if opts.save_dir else None
         self.metrics: MetricsWriter | None = None
         self.instruments: StepInstruments | None = None
+        self._recorder: trace.Recorder | None = None  # --trace
         try:
             if job.deterministic:
                 make_deterministic()  # before the first JAX computation (XLA reads its flags once)
-            self.parts = _Model(job)
+            self.parts = _Model(job, opts.overlap())
             self.desc = job.describe()
             self.start_step, self.position = 0, DataPosition(0)
             if opts.resume:
@@ -286,7 +288,19 @@ class Trainer:
 
     def step(self) -> StepLog:
         """One training step: forward and backward of every micro-batch, then the update (or,
-        on a non-finite loss or gradient norm, a skip, or NonFiniteTraining before the update)."""
+        on a non-finite loss or gradient norm, a skip, or NonFiniteTraining before the update).
+        With ``--trace``, the ``trace_steps`` steps after this trainer's first are recorded."""
+        first = self.start_step + (1 if self.job.steps - self.start_step > 1 else 0)
+        if not self.opts.trace or not first <= self.done < first + self.opts.trace_steps:
+            return self._step()
+        if self._recorder is None:
+            self._recorder = trace.Recorder(dist.get_rank())
+        with trace.recording(self._recorder), trace.span("host: steps", f"step {self.done}"):
+            log = self._step()
+        self._recorder.write(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        return log
+
+    def _step(self) -> StepLog:
         job, world = self.job, dist.get_world_size()
         t0 = time.perf_counter()
         lr = self.parts.schedule.lr  # this step's (set in the optimizer since the last step)

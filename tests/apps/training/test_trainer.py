@@ -41,3 +41,30 @@ def test_a_trainer_driven_step_by_step_is_train_rank(single_rank_world, tmp_path
     assert records(tmp_path / "a") == records(tmp_path / "b")
     assert sorted(p.name for p in (tmp_path / "b" / "ck").iterdir()) == ["latest", "step_000003"]
     assert not (tmp_path / "b" / "ck" / "writer.lock").exists()
+
+
+@pytest.mark.slow
+def test_trace_writes_a_chrome_trace_of_the_steps_after_the_first(single_rank_world, tmp_path):
+    """``--trace`` (RunOptions.trace): a Chrome trace JSON of steps 1 and 2 with the unit spans,
+    their JAX program dispatches, the collectives and the bucket-memory counter; the prefetch
+    setting reaches FSDP."""
+    path = tmp_path / "t.json"
+    opts = _opts(tmp_path, trace=str(path), trace_steps=2, prefetch=2, sync_reduce=True)
+    with Trainer(JOB, opts) as t:
+        assert t.parts.fsdp.state.overlap.prefetch == 2
+        assert not t.parts.fsdp.state.overlap.async_reduce
+        for _ in range(JOB.steps):
+            t.step()
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = [e["name"] for e in events if e.get("cat") == "host: steps"]
+    assert steps == ["step 1", "step 2"]
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert {"host: steps", "compute: units", "jax: unit programs (dispatch)"} <= tracks
+    assert any(t.startswith("comm: all-gather") for t in tracks), tracks
+    names = {e["name"] for e in events if e.get("cat") == "compute: units"}
+    assert {"forward blocks.0", "backward blocks.0"} <= names, names
+    assert any(e["ph"] == "C" and e["name"] == "bucket bytes" for e in events)
+    assert RunOptions(trace="a/t.json").trace_path(1, 2) == "a/t.rank1.json"
+    assert RunOptions(trace="a/t.json").trace_path(0, 1) == "a/t.json"
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        RunOptions(prefetch=-1)
