@@ -41,7 +41,7 @@ __all__ = ["SharedBuffer", "SharedPlane", "SharedTensor", "to_flat_plane", "to_f
 class SharedBuffer:
     """A 1-D Torch buffer and its JAX view, made on first use and then reused."""
 
-    __slots__ = ("_jax", "tensor")
+    __slots__ = ("_jax", "import_refs", "tensor")
 
     def __init__(self, tensor: torch.Tensor):
         if tensor.dim() != 1 or not tensor.is_contiguous():
@@ -51,10 +51,17 @@ class SharedBuffer:
             )
         self.tensor = tensor
         self._jax = None
+        # References to ``tensor``'s TensorImpl that the JAX view holds (its DLPack export),
+        # measured around the import; a pool that reuses the buffer subtracts them to see
+        # whether anyone else holds it.
+        self.import_refs = 0
 
     def jax(self):
         if self._jax is None:
-            self._jax = to_jax(self.tensor)
+            t = self.tensor
+            before = t._use_count()
+            self._jax = to_jax(t)
+            self.import_refs = t._use_count() - before
         return self._jax
 
     @property

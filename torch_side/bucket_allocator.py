@@ -10,8 +10,10 @@ When a pooled tensor may be reused -- never while anyone may still read it:
 
 - **References.** A freed bucket is reused only when the pool holds the last reference to its
   memory (``_sole_owner``): a JAX array imported through DLPack holds one (the bridge's export
-  keeps the Torch tensor alive until JAX drops the array), and so does every Torch view (a
-  tensor Torch's autograd saved, a parameter that still points into the bucket). A bucket
+  keeps the Torch tensor alive until JAX drops the array), and so does every Torch view or
+  saved tensor (a tensor Torch's autograd saved, a parameter that still points into the bucket).
+  The pool's own JAX share of the tensor is allowed for, as long as nothing else references it
+  or its JAX array. A bucket
   with such a holder is left alone (counted in ``held_bytes``) and a new one is made; it is
   reused once the holder lets go.
 - **Streams (CUDA).** ``free`` records an event on the current stream, which at that point is
@@ -32,6 +34,7 @@ import sys
 
 import torch
 
+from bridge.shared import SharedBuffer
 from common import trace
 
 __all__ = ["BucketAllocator"]
@@ -41,16 +44,30 @@ __all__ = ["BucketAllocator"]
 class _Pooled:
     tensor: torch.Tensor
     ready: torch.cuda.Event | None  # recorded at free (CUDA): writers wait for it
+    share: SharedBuffer | None = None  # the tensor's JAX view, kept across owners
 
 
 def _sole_owner(pooled: _Pooled) -> bool:
-    """Whether the pool holds the only reference to a pooled tensor's memory: no other Python
-    reference to the tensor, no other holder of its TensorImpl (a DLPack export: JAX's view),
-    no other tensor on its storage (a Torch view, e.g. one autograd saved)."""
+    """Whether nothing but the pool (and its own share) references a pooled tensor's memory:
+    no other holder of its TensorImpl (a DLPack export -- a JAX view made elsewhere -- or a
+    tensor autograd saved), no other tensor on its storage (a view), no other reference to the
+    pool's share or to the share's JAX array, no other Python reference to the tensor. (While
+    a C++ owner besides its Python object holds a tensor, Torch keeps one reference to the
+    Python object from C++: that one is not someone else's.)"""
+    impl, py = 0, 0  # references the pool's own share holds: TensorImpl (DLPack), Python
+    if pooled.share is not None:
+        py = 1  # the share's ``tensor``
+        if sys.getrefcount(pooled.share) > 2:  # pooled.share, the argument
+            return False
+        if pooled.share.shared:
+            if sys.getrefcount(pooled.share.jax()) > 2:  # the share's, the argument
+                return False
+            impl = pooled.share.import_refs
     t = pooled.tensor
+    preserved = 1 if t._use_count() > 1 else 0  # Torch's own, from C++
     return (
-        sys.getrefcount(pooled.tensor) <= 3  # pooled.tensor, t, the argument
-        and t._use_count() == 1
+        sys.getrefcount(pooled.tensor) - preserved <= 3 + py  # pooled.tensor, t, the argument
+        and t._use_count() == 1 + impl
         and torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2  # t, the temporary
     )
 
@@ -62,7 +79,7 @@ def _nbytes(t: torch.Tensor) -> int:
 class BucketAllocator:
     def __init__(self) -> None:
         self._live: dict[tuple[str, str], _Pooled] = {}
-        self._idle: list[_Pooled] = []  # freed, possibly still referenced elsewhere
+        self._idle: dict[tuple, list[_Pooled]] = {}  # (numel, dtype, device) -> freed buckets
         self.live_bytes = 0
         self.peak_bytes = 0
         self.reserved_bytes = 0
@@ -71,11 +88,10 @@ class BucketAllocator:
         self.made = 0  # allocations that asked Torch for new memory
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Pooled | None:
-        for i, p in enumerate(self._idle):  # (no local name for p.tensor: _sole_owner counts)
-            if (p.tensor.numel(), p.tensor.dtype, p.tensor.device) == (numel, dtype, device) and (
-                _sole_owner(p)
-            ):
-                return self._idle.pop(i)
+        candidates = self._idle.get((numel, dtype, device), ())
+        for i, p in enumerate(candidates):
+            if _sole_owner(p):
+                return candidates.pop(i)
         return None
 
     def allocate(
@@ -135,23 +151,40 @@ class BucketAllocator:
         if p.tensor.is_cuda:
             p.ready = torch.cuda.Event()
             p.ready.record(torch.cuda.current_stream(p.tensor.device))
-        self._idle.append(p)
+        key = (p.tensor.numel(), p.tensor.dtype, p.tensor.device)
+        self._idle.setdefault(key, []).append(p)
         trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+
+    def shared(self, owner: str, purpose: str) -> SharedBuffer:
+        """The live bucket's JAX share (``bridge.shared.SharedBuffer``), made on first use and
+        kept with the tensor in the pool: the next owner of the tensor reads it through the same
+        JAX array, without crossing the bridge again (the ordering argument of a buffer
+        rewritten under its share is bridge/shared.py's; the pool reuses a tensor only when the
+        share's JAX array is referenced by nothing else, ``_sole_owner``)."""
+        p = self._live[(owner, purpose)]
+        if p.share is None:
+            p.share = SharedBuffer(p.tensor)
+        return p.share
+
+    def _idle_entries(self) -> list[_Pooled]:
+        return [p for entries in self._idle.values() for p in entries]
 
     @property
     def held_bytes(self) -> int:
         """Freed buckets that something outside the pool still references (not reusable yet)."""
-        return sum(_nbytes(p.tensor) for p in self._idle if not _sole_owner(p))
+        return sum(_nbytes(p.tensor) for p in self._idle_entries() if not _sole_owner(p))
 
     def trim(self) -> int:
-        """Release the idle tensors nobody else references back to Torch; returns the bytes."""
-        keep, released = [], 0
-        for p in self._idle:
-            if not _sole_owner(p):
-                keep.append(p)
+        """Release the idle tensors nobody else references (and their shares) back to Torch;
+        returns the bytes."""
+        released = 0
+        for key, entries in list(self._idle.items()):
+            keep = [p for p in entries if not _sole_owner(p)]
+            released += sum(_nbytes(p.tensor) for p in entries if _sole_owner(p))
+            if keep:
+                self._idle[key] = keep
             else:
-                released += _nbytes(p.tensor)
-        self._idle = keep
+                del self._idle[key]
         self.reserved_bytes -= released
         return released
 

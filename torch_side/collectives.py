@@ -26,7 +26,11 @@ reading the output, and keep the input unchanged until then. Where they run:
   each import (DESIGN.md 6) -- sees the result.
 - **CPU (gloo)**: on gloo's own thread; ``wait()`` blocks the host until it completes.
 
-A synchronous collective runs on the current stream, as before. With a ``common.trace`` recorder
+A synchronous collective runs on the current stream, and so does every collective at world size
+1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
+BENCHMARKS.md, "Overlap"); ``MXFP8_FSDP_COMM_STREAMS=1`` sends world-size-1 copies through the
+communication streams anyway, so that one GPU tests the stream ordering
+(``tests/torch_side/test_nccl.py``). With a ``common.trace`` recorder
 active, each collective is recorded from issue to completion on the track of its stream (GPU
 times through CUDA events; on the CPU, gloo's completion callback).
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import os
 
 import torch
 import torch.distributed as dist
@@ -96,6 +101,8 @@ _VERB = {
 # the same on every rank because building one is collective (the switch is all-reduced).
 _ORDINALS: dict[object, int] = {}
 
+
+_STREAMS_AT_WORLD_1 = os.environ.get("MXFP8_FSDP_COMM_STREAMS", "0") == "1"  # module note
 
 _STREAM_OF = {  # which communication stream (and trace track) each collective runs on
     Collective.ALL_GATHER: "all-gather",
@@ -220,7 +227,7 @@ class Communicator:
         what = (op, phase, label)
         rec = trace.active()
         args = {"phase": phase.value, "bytes": t.numel() * t.element_size()}
-        if not async_op or self.world_size == 1:
+        if not async_op or (self.world_size == 1 and not (t.is_cuda and _STREAMS_AT_WORLD_1)):
             with trace.span(f"comm: {kind} (sync)", f"{_VERB[op]} {label}", **args):
                 self._run(op, phase, label, lambda: call(False))
             return Handle(self, what) if async_op else None

@@ -6,8 +6,9 @@ Tensors owned:
   ``BucketAllocator`` (key ``(group label, plane)``), all-gathered from the rank's shard on
   ``unshard`` and freed on ``reshard``;
 - the plane's **shares** with JAX (``shared``): the full buffer (the bucket, or the replicated
-  model buffer) and the plane's scale buffer, each wrapped once per buffer lifetime as a
-  ``bridge.shared.SharedBuffer``. The data share is dropped when the bucket is freed. A refresh
+  model buffer) and the plane's scale buffer, each a ``bridge.shared.SharedBuffer``. A bucket's
+  share belongs to the pooled tensor (``BucketAllocator.shared``) and goes back to the pool with
+  it at reshard, so the next unit that takes the tensor reads the same JAX array. A refresh
   rewrites the scale buffer and a replicated plane in place, so their shares are kept (the
   ordering argument is in ``bridge/shared.py``, "Reuse across in-place rewrites").
 
@@ -136,10 +137,15 @@ class PlaneBucket:
             self.state = PlaneState.SHARDED
 
     def shared_data(self) -> SharedBuffer:
-        """The full buffer shared with JAX, made once per buffer lifetime."""
+        """The full buffer shared with JAX: the replicated buffer's share, made once, or the
+        bucket's, which the pool keeps with the tensor (``BucketAllocator.shared``): a bucket
+        that served another unit before crosses the bridge no more."""
         full = self.full()  # waits for an in-flight gather; checks the state
         if self._data_share is None or self._data_share.tensor is not full:
-            self._data_share = SharedBuffer(full)
+            if self.state is PlaneState.REPLICATED:
+                self._data_share = SharedBuffer(full)
+            else:
+                self._data_share = self.allocator.shared(self.label, self.plane.value)
         return self._data_share
 
     def shared(self, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:

@@ -1,10 +1,13 @@
 """The overlap and unit-compute cases with NCCL on CUDA ranks (one GPU each): world size 1 on a
 one-GPU machine, and 2 where two GPUs exist (``scripts/gpu/two_gpu.sh tests``). Skipped without a
-GPU. The cases are those of the gloo tests (cases_overlap.py, cases_units.py)."""
+GPU. The cases are those of the gloo tests (cases_overlap.py, cases_units.py); at world size 1
+``MXFP8_FSDP_COMM_STREAMS=1`` routes the copies through the communication streams, so one GPU
+tests their ordering against the JAX programs."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -25,7 +28,12 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @functools.cache
 def _outcomes(world_size: int):
-    return run_cases(world_size, list(CASES), backend="nccl")
+    # world size 1: the copies go through the communication streams too (collectives' note)
+    os.environ["MXFP8_FSDP_COMM_STREAMS"] = "1"
+    try:
+        return run_cases(world_size, list(CASES), backend="nccl")
+    finally:
+        del os.environ["MXFP8_FSDP_COMM_STREAMS"]
 
 
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")

@@ -167,6 +167,31 @@ def test_reshard_returns_a_shared_bucket_to_the_pool_which_reuses_it_once_jax_le
     assert alloc.trim() == 2 * b.padded_numel and alloc.reserved_bytes == 0
 
 
+def test_a_bucket_share_follows_the_tensor_through_the_pool_to_the_next_owner():
+    """Unit after unit takes the same pooled tensor and reads it through the same JAX array: no
+    crossing per lifetime (bridge.count_crossings), and the values are the new owner's."""
+    from bridge import count_crossings
+
+    alloc = BucketAllocator()
+    comm = _DeferredComm()
+    first = PlaneBucket("a/mxfp8", Plane.ROWWISE, _local(), True, N, comm, alloc)
+    second = PlaneBucket("b/mxfp8", Plane.ROWWISE, _local().flip(0), True, N, comm, alloc)
+    first.unshard(Phase.FORWARD)
+    share = first.shared_data()
+    jax_view = share.jax()
+    share_id = id(share)  # (the pool keeps the object alive: the id stays its own)
+    first.reshard()
+    del jax_view, share  # a JAX array or share held elsewhere keeps the tensor out of the pool
+    with count_crossings() as stats:
+        second.unshard(Phase.FORWARD)
+        again = second.shared_data()
+        values = again.jax()
+    assert id(again) == share_id and alloc.reused == 1 and alloc.made == 1
+    assert stats.calls == 0, stats
+    assert bytes(memoryview(values)) == bytes(_local().flip(0).numpy())
+    second.reshard()
+
+
 def test_gathered_buckets_are_not_zero_filled_but_grad_buckets_are():
     alloc = BucketAllocator()
     cpu = torch.device("cpu")
