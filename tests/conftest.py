@@ -6,6 +6,7 @@
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA device is visible.
 - Hypothesis: no per-example deadline (XLA compiles on first call), a bounded example count.
 - ``single_rank_world``: a one-rank gloo group in this process (tests of collective code).
+- ``children_share_jax_cache``: processes a test starts share one compilation cache.
 """
 
 from __future__ import annotations
@@ -67,3 +68,28 @@ def single_rank_world():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def _session_jax_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def jax_cache_env(path) -> dict[str, str]:
+    """The environment that points JAX in a child process at the persistent cache ``path``,
+    every program cached (JAX reads these variables when it starts)."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(path),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+@pytest.fixture
+def children_share_jax_cache(monkeypatch, _session_jax_cache):
+    """Processes this test starts (spawned ranks, notebook kernels) share one persistent JAX
+    compilation cache for the session: a later world loads the executables an earlier one
+    compiled instead of compiling them again (CI time; the programs are the same). This
+    process's JAX is configured already and stays as it is."""
+    for name, value in jax_cache_env(_session_jax_cache).items():
+        monkeypatch.setenv(name, value)

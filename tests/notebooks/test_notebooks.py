@@ -20,6 +20,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("children_share_jax_cache")  # the notebooks' ranks share their programs
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -16,6 +16,7 @@ import importlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from torch_side.launch import LaunchError, run_local_ranks
@@ -59,14 +60,18 @@ def _worker(cases: list[str], progress_dir: str, cache_dir: str) -> None:
         torch.cuda.set_device(0)
     ctx = WorkerContext(rank, world, device)
     done: list[str] = []
+    seconds: dict[str, float] = {}
     for name in cases:
         module, fn = name.split(":")
+        start = time.perf_counter()
         try:
             getattr(importlib.import_module(module), fn)(ctx)
         except BaseException as e:  # noqa: BLE001 -- becomes this rank's failure, case named
             raise CaseFailed(f"case {name} failed on rank {rank}/{world}") from e
         done.append(name)
+        seconds[name] = round(time.perf_counter() - start, 2)
         Path(progress_dir, f"rank{rank}.json").write_text(json.dumps(done))
+        Path(progress_dir, f"seconds{rank}.json").write_text(json.dumps(seconds))
 
 
 _JAX_CACHE: tempfile.TemporaryDirectory | None = None
@@ -82,6 +87,20 @@ def _jax_cache_dir() -> str:
     return _JAX_CACHE.name
 
 
+def _report_seconds(progress_dir: str, world_size: int, wall: float) -> None:
+    """Append rank 0's seconds per case to $TORCH_SIDE_CASE_SECONDS (a file), if set: where a
+    world's time goes, for keeping the CI suite inside its budget."""
+    out = os.environ.get("TORCH_SIDE_CASE_SECONDS")
+    path = Path(progress_dir, "seconds0.json")
+    if not out or not path.exists():
+        return
+    seconds = json.loads(path.read_text())
+    with open(out, "a") as f:
+        f.write(f"world {world_size}: {wall:.1f} s wall, {sum(seconds.values()):.1f} s in cases\n")
+        for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+            f.write(f"  {s:7.2f}  {name}\n")
+
+
 def _failed_case(error: LaunchError, cases: list[str]) -> str | None:
     text = str(error)
     return next((c for c in cases if f"case {c} failed" in text), None)
@@ -94,11 +113,13 @@ def run_cases(world_size: int, cases: list[str], backend: str = "gloo") -> dict[
     """
     device = "cuda" if backend == "nccl" else "cpu"
     with tempfile.TemporaryDirectory(prefix="run_cases_") as progress:
+        start = time.perf_counter()
         try:
             run_local_ranks(
                 _worker, world_size, (cases, progress, _jax_cache_dir()), device=device,
                 timeout=WORLD_TIMEOUT_S, collective_timeout=COLLECTIVE_TIMEOUT_S,
             )
+            _report_seconds(progress, world_size, time.perf_counter() - start)
             return {name: CaseOutcome(True, "") for name in cases}
         except LaunchError as e:
             error = e

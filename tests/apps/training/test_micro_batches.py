@@ -25,6 +25,7 @@ JOB = TrainJob(steps=4, micro_batches=1, batch_size=2, seq_len=32, lr=3e-3, seed
 RTOL = 2e-6  # fp32 summation order; observed 6.8e-8 (5.4e-4 with the old loss scaling)
 
 
+@pytest.mark.usefixtures("children_share_jax_cache")  # world 1 loads world 3's programs
 def test_the_micro_batch_count_changes_the_losses_only_by_summation_order():
     opts = RunOptions(progress=False, precompile=False)
     three = run_local_ranks(train_rank, 3, (JOB, opts), timeout=900)[0]

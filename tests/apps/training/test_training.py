@@ -25,6 +25,7 @@ import pytest
 from apps.training.checkpoint import CheckpointError
 from apps.training.job import TrainJob, Weights
 from apps.training.loop import RunOptions, train_rank
+from tests.conftest import jax_cache_env
 from torch_side import ShardingStrategy
 from torch_side.launch import run_local_ranks
 
@@ -67,7 +68,17 @@ def _train_and_resume(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def _cache_env(_session_jax_cache):
+    """The ranks of this module's worlds share a compilation cache (the world-1 resume loads
+    the programs the 2-rank world compiled): tests/conftest.py, children_share_jax_cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in jax_cache_env(_session_jax_cache).items():
+            mp.setenv(name, value)
+        yield
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, _cache_env):
     root = tmp_path_factory.mktemp("train")
     results = run_local_ranks(_train_and_resume, 2, (str(root),), timeout=900)
     return root, results
