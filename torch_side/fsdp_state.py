@@ -38,27 +38,20 @@ Forwards are tracked per unit (``fsdp_unit.TrainingState``): the root is IDLE du
   is live or a backward runs; ``zero_grad`` (``reset_iteration``) resets every unit.
 - ``weights_version``: counts model-weight refreshes (optimizer steps, state loads). A forward
   passes the version it read to its backward hook, which refuses to run on different weights.
-- prefetch (``prefetch_after`` / ``prefetch_before``): with the order recorded in the first
-  iteration (``ExecutionOrder``), start the forward planes of the next ``overlap.prefetch``
-  units, or the backward planes of the ``overlap.prefetch`` units backward reaches next, as
-  asynchronous all-gathers (``torch_side.overlap``).
-- reductions in flight (``track_reduction``): asynchronous gradient reductions, oldest first;
-  beyond ``overlap.reductions_in_flight`` the oldest is settled. ``settle_reductions`` settles
-  all of them (before the weights change, and at every reset).
+- ``schedule`` (``torch_side.overlap.Schedule``): the execution order recorded in the first
+  iteration, prefetch along it, and the asynchronous gradient reductions in flight; they are all
+  settled before the weights change (``require_idle``) and at every reset.
 """
 
 from __future__ import annotations
 
-import collections
 import enum
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from torch_side.collectives import Phase
-from torch_side.execution_order import ExecutionOrder
-from torch_side.overlap import Overlap
+from torch_side.overlap import Overlap, Schedule
 
 __all__ = ["FSDPState", "RootState"]
 
@@ -82,10 +75,9 @@ class RootState(enum.Enum):
 
 class FSDPState:
     def __init__(self, overlap: Overlap | None = None) -> None:
-        self.overlap = Overlap() if overlap is None else overlap
-        self._reductions: collections.deque = collections.deque()  # GradReducers in flight
+        self.schedule = Schedule(Overlap() if overlap is None else overlap)
+        self.overlap = self.schedule.overlap
         self.units: list = []
-        self.order = ExecutionOrder()
         self.state = RootState.IDLE
         self._backward_task = _NO_GRAPH_TASK  # graph task of the backward that entered BACKWARD
         self.grads_incomplete = False  # an aborted backward left partial main grads
@@ -122,7 +114,7 @@ class FSDPState:
         for unit in reversed(self.units):
             unit.finish_backward()
         self._enter(RootState.IDLE, _NO_GRAPH_TASK)
-        self.order.freeze()
+        self.schedule.order.freeze()
 
     def in_backward(self) -> bool:
         """Whether a backward of this model is running now (a forward now is a recompute);
@@ -144,8 +136,7 @@ class FSDPState:
             return
         self.recover("the aborted forward", quiet=True)
         self._abort_units()
-        if not self.order.frozen:
-            self.order = ExecutionOrder()
+        self.schedule.forget_order()
 
     def reset_iteration(self) -> None:
         """``zero_grad``: whatever the last forward or backward left (an exception that escaped
@@ -160,7 +151,7 @@ class FSDPState:
         refresh, a state load) while an iteration is unfinished: a gathered plane would keep the
         old values, and the refresh would stop half-way at it."""
         self.recover(where, quiet=True)
-        self.settle_reductions()
+        self.schedule.settle_reductions()
         live = [f"{g.label}/{b}" for u in self.units for g in u.groups for b in g.live_buckets()]
         if not live and not self.backward_active:
             return
@@ -176,7 +167,7 @@ class FSDPState:
         )
 
     def _abort_units(self) -> None:
-        self.settle_reductions()
+        self.schedule.settle_reductions()
         for unit in reversed(self.units):
             unit.abort()
 
@@ -200,33 +191,3 @@ class FSDPState:
     def weights_changed(self) -> None:
         """The model weights were refreshed (a step or a state load): a new version."""
         self.weights_version += 1
-
-    # ---- prefetch and reductions in flight ---------------------------------------------------
-    def prefetch_after(self, unit) -> None:
-        """Forward prefetch: start the forward-plane all-gathers of the next
-        ``overlap.prefetch`` units now (async); each unit's pre-forward waits for its own."""
-        for nxt in self.order.ahead(unit, self.overlap.prefetch, +1):
-            for g in nxt.groups:
-                g.unshard([g.forward_plane], Phase.FORWARD, async_op=True)
-
-    def prefetch_before(self, unit) -> None:
-        """Backward prefetch: start the backward planes of the ``overlap.prefetch`` units that
-        ran before ``unit`` in forward (the next ones backward reaches); their pre-backward
-        waits for them."""
-        for prev in self.order.ahead(unit, self.overlap.prefetch, -1):
-            for g in prev.groups:
-                g.unshard([g.backward_plane], Phase.BACKWARD, async_op=True)
-
-    def track_reduction(self, reducer) -> None:
-        """A gradient reduction was issued asynchronously: keep at most
-        ``overlap.reductions_in_flight`` in flight (the oldest is settled first)."""
-        if reducer in self._reductions:  # settled by its own next reduce: now the newest
-            self._reductions.remove(reducer)
-        self._reductions.append(reducer)
-        while len(self._reductions) > self.overlap.reductions_in_flight:
-            self._reductions.popleft().settle()
-
-    def settle_reductions(self) -> None:
-        """Settle every reduction in flight, oldest first."""
-        while self._reductions:
-            self._reductions.popleft().settle()

@@ -189,11 +189,11 @@ class FSDPUnit:
                 g.unshard(g.planes, Phase.RECOMPUTE)
             return None
         self.state = TrainingState.FORWARD
-        self.fsdp.order.record(self)
+        self.fsdp.schedule.order.record(self)
         self._span = trace.begin(TRACK, f"forward {self.name}")
         for g in self.groups:
             g.unshard([g.forward_plane], Phase.FORWARD)
-        self.fsdp.prefetch_after(self)
+        self.fsdp.schedule.prefetch_after(self)
         if self.reduce_on_exit and torch.is_grad_enabled():
             return self._register_post_backward(args)
         return None
@@ -249,7 +249,7 @@ class FSDPUnit:
         self._span = trace.begin(TRACK, f"backward {self.name}")
         for g in self.groups:
             g.unshard([g.backward_plane], Phase.BACKWARD)
-        self.fsdp.prefetch_before(self)
+        self.fsdp.schedule.prefetch_before(self)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
@@ -276,7 +276,7 @@ class FSDPUnit:
             if g.grads is not None:
                 g.grads.reduce(async_op)
                 if g.grads.in_flight:
-                    self.fsdp.track_reduction(g.grads)
+                    self.fsdp.schedule.track_reduction(g.grads)
             g.reshard()
         self.state = TrainingState.REDUCED
 

@@ -14,13 +14,20 @@ The numbers never change results: a gather is waited for before its planes are r
 reduction settled before its gradient is read, in the same order on every rank
 (``tests/torch_side/cases_overlap.py`` checks the bytes against ``prefetch=0, async_reduce=False``).
 See docs/fsdp.md, "Overlap".
+
+``Schedule`` carries it out for one wrapped model (``FSDPState.schedule``): the execution order,
+the prefetches it starts, and the asynchronous reductions in flight.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
-__all__ = ["Overlap"]
+from torch_side.collectives import Phase
+from torch_side.execution_order import ExecutionOrder
+
+__all__ = ["Overlap", "Schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,3 +51,47 @@ class Overlap:
     def none(cls) -> Overlap:
         """No overlap: gather on demand, reduce synchronously (the reference schedule)."""
         return cls(prefetch=0, async_reduce=False)
+
+
+class Schedule:
+    """One model's communication schedule: the unit order recorded in the first iteration
+    (``order``), prefetch along it, and the gradient reductions in flight, oldest first."""
+
+    def __init__(self, overlap: Overlap):
+        self.overlap = overlap
+        self.order = ExecutionOrder()
+        self._reductions: collections.deque = collections.deque()  # GradReducers in flight
+
+    def forget_order(self) -> None:
+        """An order still being recorded is dropped (the next forward records it again)."""
+        if not self.order.frozen:
+            self.order = ExecutionOrder()
+
+    def prefetch_after(self, unit) -> None:
+        """Forward prefetch: start the forward-plane all-gathers of the next
+        ``overlap.prefetch`` units now (async); each unit's pre-forward waits for its own."""
+        for nxt in self.order.ahead(unit, self.overlap.prefetch, +1):
+            for g in nxt.groups:
+                g.unshard([g.forward_plane], Phase.FORWARD, async_op=True)
+
+    def prefetch_before(self, unit) -> None:
+        """Backward prefetch: start the backward planes of the ``overlap.prefetch`` units that
+        ran before ``unit`` in forward (the next ones backward reaches); their pre-backward
+        waits for them."""
+        for prev in self.order.ahead(unit, self.overlap.prefetch, -1):
+            for g in prev.groups:
+                g.unshard([g.backward_plane], Phase.BACKWARD, async_op=True)
+
+    def track_reduction(self, reducer) -> None:
+        """A gradient reduction was issued asynchronously: keep at most
+        ``overlap.reductions_in_flight`` in flight (the oldest is settled first)."""
+        if reducer in self._reductions:  # settled by its own next reduce: now the newest
+            self._reductions.remove(reducer)
+        self._reductions.append(reducer)
+        while len(self._reductions) > self.overlap.reductions_in_flight:
+            self._reductions.popleft().settle()
+
+    def settle_reductions(self) -> None:
+        """Settle every reduction in flight, oldest first."""
+        while self._reductions:
+            self._reductions.popleft().settle()

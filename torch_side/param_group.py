@@ -145,13 +145,9 @@ class ParamGroup:
     def main_grad(self) -> torch.Tensor | None:
         """``GroupBuffers.main_grad``, with a reduction still in flight added into it first
         (``GradReducer.settle``): every reader sees the finished gradient."""
-        self.settle_grads()
-        return self.buffers.main_grad
-
-    def settle_grads(self) -> None:
-        """Finish a gradient reduction in flight (``GradReducer.settle``)."""
         if self.grads is not None:
             self.grads.settle()
+        return self.buffers.main_grad
 
     @property
     def state(self) -> dict[Plane, PlaneState]:
@@ -174,13 +170,9 @@ class ParamGroup:
 
     def main_grad_for_optimizer(self) -> torch.Tensor:
         """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
-        self.settle_grads()
+        if self.grads is not None:
+            self.grads.settle()
         return self.buffers.grad_for_optimizer()
-
-    def full_main_grad(self) -> torch.Tensor:
-        """The full reduced gradient (a collective under sharded grads; settled first)."""
-        self.settle_grads()
-        return self.buffers.full_main_grad()
 
     def load_main_from(self, full_values: list[torch.Tensor]) -> None:
         """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
@@ -285,8 +277,3 @@ class ParamGroup:
             data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
         s = self.layout.slots[index]
         return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane)
-
-    def param_view(self, index: int) -> torch.Tensor:
-        """The full weights of (unscaled) parameter ``index``, a view of the full buffer."""
-        s = self.layout.slots[index]
-        return self.full_buffer(self.forward_plane)[s.start : s.end].view(s.shape)

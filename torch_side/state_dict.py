@@ -104,9 +104,9 @@ def full_grads(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     """{qualified name: full reduced gradient as fp32} of every parameter that takes gradients."""
     out: dict[str, torch.Tensor] = {}
     for g in groups:
-        if g.main_grad is None:
+        if g.main_grad is None:  # (reading it settles a reduction still in flight)
             continue
-        full = g.full_main_grad()
+        full = g.buffers.full_main_grad()
         for s in g.layout.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).float().clone()
     return out
@@ -126,8 +126,9 @@ def gathered_weights(
             if g.codec.param_storage is ParamStorage.PLACEHOLDER:
                 planes = {p: g.plane_views(i, p) for p in g.codec.compute_planes}
                 out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype)
-            else:
-                out[s.name] = g.param_view(i)
+            else:  # the full weights: a view of the full buffer
+                full = g.full_buffer(g.forward_plane)
+                out[s.name] = full[s.start : s.end].view(s.shape)
     try:
         yield out
     finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from common import trace
 from common.model_config import GPTConfig
@@ -40,8 +41,19 @@ def _batch(step: int, mb: int, device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
+def _checkpointed(forward):
+    def run(x):
+        return checkpoint(forward, x, use_reentrant=False)
+
+    return run
+
+
 def _model(ctx, overlap: Overlap, compute: str = "unit", recompute: bool = False):
-    net = TorchGPT(CFG, seed=3, device=ctx.device, compute=compute, recompute=recompute)
+    unit = compute == "unit"
+    net = TorchGPT(CFG, seed=3, device=ctx.device, compute=compute, recompute=unit and recompute)
+    if recompute and not unit:  # per-linear compute: Torch's activation checkpointing
+        for block in net.blocks:
+            block.forward = _checkpointed(block.forward)
     return fully_shard(net, unit_modules=(Block,), strategy=ShardingStrategy.OPTIM_GRADS_PARAMS,
                        overlap=overlap)
 
@@ -178,6 +190,6 @@ CASES = {
     f"{_M}:case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one": (2,),
 }
 SLOW_CASES = {
-    f"{_M}:case_overlap_unit_compute_bytes": (1, 4),
+    f"{_M}:case_overlap_unit_compute_bytes": (4,),
     f"{_M}:case_overlap_op_recompute_bytes": (2,),
 }

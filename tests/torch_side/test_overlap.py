@@ -1,7 +1,7 @@
 """Communication overlapped with compute (cases_overlap.py): the bytes do not depend on the
 prefetch depth or on asynchronous reductions, the bucket memory of a ZeRO-3 step is bounded by
 the layout and the prefetch depth, and the trace shows the next unit's gather issued during this
-one. World 2 in the fast suite; worlds 1 and 4 and the recompute variant (world 2) are slow.
+one. World 2 in the fast suite; world 4 and the recompute variant (world 2) are slow.
 Every other equality against the replicated reference (worlds 1-4) runs with the default overlap
 on."""
 
@@ -22,7 +22,6 @@ SLOW = pytest.mark.slow
         (co.case_overlap_unit_compute_bytes, 2),
         (co.case_peak_bucket_bytes_follow_the_layout, 2),
         (co.case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one, 2),
-        pytest.param(co.case_overlap_unit_compute_bytes, 1, marks=SLOW),
         pytest.param(co.case_overlap_unit_compute_bytes, 4, marks=SLOW),
         pytest.param(co.case_overlap_op_recompute_bytes, 2, marks=SLOW),
     ],

@@ -39,7 +39,7 @@ def test_a_backward_is_backward_inside_and_idle_after():
     assert state.state is RootState.IDLE and not state.backward_active
     _backward(state, lambda: seen.append((state.state, state.in_backward())))
     assert seen == [(RootState.BACKWARD, True)]
-    assert state.state is RootState.IDLE and state.order.frozen  # the end callback ran
+    assert state.state is RootState.IDLE and state.schedule.order.frozen  # the end callback ran
     assert not state.grads_incomplete
 
 

@@ -62,7 +62,7 @@ def test_trace_writes_a_chrome_trace_of_the_steps_after_the_first(single_rank_wo
     assert {"host: steps", "compute: units", "jax: unit programs (dispatch)"} <= tracks
     assert any(t.startswith("comm: all-gather") for t in tracks), tracks
     names = {e["name"] for e in events if e.get("cat") == "compute: units"}
-    assert {"forward blocks.0", "backward blocks.0"} <= names, names
+    assert {"forward h_0", "backward h_0", "forward <root>"} <= names, names
     assert any(e["ph"] == "C" and e["name"] == "bucket bytes" for e in events)
     assert RunOptions(trace="a/t.json").trace_path(1, 2) == "a/t.rank1.json"
     assert RunOptions(trace="a/t.json").trace_path(0, 1) == "a/t.json"
