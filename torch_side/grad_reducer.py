@@ -16,9 +16,9 @@ got no gradient this micro-batch leave zeros in the bucket, so every rank joins 
 and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
 for it and adds the result into ``main_grad``. ``settle`` runs where the result is read: the
 next ``reduce`` of this group (a later micro-batch), every read of ``ParamGroup.main_grad`` (the
-optimizer, clipping, state dicts, ``zero_grad``), an abort; and ``FSDPState`` settles the oldest
-reduction when more than ``Overlap.reductions_in_flight`` are in flight, which bounds the
-gradient buckets alive at once. Until then the bucket is not written (``stage`` makes a new one).
+optimizer, clipping, state dicts, ``zero_grad``), an abort; and the model's ``Schedule``
+(``torch_side.overlap``) settles the oldest reduction when more than
+``Overlap.reductions_in_flight`` are in flight, which bounds the gradient buckets alive at once. Until then the bucket is not written (``stage`` makes a new one).
 
 Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
 included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
