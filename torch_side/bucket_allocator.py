@@ -104,7 +104,9 @@ class BucketAllocator:
         zero: bool = True,
     ) -> torch.Tensor:
         """A 1-D bucket (zero-filled when ``zero``); error if (owner, purpose) is already live
-        (a leak). On CUDA, write it only after ``ready_event(owner, purpose)`` (module note)."""
+        (a leak). A reused bucket on CUDA comes back with the current stream already waiting
+        for the event of its free (module note), so any later writer is ordered after its
+        previous readers."""
         key = (owner, purpose)
         if key in self._live:
             raise RuntimeError(
