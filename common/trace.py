@@ -13,8 +13,7 @@ communication stream, JAX's compute stream:
   forward, a program dispatch);
 - ``begin(track, name, **args)`` -> ``Pending``; ``Pending.end(ts_us=None)``: an interval that
   ends later or elsewhere (an async all-gather from issue to completion);
-- ``counter(name, **values)``: a counter sample (bucket bytes live / reserved);
-- ``instant(track, name, **args)``.
+- ``counter(name, **values)``: a counter sample (bucket bytes live / reserved).
 
 ``Recorder.write(path)`` writes ``{"traceEvents": [...]}``, which chrome://tracing and
 ui.perfetto.dev open; ``events()`` gives the same list for tests.
@@ -29,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["Pending", "Recorder", "active", "begin", "counter", "instant", "recording", "span"]
+__all__ = ["Pending", "Recorder", "active", "begin", "counter", "recording", "span"]
 
 _active: Recorder | None = None
 
@@ -117,10 +116,6 @@ class Pending:
         self._rec, self._track, self._name, self._args = rec, track, name, args
         self._start = rec.now_us()
 
-    @property
-    def start_us(self) -> float:
-        return self._start
-
     def end(self, ts_us: float | None = None, **more) -> None:
         end = self._rec.now_us() if ts_us is None else ts_us
         self._rec.complete(self._track, self._name, self._start, end, {**self._args, **more})
@@ -159,10 +154,3 @@ def counter(name: str, **values: float) -> None:
     rec = _active
     if rec is not None:
         rec.add({"ph": "C", "name": name, "pid": rec.pid, "ts": rec.now_us(), "args": values})
-
-
-def instant(track: str, name: str, **args) -> None:
-    rec = _active
-    if rec is not None:
-        rec.add({"ph": "i", "s": "t", "name": name, "cat": track, "pid": rec.pid,
-                 "tid": rec._tid(track), "ts": rec.now_us(), "args": args})

@@ -226,10 +226,14 @@ class Communicator:
         kind = _STREAM_OF[op]
         what = (op, phase, label)
         rec = trace.active()
-        args = {"phase": phase.value, "bytes": t.numel() * t.element_size()}
+        args = None if rec is None else {
+            "phase": phase.value, "bytes": t.numel() * t.element_size()}
         if not async_op or (self.world_size == 1 and not (t.is_cuda and _STREAMS_AT_WORLD_1)):
-            with trace.span(f"comm: {kind} (sync)", f"{_VERB[op]} {label}", **args):
+            if rec is None:  # (the hot path: no trace names or arguments built)
                 self._run(op, phase, label, lambda: call(False))
+            else:
+                with trace.span(f"comm: {kind} (sync)", f"{_VERB[op]} {label}", **args):
+                    self._run(op, phase, label, lambda: call(False))
             return Handle(self, what) if async_op else None
         if not t.is_cuda:  # gloo: its own thread; the host blocks at wait()
             pending = None if rec is None else trace.begin(f"comm: {kind} (gloo)",

@@ -18,7 +18,8 @@ for it and adds the result into ``main_grad``. ``settle`` runs where the result 
 next ``reduce`` of this group (a later micro-batch), every read of ``ParamGroup.main_grad`` (the
 optimizer, clipping, state dicts, ``zero_grad``), an abort; and the model's ``Schedule``
 (``torch_side.overlap``) settles the oldest reduction when more than
-``Overlap.reductions_in_flight`` are in flight, which bounds the gradient buckets alive at once. Until then the bucket is not written (``stage`` makes a new one).
+``Overlap.reductions_in_flight`` are in flight, which bounds the gradient buckets alive at
+once. Until then the bucket is not written (``stage`` makes a new one).
 
 Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
 included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
