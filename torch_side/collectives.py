@@ -24,7 +24,8 @@ reading the output, and keep the input unchanged until then. Where they run:
   ``wait()`` makes the *current* stream wait for that event (the host does not block), so every
   later kernel -- Torch's, and JAX's, which the bridge orders after Torch's current stream at
   each import (DESIGN.md 6) -- sees the result.
-- **CPU (gloo)**: on gloo's own thread; ``wait()`` blocks the host until it completes.
+- **CPU (gloo)**: on gloo's own thread; ``wait()`` blocks the host until it completes and
+  gloo's thread has let go of the tensors (``_await_release``).
 
 A synchronous collective runs on the current stream, and so does every collective at world size
 1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
@@ -41,6 +42,7 @@ import collections
 import dataclasses
 import enum
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -112,12 +114,45 @@ _STREAM_OF = {  # which communication stream (and trace track) each collective r
 }
 
 
+RELEASE_WAIT_S = 0.1  # at most this long for gloo's thread to let go of a finished collective
+
+
+def _counts(tensors) -> tuple[int, ...]:
+    """TensorImpl and storage references of each tensor, now (flattened)."""
+    out = []
+    for t in tensors:
+        out += (t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    return tuple(out)
+
+
+def _await_release(tensors, limit: tuple[int, ...]) -> None:
+    """Return once every reference count of ``tensors`` is at most ``limit`` (``_counts``).
+
+    gloo completes a collective (``work.wait()`` returns) before its worker thread drops the
+    work, which still holds the bucket (the tensor, and views of it); for that moment the
+    bucket looks referenced to the pool (``bucket_allocator._sole_owner``), which would then
+    make a new bucket instead of reusing it -- a memory bound that held or not by thread
+    timing. Callers wait here, after dropping their own reference to the work, until the
+    counts are down by what the work added at issue. Bounded by ``RELEASE_WAIT_S`` (a safety
+    net: the pool never reuses a bucket someone holds, so giving up costs memory only)."""
+    deadline = None
+    while any(c > m for c, m in zip(_counts(tensors), limit, strict=True)):
+        now = time.perf_counter()
+        deadline = deadline or now + RELEASE_WAIT_S
+        if now > deadline:
+            return
+        time.sleep(0)
+
+
 class Handle:
     """An issued asynchronous collective (module note). ``wait()`` is idempotent; a failure of
-    the collective surfaces there with the communicator's note."""
+    the collective surfaces there with the communicator's note. gloo: the wait also lets go of
+    the work and returns once gloo's thread has (``_await_release``)."""
 
-    def __init__(self, comm: Communicator, what: tuple, work=None, event=None):
+    def __init__(self, comm: Communicator, what: tuple, work=None, event=None,
+                 held=((), ())):
         self._comm, self._what, self._work, self._event = comm, what, work, event
+        self._held = held  # gloo: (tensors, the references its work added to each at issue)
         self.done = False
         self.on_wait = None  # called once the wait returns (the trace's end of the interval)
 
@@ -133,6 +168,10 @@ class Handle:
             except RuntimeError as e:
                 e.add_note(self._comm._failure_note(*self._what, checking=False))
                 raise
+            tensors, added = self._held
+            limit = tuple(c - a for c, a in zip(_counts(tensors), added, strict=True))
+            self._work = self._held = None  # (the work is alive until here: its references too)
+            _await_release(tensors, limit)
         if self.on_wait is not None:
             self.on_wait()
 
@@ -221,9 +260,12 @@ class Communicator:
             s = self._streams[(kind, device)] = torch.cuda.Stream(device)
         return s
 
-    def _issue(self, op, phase, label, t: torch.Tensor, call, async_op: bool):
-        """Run call(async_op) on the right stream (module note); a Handle when async_op."""
+    def _issue(self, op, phase, label, t: torch.Tensor, call, async_op: bool, tensors=()):
+        """Run call(async_op) on the right stream (module note); a Handle when async_op.
+        tensors: those the collective reads or writes (gloo holds them: ``_await_release``)."""
         kind = _STREAM_OF[op]
+        gloo = self.world_size > 1 and not t.is_cuda
+        before = _counts(tensors) if gloo else ()
         what = (op, phase, label)
         rec = trace.active()
         args = None if rec is None else {
@@ -234,12 +276,15 @@ class Communicator:
             else:
                 with trace.span(f"comm: {kind} (sync)", f"{_VERB[op]} {label}", **args):
                     self._run(op, phase, label, lambda: call(False))
+            if gloo:  # nothing else ran meanwhile: what is above ``before`` is gloo's
+                _await_release(tensors, before)
             return Handle(self, what) if async_op else None
-        if not t.is_cuda:  # gloo: its own thread; the host blocks at wait()
+        if gloo:  # its own thread; the host blocks at wait()
             pending = None if rec is None else trace.begin(f"comm: {kind} (gloo)",
                                                            f"{_VERB[op]} {label}", **args)
             work = self._run(op, phase, label, lambda: call(True))
-            handle = Handle(self, what, work=work)
+            added = tuple(a - b for a, b in zip(_counts(tensors), before, strict=True))
+            handle = Handle(self, what, work=work, held=(tensors, added))
             if pending is not None:
                 try:  # completion time from gloo's callback where its work has a future
                     work.get_future().add_done_callback(lambda _f: pending.end())
@@ -308,7 +353,7 @@ class Communicator:
                 return out.copy_(shard)
             return _all_gather(out, shard, group=self.group, async_op=async_)
 
-        return self._issue(op, phase, label, out, call, async_op)
+        return self._issue(op, phase, label, out, call, async_op, (out,))
 
     def reduce_scatter(
         self,
@@ -329,7 +374,7 @@ class Communicator:
                 return out.copy_(full)
             return _reduce_scatter(out, full, group=self.group, async_op=async_)
 
-        return self._issue(op, phase, label, full, call, async_op)
+        return self._issue(op, phase, label, full, call, async_op, (full,))
 
     def all_reduce(
         self, t: torch.Tensor, op: Collective, phase: Phase, label: str, async_op: bool = False
@@ -344,4 +389,4 @@ class Communicator:
                 return None
             return dist.all_reduce(t, op=red, group=self.group, async_op=async_)
 
-        return self._issue(op, phase, label, t, call, async_op)
+        return self._issue(op, phase, label, t, call, async_op, (t,))
