@@ -28,9 +28,14 @@ What the unit reads, per parameter of the block (found once per module and cache
   otherwise the tensor crosses.
 
 Gradients: the backward returns dx and the gradients of all parameters in one uint8 array (one
-crossing), cut into views; autograd hands them to the parameters (FSDP's gradient hooks stage
-them for reduce-scatter unchanged). dW comes in each weight's own dtype (its ``dtype``), as from
-the per-linear op.
+crossing), cut into views. dW comes in each weight's own dtype (its ``dtype``), as from the
+per-linear op. Without FSDP autograd hands them to the parameters. Under FSDP each parameter's
+source names a ``GradTarget`` (``bridge.unit_targets``: its group's grad bucket): the program
+then lays each group's gradients out as that bucket (``unit_program.GradGroup``: cast to the
+bucket's dtype, zeros in the padding) and the op hands the segment to the group's sink (one add
+into the bucket per group, ``torch_side.fsdp_unit.GroupGradSink``) and returns None to autograd
+for those parameters -- instead of an autograd accumulation, a hook and a staging add per
+parameter. The bytes that reach the bucket are the same (``tests/torch_side/test_grad_sinks.py``).
 
 Recompute (``recompute=True``, or the model's ``set_compute(..., recompute=True)``): the forward
 keeps nothing but its inputs; the backward program runs the forward again, then the backward
@@ -54,6 +59,7 @@ from bridge.dlpack import to_jax
 from bridge.dtypes import torch_dtype_for
 from bridge.linear import MXFP8Linear, _result, _share, resolve_for
 from bridge.shared import to_flat_plane, to_flat_tensor
+from bridge.unit_targets import SPECS_CACHE, GradTarget
 from common import trace
 from common.formats import Plane
 from common.modes import Compute, LinearMode
@@ -61,8 +67,10 @@ from jax_side import unit_program as U
 from jax_side.models.gpt_math import GPTBlockFn, GPTHeadFn
 
 __all__ = [
+    "SPECS_CACHE",
     "GPTBlockFn",
     "GPTHeadFn",
+    "GradTarget",
     "register_unit", "registered_fn", "run_unit", "set_compute", "unit_modules"]
 
 _REGISTRY: dict[type, Callable[[nn.Module], Callable]] = {}
@@ -121,6 +129,7 @@ class _Layout(NamedTuple):
     params: tuple[_Param, ...]
     linears: tuple[tuple[str, MXFP8Linear], ...]  # MXFP8 mode
     hp_linears: tuple[str, ...]
+    grad_layouts: dict  # (spec, x shape, x dtype) -> U.GradLayout, filled on first use
 
 
 def _walk(module: nn.Module, parts: Sequence[str] | None):
@@ -154,7 +163,7 @@ def _find_layout(module: nn.Module, parts: Sequence[str] | None) -> _Layout:
         raise ValueError(
             f"unit compute: {type(module).__name__} (parts {parts}) has no parameters to run"
         )
-    return _Layout(tuple(params), tuple(linears), tuple(hp_linears))
+    return _Layout(tuple(params), tuple(linears), tuple(hp_linears), {})
 
 
 def _layout(module: nn.Module, parts) -> _Layout:
@@ -180,6 +189,14 @@ def _plane_input(lin: MXFP8Linear, plane: Plane):
     return _share(lin.weight) if plane is Plane.ROWWISE else None
 
 
+class _Sinks(NamedTuple):
+    """The gradient sinks of a unit call, in ``UnitSpec.grad_groups`` order, with how many
+    gradients each receives, and which gradients (parameters, then MXFP8 weights) they take."""
+
+    sinks: tuple[tuple[object, int], ...]
+    grouped: frozenset[int]
+
+
 class _Call(NamedTuple):
     """One unit call: what the autograd op needs besides tensors."""
 
@@ -187,20 +204,23 @@ class _Call(NamedTuple):
     spec: U.UnitSpec
     n_aux: int
     recompute: bool
+    sinks: _Sinks
 
 
 def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device):
-    """The unit's layout and program spec, made once per (parts, function, device) and cached on
-    the module: the per-call path only looks them up (a unit call is on the host-bound path)."""
-    cache = module.__dict__.setdefault("_unit_specs", {})
+    """The unit's layout, program spec and gradient sinks, made once per (parts, function,
+    device) and cached on the module: the per-call path only looks them up (a unit call is on
+    the host-bound path). ``torch_side`` drops the cache when it (re)installs FSDP sources."""
+    cache = module.__dict__.setdefault(SPECS_CACHE, {})
     key = (None if parts is None else tuple(parts), fn, device)
     if key not in cache:
         layout = _layout(module, parts)
-        cache[key] = layout, _spec(fn, layout, device, _kernels(layout, module))
+        groups, sinks = _grad_groups(layout)
+        cache[key] = layout, _spec(fn, layout, device, _kernels(layout, module), groups), sinks
     return cache[key]
 
 
-def _spec(fn, layout: _Layout, device: torch.device, kernels) -> U.UnitSpec:
+def _spec(fn, layout: _Layout, device: torch.device, kernels, groups=()) -> U.UnitSpec:
     return U.UnitSpec(
         fn,
         tuple(p.name for p in layout.params),
@@ -208,7 +228,35 @@ def _spec(fn, layout: _Layout, device: torch.device, kernels) -> U.UnitSpec:
         layout.hp_linears,
         tuple(str(lin.weight.dtype).removeprefix("torch.") for _, lin in layout.linears),
         resolve_for(kernels, device),
+        groups,
     )
+
+
+def _grad_target(owner: nn.Module, local: str, param: nn.Parameter) -> GradTarget | None:
+    source = getattr(owner, "fsdp_sources", {}).get(local)
+    target = getattr(source, "grad_target", None)
+    return target() if target is not None and param.requires_grad else None
+
+
+def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], _Sinks]:
+    """Gradients whose FSDP source names a target (``GradTarget``), grouped by sink: the
+    program lays each group out as the sink's flat buffer (``U.GradGroup``)."""
+    owners = [(p.owner, p.local, p.param) for p in layout.params]
+    owners += [(lin, "weight", lin.weight) for _, lin in layout.linears]
+    by_sink: dict[int, list] = {}
+    for i, (owner, local, param) in enumerate(owners):
+        t = _grad_target(owner, local, param)
+        if t is None:
+            continue
+        entry = by_sink.setdefault(id(t.sink), [t.sink, t.numel, t.dtype, []])
+        if (entry[1], entry[2]) != (t.numel, t.dtype):
+            raise ValueError(f"unit compute: gradient targets of one sink disagree: {t}")
+        entry[3].append((i, t.start))
+    groups = tuple(U.GradGroup(numel, _jax_name(dtype), tuple(slots))
+                   for _, numel, dtype, slots in by_sink.values())
+    sinks = tuple((sink, len(slots)) for sink, _, _, slots in by_sink.values())
+    grouped = frozenset(i for *_, slots in by_sink.values() for i, _ in slots)
+    return groups, _Sinks(sinks, grouped)
 
 
 def _kernels(layout: _Layout, module: nn.Module):
@@ -278,32 +326,45 @@ class _UnitFn(torch.autograd.Function):
             with trace.span(TRACK, "unit_backward"):
                 packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols,
                                 spec=call.spec)
-        grads = _unpack(_result(packed, dout.device), ctx)
+        grads, segments = _unpack(_result(packed, dout.device), ctx)
+        for (sink, n), segment in zip(call.sinks.sinks, segments, strict=True):
+            sink.stage_segment(segment, n)  # FSDP's grad bucket: one add per group
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
 
 
-def _unpack(raw: torch.Tensor, ctx) -> list[torch.Tensor | None]:
-    """dx, each parameter's gradient, each MXFP8 weight's dW: views of the one packed array."""
+def _grad_layout(call: _Call, x_shape, x_dtype: torch.dtype) -> U.GradLayout:
+    cache = call.layout.grad_layouts
+    key = (call.spec, x_shape, x_dtype)
+    if key not in cache:
+        cache[key] = U.grad_layout(
+            x_shape, _jax_name(x_dtype),
+            [tuple(p.param.shape) for p in call.layout.params],
+            [_jax_name(p.param.dtype) for p in call.layout.params],
+            [tuple(lin.weight.shape) for _, lin in call.layout.linears], call.spec.dw_dtypes,
+            call.spec.grad_groups,
+        )
+    return cache[key]
+
+
+def _view(raw: torch.Tensor, seg) -> torch.Tensor:
+    start, shape, dtype = seg
+    t = torch_dtype_for(dtype)
+    n = t.itemsize
+    for d in shape:
+        n *= d
+    return raw[start:start + n].view(t).view(shape)
+
+
+def _unpack(raw: torch.Tensor, ctx) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """(dx, each parameter's gradient, each MXFP8 weight's dW -- None for those in a group --;
+    each gradient group's flat buffer): views of the one packed array."""
     call = ctx.call
-    layout = U.grad_layout(
-        ctx.x_shape, _jax_name(ctx.x_dtype),
-        [tuple(p.param.shape) for p in call.layout.params],
-        [_jax_name(p.param.dtype) for p in call.layout.params],
-        [tuple(lin.weight.shape) for _, lin in call.layout.linears], call.spec.dw_dtypes,
-    )
+    layout = _grad_layout(call, ctx.x_shape, ctx.x_dtype)
     segs = [layout.dx, *layout.params, *layout.mxfp8]
     needs = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[2 + call.n_aux:]
-    out = []
-    for (start, shape, dtype), need in zip(segs, needs, strict=True):
-        if not need:
-            out.append(None)
-            continue
-        t = torch_dtype_for(dtype)
-        n = t.itemsize
-        for d in shape:
-            n *= d
-        out.append(raw[start:start + n].view(t).view(shape))
-    return out
+    out = [None if seg is None or not need else _view(raw, seg)
+           for seg, need in zip(segs, needs, strict=True)]
+    return out, [_view(raw, seg) for seg in layout.groups]
 
 
 def _jax_name(dtype: torch.dtype) -> str:
@@ -318,9 +379,11 @@ def run_unit(
     ``parts``) as one JAX program per direction (module docstring). x: the activations
     (contiguous where possible: one Torch-side copy otherwise); aux: further non-differentiable
     tensors (e.g. targets)."""
-    layout, spec = _layout_and_spec(module, fn, parts, x.device)
+    layout, spec, sinks = _layout_and_spec(module, fn, parts, x.device)
     if not torch.is_grad_enabled():
-        params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False), x, aux)
+        params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False, sinks), x, aux)
         return _result(run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec), x.device)
+    # (parameters whose gradients go to a sink stay inputs -- the output takes gradients as
+    # before -- and get None from the backward)
     tensors = [p.param for p in layout.params] + [lin.weight for _, lin in layout.linears]
-    return _UnitFn.apply(_Call(layout, spec, len(aux), recompute), x, *aux, *tensors)
+    return _UnitFn.apply(_Call(layout, spec, len(aux), recompute, sinks), x, *aux, *tensors)

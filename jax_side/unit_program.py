@@ -17,7 +17,10 @@ The programs:
   planes) stays on the JAX side until the backward;
 - ``unit_backward(saved, kept, dout, cols, spec=)`` -> the gradients packed into one uint8 array
   (``GradLayout``): dx, then each high-precision parameter's gradient, then each MXFP8 weight's
-  dW (in ``spec.dw_dtypes``), so they cross back to Torch once;
+  dW (in ``spec.dw_dtypes``), so they cross back to Torch once. Gradients named in
+  ``spec.grad_groups`` come instead laid out as the caller's flat buffers (``GradGroup``: an
+  FSDP group's grad bucket, cast to its dtype, zeros in the padding), one segment per group, so
+  the caller adds one segment per group instead of one gradient per parameter;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
   (``spec`` says nothing is kept): the forward runs again inside the backward program;
 - ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (no gradient: evaluation).
@@ -55,6 +58,7 @@ from jax_side.mxfp8.kernels import ResolvedKernels
 __all__ = [
     "FlatTensor",
     "Forwarded",
+    "GradGroup",
     "GradLayout",
     "Saved",
     "UnitSpec",
@@ -87,6 +91,17 @@ class FlatTensor:
 jax.tree_util.register_dataclass(FlatTensor, data_fields=["data"], meta_fields=["offset", "shape"])
 
 
+class GradGroup(NamedTuple):
+    """Gradients laid out in one flat buffer of the caller's (an FSDP group's grad bucket):
+    ``numel`` elements of ``dtype``, gradient ``i`` (an index into the parameters, then the
+    MXFP8 weights) cast to ``dtype`` at element ``start`` for each ``(i, start)`` of ``slots``,
+    zeros elsewhere."""
+
+    numel: int
+    dtype: str
+    slots: tuple[tuple[int, int], ...]
+
+
 class UnitSpec(NamedTuple):
     """The static part of a unit program (hashable: equal blocks share compiled programs)."""
 
@@ -96,19 +111,27 @@ class UnitSpec(NamedTuple):
     hp_linears: tuple[str, ...]  # high-precision linear names (weights among ``params``)
     dw_dtypes: tuple[str, ...]  # dtype of each MXFP8 linear's dW (its Torch weight's dtype)
     kernels: ResolvedKernels
+    grad_groups: tuple[GradGroup, ...] = ()  # gradients returned in flat buffers (GradGroup)
 
 
 class GradLayout(NamedTuple):
     """Where each gradient sits in ``unit_backward``'s packed uint8 result: (byte offset, shape,
-    dtype name) for dx, each parameter, each MXFP8 weight."""
+    dtype name) for dx, each parameter, each MXFP8 weight (None for one placed in a group), then
+    each ``GradGroup``'s flat buffer."""
 
     dx: tuple[int, tuple[int, ...], str]
-    params: tuple[tuple[int, tuple[int, ...], str], ...]
-    mxfp8: tuple[tuple[int, tuple[int, ...], str], ...]
+    params: tuple[tuple[int, tuple[int, ...], str] | None, ...]
+    mxfp8: tuple[tuple[int, tuple[int, ...], str] | None, ...]
     nbytes: int
+    groups: tuple[tuple[int, tuple[int, ...], str], ...] = ()
 
 
-def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes) -> GradLayout:
+def _grouped(groups) -> frozenset[int]:
+    return frozenset(i for g in groups for i, _ in g.slots)
+
+
+def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes,
+                groups: tuple[GradGroup, ...] = ()) -> GradLayout:
     """The packed layout for these shapes and dtypes (the Torch side cuts its views from it)."""
     cursor = 0
 
@@ -121,10 +144,32 @@ def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes
         cursor += -(-size // _ALIGN) * _ALIGN
         return start, tuple(shape), jnp.dtype(dtype).name
 
+    grouped = _grouped(groups)
+    n = len(param_shapes)
     dx = seg(x_shape, x_dtype)
-    params = tuple(seg(s, d) for s, d in zip(param_shapes, param_dtypes, strict=True))
-    mx = tuple(seg(s, d) for s, d in zip(w_shapes, w_dtypes, strict=True))
-    return GradLayout(dx, params, mx, cursor)
+    params = tuple(None if i in grouped else seg(s, d)
+                   for i, (s, d) in enumerate(zip(param_shapes, param_dtypes, strict=True)))
+    mx = tuple(None if n + j in grouped else seg(s, d)
+               for j, (s, d) in enumerate(zip(w_shapes, w_dtypes, strict=True)))
+    flat = tuple(seg((g.numel,), g.dtype) for g in groups)
+    return GradLayout(dx, params, mx, cursor, flat)
+
+
+def _flat_group(group: GradGroup, grads) -> jax.Array:
+    """The group's flat buffer: each gradient cast and placed at its start, zeros between."""
+    dt = jnp.dtype(group.dtype)
+    parts, cursor = [], 0
+    for i, start in sorted(group.slots, key=lambda s: s[1]):
+        g = grads[i].reshape(-1).astype(dt)
+        if start < cursor or start + g.shape[0] > group.numel:
+            raise ValueError(f"GradGroup: gradient {i} at {start} overlaps or overflows {group}")
+        if start > cursor:
+            parts.append(jnp.zeros((start - cursor,), dt))
+        parts.append(g)
+        cursor = start + g.shape[0]
+    if cursor < group.numel:
+        parts.append(jnp.zeros((group.numel - cursor,), dt))
+    return jnp.concatenate(parts)
 
 
 def _pack(arrays) -> jax.Array:
@@ -136,6 +181,13 @@ def _pack(arrays) -> jax.Array:
         if pad:
             parts.append(jnp.zeros((pad,), jnp.uint8))
     return jnp.concatenate(parts)
+
+
+def _pack_grads(dx, grads, groups: tuple[GradGroup, ...]) -> jax.Array:
+    """dx, the gradients not in a group, then each group's flat buffer (``grad_layout``)."""
+    grouped = _grouped(groups)
+    alone = [g for i, g in enumerate(grads) if i not in grouped]
+    return _pack([dx, *alone, *(_flat_group(g, grads) for g in groups)])
 
 
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
@@ -338,7 +390,7 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
         stack.pop()
     dws = [jnp.zeros(c.shape, jnp.dtype(dt)) if dw is None else dw
            for dw, c, dt in zip(scope.dw, cols, spec.dw_dtypes, strict=True)]
-    return _pack([dx, *d_params, *dws])
+    return _pack_grads(dx, [*d_params, *dws], spec.grad_groups)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

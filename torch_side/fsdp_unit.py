@@ -50,13 +50,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bridge.shared import SharedTensor
+from bridge.unit_targets import GradTarget
 from common import trace
 from common.formats import Plane
 from torch_side.collectives import Phase
 from torch_side.fsdp_state import FSDPState
 from torch_side.param_group import ParamGroup
 
-__all__ = ["FSDPUnit", "GradCheck", "MXFP8Planes", "ParamShare", "TrainingState", "check_finite"]
+__all__ = [
+    "FSDPUnit", "GradCheck", "GroupGradSink", "MXFP8Planes", "ParamShare", "TrainingState",
+    "check_finite",
+]
 
 TRACK = "compute: units"  # trace track of each unit's forward / backward (host view)
 
@@ -91,6 +95,10 @@ class MXFP8Planes:
         self.group.unshard([Plane.COLWISE], Phase.BACKWARD)
         return self.group.plane_views(self.index, Plane.COLWISE)
 
+    def grad_target(self) -> GradTarget | None:
+        """Where a unit program puts this weight's gradient (its group's grad bucket)."""
+        return self.unit.grad_sink(self.group).target(self.index)
+
     def shared(self, plane: Plane):
         """The plane inside the group's buffers shared with JAX (``bridge.shared.SharedPlane``):
         the bridge op reads it without a per-layer crossing."""
@@ -102,6 +110,29 @@ class MXFP8Planes:
         return self.group.shared_plane(self.index, plane)
 
 
+class GroupGradSink:
+    """Where a unit program hands one group's gradients (``bridge.units.GradTarget``): laid out
+    as the group's grad bucket, added in one go (``GradReducer.stage_flat``) and counted as
+    that many staged gradients -- what the per-parameter hooks do one parameter at a time."""
+
+    def __init__(self, unit: FSDPUnit, group: ParamGroup):
+        self.unit, self.group = unit, group
+
+    def target(self, index: int) -> GradTarget | None:
+        g = self.group
+        if g.grads is None:
+            return None
+        return GradTarget(self, g.layout.padded_numel, g.grads.comm_dtype,
+                          g.layout.slots[index].start)
+
+    def stage_segment(self, flat: torch.Tensor, n: int) -> None:
+        if self.unit.grad_check is GradCheck.FINITE and not torch.isfinite(flat).all():
+            for e, s in zip(self.group.entries, self.group.layout.slots, strict=True):
+                check_finite(e.name, flat[s.start : s.end])
+        self.group.grads.stage_flat(flat)
+        self.unit.count_staged(n)
+
+
 class ParamShare:
     """A high-precision parameter of a unit inside its group's weights buffer, shared with JAX
     (``bridge.shared.SharedTensor``) for the unit programs (``bridge.units``); gathered lazily
@@ -109,6 +140,10 @@ class ParamShare:
 
     def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
         self.unit, self.group, self.index = unit, group, index
+
+    def grad_target(self) -> GradTarget | None:
+        """Where a unit program puts this parameter's gradient (its group's grad bucket)."""
+        return self.unit.grad_sink(self.group).target(self.index)
 
     def shared_tensor(self):
         phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
@@ -165,6 +200,7 @@ class FSDPUnit:
         self.state = TrainingState.IDLE
         self._pending = 0
         self._span = None  # the trace interval of this unit's forward or backward
+        self._sinks: dict[str, GroupGradSink] = {}  # grad_sink(), per group label
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
         # Gradients of expert parameters may not arrive on every rank: reduce when backward
         # leaves the unit (or at the end), never when the count of gradients completes.
@@ -259,13 +295,24 @@ class FSDPUnit:
             if self.grad_check is GradCheck.FINITE:
                 check_finite(group.entries[index].name, grad)
             group.grads.stage(index, grad)
-            if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
-                self.state, self._pending = TrainingState.BACKWARD, self._grad_params
-            self._pending -= 1
-            if self._pending == 0 and not self.reduce_on_exit:
-                self.post_backward()
+            self.count_staged(1)
 
         return hook
+
+    def count_staged(self, n: int) -> None:
+        """``n`` more gradients of this unit are staged; the last one reduces the unit."""
+        if self.state is not TrainingState.BACKWARD:  # no output hook ran (e.g. no_grad out)
+            self.state, self._pending = TrainingState.BACKWARD, self._grad_params
+        self._pending -= n
+        if self._pending == 0 and not self.reduce_on_exit:
+            self.post_backward()
+
+    def grad_sink(self, group: ParamGroup) -> GroupGradSink:
+        """The sink unit programs hand ``group``'s gradients to (one per group)."""
+        sink = self._sinks.get(group.label)
+        if sink is None:
+            sink = self._sinks[group.label] = GroupGradSink(self, group)
+        return sink
 
     def post_backward(self) -> None:
         """Reduce this micro-batch's gradients into the main grads (asynchronously under

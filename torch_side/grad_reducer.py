@@ -86,6 +86,18 @@ class GradReducer:
         s = self.layout.slots[index]
         bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
 
+    def stage_flat(self, flat: torch.Tensor) -> None:
+        """Add gradients already laid out as the bucket (``padded_numel`` elements of the comm
+        dtype, zeros where nothing is staged: a unit program's ``GradGroup``) in one add."""
+        bucket = self._bucket()
+        if flat.shape != bucket.shape or flat.dtype != bucket.dtype:
+            raise ValueError(
+                f"GradReducer {self.label!r}: a flat gradient buffer must match the grad bucket "
+                f"({tuple(bucket.shape)}, {bucket.dtype}); got ({tuple(flat.shape)}, "
+                f"{flat.dtype})"
+            )
+        bucket.add_(flat)
+
     def reduce(self, async_op: bool = False) -> None:
         """Average the staged gradients over the DP group into ``main_grad`` (accumulating)
         and free the bucket (module note); with ``async_op`` the add happens at ``settle``."""

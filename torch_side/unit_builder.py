@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bridge.unit_targets import SPECS_CACHE
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
@@ -169,6 +170,8 @@ def install_plane_hooks(units: list[FSDPUnit]) -> list:
     ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from."""
     handles = []
     for unit in units:
+        for m in unit.module.modules():  # unit programs made before read no FSDP sources
+            m.__dict__.pop(SPECS_CACHE, None)
         for g in unit.groups:
             placeholder = g.codec.param_storage is ParamStorage.PLACEHOLDER
             for i, e in enumerate(g.entries):

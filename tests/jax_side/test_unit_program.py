@@ -75,3 +75,43 @@ def test_the_kept_backward_equals_the_recompute_backward(given):
                            list(LINEARS.values()), spec.dw_dtypes)
     assert packed.shape == (layout.nbytes,)
     assert np.array_equal(np.asarray(out), np.asarray(U.unit_apply(params, rows, x, (), spec=spec)))
+
+
+def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
+    """``UnitSpec.grad_groups``: the grouped gradients come as one flat buffer per group (cast
+    to its dtype, at their starts, zeros between and after), the others as before."""
+    spec, params, weights, x = _inputs()
+    planes = [quantize_weight(w) for w in weights]
+    rows = tuple(p.only(Plane.ROWWISE) for p in planes)
+    cols = tuple(p.only(Plane.COLWISE) for p in planes)
+    dout = jnp.ones_like(x)
+    d = TINY.d_model
+    # parameters 1 and 0 (LayerNorm 1's bias and weight) and MXFP8 weight 1 (attn.proj) in a
+    # bf16 buffer, out of order and with gaps; the rest stay alone
+    group = U.GradGroup(2 * d + d * d + 64, "bfloat16", ((1, 0), (0, d + 32), (4 + 1, 2 * d + 64)))
+    grouped = spec._replace(grad_groups=(group,))
+
+    def run(s):
+        _, saved = U.unit_forward(params, rows, x, (), spec=s)
+        kept = saved.forwarded.kept(params, rows, x, ())
+        return np.asarray(U.unit_backward(saved, kept, dout, cols, spec=s))
+
+    plain, packed = run(spec), run(grouped)
+    shapes = ([p.shape for p in params], ["float32"] * 4, list(LINEARS.values()), spec.dw_dtypes)
+    lp = U.grad_layout(x.shape, x.dtype, *shapes)
+    lg = U.grad_layout(x.shape, x.dtype, *shapes, groups=(group,))
+
+    def cut(raw, seg):
+        start, shape, dtype = seg
+        n = int(np.prod(shape)) * np.dtype(jnp.dtype(dtype)).itemsize
+        return raw[start:start + n].view(jnp.dtype(dtype)).reshape(shape)
+
+    grads = [cut(plain, s) for s in (*lp.params, *lp.mxfp8)]
+    want = np.zeros(group.numel, jnp.bfloat16)
+    for i, start in group.slots:
+        g = grads[i].reshape(-1).astype(jnp.bfloat16)
+        want[start:start + g.size] = g
+    assert lg.params[0] is None and lg.params[1] is None and lg.mxfp8[1] is None
+    assert np.array_equal(cut(packed, lg.groups[0]).view(np.uint16), want.view(np.uint16))
+    for a, b in ((lp.dx, lg.dx), (lp.params[2], lg.params[2]), (lp.mxfp8[0], lg.mxfp8[0])):
+        assert np.array_equal(cut(plain, a), cut(packed, b))
