@@ -26,8 +26,10 @@ tokens/s, host time per step (until the step function returns, before the GPU sy
 time per step (kernel time of one warm step in torch.profiler, which sees XLA's kernels too), the
 exposed communication of that step (NCCL kernel time during which no other kernel ran), peak
 GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
-the collective calls, the distributed-quantization time, bridge crossings per step and their host
-time, and the ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
+the collective calls, the distributed-quantization time (the refresh after the optimizer step:
+on CUDA the GPU time between events around it, read after the step, so the step itself never
+waits for the GPU; host time on the CPU), bridge crossings per step and their host time, and the
+ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
 top costs.
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
@@ -155,14 +157,21 @@ def _build(run, cfg, args):
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
     fsdp = fully_shard(model, unit_modules=(Block,), policy=policy, overlap=overlap)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
-    timing = {"requant_s": 0.0}
+    timing = {"requant_s": 0.0, "events": []}
     refresh = fsdp.refresh_model_weights
 
     def timed_refresh():
-        _sync(args.device)
+        # CUDA: events around the refresh, read after the step (no sync inside the step, which
+        # would make the host wait for the GPU and count that wait as host time); CPU: host time
+        if args.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            refresh()
+            end.record()
+            timing["events"].append((start, end))
+            return
         t0 = time.perf_counter()
         refresh()
-        _sync(args.device)
         timing["requant_s"] += time.perf_counter() - t0
 
     fsdp.refresh_model_weights = timed_refresh  # FSDPOptimizer.step calls it after the update
@@ -264,6 +273,9 @@ def _run_one(run, cfg, args, rank) -> RunResult:
                 returned = time.perf_counter()
                 _sync(args.device)
             dt = time.perf_counter() - t0
+            if timing is not None:  # (synced above: the refresh's CUDA events are complete)
+                timing["requant_s"] += sum(a.elapsed_time(b) for a, b in timing["events"]) / 1e3
+                timing["events"].clear()
             if stats is not None:
                 crossings = stats if crossings is None else _add(crossings, stats)
             if first is None:

@@ -16,22 +16,24 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def host_us(fn, n: int = 30, warm: int = 5, sync=None) -> float:
-    """Median host time of fn() in us (a sync every 10 calls keeps the GPU queue short)."""
+def host_us(fn, n: int = 30, warm: int = 5, sync=None, clock=time.perf_counter) -> float:
+    """Median host time of fn() in us (a sync every 10 calls keeps the GPU queue short);
+    ``clock=time.thread_time``: the calling thread's CPU time instead."""
     for _ in range(warm):
         fn()
     if sync:
         sync()
     times = []
     for i in range(n):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
         if sync and i % 10 == 9:
             sync()
     return statistics.median(times) * 1e6
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--pyprofile", type=int, default=0)
     p.add_argument("--ab", action="store_true",
                    help="only the step, gradients through the per-parameter hooks (A) against "
-                        "the unit programs' grad-bucket sinks (B), interleaved")
+                        "the unit programs' grad-bucket sinks (B), and B with Python's cyclic "
+                        "garbage collector off during the step (C), interleaved")
     args = p.parse_args(argv)
     from torch_side.launch import run_local_ranks
 
@@ -86,6 +89,10 @@ def _rank(args) -> None:
         print(f"step {label}: host {1e3 * statistics.median(host):.1f} ms, step "
               f"{1e3 * statistics.median(total):.1f} ms", flush=True)
         model.__dict__.pop("refresh_model_weights", None)  # the class's own from now on
+    import threading
+
+    print(f"threads: {threading.active_count()} Python, switch interval "
+          f"{sys.getswitchinterval() * 1e3:.1f} ms", flush=True)
     # each unit program call's host time inside the step, by program
     per: dict = {}
     real_roc0, real_run_in0 = BU.run_or_compile, BU.run_in
@@ -93,10 +100,11 @@ def _rank(args) -> None:
     def timed_call(real):
         def call(*a, **static):
             fn = a[0] if real is real_roc0 else a[1]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = real(*a, **static)
             key = (fn.__name__, static["spec"].fn.__class__.__name__)
-            per.setdefault(key, []).append(time.perf_counter() - t0)
+            per.setdefault(key, []).append(
+                (time.perf_counter() - t0, time.thread_time() - c0))
             return out
         return call
 
@@ -106,8 +114,11 @@ def _rank(args) -> None:
     sync()
     BU.run_or_compile, BU.run_in = real_roc0, real_run_in0
     for key, ts in per.items():
-        print(f"in the step, {key}: {1e6 * statistics.median(ts):.0f} us median, "
-              f"{1e6 * max(ts):.0f} max over {len(ts)} calls", flush=True)
+        wall = [w for w, _ in ts]
+        cpu = [c for _, c in ts]
+        print(f"in the step, {key}: {1e6 * statistics.median(wall):.0f} us median, "
+              f"{1e6 * max(wall):.0f} max over {len(ts)} calls; this thread's CPU time "
+              f"{1e6 * statistics.median(cpu):.0f} us median (the rest it waited)", flush=True)
     captured = {}
     real_roc, real_run_in = BU.run_or_compile, BU.run_in
 
@@ -147,7 +158,9 @@ def _replay(name, block, fn, a, static, args, sync) -> None:
     leaves_out = jax.tree.leaves(fn(*a, **static))
     print(f"\n=== {name} ({block}): {len(leaves_in)} leaves in, {len(leaves_out)} out",
           flush=True)
-    print(f"jit call as the step makes it: {host_us(lambda: fn(*a, **static), sync=sync):.0f} us")
+    print(f"jit call as the step makes it: {host_us(lambda: fn(*a, **static), sync=sync):.0f} us"
+          f" (this thread's CPU time: "
+          f"{host_us(lambda: fn(*a, **static), sync=sync, clock=time.thread_time):.0f} us)")
     compiled = fn.lower(*a, **static).compile()
     print(f"AOT compiled call: {host_us(lambda: compiled(*a), sync=sync):.0f} us")
     flat = jax.jit(lambda *xs: jax.tree.leaves(fn(*jax.tree.unflatten(treedef, xs), **static)))
@@ -184,9 +197,21 @@ def _plain_step(args, cfg, sinks: bool):
 
 
 def _ab(args, cfg, sync) -> None:
+    import gc
+
     from benchmarks import bench_train_step as B
 
-    runs = {"A hooks": _plain_step(args, cfg, False), "B sinks": _plain_step(args, cfg, True)}
+    sinks = _plain_step(args, cfg, True)
+
+    def without_gc(*batch, _step=sinks[1]):
+        gc.disable()
+        try:
+            return _step(*batch)
+        finally:
+            gc.enable()
+
+    runs = {"A hooks": _plain_step(args, cfg, False), "B sinks": sinks,
+            "C sinks, Python's cyclic GC off during the step": (sinks[0], without_gc)}
     res = {k: ([], []) for k in runs}
     for rnd in range(4):
         for name, (_, step) in runs.items():
