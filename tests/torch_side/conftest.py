@@ -39,19 +39,50 @@ SLOW_REGISTRY: dict[str, tuple[int, ...]] = {
 }
 
 
+def _names(world_size: int, slow: bool) -> list[str]:
+    registry = SLOW_REGISTRY if slow else REGISTRY
+    return [n for n, sizes in registry.items() if world_size in sizes]
+
+
 @pytest.fixture(scope="session")
-def spawned():
-    """``spawned(world_size, slow)[case_name] -> CaseOutcome``, computed on first use."""
+def spawned(request):
+    """``spawned(world_size, slow)[case_name] -> CaseOutcome``, computed on first use. When the
+    session's tests read both the fast and the slow cases of a world size (``make test-all``),
+    both lists run in one spawn of that world (fast cases first): one start-up instead of two."""
     cache: dict[tuple[int, bool], dict[str, CaseOutcome]] = {}
+    needed = _worlds_needed(request.session.items)
 
     def get(world_size: int, slow: bool = False) -> dict[str, CaseOutcome]:
         if (world_size, slow) not in cache:
-            registry = SLOW_REGISTRY if slow else REGISTRY
-            names = [n for n, sizes in registry.items() if world_size in sizes]
-            cache[world_size, slow] = run_cases(world_size, names)
+            if {(world_size, False), (world_size, True)} <= needed:
+                fast, slow_names = _names(world_size, False), _names(world_size, True)
+                both = run_cases(world_size, fast + slow_names)
+                cache[world_size, False] = {n: both[n] for n in fast}
+                cache[world_size, True] = {n: both[n] for n in slow_names}
+            else:
+                cache[world_size, slow] = run_cases(world_size, _names(world_size, slow))
         return cache[world_size, slow]
 
     return get
+
+
+def _worlds_needed(items) -> set[tuple[int, bool]]:
+    """(world size, slow) of every case the collected tests read (where it resolves statically)."""
+    needed = set()
+    for item in items:
+        fn = getattr(item, "function", None)
+        if fn is None or "spawned" not in getattr(item, "fixturenames", ()):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for args in _check_case_calls(fn):
+            try:
+                module, case, world_size = (_value(a, params, item.module.__dict__)
+                                            for a in args[1:])
+            except (KeyError, AttributeError):
+                continue
+            name = f"{module.__name__}:{case.__name__}"
+            needed.add((world_size, world_size in SLOW_REGISTRY.get(name, ())))
+    return needed
 
 
 @functools.cache
