@@ -243,9 +243,13 @@ def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], _Sinks]:
     program lays each group out as the sink's flat buffer (``U.GradGroup``)."""
     owners = [(p.owner, p.local, p.param) for p in layout.params]
     owners += [(lin, "weight", lin.weight) for _, lin in layout.linears]
+    uses: dict[int, int] = {}
+    for _, _, param in owners:
+        uses[id(param)] = uses.get(id(param), 0) + 1
     by_sink: dict[int, list] = {}
     for i, (owner, local, param) in enumerate(owners):
-        t = _grad_target(owner, local, param)
+        # (a parameter the unit reads under two names keeps autograd's path, which sums them)
+        t = _grad_target(owner, local, param) if uses[id(param)] == 1 else None
         if t is None:
             continue
         entry = by_sink.setdefault(id(t.sink), [t.sink, t.numel, t.dtype, []])
