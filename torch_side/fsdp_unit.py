@@ -13,7 +13,9 @@ Lifecycle of a unit in one iteration (``TrainingState``):
 - post-accumulate-grad hook of each parameter: stage its gradient in the group's grad bucket
   (``param.grad`` is taken first, so it is cleared even when ``GradCheck.FINITE`` raises); when
   the unit's last gradient arrives (post-backward): reduce(-scatter) into the main grads and
-  reshard. The final callback (``FSDPState.finish_backward``) does the same for units whose
+  reshard. A unit program (``bridge.units``) hands a group's gradients over at once instead,
+  laid out as the grad bucket (``GroupGradSink``: one add, counted as that many gradients).
+  The final callback (``FSDPState.finish_backward``) does the same for units whose
   parameters got no gradient.
 
 Every rank must issue the same collectives in the same order, whatever tokens it routed: the
@@ -111,9 +113,9 @@ class MXFP8Planes:
 
 
 class GroupGradSink:
-    """Where a unit program hands one group's gradients (``bridge.units.GradTarget``): laid out
-    as the group's grad bucket, added in one go (``GradReducer.stage_flat``) and counted as
-    that many staged gradients -- what the per-parameter hooks do one parameter at a time."""
+    """Where a unit program hands one group's gradients (``bridge.unit_targets.GradTarget``):
+    laid out as the group's grad bucket, added in one go (``GradReducer.stage_flat``) and
+    counted as that many staged gradients -- what the per-parameter hooks do one at a time."""
 
     def __init__(self, unit: FSDPUnit, group: ParamGroup):
         self.unit, self.group = unit, group
