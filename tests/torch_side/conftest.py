@@ -27,7 +27,8 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 
 # Every case module registers {"module:function": world sizes}; a world size is spawned once and
 # runs all of its cases. SLOW_CASES (tests marked slow) run in a second spawn of their world, so
-# `make test` (-m "not slow") never pays for them.
+# `make test` (-m "not slow") never pays for them; when the session reads both lists of a world
+# (`make test-all`), they share one spawn (``spawned``).
 _MODULES = (
     cases_collective_check, cases_exceptions, cases_grad_clip, cases_grad_norm, cases_init_sync,
     cases_instruments, cases_overlap,
