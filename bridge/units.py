@@ -67,10 +67,8 @@ from jax_side import unit_program as U
 from jax_side.models.gpt_math import GPTBlockFn, GPTHeadFn
 
 __all__ = [
-    "SPECS_CACHE",
     "GPTBlockFn",
     "GPTHeadFn",
-    "GradTarget",
     "register_unit", "registered_fn", "run_unit", "set_compute", "unit_modules"]
 
 _REGISTRY: dict[type, Callable[[nn.Module], Callable]] = {}
@@ -189,14 +187,6 @@ def _plane_input(lin: MXFP8Linear, plane: Plane):
     return _share(lin.weight) if plane is Plane.ROWWISE else None
 
 
-class _Sinks(NamedTuple):
-    """The gradient sinks of a unit call, in ``UnitSpec.grad_groups`` order, with how many
-    gradients each receives, and which gradients (parameters, then MXFP8 weights) they take."""
-
-    sinks: tuple[tuple[object, int], ...]
-    grouped: frozenset[int]
-
-
 class _Call(NamedTuple):
     """One unit call: what the autograd op needs besides tensors."""
 
@@ -204,7 +194,7 @@ class _Call(NamedTuple):
     spec: U.UnitSpec
     n_aux: int
     recompute: bool
-    sinks: _Sinks
+    sinks: tuple[tuple[object, int], ...]  # (sink, gradients it takes), grad_groups order
 
 
 def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device):
@@ -238,18 +228,14 @@ def _grad_target(owner: nn.Module, local: str, param: nn.Parameter) -> GradTarge
     return target() if target is not None and param.requires_grad else None
 
 
-def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], _Sinks]:
+def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], tuple[tuple[object, int], ...]]:
     """Gradients whose FSDP source names a target (``GradTarget``), grouped by sink: the
     program lays each group out as the sink's flat buffer (``U.GradGroup``)."""
     owners = [(p.owner, p.local, p.param) for p in layout.params]
     owners += [(lin, "weight", lin.weight) for _, lin in layout.linears]
-    uses: dict[int, int] = {}
-    for _, _, param in owners:
-        uses[id(param)] = uses.get(id(param), 0) + 1
-    by_sink: dict[int, list] = {}
+    by_sink: dict[int, list] = {}  # (FSDP refuses tied parameters: no slot is targeted twice)
     for i, (owner, local, param) in enumerate(owners):
-        # (a parameter the unit reads under two names keeps autograd's path, which sums them)
-        t = _grad_target(owner, local, param) if uses[id(param)] == 1 else None
+        t = _grad_target(owner, local, param)
         if t is None:
             continue
         entry = by_sink.setdefault(id(t.sink), [t.sink, t.numel, t.dtype, []])
@@ -258,9 +244,7 @@ def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], _Sinks]:
         entry[3].append((i, t.start))
     groups = tuple(U.GradGroup(numel, _jax_name(dtype), tuple(slots))
                    for _, numel, dtype, slots in by_sink.values())
-    sinks = tuple((sink, len(slots)) for sink, _, _, slots in by_sink.values())
-    grouped = frozenset(i for *_, slots in by_sink.values() for i, _ in slots)
-    return groups, _Sinks(sinks, grouped)
+    return groups, tuple((sink, len(slots)) for sink, _, _, slots in by_sink.values())
 
 
 def _kernels(layout: _Layout, module: nn.Module):
@@ -331,7 +315,7 @@ class _UnitFn(torch.autograd.Function):
                 packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols,
                                 spec=call.spec)
         grads, segments = _unpack(_result(packed, dout.device), ctx)
-        for (sink, n), segment in zip(call.sinks.sinks, segments, strict=True):
+        for (sink, n), segment in zip(call.sinks, segments, strict=True):
             sink.stage_segment(segment, n)  # FSDP's grad bucket: one add per group
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
 

@@ -93,32 +93,3 @@ def test_a_flat_gradient_buffer_of_another_shape_is_refused(single_rank_world):
         g.grads.stage_flat(torch.zeros(n + 1, dtype=g.grads.comm_dtype))
     g.grads.drop()
 
-
-def test_a_parameter_read_under_two_names_keeps_autograds_path():
-    """A unit that reads one parameter through two modules gets autograd's sum for it (the
-    program would otherwise lay two gradients over one slot); the others still go to the sink."""
-    from torch import nn
-
-    from bridge import units as BU
-    from bridge.unit_targets import GradTarget
-
-    sink = object()
-
-    class Source:
-        def __init__(self, start):
-            self.start = start
-
-        def grad_target(self):
-            return GradTarget(sink, 64, torch.float32, self.start)
-
-    a, b = nn.LayerNorm(8), nn.LayerNorm(8)
-    b.weight = a.weight  # tied
-    block = nn.Sequential(a, b)
-    a.fsdp_sources = {"weight": Source(0), "bias": Source(16)}
-    b.fsdp_sources = {"weight": Source(0), "bias": Source(32)}
-    layout = BU._find_layout(block, None)
-    groups, sinks = BU._grad_groups(layout)
-    names = [p.name for p in layout.params]
-    grouped = {names[i] for i in sinks.grouped}
-    assert grouped == {"0.bias", "1.bias"}, (names, grouped)
-    assert sinks.sinks == ((sink, 2),) and groups[0].numel == 64
