@@ -48,6 +48,7 @@ returns zeros, like the per-linear op.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -59,7 +60,7 @@ from bridge.dlpack import to_jax
 from bridge.dtypes import torch_dtype_for
 from bridge.linear import MXFP8Linear, _result, _share, resolve_for
 from bridge.shared import to_flat_plane, to_flat_tensor
-from bridge.unit_targets import SPECS_CACHE, GradTarget
+from bridge.unit_targets import SPAN_PENDING, SPECS_CACHE, UNIT_SPAN, GradTarget
 from common import trace
 from common.formats import Plane
 from common.modes import Compute, LinearMode
@@ -106,9 +107,78 @@ def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = F
         m.__dict__.pop("forward", None)  # back to the class's forward
         if compute is Compute.UNIT:  # the function is asked for at each call (device moves)
             m.forward = types.MethodType(
-                lambda self, x: run_unit(self, registered_fn(self), x, recompute=recompute), m
+                lambda self, x: _block_forward(self, x, recompute), m
             )
     return len(mods)
+
+
+# ------------------------------------------------ several blocks, one program (an FSDP unit)
+
+
+
+class _SpanRun:
+    """One span program call: the members still to be called on its output."""
+
+    def __init__(self, members: tuple[nn.Module, ...]):
+        self.names = tuple(type(m).__name__ for m in members)
+        self.out = lambda: None  # weakref to the program's output once it ran
+        self.waiting = {id(m) for m in members[1:]}
+
+    def check_done(self) -> None:
+        """Raise when a block of the unit was not called on the program's output."""
+        if self.waiting:
+            raise RuntimeError(
+                f"unit compute: a unit program ran the {len(self.names)} blocks of one FSDP "
+                f"unit ({' -> '.join(self.names)}) when its first block was called, but "
+                f"{len(self.waiting)} of the others were not called on its output before this "
+                f"backward, so the forward applied blocks the model did not call. Call a "
+                f"unit's blocks in order, each on the previous one's output (as a block loop "
+                f"does), list blocks the model may skip as units of their own in "
+                f"unit_modules, or run with Compute.OP"
+            )
+
+
+def _span_of(block: nn.Module) -> tuple[nn.Module, ...] | None:
+    """The modules of ``block``'s FSDP unit when they are several registered blocks."""
+    span = block.__dict__.get(UNIT_SPAN)
+    if span is None or any(registered_fn(m) is None for m in span):
+        return None
+    return span
+
+
+def _block_forward(block: nn.Module, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """A registered block's forward under ``Compute.UNIT``: its own unit program; or, when it
+    is the first of an FSDP unit of several blocks (``UNIT_SPAN``), one program for all of
+    them, which the unit's later blocks then pass on (they must be called in order on it)."""
+    span = _span_of(block) if torch.is_grad_enabled() else None
+    if span is None:  # (without gradients each block runs alone: nothing to check later)
+        return run_unit(block, registered_fn(block), x, recompute=recompute)
+    if span[0] is block:
+        prev = block.__dict__.get(SPAN_PENDING)
+        if prev is not None and prev.out() is not None:
+            prev.check_done()  # the previous forward skipped one of them (FSDP drops the
+            # record of a forward an exception aborted: FSDPUnit.abort)
+        fn = U.SpanFn(tuple(registered_fn(m) for m in span))
+        run_ = _SpanRun(span)
+        y = _run(block, fn, x, (), recompute, span=span, span_run=run_)
+        run_.out = weakref.ref(y)
+        for m in span:
+            m.__dict__[SPAN_PENDING] = run_
+        return y
+    run_ = block.__dict__.pop(SPAN_PENDING, None)
+    if run_ is None or id(block) not in run_.waiting or run_.out() is not x:
+        where = next(i for i, m in enumerate(span) if m is block)
+        how = ("without the unit's first block called before it" if run_ is None
+               else "on another tensor than that program's output")
+        raise RuntimeError(
+            f"unit compute: this {type(block).__name__} is block {where} of an FSDP unit of "
+            f"{len(span)} blocks, whose one unit program runs them all when the first is "
+            f"called; it was called {how}. Call a unit's blocks in order, each on the previous "
+            f"one's output (as a block loop does), make it a unit of its own in unit_modules, "
+            f"or run with Compute.OP"
+        )
+    run_.waiting.discard(id(block))
+    return x
 
 
 # ------------------------------------------------------------------ what a unit reads (cached)
@@ -140,9 +210,16 @@ def _walk(module: nn.Module, parts: Sequence[str] | None):
             yield (f"{part}.{name}" if name else part), m
 
 
-def _find_layout(module: nn.Module, parts: Sequence[str] | None) -> _Layout:
+def _walk_span(span: tuple[nn.Module, ...]):
+    """A span's modules, named ``<i>.<name>`` by their place in it (``jax_side``'s ``SpanFn``)."""
+    for i, member in enumerate(span):
+        for name, m in member.named_modules():
+            yield (f"{i}.{name}" if name else str(i)), m
+
+
+def _find_layout(module: nn.Module, parts: Sequence[str] | None, span=None) -> _Layout:
     params, linears, hp_linears = [], [], []
-    for mname, mod in _walk(module, parts):
+    for mname, mod in (_walk(module, parts) if span is None else _walk_span(span)):
         mx = isinstance(mod, MXFP8Linear)
         if mx and mod.bias is not None:
             raise ValueError(
@@ -195,16 +272,18 @@ class _Call(NamedTuple):
     n_aux: int
     recompute: bool
     sinks: tuple[tuple[object, int], ...]  # (sink, gradients it takes), grad_groups order
+    span_run: _SpanRun | None = None  # a span's call: its later blocks must have passed it on
 
 
-def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device):
+def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device, span=None):
     """The unit's layout, program spec and gradient sinks, made once per (parts, function,
     device) and cached on the module: the per-call path only looks them up (a unit call is on
-    the host-bound path). ``torch_side`` drops the cache when it (re)installs FSDP sources."""
+    the host-bound path). ``torch_side`` drops the cache when it (re)installs FSDP sources
+    (and with it the span: a span's layout lives only here, keyed on its first module)."""
     cache = module.__dict__.setdefault(SPECS_CACHE, {})
-    key = (None if parts is None else tuple(parts), fn, device)
+    key = (None if parts is None else tuple(parts), fn, device, span is not None)
     if key not in cache:
-        layout = _layout(module, parts)
+        layout = _layout(module, parts) if span is None else _find_layout(module, None, span)
         groups, sinks = _grad_groups(layout)
         cache[key] = layout, _spec(fn, layout, device, _kernels(layout, module), groups), sinks
     return cache[key]
@@ -297,6 +376,8 @@ class _UnitFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         call = ctx.call
+        if call.span_run is not None:
+            call.span_run.check_done()
         cols = tuple(_plane_input(lin, Plane.COLWISE) for _, lin in call.layout.linears)
         dj = _share(dout)
         if call.recompute:
@@ -367,11 +448,16 @@ def run_unit(
     ``parts``) as one JAX program per direction (module docstring). x: the activations
     (contiguous where possible: one Torch-side copy otherwise); aux: further non-differentiable
     tensors (e.g. targets)."""
-    layout, spec, sinks = _layout_and_spec(module, fn, parts, x.device)
+    return _run(module, fn, x, aux, recompute, parts=parts)
+
+
+def _run(module, fn, x, aux, recompute, *, parts=None, span=None, span_run=None):
+    layout, spec, sinks = _layout_and_spec(module, fn, parts, x.device, span)
     if not torch.is_grad_enabled():
         params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False, sinks), x, aux)
         return _result(run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec), x.device)
     # (parameters whose gradients go to a sink stay inputs -- the output takes gradients as
     # before -- and get None from the backward)
     tensors = [p.param for p in layout.params] + [lin.weight for _, lin in layout.linears]
-    return _UnitFn.apply(_Call(layout, spec, len(aux), recompute, sinks), x, *aux, *tensors)
+    call = _Call(layout, spec, len(aux), recompute, sinks, span_run)
+    return _UnitFn.apply(call, x, *aux, *tensors)

@@ -61,6 +61,7 @@ __all__ = [
     "GradGroup",
     "GradLayout",
     "Saved",
+    "SpanFn",
     "UnitSpec",
     "grad_layout",
     "unit_apply",
@@ -112,6 +113,22 @@ class UnitSpec(NamedTuple):
     dw_dtypes: tuple[str, ...]  # dtype of each MXFP8 linear's dW (its Torch weight's dtype)
     kernels: ResolvedKernels
     grad_groups: tuple[GradGroup, ...] = ()  # gradients returned in flat buffers (GradGroup)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanFn:
+    """The unit function of several unit functions applied in order, as one program (an FSDP
+    unit of several blocks): function ``i`` reads the parameters and linears named
+    ``<i>.<name>`` as ``<name>``, each takes the previous one's output."""
+
+    fns: tuple[Callable, ...]
+
+    def __call__(self, params, linear, x):
+        for i, fn in enumerate(self.fns):
+            pre = f"{i}."
+            own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+            x = fn(own, lambda name, h, pre=pre: linear(pre + name, h), x)
+        return x
 
 
 class GradLayout(NamedTuple):

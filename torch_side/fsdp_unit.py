@@ -1,5 +1,10 @@
 """``FSDPUnit``: one module's parameter groups and the hooks that unshard, reshard and reduce.
 
+A unit may also be several modules (a ``unit_modules`` list, ``unit_builder``): its pre-hook is
+on the first, its post-hook on the last, so the model is expected to call them in that order
+(a transformer's block loop). A member called out of that order still reads correct weights (a
+plane asked for outside the hooks is gathered lazily, below), only with an extra gather.
+
 Lifecycle of a unit in one iteration (``TrainingState``):
 
 - forward pre-hook: unshard the forward planes (MXFP8: rowwise; high precision: the weights).
@@ -52,7 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bridge.shared import SharedTensor
-from bridge.unit_targets import GradTarget
+from bridge.unit_targets import SPAN_PENDING, GradTarget
 from common import trace
 from common.formats import Plane
 from torch_side.collectives import Phase
@@ -189,15 +194,18 @@ def check_finite(name: str, grad: torch.Tensor) -> None:
 
 
 class FSDPUnit:
+    """One unit: the groups of the parameters under ``modules`` (one module, or several that
+    form one unit: unsharded when the first runs, resharded after the last one returns)."""
+
     def __init__(
         self,
         name: str,
-        module: nn.Module,
+        modules: tuple[nn.Module, ...],
         groups: list[ParamGroup],
         fsdp: FSDPState,
         grad_check: GradCheck = GradCheck.OFF,
     ):
-        self.name, self.module, self.groups, self.fsdp = name, module, groups, fsdp
+        self.name, self.modules, self.groups, self.fsdp = name, tuple(modules), groups, fsdp
         self.grad_check = grad_check
         self.state = TrainingState.IDLE
         self._pending = 0
@@ -210,8 +218,8 @@ class FSDPUnit:
             g.key.dp_group == "expert_dp" and g.key.requires_grad for g in groups
         )
         self._handles = [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward),
+            self.modules[0].register_forward_pre_hook(self._pre_forward),
+            self.modules[-1].register_forward_hook(self._post_forward),
         ]
         for g in groups:
             if g.key.requires_grad:
@@ -219,6 +227,11 @@ class FSDPUnit:
                     self._handles.append(
                         e.param.register_post_accumulate_grad_hook(self._make_grad_hook(g, i))
                     )
+
+    @property
+    def module(self) -> nn.Module:
+        """The unit's module (the first of a unit of several)."""
+        return self.modules[0]
 
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -352,6 +365,8 @@ class FSDPUnit:
             g.reshard()
             for e in g.entries:
                 e.param.grad = None
+        for m in self.modules:  # an aborted forward's unit program call (bridge.units)
+            m.__dict__.pop(SPAN_PENDING, None)
         self.state, self._pending = TrainingState.IDLE, 0
 
     def remove_hooks(self) -> None:

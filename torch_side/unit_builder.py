@@ -1,7 +1,11 @@
 """Building FSDP units from a module: which parameters each unit owns and how they are grouped.
 
 Units: every module in ``unit_modules`` (module types or instances) becomes a unit owning the
-parameters under it that no nested unit owns; the root unit owns the rest. Inside a unit,
+parameters under it that no nested unit owns; the root unit owns the rest. An entry that is a
+list or tuple of module instances makes them **one** unit (PyTorch FSDP2's
+``fully_shard([m1, m2])``): one gather and one reduction for all of them, unsharded when its first
+module runs and resharded after its last one (``FSDPUnit``); under ``Compute.UNIT`` such a unit of
+registered blocks runs as one unit program per direction (``bridge.units``). Inside a unit,
 parameters are grouped by ``GroupKey`` = (device, weight format, requires_grad, DP group), so
 parameters of different formats never share a group; each group gets the codec of its format
 (``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Which format a
@@ -22,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge.unit_targets import SPECS_CACHE
+from bridge.unit_targets import SPAN_PENDING, SPECS_CACHE, UNIT_SPAN
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
@@ -35,7 +39,7 @@ from torch_side.weight_codecs import ParamStorage, codec_for
 
 __all__ = ["ModuleSpec", "UnitConfig", "build_units", "install_plane_hooks"]
 
-ModuleSpec = Sequence[type[nn.Module] | nn.Module]
+ModuleSpec = Sequence[type[nn.Module] | nn.Module | Sequence[nn.Module]]
 
 
 class UnitConfig(NamedTuple):
@@ -51,6 +55,10 @@ class UnitConfig(NamedTuple):
 
 def _matches(module: nn.Module, spec: ModuleSpec) -> bool:
     return any(module is s or (isinstance(s, type) and isinstance(module, s)) for s in spec)
+
+
+def _is_list(entry) -> bool:
+    return isinstance(entry, (list, tuple))
 
 
 def _check_device(name: str, p: torch.Tensor, comm: Communicator) -> None:
@@ -75,6 +83,54 @@ def _check_specs(root: nn.Module, unit_modules: ModuleSpec, what: str) -> list[s
     return names
 
 
+def _unit_members(root: nn.Module, unit_modules: ModuleSpec) -> list[tuple[str, ...]]:
+    """The member module names of each non-root unit, in the model's module order: one per
+    matching type / instance entry, one per list entry (its modules in the list's order)."""
+    if isinstance(unit_modules, nn.Module) or not _is_list(unit_modules):
+        raise TypeError(
+            f"fully_shard: unit_modules must be a list or tuple of module types, instances or "
+            f"lists of instances, got {type(unit_modules).__name__}; e.g. unit_modules=(Block,)"
+        )
+    names = {id(m): n for n, m in root.named_modules()}
+    lists, single = [], []
+    for entry in unit_modules:
+        (lists if _is_list(entry) else single).append(entry)
+    units = [(n,) for n in _check_specs(root, single, "unit_modules") if n]
+    for entry in lists:
+        members = []
+        for m in entry:
+            if not isinstance(m, nn.Module) or id(m) not in names or names[id(m)] == "":
+                raise ValueError(
+                    f"fully_shard: a unit_modules list holds {type(m).__name__} "
+                    f"{'(the wrapped root)' if names.get(id(m)) == '' else ''}, expected "
+                    f"submodule instances of the wrapped {type(root).__name__}; a list makes "
+                    f"its modules one unit, e.g. unit_modules=[(model.h_0, model.h_1)]"
+                )
+            members.append(names[id(m)])
+        if not members:
+            raise ValueError("fully_shard: a unit_modules list is empty; drop it")
+        units.append(tuple(members))
+    seen: dict[str, tuple[str, ...]] = {}
+    for unit in units:
+        for name in unit:
+            other = seen.setdefault(name, unit)
+            if other is not unit:
+                raise ValueError(
+                    f"fully_shard: module {name!r} is in two units ({'+'.join(other)} and "
+                    f"{'+'.join(unit)}); list each module once in unit_modules"
+                )
+    for unit in units:
+        nested = [(a, b) for a in unit for b in unit if b.startswith(a + ".")]
+        if nested:
+            a, b = nested[0]
+            raise ValueError(
+                f"fully_shard: the unit {'+'.join(unit)} lists {b!r} inside its module {a!r}; "
+                f"a unit's modules must not contain each other (list {a!r} alone)"
+            )
+    order = {n: i for i, n in enumerate(names.values())}
+    return sorted(units, key=lambda u: order[u[0]])
+
+
 def _check_expert_units(unit_names: list[str], expert_prefixes: list[str]) -> None:
     """An expert module must not be (or lie inside) a unit of its own: a unit issues its
     all-gathers when its module runs, and an expert that gets no tokens may not run on some rank,
@@ -91,9 +147,15 @@ def _check_expert_units(unit_names: list[str], expert_prefixes: list[str]) -> No
             )
 
 
-def _owned_params(root: nn.Module, unit_names: list[str]):
-    """{unit name: [(qualified name, module, param name, parameter)]}; refuses tied weights."""
-    per_unit: dict[str, list] = {u: [] for u in unit_names}
+def _owned_params(root: nn.Module, units: list[tuple[str, ...]]):
+    """{unit name: [(qualified name, module, param name, parameter)]}; refuses tied weights.
+    A parameter belongs to the unit of its innermost enclosing member module (the root unit
+    "" otherwise)."""
+    unit_of = {"": ""}
+    for members in units:
+        for m in members:
+            unit_of[m] = _unit_name(members)
+    per_unit: dict[str, list] = {u: [] for u in unit_of.values()}
     seen: dict[int, str] = {}  # id(parameter) -> first qualified name
     for mname, mod in root.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -105,12 +167,16 @@ def _owned_params(root: nn.Module, unit_names: list[str]):
                     f"them (e.g. copy the tensor) before wrapping"
                 )
             seen[id(p)] = qual
-            unit = max(
-                (u for u in unit_names if u == "" or mname == u or mname.startswith(u + ".")),
+            member = max(
+                (m for m in unit_of if m == "" or mname == m or mname.startswith(m + ".")),
                 key=len,
             )
-            per_unit[unit].append((qual, mod, pname, p))
+            per_unit[unit_of[member]].append((qual, mod, pname, p))
     return per_unit
+
+
+def _unit_name(members: tuple[str, ...]) -> str:
+    return "+".join(members)
 
 
 def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[ParamGroup]:
@@ -151,27 +217,36 @@ def build_units(
     fsdp: FSDPState,
 ) -> list[FSDPUnit]:
     """The units of ``root`` (root unit first), their groups built and registered with ``fsdp``."""
-    unit_names = [""] + [n for n in _check_specs(root, unit_modules, "unit_modules") if n]
+    units = _unit_members(root, unit_modules)
     expert_prefixes = _check_specs(root, expert_modules, "expert_modules")
-    _check_expert_units(unit_names, expert_prefixes)
-    per_unit = _owned_params(root, unit_names)
-    units = []
-    for uname in unit_names:
-        module = root if uname == "" else root.get_submodule(uname)
+    _check_expert_units([m for members in units for m in members], expert_prefixes)
+    per_unit = _owned_params(root, units)
+    built = [FSDPUnit("<root>", (root,), _build_groups("", per_unit[""], expert_prefixes, cfg),
+                      fsdp, cfg.grad_check)]
+    for members in units:
+        uname = _unit_name(members)
+        modules = tuple(root.get_submodule(m) for m in members)
         groups = _build_groups(uname, per_unit[uname], expert_prefixes, cfg)
-        units.append(FSDPUnit(uname or "<root>", module, groups, fsdp, cfg.grad_check))
-    fsdp.units = units
-    return units
+        built.append(FSDPUnit(uname, modules, groups, fsdp, cfg.grad_check))
+    fsdp.units = built
+    return built
 
 
 def install_plane_hooks(units: list[FSDPUnit]) -> list:
     """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder,
     and each owning module's ``fsdp_sources`` ({parameter name: ``MXFP8Planes`` or
-    ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from."""
+    ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from; each member of
+    a unit of several modules gets the unit's modules (``UNIT_SPAN``): ``bridge.units`` runs them
+    as one program."""
     handles = []
     for unit in units:
-        for m in unit.module.modules():  # unit programs made before read no FSDP sources
-            m.__dict__.pop(SPECS_CACHE, None)
+        for member in unit.modules:
+            for m in member.modules():  # unit programs made before read no FSDP sources
+                m.__dict__.pop(SPECS_CACHE, None)
+                m.__dict__.pop(UNIT_SPAN, None)
+                m.__dict__.pop(SPAN_PENDING, None)
+            if len(unit.modules) > 1:  # one unit program for them all (bridge.units)
+                member.__dict__[UNIT_SPAN] = unit.modules
         for g in unit.groups:
             placeholder = g.codec.param_storage is ParamStorage.PLACEHOLDER
             for i, e in enumerate(g.entries):

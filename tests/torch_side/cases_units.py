@@ -31,10 +31,13 @@ def _batch(step: int, mb: int, sequences: int, device):
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def _train_and_compare(ctx, strategy, recompute=False, micro_batches=1, gather="mxfp8") -> None:
+def _train_and_compare(ctx, strategy, recompute=False, micro_batches=1, gather="mxfp8",
+                       one_unit=False) -> None:
     net = TorchGPT(CFG, seed=5, device=ctx.device, compute="unit", recompute=recompute)
     ref = TorchGPT(CFG, seed=5, device=ctx.device, compute="unit")
-    model = fully_shard(net, unit_modules=(Block,), strategy=strategy,
+    # one_unit: both blocks one FSDP unit, run as one unit program per direction
+    units = [tuple(net.blocks)] if one_unit else (Block,)
+    model = fully_shard(net, unit_modules=units, strategy=strategy,
                         policy=MixedPrecisionPolicy(gather=gather))
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -100,6 +103,11 @@ def case_unit_zero3_bf16_gather(ctx):
     _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, gather="bf16")
 
 
+def case_unit_zero3_blocks_in_one_unit_recompute_accumulation(ctx):
+    _train_and_compare(ctx, ShardingStrategy.OPTIM_GRADS_PARAMS, recompute=True,
+                       micro_batches=2, one_unit=True)
+
+
 _M = "tests.torch_side.cases_units"
 CASES = {
     f"{_M}:case_unit_optim_grads_params": (1,),
@@ -114,4 +122,6 @@ SLOW_CASES = {
     f"{_M}:case_unit_optim_grads_params": (2, 4),
     f"{_M}:case_unit_zero3_recompute_accumulation": (1, 2),
     f"{_M}:case_unit_zero3_bf16_gather": (1, 2),
+    # world 1 of a unit of several blocks: tests/torch_side/test_unit_spans.py (in process)
+    f"{_M}:case_unit_zero3_blocks_in_one_unit_recompute_accumulation": (2,),
 }

@@ -1,6 +1,7 @@
 """The GPT under unit compute, sharded by FSDP, matches a replicated reference (cases_units.py):
 every strategy at world sizes 1 and 2 (ZeRO-3 also at 4), activation recompute inside the backward
-programs with micro-batches, and bf16 weight gathers. World 1 is exact; the rest is slow
+programs with micro-batches, bf16 weight gathers, and both blocks as one FSDP unit (one program
+per direction). World 1 is exact; the rest is slow
 (``make test-all``)."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ SLOW = pytest.mark.slow
         pytest.param(cu.case_unit_zero3_recompute_accumulation, 2, marks=SLOW),
         pytest.param(cu.case_unit_zero3_bf16_gather, 1, marks=SLOW),
         pytest.param(cu.case_unit_zero3_bf16_gather, 2, marks=SLOW),
+        pytest.param(cu.case_unit_zero3_blocks_in_one_unit_recompute_accumulation, 2,
+                     marks=SLOW),
     ],
     ids=lambda v: v.__name__.removeprefix("case_unit_") if callable(v) else f"w{v}",
 )
