@@ -19,6 +19,9 @@ Runs (``--runs``):
   layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
 - ``torchao``: ``fsdp2`` with torchao's float8 training (rowwise scaling: real FP8 tensor-core
   GEMMs) and ``torch.compile``; CUDA only, skipped (said so) where torchao is not importable.
+- any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
+  blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
+  gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
 
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
@@ -144,18 +147,20 @@ def _build(run, cfg, args):
         WeightFormat,
         fully_shard,
     )
-    from torch_side.models.gpt import Block, TorchGPT
+    from torch_side.models.gpt import TorchGPT
 
     if run in ("fsdp2", "torchao"):
         return _build_fsdp2(run, cfg, args)
 
+    run, per_unit = _parse_run(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute)
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
-    fsdp = fully_shard(model, unit_modules=(Block,), policy=policy, overlap=overlap)
+    fsdp = fully_shard(model, unit_modules=model.block_units(min(per_unit, cfg.n_layer)),
+                       policy=policy, overlap=overlap)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
     timing = {"requant_s": 0.0, "events": []}
     refresh = fsdp.refresh_model_weights
@@ -184,6 +189,15 @@ def _build(run, cfg, args):
         return loss.detach()
 
     return fsdp, step, timing
+
+
+def _parse_run(run: str) -> tuple[str, int]:
+    """(base run, blocks per FSDP unit): ``mxfp8:u4`` -> ("mxfp8", 4); ValueError otherwise."""
+    base, sep, n = run.partition(":u")
+    if base not in RUNS or (sep and (base in ("fsdp2", "torchao") or not n.isdigit()
+                                     or int(n) < 1)):
+        raise ValueError(run)
+    return base, int(n) if sep else 1
 
 
 def _build_fsdp2(run, cfg, args):
@@ -311,9 +325,9 @@ def _run_one(run, cfg, args, rank) -> RunResult:
     if args.device == "cuda":
         result.gpu_ms, result.comm_ms, result.exposed_comm_ms, table = _profile(
             step, cfg, args, rank)
-        if args.profile and run in ("mxfp8", "mxfp8-op") and rank == 0:
+        if args.profile and _parse_run(run)[0] in ("mxfp8", "mxfp8-op") and rank == 0:
             print(f"=== {run}\n{table}", flush=True)
-    if args.pyprofile and run == "mxfp8" and rank == 0:
+    if args.pyprofile and _parse_run(run)[0] == "mxfp8" and rank == 0:
         print(_pyprofile(step, cfg, args, rank), flush=True)
     del model, step
     gc.collect()
@@ -504,7 +518,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"a comma list from {RUNS}")
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                   help=f"a comma list from {RUNS}; this project's runs take ':u<N>' for N "
+                        f"blocks per FSDP unit (e.g. mxfp8:u4)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of a warm mxfp8 and mxfp8-op step")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
@@ -519,9 +535,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
-    bad = [r for r in args.runs if r not in RUNS]
+    bad = []
+    for r in args.runs:
+        try:
+            _parse_run(r)
+        except ValueError:
+            bad.append(r)
     if bad or args.steps < 1 or args.warmup < 0:
-        p.error(f"--runs from {RUNS}, --steps >= 1, --warmup >= 0 (got {bad or args.runs})")
+        p.error(f"--runs from {RUNS}, this project's with an optional ':u<N>' (blocks per "
+                f"unit, N >= 1), --steps >= 1, --warmup >= 0 (got {bad or args.runs})")
     from torch_side.launch import run_local_ranks
 
     rows = run_local_ranks(_rank_main, args.nproc, (args,), device=args.device)[0]

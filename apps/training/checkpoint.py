@@ -322,7 +322,9 @@ def _check_version(path: Path) -> None:
 
 # Job fields that must match for a resume (others, e.g. steps, lr, metrics, may change). The
 # data is matched by content (data_digest), not by the --data string.
-_MUST_MATCH = ("config", "weights", "activations", "seed", "branching")
+_MUST_MATCH = ("config", "weights", "activations", "seed", "branching", "blocks_per_unit")
+# what a checkpoint saved before a field existed ran with
+_SAVED_DEFAULTS = {"blocks_per_unit": 1}
 
 
 def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> None:
@@ -331,10 +333,11 @@ def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> No
     saved_job = meta.get("job")
     if not isinstance(saved_job, dict) or not isinstance(meta.get("params"), dict):
         raise CheckpointError(f"{where}: 'job' or 'params' missing; not a training checkpoint")
-    for key in _MUST_MATCH:
-        if saved_job.get(key) != job.get(key):
+    for key in _MUST_MATCH:  # (blocks_per_unit: the optimizer state is kept per unit group)
+        saved = saved_job.get(key, _SAVED_DEFAULTS.get(key))
+        if saved != job.get(key):
             raise CheckpointError(
-                f"{where}: the checkpoint was saved with {key}={saved_job.get(key)!r} but this "
+                f"{where}: the checkpoint was saved with {key}={saved!r} but this "
                 f"run has {key}={job.get(key)!r}; resume with the same {key}"
             )
     if meta.get("data_digest") != data_digest:

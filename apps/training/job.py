@@ -128,6 +128,12 @@ class TrainJob:
         Compute.UNIT, Group.MODEL,
         help="unit: each block's forward and backward, and the head with the loss, as one JAX "
              "program each; op: one JAX op per linear layer (bridge.MXFP8Linear)")
+    blocks_per_unit: int = option(
+        1, Group.MODEL, parse=positive(int),
+        help="transformer blocks per FSDP unit (the last takes the remainder): one all-gather "
+             "and one gradient reduction per unit and, with --compute unit, one JAX program per "
+             "unit and direction -- fewer, larger programs, less host time per step, up to N "
+             "blocks' weights gathered at once. Never changes the numbers")
     steps: int = option(40, Group.OPTIM, parse=positive(int))
     micro_batches: int = option(2, Group.OPTIM, parse=positive(int))
     batch_size: int = option(8, Group.OPTIM, parse=positive(int),
@@ -181,7 +187,7 @@ class TrainJob:
         if self.activations is not None:
             object.__setattr__(self, "activations", Activations(self.activations))
         for name in ("steps", "micro_batches", "batch_size", "seq_len", "branching",
-                     "eval_batches"):
+                     "eval_batches", "blocks_per_unit"):
             _positive_int(owner, name, getattr(self, name))
         if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"{owner}.lr={self.lr!r}: expected a finite learning rate > 0")
@@ -190,6 +196,11 @@ class TrainJob:
         self._check_schedule_and_gather(owner)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{owner}.seed={self.seed!r}: expected an integer >= 0")
+        if self.blocks_per_unit > PRESETS[self.config].n_layer:
+            raise ValueError(
+                f"{owner}.blocks_per_unit={self.blocks_per_unit} exceeds n_layer="
+                f"{PRESETS[self.config].n_layer} of config {self.config!r}"
+            )
         if self.seq_len > PRESETS[self.config].max_seq_len:
             raise ValueError(
                 f"{owner}.seq_len={self.seq_len} exceeds max_seq_len="

@@ -40,7 +40,7 @@ from common import trace
 from common.modes import Compute
 from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard, precompile
 from torch_side.lr_schedule import LRScheduler
-from torch_side.models.gpt import Block, TorchGPT
+from torch_side.models.gpt import TorchGPT
 
 __all__ = [
     "MARKOV_MAX_VOCAB",
@@ -114,7 +114,8 @@ class _Model:
             for block in model.blocks:
                 block.forward = _checkpointed(block.forward)
         self.fsdp = fully_shard(
-            model, unit_modules=(Block,), strategy=job.strategy, policy=job.policy(),
+            model, unit_modules=model.block_units(job.blocks_per_unit), strategy=job.strategy,
+            policy=job.policy(),
             kernels=job.kernels, overlap=overlap,
         )
         self.opt = FSDPOptimizer(

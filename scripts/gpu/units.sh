@@ -3,6 +3,7 @@
 # and op compute, bf16 linears, FSDP2 bf16 eager, torchao float8 rowwise + FSDP2 compiled) at
 # GPT-2 124M and 350M. Logs under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/units.sh tests step124 step350 warm
+# RUNS124 / RUNS350 pick the runs (bench_train_step --runs; e.g. mxfp8:u4 = 4 blocks per unit).
 set -u
 OUT=${OUT:-$PWD/out/units}
 mkdir -p "$OUT"
@@ -28,7 +29,7 @@ for part in "${parts[@]}"; do
     step350)
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
         --config gpt2-350m --batch-size 8 --seq-len 1024 --steps 8 --warmup 3 --pyprofile 2 \
-        --runs mxfp8,fsdp2,torchao --out "$OUT/step350.json" > "$OUT/step350.log" 2>&1
+        --runs ${RUNS350:-mxfp8,fsdp2,torchao} --out "$OUT/step350.json" > "$OUT/step350.log" 2>&1
       tail -8 "$OUT/step350.log" ;;
     warm)  # first step cold (empty compilation cache), then a second launch on the warm cache
       rm -rf /tmp/jax_cache_units

@@ -231,6 +231,22 @@ class TorchGPT(nn.Module):
     def blocks(self) -> list[Block]:
         return [getattr(self, f"h_{i}") for i in range(self.cfg.n_layer)]
 
+    def block_units(self, blocks_per_unit: int = 1) -> list:
+        """``fully_shard``'s ``unit_modules`` for FSDP units of ``blocks_per_unit`` consecutive
+        blocks (the last takes the remainder): ``[Block]`` for one each, else lists of blocks,
+        each one unit -- one gather, one reduction and, under ``Compute.UNIT``, one JAX program
+        per direction. The numbers are the same for every choice."""
+        k = blocks_per_unit
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.cfg.n_layer:
+            raise ValueError(
+                f"TorchGPT.block_units: blocks_per_unit={k!r}, expected an integer from 1 to "
+                f"the model's n_layer={self.cfg.n_layer}"
+            )
+        if k == 1:
+            return [Block]
+        blocks = self.blocks
+        return [tuple(blocks[i:i + k]) for i in range(0, len(blocks), k)]
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = tokens.shape
         if s > self.cfg.max_seq_len:

@@ -239,6 +239,22 @@ def test_other_data_is_refused_naming_both_digests(models, tmp_path):
              digest="sha256:other")
 
 
+def test_another_blocks_per_unit_is_refused_and_older_checkpoints_mean_one(models, tmp_path):
+    """The optimizer state is kept per unit group, so a resume needs the same units; a
+    checkpoint saved before --blocks-per-unit existed ran with one block per unit."""
+    trained, fresh = models
+    path = _save(trained, tmp_path)
+    _refused(path, fresh, "saved with blocks_per_unit=1 but this run has blocks_per_unit=2; "
+                          "resume with the same blocks_per_unit",
+             job={**DESC, "blocks_per_unit": 2})
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["job"]["blocks_per_unit"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    _scramble(fresh)
+    _load(path, fresh)
+    assert _same(_snapshot(fresh), _snapshot(trained))
+
+
 class _Call:
     """Pickles as ``fn(*args)``: a chain a permissive unpickler runs while loading."""
 

@@ -50,11 +50,11 @@ def test_every_field_has_exactly_one_flag_and_no_flag_two_fields():
 def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
     # the flags added since (issue 19: --compute; issue 21: the schedule, gather and
-    # instruments; issue 20: the overlap and the trace)
+    # instruments; issue 20: the overlap and the trace; issue 19 again: --blocks-per-unit)
     assert set(_parser_flags()) - FLAGS_BEFORE == {
         "--branching", "--compute", "--telemetry", "--telemetry-every", "--digest", "--gather",
         "--lr-schedule", "--warmup-steps", "--min-lr", "--grad-clip",
-        "--prefetch", "--sync-reduce", "--trace", "--trace-steps"}
+        "--prefetch", "--sync-reduce", "--trace", "--trace-steps", "--blocks-per-unit"}
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
@@ -76,7 +76,7 @@ def test_the_parser_round_trips_a_job_and_its_options():
                    lr=1.25e-4, weight_decay=0.1, seed=9, data="stdlib", branching=3,
                    eval_batches=2, device="cuda", kernels=KernelConfig("pallas"),
                    deterministic=True, lr_schedule="cosine", warmup_steps=2, min_lr=1e-5,
-                   grad_clip=0.5)
+                   grad_clip=0.5, blocks_per_unit=2)
     opts = RunOptions(metrics="m.jsonl", save_dir="ck", save_every=2, resume="old",
                       progress=False, precompile=False, on_nonfinite="skip",
                       max_consecutive_skips=4)

@@ -3,6 +3,7 @@ gloo rank (slow: it compiles the tiny GPT's JAX programs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -41,6 +42,12 @@ def test_a_trainer_driven_step_by_step_is_train_rank(single_rank_world, tmp_path
     assert records(tmp_path / "a") == records(tmp_path / "b")
     assert sorted(p.name for p in (tmp_path / "b" / "ck").iterdir()) == ["latest", "step_000003"]
     assert not (tmp_path / "b" / "ck" / "writer.lock").exists()
+    # both blocks as one FSDP unit (one program per direction): the same numbers
+    (tmp_path / "c").mkdir()
+    one = dataclasses.replace(job, blocks_per_unit=2)
+    with Trainer(one, _opts(tmp_path / "c")) as t:
+        assert [u.name for u in t.parts.fsdp.units] == ["<root>", "h_0+h_1"]
+        assert [t.step().loss for _ in range(job.steps)] == [s.loss for s in ran.steps]
 
 
 @pytest.mark.slow
