@@ -3,7 +3,8 @@
 # and op compute, bf16 linears, FSDP2 bf16 eager, torchao float8 rowwise + FSDP2 compiled) at
 # GPT-2 124M and 350M. Logs under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/units.sh tests step124 step350 warm
-# RUNS124 / RUNS350 pick the runs (bench_train_step --runs; e.g. mxfp8:u4 = 4 blocks per unit).
+# RUNS124 / RUNS350 / WARM_RUN pick the runs (bench_train_step --runs; e.g. mxfp8:u4 = 4 blocks
+# per FSDP unit).
 set -u
 OUT=${OUT:-$PWD/out/units}
 mkdir -p "$OUT"
@@ -20,6 +21,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/bridge/test_units.py \
+        tests/torch_side/test_nccl.py \
         2>&1 | tail -8 ;;
     step124)
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
@@ -35,7 +37,8 @@ for part in "${parts[@]}"; do
       rm -rf /tmp/jax_cache_units
       for launch in cold warm; do
         timeout 200 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \
-          --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 2 --warmup 0 --runs mxfp8 \
+          --config gpt2-124m --batch-size 8 --seq-len 1024 --steps 2 --warmup 0 \
+          --runs ${WARM_RUN:-mxfp8} \
           --compile-cache /tmp/jax_cache_units --out "$OUT/first_$launch.json" 2>&1 | tail -1
       done ;;
   esac

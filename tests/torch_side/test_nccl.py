@@ -22,6 +22,7 @@ CASES = (
     "tests.torch_side.cases_overlap:case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one",
     "tests.torch_side.cases_units:case_unit_optim_grads_params",
     "tests.torch_side.cases_units:case_unit_zero3_recompute_accumulation",
+    "tests.torch_side.cases_units:case_unit_zero3_blocks_in_one_unit_recompute_accumulation",
 )
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
