@@ -57,6 +57,11 @@ def _worker(cases: list[str], progress_dir: str, cache_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda:0" if dist.get_backend() == "nccl" else "cpu"
     if device != "cpu":
+        # the cases compare bytes: no atomics (Torch's embedding backward, XLA reductions) and
+        # the same XLA kernel choice for the same program (bridge.determinism)
+        from bridge.determinism import make_deterministic
+
+        make_deterministic()
         torch.cuda.set_device(0)
     ctx = WorkerContext(rank, world, device)
     done: list[str] = []

@@ -2,7 +2,9 @@
 one-GPU machine, and 2 where two GPUs exist (``scripts/gpu/two_gpu.sh tests``). Skipped without a
 GPU. The cases are those of the gloo tests (cases_overlap.py, cases_units.py); at world size 1
 ``MXFP8_FSDP_COMM_STREAMS=1`` routes the copies through the communication streams, so one GPU
-tests their ordering against the JAX programs."""
+tests their ordering against the JAX programs. The CUDA ranks run with deterministic kernels
+(``bridge.determinism``, set up by the worker): without them Torch's embedding backward (atomic
+adds) made the world-1 exact comparisons fail now and then."""
 
 from __future__ import annotations
 
