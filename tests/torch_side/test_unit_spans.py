@@ -72,9 +72,8 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize(
     ("compute", "kw"),
-    [("unit", {}), ("unit", {"activations": "bf16"}), ("unit", {"recompute": True}),
-     ("op", {})],
-    ids=["unit", "unit-bf16", "unit-recompute", "op"],
+    [("unit", {}), ("unit", {"activations": "bf16", "recompute": True}), ("op", {})],
+    ids=["unit", "unit-bf16-recompute", "op"],
 )
 def test_a_unit_of_several_blocks_trains_to_the_same_bytes(single_rank_world, compute, kw):
     # two units of two blocks (one program shared by both) and, for the default, one of four;
