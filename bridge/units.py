@@ -115,7 +115,6 @@ def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = F
 # ------------------------------------------------ several blocks, one program (an FSDP unit)
 
 
-
 class _SpanRun:
     """One span program call: the members still to be called on its output."""
 
@@ -141,7 +140,7 @@ class _SpanRun:
 def _span_of(block: nn.Module) -> tuple[nn.Module, ...] | None:
     """The modules of ``block``'s FSDP unit when they are several registered blocks."""
     span = block.__dict__.get(UNIT_SPAN)
-    if span is None or any(registered_fn(m) is None for m in span):
+    if span is None or any(not isinstance(m, tuple(_REGISTRY)) for m in span):
         return None
     return span
 

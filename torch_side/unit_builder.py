@@ -100,11 +100,11 @@ def _unit_members(root: nn.Module, unit_modules: ModuleSpec) -> list[tuple[str, 
         members = []
         for m in entry:
             if not isinstance(m, nn.Module) or id(m) not in names or names[id(m)] == "":
+                what = type(m).__name__ + (" (the wrapped root)" if names.get(id(m)) == "" else "")
                 raise ValueError(
-                    f"fully_shard: a unit_modules list holds {type(m).__name__} "
-                    f"{'(the wrapped root)' if names.get(id(m)) == '' else ''}, expected "
-                    f"submodule instances of the wrapped {type(root).__name__}; a list makes "
-                    f"its modules one unit, e.g. unit_modules=[(model.h_0, model.h_1)]"
+                    f"fully_shard: a unit_modules list holds {what}, expected submodule "
+                    f"instances of the wrapped {type(root).__name__}; a list makes its modules "
+                    f"one unit, e.g. unit_modules=[(model.h_0, model.h_1)]"
                 )
             members.append(names[id(m)])
         if not members:
