@@ -54,6 +54,9 @@ def _worker(cases: list[str], progress_dir: str, cache_dir: str) -> None:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        from tests.compile_once import install
+
+        install()  # the ranks compile each program once between them, not once each
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda:0" if dist.get_backend() == "nccl" else "cpu"
     if device != "cpu":
