@@ -75,7 +75,7 @@ def _session_jax_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-_CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
+CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
 
 
 def jax_cache_env(path) -> dict[str, str]:
@@ -89,7 +89,7 @@ def jax_cache_env(path) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_DIR": str(path),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "PYTHONPATH": os.pathsep.join([_CHILD_SITE, *(p for p in paths if p != _CHILD_SITE)]),
+        "PYTHONPATH": os.pathsep.join([CHILD_SITE, *(p for p in paths if p != CHILD_SITE)]),
     }
 
 

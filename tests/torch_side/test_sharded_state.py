@@ -237,6 +237,7 @@ def _full(entries: dict, kinds=(MainKey, OptimKey)) -> dict[tuple, torch.Tensor]
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("children_share_jax_cache")  # world 1 loads world 2's programs
 def test_two_ranks_save_one_rank_loads(tmp_path):
     saved = run_local_ranks(_save_at_two, 2, (str(tmp_path),), timeout=600)
     (loaded,) = run_local_ranks(_load_at_one, 1, (str(tmp_path),), timeout=600)

@@ -114,6 +114,7 @@ def test_report_text_lists_every_layer_and_a_verdict():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("children_share_jax_cache")  # the ranks compile each program once
 def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
     sharded = sharded_parity_report(CFG, seed=0, batch_size=3, seq_len=7, world_size=2)
     _check_mxfp8(sharded)
@@ -129,6 +130,7 @@ def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("children_share_jax_cache")  # and load world 2's programs they share
 def test_sharded_fsdp_world_size_3_reports_gradient_rounding_not_a_failure():
     """dW at world size 3 is sum_r fl(g/3): the report states that this holds only to fp32
     rounding, the teacher-forced check still passes (within that bound), and every other row

@@ -185,6 +185,7 @@ def test_the_unit_report_is_bit_identical_at_world_size_1():
 
 
 @pytest.mark.slow  # spawns 2 gloo ranks
+@pytest.mark.usefixtures("children_share_jax_cache")
 def test_the_unit_report_under_fsdp_compares_the_gathered_planes_too():
     from apps.parity.unit_report import unit_parity_report
 
