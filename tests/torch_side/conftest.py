@@ -1,10 +1,12 @@
-"""Spawned gloo worlds shared by the torch_side tests: one spawn per world size per session."""
+"""Spawned gloo worlds shared by the torch_side tests: one spawn per world size per session,
+started ahead (worlds_ahead.py)."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import inspect
+import os
 import textwrap
 
 import pytest
@@ -22,13 +24,16 @@ from tests.torch_side import (
     cases_training,
     cases_units,
     cases_wire,
+    worlds_ahead,
 )
 from tests.torch_side.multiprocess import CaseOutcome, run_cases
 
 # Every case module registers {"module:function": world sizes}; a world size is spawned once and
 # runs all of its cases. SLOW_CASES (tests marked slow) run in a second spawn of their world, so
 # `make test` (-m "not slow") never pays for them; when the session reads both lists of a world
-# (`make test-all`), they share one spawn (``spawned``).
+# (`make test-all`), they share one spawn (``spawned``). The worlds the collected tests need start
+# at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
+# tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
     cases_collective_check, cases_exceptions, cases_grad_clip, cases_grad_norm, cases_init_sync,
     cases_instruments, cases_overlap,
@@ -45,17 +50,55 @@ def _names(world_size: int, slow: bool) -> list[str]:
     return [n for n, sizes in registry.items() if world_size in sizes]
 
 
+def _plan(needed: set[tuple[int, bool]]) -> list[tuple[int, list[str]]]:
+    """One spawn per world size the session needs, its fast cases first, then its slow ones.
+    World 2 first: it is the longest, and world 1, run after it, loads most of its programs
+    from the shared compilation cache."""
+    sizes = sorted({w for w, _ in needed}, key=lambda w: (w != 2, w))
+    return [(w, [n for slow in (False, True) if (w, slow) in needed for n in _names(w, slow)])
+            for w in sizes]
+
+
+_AHEAD: worlds_ahead.WorldsAhead | None = None
+
+
+def pytest_collection_finish(session):
+    """Start the worlds the collected tests read in a helper process now (worlds_ahead.py), so
+    they run while pytest runs the tests before them. TORCH_SIDE_WORLDS_AHEAD=0: spawn each
+    world in this process when a test first needs it, as before."""
+    global _AHEAD
+    if session.config.option.collectonly or os.environ.get("TORCH_SIDE_WORLDS_AHEAD") == "0":
+        return
+    needed = _worlds_needed(session.items)
+    if needed and _AHEAD is None:
+        _AHEAD = worlds_ahead.WorldsAhead(_plan(needed))
+
+
+def pytest_sessionfinish(session):
+    global _AHEAD
+    if _AHEAD is not None:
+        _AHEAD.stop()
+        _AHEAD = None
+
+
 @pytest.fixture(scope="session")
 def spawned(request):
-    """``spawned(world_size, slow)[case_name] -> CaseOutcome``, computed on first use. When the
-    session's tests read both the fast and the slow cases of a world size (``make test-all``),
-    both lists run in one spawn of that world (fast cases first): one start-up instead of two."""
+    """``spawned(world_size, slow)[case_name] -> CaseOutcome``, computed on first use (or read
+    from the helper that ran the world ahead). When the session's tests read both the fast and
+    the slow cases of a world size (``make test-all``), both lists run in one spawn of that
+    world (fast cases first): one start-up instead of two."""
     cache: dict[tuple[int, bool], dict[str, CaseOutcome]] = {}
     needed = _worlds_needed(request.session.items)
+    ahead = {w: i for i, (w, _) in enumerate(_AHEAD.plan)} if _AHEAD is not None else {}
 
     def get(world_size: int, slow: bool = False) -> dict[str, CaseOutcome]:
         if (world_size, slow) not in cache:
-            if {(world_size, False), (world_size, True)} <= needed:
+            if (world_size, slow) in needed and world_size in ahead:
+                both = _AHEAD.outcomes(ahead[world_size])
+                for s in (False, True):
+                    if (world_size, s) in needed:
+                        cache[world_size, s] = {n: both[n] for n in _names(world_size, s)}
+            elif {(world_size, False), (world_size, True)} <= needed:
                 fast, slow_names = _names(world_size, False), _names(world_size, True)
                 both = run_cases(world_size, fast + slow_names)
                 cache[world_size, False] = {n: both[n] for n in fast}
