@@ -133,7 +133,8 @@ class TrainJob:
         help="transformer blocks per FSDP unit (the last takes the remainder): one all-gather "
              "and one gradient reduction per unit and, with --compute unit, one JAX program per "
              "unit and direction -- fewer, larger programs, less host time per step, up to N "
-             "blocks' weights gathered at once. Never changes the numbers")
+             "blocks' weights gathered at once. The same bits on CPU and with --deterministic "
+             "on the GPU; a resume needs the same N")
     steps: int = option(40, Group.OPTIM, parse=positive(int))
     micro_batches: int = option(2, Group.OPTIM, parse=positive(int))
     batch_size: int = option(8, Group.OPTIM, parse=positive(int),
