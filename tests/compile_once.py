@@ -9,15 +9,26 @@ executable from the cache (milliseconds) instead of compiling it again. What run
 executable either way (the cache holds exactly what XLA compiled for that key).
 
 It wraps two private functions of ``jax._src.compiler`` (``_cache_read``,
-``_compile_and_write_cache``); where a JAX version lacks them, ``install()`` changes nothing and
-every process compiles for itself, as before.
+``_compile_and_write_cache``), and only where both have exactly the parameters the wrappers were
+written for (``EXPECTED``: jax 0.10.x). Where a JAX version lacks them or changed either
+signature (jax 0.11 added ``host_callbacks`` to ``_cache_read``), ``install()`` changes nothing
+and every process compiles for itself: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import inspect
 import os
+
+# The parameter names of the wrapped functions, in order, as of jax 0.10.x (the versions tested).
+EXPECTED = {
+    "_cache_read": ("module_name", "cache_key", "compile_options", "backend",
+                    "executable_devices"),
+    "_compile_and_write_cache": ("backend", "computation", "executable_devices",
+                                 "compile_options", "host_callbacks", "module_name", "cache_key"),
+}
 
 
 @contextlib.contextmanager
@@ -40,19 +51,36 @@ def _key_lock(cache_key: str):
         os.close(fd)
 
 
+def _parameters(fn) -> tuple[str, ...] | None:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def compatible(compiler) -> bool:
+    """Whether ``compiler`` has both functions with exactly the ``EXPECTED`` parameters."""
+    return all(
+        callable(getattr(compiler, name, None))
+        and _parameters(getattr(compiler, name)) == params
+        for name, params in EXPECTED.items()
+    )
+
+
 def install(compiler=None) -> bool:
     """Wrap JAX's persistent-cache read and compile-and-write (of ``compiler``, by default
-    ``jax._src.compiler``) in a per-key file lock, once per process. Returns whether JAX has the
-    functions this relies on."""
+    ``jax._src.compiler``) in a per-key file lock, once per process. Returns whether it did:
+    False, changing nothing, where JAX lacks the functions or their signatures differ from
+    ``EXPECTED`` (``compatible``)."""
     if compiler is None:
         from jax._src import compiler
 
-    read = getattr(compiler, "_cache_read", None)
-    compile_and_write = getattr(compiler, "_compile_and_write_cache", None)
-    if read is None or compile_and_write is None:
-        return False
     if getattr(compiler, "_compile_once_installed", False):
         return True  # twice would wait on its own lock
+    if not compatible(compiler):
+        return False
+    read = compiler._cache_read
+    compile_and_write = compiler._compile_and_write_cache
 
     def locked_read(module_name, cache_key, *args, **kwargs):
         # waits while another process compiles this program, then finds it in the cache
