@@ -111,6 +111,14 @@ def _check_text_corpus(args) -> None:
     make_corpus(args.data, vocab_size=BYTE_VOCAB, seed=args.seed).check_fits(args.seq_len)
 
 
+def _check_jax_cache() -> None:
+    """An unsafe compilation cache directory is refused before any rank starts
+    (``jax_side.compile_cache``: it holds executables every rank loads and runs)."""
+    from jax_side.compile_cache import prepare_cache_dir
+
+    prepare_cache_dir()
+
+
 class Stopped(NamedTuple):
     """What every rank returns when a training stopped on a non-finite loss or gradient norm."""
 
@@ -199,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = _runs(args)
         _check_text_corpus(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+        _check_jax_cache()
+    except (ValueError, TypeError, OSError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
