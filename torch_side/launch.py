@@ -12,6 +12,9 @@ Failure and hangs are bounded, never silent:
 - every collective has the process group's timeout (``collective_timeout``, default 300 s), and
   the whole launch has ``timeout`` (default none): past it, :class:`RanksStalled` names the ranks
   that had not finished, and all are terminated;
+- when the launch stops (a failure, a stall, SIGTERM or SIGINT to the launcher) the ranks still
+  running get SIGTERM, then SIGKILL 30 s later (``_GRACE_S``): a rank that turns SIGTERM into an
+  exception (``apps.training.interrupts``) unwinds and releases what it holds in between;
 - ranks die with their launcher (Linux ``PR_SET_PDEATHSIG``), and the launcher removes its
   temporary files on every exit path (SIGTERM included). A rank asks for the signal first thing,
   before it imports torch or the job (``_rank_start``: the process object it unpickles names only
@@ -60,6 +63,7 @@ __all__ = [
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 RANK_MEMORY_BYTES = 700 * 2**20  # a CPU rank with torch + jax imported and a small model
 _POLL_S = 0.05
+_GRACE_S = 30.0  # from SIGTERM to SIGKILL when the launch stops its ranks
 
 
 class LaunchDevice(enum.Enum):
@@ -211,11 +215,13 @@ def _sigterm_as_exit():
 
 
 def _terminate(procs) -> None:
+    """SIGTERM to every rank still running, SIGKILL to those still running ``_GRACE_S`` later
+    (a rank that unwinds on SIGTERM, as mxfp8-train's do, gets that long to clean up)."""
     procs = [p for p in procs if p.pid is not None]  # a failed start left the rest unstarted
     for p in procs:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + _GRACE_S
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():

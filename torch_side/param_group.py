@@ -53,7 +53,15 @@ from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import STRATEGY_FACTS, ShardingStrategy
 from torch_side.weight_codecs import CodecContext, ParamStorage, WeightCodec
 
-__all__ = ["GroupKey", "ParamEntry", "ParamGroup", "PlaneState"]
+__all__ = ["GROUP_LABEL", "ROOT_UNIT", "UNIT_JOIN", "GroupKey", "ParamEntry", "ParamGroup",
+           "PlaneState"]
+
+ROOT_UNIT = "<root>"  # the name of the root module's unit
+UNIT_JOIN = "+"  # a unit of several modules is named by their names joined by this
+_MODULE = r"[A-Za-z0-9_.]+"
+# Every ParamGroup.label (GroupKey.label) matches this: a checkpoint's schema allows exactly these.
+GROUP_LABEL = (rf"(<root>|{_MODULE}(\{UNIT_JOIN}{_MODULE})*)"  # the unit
+               r"/[a-z0-9_]+/[a-z_]+(/frozen)?")  # / weight format / dp group [/ frozen]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,11 @@ class GroupKey:
     weight_format: WeightFormat
     requires_grad: bool
     dp_group: str  # "dp" or "expert_dp"
+
+    def label(self, unit: str) -> str:
+        """The group's label in ``unit`` (its name; "" for the root): matches ``GROUP_LABEL``."""
+        label = f"{unit or ROOT_UNIT}/{self.weight_format.value}/{self.dp_group}"
+        return label if self.requires_grad else f"{label}/frozen"
 
 
 @dataclasses.dataclass

@@ -9,19 +9,32 @@ A **step directory** written by a world of W ranks holds, for every rank r:
   ``DTYPES``), ``shape``, byte ``offset`` and ``nbytes``;
 
 and ``meta.json``, written last by rank 0: format version, **run id**, step, world size, byte
-order, the sha256 and size of every file of the step (``files``), and the caller's own JSON fields.
-A directory without ``meta.json`` is incomplete. Every file is written to a temporary name and
-renamed into place.
+order, the sha256 and size of every file of the step (``files``), the caller's own JSON fields,
+and ``meta_sha256``, the sha256 of all of that (``meta_digest``): every byte a reader depends on
+is covered by a digest it verifies. A directory without ``meta.json`` is incomplete.
+
+**Writing** (``write_step``) never touches a complete copy until the new one is complete: the
+ranks write into a hidden **staging** directory beside the target (``.<name>.<run id>.partial``,
+files created exclusively, never through a planted link); rank 0 writes ``meta.json`` there last,
+then renames it into place (``safe_files.publish_dir``: an existing step directory of the same
+name is moved aside to ``.<name>.<random>.replaced`` first and deleted after). A save that fails
+or is interrupted (an exception, SIGTERM, SIGINT) removes its staging directory; one killed
+outright leaves it, and ``recover`` (run by the next writer of the directory) removes it, or
+finishes a swap that was cut between its two renames.
 
 **Run id**: a random id a caller draws once per run (``new_run_id``) and passes to every save;
 each index carries it, so files of two runs mixed in one directory are told apart.
 
-Reading (``ShardedReader``) trusts only ``meta.json``: every index file is checked against it
-(sha256 and size) and must carry its run id, step, world size and its own rank; every entry's key
-must match the caller's **schema** (key pattern -> dtype, the keys the caller ever writes), with
-that dtype and a byte range inside its data file. A data file is checked (sha256 and size) the
-first time an entry of it is read, through the open handle the reads then use; a read takes only
-the byte range of the elements asked for (resharding reads the overlaps, not whole files).
+Reading (``ShardedReader``) trusts only ``meta.json``, after checking its own digest: every index
+file is checked against it (sha256 and size) and must carry its run id, step, world size and its
+own rank; every entry's key must match the caller's **schema** (key pattern -> dtype, the keys
+the caller ever writes), with that dtype and a byte range inside its data file. A data file is
+checked (sha256 and size) the first time an entry of it is read, through the open handle the
+reads then use; a read takes only the byte range of the elements asked for (resharding reads
+the overlaps, not whole files). Only regular files are opened and no read goes past the size
+``meta.json`` declares (``torch_side.safe_files``): a FIFO, a device or a growing file is refused,
+never waited on. Format 2 (before ``meta_sha256``) is still read, with an
+``UnverifiedMetadataWarning``.
 
 Nothing is unpickled: files are JSON and raw bytes. The only objects exchanged between ranks
 (``all_gather_object``) are this world's own live ranks' file digests and error strings.
@@ -36,12 +49,17 @@ import os
 import re
 import sys
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from torch_side import safe_files, step_dirs
+from torch_side.safe_files import CheckpointError, open_regular, parse_json, write_new
+from torch_side.step_dirs import META, rank_files, recover
 
 __all__ = [
     "DTYPES",
@@ -52,20 +70,25 @@ __all__ = [
     "FileDigest",
     "Schema",
     "ShardedReader",
+    "UnverifiedMetadataWarning",
     "agree",
+    "meta_digest",
     "new_run_id",
     "rank_files",
     "read_json",
+    "recover",
     "write_step",
 ]
 
-FORMAT_VERSION = 2  # 1 was torch.distributed.checkpoint with a pickled .metadata (refused)
-META = "meta.json"
+# 1 was torch.distributed.checkpoint with a pickled .metadata (refused); 2 had no meta_sha256
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
+META_DIGEST = "meta_sha256"
 ALIGN = 64  # entry start alignment in a data file, bytes
 MAX_JSON_BYTES = 64 << 20  # a larger index or meta.json is refused rather than parsed
 _CHUNK = 8 << 20
-_RANK_FILE = re.compile(r"rank_(\d{5})\.(bin|json)")
-_RESERVED = frozenset({"format_version", "run_id", "step", "world_size", "byteorder", "files"})
+_RESERVED = frozenset({"format_version", "run_id", "step", "world_size", "byteorder", "files",
+                       META_DIGEST})
 
 # The only element types a file may declare (the schema narrows this per key).
 DTYPES: dict[str, torch.dtype] = {
@@ -81,8 +104,9 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Schema = Mapping[str, torch.dtype]  # key regex (full match) -> the dtype that key must have
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or written: missing, corrupt, mixed, or mismatched."""
+class UnverifiedMetadataWarning(UserWarning):
+    """A format 2 checkpoint: its ``meta.json`` carries no digest of its own, so a change to it
+    (a data position, a job field) cannot be detected."""
 
 
 class FileDigest(NamedTuple):
@@ -108,11 +132,6 @@ class Entry(NamedTuple):
 def new_run_id() -> str:
     """A fresh random run identity (32 hex digits)."""
     return uuid.uuid4().hex
-
-
-def rank_files(rank: int) -> tuple[str, str]:
-    """(data file, index file) names of ``rank``."""
-    return f"rank_{rank:05d}.bin", f"rank_{rank:05d}.json"
 
 
 def schema_dtype(schema: Schema, key: str) -> torch.dtype | None:
@@ -143,19 +162,12 @@ def agree(problem: str | None, *, group=None) -> None:
 # ------------------------------------------------------------------------------------- write
 
 
-def _atomic_write(path: Path, chunks) -> FileDigest:
-    """Write ``chunks`` (bytes-like) to ``path`` via a temporary file and rename; their digest."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    h, size = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            f.write(c)
-            h.update(c)
-            size += len(memoryview(c))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    return FileDigest(h.hexdigest(), size)
+def meta_digest(meta: Mapping[str, Any]) -> str:
+    """The sha256 (hex) of ``meta`` without its ``meta_sha256`` field, in one canonical JSON
+    form (sorted keys, no spaces): what ``meta_sha256`` holds."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -180,6 +192,11 @@ def _check_writable(tensors: Mapping[str, torch.Tensor], schema: Schema) -> None
             )
 
 
+def _write(path: Path, chunks) -> FileDigest:
+    h, size = write_new(path, chunks)
+    return FileDigest(h.hexdigest(), size)
+
+
 def _write_rank(path: Path, tensors: Mapping[str, torch.Tensor], head: dict) -> dict:
     data_name, index_name = rank_files(head["rank"])
     entries, chunks, pos = [], [], 0
@@ -193,19 +210,11 @@ def _write_rank(path: Path, tensors: Mapping[str, torch.Tensor], head: dict) -> 
                         "offset": pos, "nbytes": len(raw)})
         chunks.append(raw)
         pos += len(raw)
-    digests = {data_name: _atomic_write(path / data_name, chunks)}
+    digests = {data_name: _write(path / data_name, chunks)}
     index = {**head, "data_file": data_name, "data_size": pos, "entries": entries}
     text = json.dumps(index, indent=0).encode()
-    digests[index_name] = _atomic_write(path / index_name, [text])
+    digests[index_name] = _write(path / index_name, [text])
     return {k: v._asdict() for k, v in digests.items()}
-
-
-def _clear(path: Path) -> None:
-    """Invalidate what a step directory holds (meta.json first): it is rewritten now."""
-    (path / META).unlink(missing_ok=True)
-    for f in path.iterdir():
-        if _RANK_FILE.fullmatch(f.name) or (f.name.startswith(".") and f.name.endswith(".tmp")):
-            f.unlink()  # files of the earlier save, and temporaries an interrupted one left
 
 
 def write_step(
@@ -219,11 +228,14 @@ def write_step(
     require_finite: bool = True,
     group=None,
 ) -> dict[str, Any]:
-    """Write this rank's ``tensors`` and (rank 0) ``meta.json`` into ``path``; a collective.
+    """Write this rank's ``tensors`` and (rank 0) ``meta.json`` as the step directory ``path``;
+    a collective. Written into a staging directory and renamed into place (module note): a
+    complete directory ``path`` of an earlier save stays until the new one is complete.
 
     ``fields`` (JSON-safe) join ``meta.json``. With ``require_finite`` no rank writes anything
     when any rank holds a non-finite float (``CheckpointError`` naming the first key and rank,
-    on every rank). Files of an earlier save in ``path`` are removed first. Returns the meta."""
+    on every rank). A failure on any rank (a full disk) is raised on every rank and nothing is
+    published. Returns the meta."""
     path = Path(path)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     _check_writable(tensors, schema)
@@ -233,49 +245,53 @@ def write_step(
         bad = _first_non_finite(tensors)
         agree(None if bad is None else f"refusing to save step {step}: {bad} holds a non-finite "
               f"value (nan or inf); nothing was written", group=group)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        _clear(path)
-    dist.barrier(group=group)
-    head = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "rank": rank,
-            "world_size": world}
-    mine = _write_rank(path, tensors, head)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)  # our own ranks' digests (str, int)
-    meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step,
-            "world_size": world, "byteorder": sys.byteorder,
-            "files": {k: v for d in gathered for k, v in sorted(d.items())}, **fields}
-    if rank == 0:
-        _atomic_write(path / META, [json.dumps(meta, indent=1, sort_keys=True).encode()])
-    dist.barrier(group=group)
+    staging = step_dirs.staging(path, run_id)
+    agree(step_dirs.prepare(path, staging) if rank == 0 else None, group=group)
+    try:
+        head = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "rank": rank,
+                "world_size": world}
+        problem, mine = None, {}
+        try:
+            mine = _write_rank(staging, tensors, head)
+        except OSError as e:
+            problem = f"cannot write into {staging}: {e}"
+        agree(problem, group=group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)  # our own ranks' digests (str, int)
+        meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step,
+                "world_size": world, "byteorder": sys.byteorder,
+                "files": {k: v for d in gathered for k, v in sorted(d.items())}, **fields}
+        meta[META_DIGEST] = meta_digest(meta)
+        problem = None
+        if rank == 0:
+            try:
+                _write(staging / META, [json.dumps(meta, indent=1, sort_keys=True).encode()])
+                step_dirs.publish(staging, path)
+            except OSError as e:
+                problem = f"cannot publish {staging} as {path}: {e}"
+        agree(problem, group=group)
+    except BaseException:
+        if rank == 0:  # abandoned: no partial copy left behind, never the step name missing
+            step_dirs.abandon(staging, path)
+        raise
     return meta
 
 
 # -------------------------------------------------------------------------------------- read
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON here")
-
-
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A JSON object from ``path`` (size-capped; NaN/Infinity refused) or a CheckpointError."""
-    try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{what} {path} is {size} bytes, over {MAX_JSON_BYTES}")
-        value = json.loads(path.read_bytes(), parse_constant=_reject_constant)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{what} {path} cannot be read: {e}") from e
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{what} {path} is not a JSON object")
-    return value
+    """A JSON object from the regular file ``path`` (at most ``MAX_JSON_BYTES``; NaN/Infinity
+    and nesting too deep to parse refused) or a CheckpointError."""
+    return safe_files.read_json(path, what, MAX_JSON_BYTES)
 
 
-def _digest(f: BinaryIO) -> FileDigest:
+def _digest(f: BinaryIO, limit: int) -> FileDigest:
+    """sha256 and size of ``f``, reading at most ``limit + 1`` bytes (a longer file is told
+    apart by its size without reading it all)."""
     f.seek(0)
     h, size = hashlib.sha256(), 0
-    while chunk := f.read(_CHUNK):
+    while size <= limit and (chunk := f.read(min(_CHUNK, limit + 1 - size))):
         h.update(chunk)
         size += len(chunk)
     return FileDigest(h.hexdigest(), size)
@@ -285,23 +301,40 @@ def _is_int(v: Any, minimum: int = 0) -> bool:
     return type(v) is int and v >= minimum
 
 
+def _check_own_digest(where: Path, meta: dict) -> None:
+    if meta["format_version"] == 2:
+        warnings.warn(f"{where} is format 2, which carries no digest of its own: a change to it "
+                      f"cannot be detected (re-save with this version to cover it)",
+                      UnverifiedMetadataWarning, stacklevel=4)
+        return
+    recorded = meta.get(META_DIGEST)
+    if recorded != meta_digest(meta):
+        raise CheckpointError(
+            f"{where}: its content does not match its {META_DIGEST} ({recorded!r}): the file "
+            f"was edited or damaged after it was written; refused (every field of it, the data "
+            f"position and the job included, decides how training resumes)")
+
+
 def _check_meta(path: Path, meta: dict) -> dict[str, FileDigest]:
     where = path / META
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{where}: format_version {meta.get('format_version')!r}, this "
-                              f"code reads {FORMAT_VERSION}")
+                              f"code reads {list(READABLE_VERSIONS)}")
+    _check_own_digest(where, meta)
     if not (isinstance(meta.get("run_id"), str) and _is_int(meta.get("step"))
             and _is_int(meta.get("world_size"), 1)):
         raise CheckpointError(f"{where}: run_id, step or world_size missing or malformed")
     if meta.get("byteorder") != sys.byteorder:
         raise CheckpointError(f"{where}: written in byte order {meta.get('byteorder')!r}, this "
                               f"machine is {sys.byteorder!r}")
-    files = meta.get("files")
-    expected = {n for r in range(meta["world_size"]) for n in rank_files(r)}
-    if not isinstance(files, dict) or set(files) != expected:
+    files, world = meta.get("files"), meta["world_size"]
+    listed = sorted(files) if isinstance(files, dict) else files
+    # the count first: a forged world size must not make us build its file list
+    if not isinstance(files, dict) or len(files) != 2 * world or set(files) != {
+            n for r in range(world) for n in rank_files(r)}:
         raise CheckpointError(
-            f"{where}: lists files {sorted(files) if isinstance(files, dict) else files!r}, "
-            f"expected exactly {sorted(expected)} for world size {meta['world_size']}")
+            f"{where}: lists files {str(listed)[:200]}, expected exactly the data and index "
+            f"file of each of world size {world} ranks (rank_<r>.bin, rank_<r>.json)")
     out = {}
     for name, rec in files.items():
         if not (isinstance(rec, dict) and isinstance(rec.get("sha256"), str)
@@ -347,19 +380,17 @@ class ShardedReader:
         if name in self._open:
             return self._open[name]
         f_path = self.path / name
-        try:
-            f = open(f_path, "rb")  # noqa: SIM115 -- kept open for the reads; closed by close()
-        except OSError as e:
-            raise CheckpointError(f"checkpoint file {f_path} cannot be opened: {e}") from e
+        f = open_regular(f_path, "checkpoint file")  # closed by close()
         want = self._digests[name]
         try:
-            have = _digest(f)
+            have = _digest(f, want.size)
         except OSError as e:
             f.close()
             raise CheckpointError(f"checkpoint file {f_path} cannot be read: {e}") from e
         if have != want:
             f.close()
-            what = (f"is truncated or extended: {have.size} bytes, {META} records {want.size}"
+            what = (f"is truncated or extended: {have.size}{'+' if have.size > want.size else ''}"
+                    f" bytes, {META} records {want.size}"
                     if have.size != want.size else
                     f"is corrupt: sha256 {have.sha256}, {META} records {want.sha256}")
             raise CheckpointError(f"checkpoint file {f_path} {what} (a damaged copy, an "
@@ -371,13 +402,10 @@ class ShardedReader:
         data_name, index_name = rank_files(rank)
         f = self._verified(index_name)
         where = self.path / index_name
-        try:
-            f.seek(0)
-            index = json.loads(f.read(), parse_constant=_reject_constant)
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint index {where} is not valid JSON: {e}") from e
+        f.seek(0)
+        index = parse_json(f.read(self._digests[index_name].size), f"checkpoint index {where}")
         self._open.pop(index_name).close()
-        want = {"format_version": FORMAT_VERSION, "run_id": self.meta["run_id"],
+        want = {"format_version": self.meta["format_version"], "run_id": self.meta["run_id"],
                 "step": self.meta["step"], "rank": rank, "world_size": self.meta["world_size"],
                 "data_file": data_name, "data_size": self._digests[data_name].size}
         for k, v in want.items():

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, Protocol, get_type_hints
 import torch
 import torch.distributed as dist
 
+from torch_side.param_group import GROUP_LABEL
 from torch_side.sharded_files import (
     META,
     CheckpointError,
@@ -123,7 +124,7 @@ _NAME = r"[A-Za-z0-9_.]+"  # parameter and state names (module paths)
 MODEL_SCHEMA: dict[str, torch.dtype] = {rf"main/{_NAME}/\d+": torch.float32}
 OPTIMIZER_SCHEMA: dict[str, torch.dtype] = {
     rf"optim/{_NAME}/{_NAME}/\d+": torch.float32,
-    rf"optim_scalar/{_NAME}/[A-Za-z0-9_.<>/-]+": torch.float32,
+    rf"optim_scalar/{_NAME}/{GROUP_LABEL}": torch.float32,  # units of several modules too
 }
 
 

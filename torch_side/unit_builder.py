@@ -32,7 +32,7 @@ from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck, MXFP8Planes, ParamShare
-from torch_side.param_group import GroupKey, ParamEntry, ParamGroup
+from torch_side.param_group import ROOT_UNIT, UNIT_JOIN, GroupKey, ParamEntry, ParamGroup
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import ShardingStrategy
 from torch_side.weight_codecs import ParamStorage, codec_for
@@ -176,7 +176,7 @@ def _owned_params(root: nn.Module, units: list[tuple[str, ...]]):
 
 
 def _unit_name(members: tuple[str, ...]) -> str:
-    return "+".join(members)
+    return UNIT_JOIN.join(members)
 
 
 def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[ParamGroup]:
@@ -189,9 +189,7 @@ def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[Param
         by_key.setdefault(key, []).append(ParamEntry(qual, mod, p, tuple(p.shape), p.dtype))
     groups = []
     for key, entries in by_key.items():
-        label = f"{uname or '<root>'}/{key.weight_format.value}/{key.dp_group}"
-        if not key.requires_grad:
-            label += "/frozen"
+        label = key.label(uname)
         groups.append(
             ParamGroup(
                 label,
@@ -221,7 +219,7 @@ def build_units(
     expert_prefixes = _check_specs(root, expert_modules, "expert_modules")
     _check_expert_units([m for members in units for m in members], expert_prefixes)
     per_unit = _owned_params(root, units)
-    built = [FSDPUnit("<root>", (root,), _build_groups("", per_unit[""], expert_prefixes, cfg),
+    built = [FSDPUnit(ROOT_UNIT, (root,), _build_groups("", per_unit[""], expert_prefixes, cfg),
                       fsdp, cfg.grad_check)]
     for members in units:
         uname = _unit_name(members)

@@ -23,9 +23,13 @@ torchtitan's checkpointer composes ``Stateful`` objects), each writing its own e
 last: format version 2, run id, step, world size, sha256 and size of every file, the fields).
 ``SCHEMA`` lists the keys with their dtypes; a file declaring any other key or dtype is refused.
 
-``<save_dir>/latest`` names the newest complete checkpoint and is written after its meta.json.
-A run saving into ``<save_dir>`` holds ``<save_dir>/writer.lock`` for its life
-(``apps.training.writer_lock``); its random **run id** is in every file it writes.
+``<save_dir>/latest`` names the newest complete checkpoint and is replaced (never followed
+through a planted link) after that checkpoint is complete. A run saving into ``<save_dir>``
+holds ``<save_dir>/writer.lock`` for its life (``apps.training.writer_lock``; a holder killed
+outright is taken over), first finishes or removes what a killed save left there
+(``torch_side.step_dirs.recover``), and writes its random **run id** into every file. A save
+of a step that exists already (a resume from an earlier step into the same directory) replaces
+the complete copy only once the new one is complete (``torch_side.sharded_files``).
 
 MXFP8 planes are never stored: the model part re-derives them after loading the main weights
 (``FSDPModel.refresh_model_weights``), byte-identical to the planes of the run that saved. A rank
@@ -37,7 +41,10 @@ Refused, with a ``CheckpointError`` naming the file and what is wrong (on every 
 with nothing restored: every part reads before any restores): a file whose sha256 or size
 differs from meta.json, an index of another run or step, an unknown key or dtype, a checkpoint
 of another model, optimizer or job setup, other data (content digest), a save holding a
-non-finite value (``latest`` then stays where it was), and format 1 checkpoints (DCP, whose
+non-finite value (``latest`` then stays where it was), an edited ``meta.json`` (its own
+digest), an RNG state of the wrong size, files that are not regular files (a FIFO, a device),
+a load that takes longer than its ``timeout`` on any rank (a stalled file system: every rank
+stops with the error instead of waiting forever), and format 1 checkpoints (DCP, whose
 ``.metadata`` is a pickle: never read, for safety).
 """
 
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -54,6 +62,7 @@ import torch.distributed as dist
 
 from apps.training.data import DataPosition
 from apps.training.writer_lock import WriterLock
+from torch_side.safe_files import bounded, open_regular, read_bounded, replace_text
 from torch_side.sharded_files import (
     FORMAT_VERSION,
     META,
@@ -62,6 +71,7 @@ from torch_side.sharded_files import (
     agree,
     new_run_id,
     read_json,
+    recover,
 )
 from torch_side.sharded_state import (
     MODEL_SCHEMA,
@@ -73,6 +83,7 @@ from torch_side.sharded_state import (
     read_parts,
     save_parts,
 )
+from torch_side.step_dirs import interrupted_copies
 
 __all__ = [
     "FORMAT_VERSION",
@@ -130,6 +141,15 @@ class RngState:
     def state_fields(self) -> dict[str, Any]:
         return {}
 
+    @staticmethod
+    def _size(device: str) -> int | None:
+        """Bytes of this process's ``device`` generator state (None: no such generator)."""
+        if device == "torch":
+            return torch.get_rng_state().numel()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.get_rng_state().numel()
+        return None
+
     def read_state(self, reader: ShardedReader) -> Restore:
         states = {}
         if reader.meta["world_size"] == dist.get_world_size():
@@ -137,6 +157,12 @@ class RngState:
                 key = parse_key(text, [RngKey])
                 if key is not None and key.rank == dist.get_rank():
                     states[key.device] = reader.read(text)
+        for device, state in states.items():  # checked now: nothing is restored yet
+            want = self._size(device)
+            if want is not None and state.numel() != want:
+                raise CheckpointError(
+                    f"{reader.path}: the {device} RNG state of rank {dist.get_rank()} has "
+                    f"{state.numel()} bytes, this generator's has {want}; refused")
 
         def restore() -> None:
             if "torch" in states:
@@ -215,6 +241,14 @@ def checkpoint_dir(save_dir: str | os.PathLike, step: int) -> Path:
 # ------------------------------------------------------------------------- save
 
 
+def _report_takeover(lock: WriterLock) -> None:
+    gone = lock.taken_over
+    if gone is not None:
+        print(f"checkpoint: {lock.path}: taken over from run {gone.get('run_id')} (pid "
+              f"{gone.get('pid')} on this host, since {gone.get('started')}), which is no longer "
+              f"running", file=sys.stderr, flush=True)
+
+
 class CheckpointSaver:
     """The saving side of one training run: the directory lock (rank 0), the run id, the saves.
 
@@ -234,7 +268,12 @@ class CheckpointSaver:
         if dist.get_rank() == 0:
             try:
                 lock = WriterLock.acquire(save_dir, run_id)
+                _report_takeover(lock)
+                for line in recover(save_dir):  # what a killed save left (we hold the lock)
+                    print(f"checkpoint: {save_dir}: {line}", file=sys.stderr, flush=True)
             except (CheckpointError, OSError) as e:
+                if lock is not None:
+                    lock.release()
                 problem = str(e)
         agree(problem)
         box = [run_id]
@@ -268,9 +307,7 @@ class CheckpointSaver:
                    run_id=self.run_id, step=step,
                    fields={"data_digest": data_digest, "job": dict(job)})
         if dist.get_rank() == 0:
-            latest = self.save_dir / (LATEST + ".tmp")
-            latest.write_text(path.name + "\n")
-            latest.replace(self.save_dir / LATEST)
+            replace_text(self.save_dir / LATEST, path.name + "\n")
         return path
 
 
@@ -287,21 +324,33 @@ def _refuse_format_1(where: Path) -> CheckpointError:
         f"that wrote it")
 
 
+def _usable(step_dir: Path) -> Path | None:
+    """``step_dir`` if it is complete; else, when it is missing because a save was killed
+    between the two renames of its swap, the complete copy that save left (``step_dirs``)."""
+    if (step_dir / META).is_file() or (step_dir / ".metadata").is_file():
+        return step_dir
+    if step_dir.exists() or not _STEP_DIR.fullmatch(step_dir.name):
+        return None
+    copies = interrupted_copies(step_dir)
+    return copies[0] if copies else None
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint directory from ``--resume``: a step directory, or a save dir (its latest)."""
     path = Path(path)
-    if (path / META).is_file() or (path / ".metadata").is_file():
-        return path
+    if (found := _usable(path)) is not None:
+        return found
     latest = path / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
+    if latest.exists() or latest.is_symlink():
+        with open_regular(latest, "checkpoint pointer") as f:
+            raw = read_bounded(f, 256, f"checkpoint pointer {latest}")
+        name = raw.decode("utf-8", errors="replace").strip()
         if not _STEP_DIR.fullmatch(name):
             raise CheckpointError(f"{latest} holds {name[:80]!r}, not a step_<k> directory name")
-        step_dir = path / name
-        if (step_dir / META).is_file() or (step_dir / ".metadata").is_file():
-            return step_dir
+        if (found := _usable(path / name)) is not None:
+            return found
         raise CheckpointError(
-            f"{latest} names {step_dir.name!r}, which has no {META}: the checkpoint is incomplete"
+            f"{latest} names {name!r}, which has no {META}: the checkpoint is incomplete"
         )
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -348,18 +397,26 @@ def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> No
         )
 
 
-def load(path, *, fsdp, opt, job: Mapping, data_digest: str, scheduler=None) -> ResumeState:
+def load(path, *, fsdp, opt, job: Mapping, data_digest: str, scheduler=None,
+         timeout: float | None = None) -> ResumeState:
     """Restore every part (main weights, then MXFP8 planes re-derived; optimizer state; data
     position; RNG; the LR scheduler's step when one is given) -- a collective: call on every
     rank. Checks the checkpoint against this run and every file it reads against meta.json
-    first; any rank's refusal is raised on every rank with nothing restored."""
+    first; any rank's refusal is raised on every rank with nothing restored. ``timeout``: the
+    seconds this rank may spend reading (None: no limit); past it the read is a refusal, so a
+    stalled file system stops every rank instead of leaving them waiting in a collective (give
+    less than the collective timeout)."""
     problem, pending = None, None
     position = DataPositionState()
+
+    def read():
+        where = resolve(path)
+        _check_version(where)
+        return read_parts(where, _parts(fsdp, opt, position, scheduler),
+                          lambda meta: _check_meta(where, meta, job, data_digest))
+
     try:
-        path = resolve(path)
-        _check_version(path)
-        pending = read_parts(path, _parts(fsdp, opt, position, scheduler),
-                             lambda meta: _check_meta(path, meta, job, data_digest))
+        pending = bounded(read, timeout, f"reading the checkpoint {path}")
     except (CheckpointError, TypeError, ValueError) as e:
         problem = str(e)
     agree(problem)

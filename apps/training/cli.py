@@ -44,8 +44,6 @@ class Launch:
     timeout: float | None = option(
         None, Group.WHERE, parse=positive(float),
         help="seconds before a local launch is stopped (stalled ranks are named)")
-    collective_timeout: float = option(300.0, Group.WHERE, parse=positive(float),
-                                       help="seconds a collective may wait for the other ranks")
     compare: bool = option(False, Group.OUTPUTS,
                            help="also run the fp32-linear control with the same seed and data")
     plot: str | None = option(None, Group.OUTPUTS,
@@ -120,25 +118,38 @@ def _check_jax_cache() -> None:
 
 
 class Stopped(NamedTuple):
-    """What every rank returns when a training stopped on a non-finite loss or gradient norm."""
+    """What every rank returns when a training stopped early: on a non-finite loss or gradient
+    norm (exit status 1), or on SIGTERM / SIGINT (``apps.training.interrupts``: 128 + signal)."""
 
     reason: str
+    status: int = 1
 
 
 def _rank_entry(runs):
     """What every rank runs: the trainings in order, then the results (rank 0's matter), or
     ``Stopped`` when one diverged (every rank stops at the same step: the values are global)."""
+    from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
 
-    enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
-    results = []
-    for label, job, opts in runs:
-        try:
-            results.append(train_rank(job, opts))
-        except NonFiniteTraining as e:
-            return Stopped(f"{label}: {e}")
-    return results
+    with unwinding():  # SIGTERM / SIGINT: the lock released, a save in progress abandoned
+        enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
+        results = []
+        for label, job, opts in runs:
+            try:
+                results.append(train_rank(job, opts))
+            except NonFiniteTraining as e:
+                return Stopped(f"{label}: {e}")
+            except Interrupted as e:
+                return Stopped(f"{label}: {e}; {_after_interrupt(opts)}", e.exit_status)
+        return results
+
+
+def _after_interrupt(opts) -> str:
+    if not opts.save_dir:
+        return "nothing was saved (no --save-dir)"
+    return (f"the last complete checkpoint in {opts.save_dir} stays ('latest' names it) and its "
+            f"lock is released: the same command with --resume {opts.save_dir} continues")
 
 
 def _torchrun_main(args, runs) -> list:
@@ -167,6 +178,27 @@ def _torchrun_main(args, runs) -> list:
     if isinstance(results, Stopped):
         return results  # every rank: each exits nonzero
     return results if int(os.environ["RANK"]) == 0 else []
+
+
+def _local_main(args, runs):
+    """Spawn ``--nproc`` local ranks; what rank 0 returned, or ``Stopped`` when this launcher
+    was sent SIGTERM or SIGINT (it stops its ranks, which unwind: torch_side.launch)."""
+    from apps.training.interrupts import Interrupted
+    from torch_side.launch import run_local_ranks
+
+    print(f"mxfp8-train: {args.nproc} local {args.device} ranks; runs: "
+          f"{', '.join(label for label, _, _ in runs)}", flush=True)
+    try:
+        return run_local_ranks(
+            _rank_entry, args.nproc, (runs,), device=args.device, timeout=args.timeout,
+            collective_timeout=args.collective_timeout,
+        )[0]
+    except (KeyboardInterrupt, SystemExit) as e:
+        status = 130 if isinstance(e, KeyboardInterrupt) else e.code
+        if not (isinstance(status, int) and status > 128):
+            raise
+        return Stopped(f"{Interrupted(status - 128)}: the ranks were stopped and unwound; "
+                       f"{_after_interrupt(runs[0][2])}", status)
 
 
 def _print_summary(args, runs, results, wall: float) -> None:
@@ -215,17 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     if under_torchrun():
         results = _torchrun_main(args, runs)
     else:
-        from torch_side.launch import run_local_ranks
-
-        print(f"mxfp8-train: {args.nproc} local {args.device} ranks; runs: "
-              f"{', '.join(label for label, _, _ in runs)}", flush=True)
-        results = run_local_ranks(
-            _rank_entry, args.nproc, (runs,), device=args.device, timeout=args.timeout,
-            collective_timeout=args.collective_timeout,
-        )[0]
+        results = _local_main(args, runs)
     if isinstance(results, Stopped):
-        print(f"mxfp8-train: error: {results.reason}", file=sys.stderr)
-        return 1
+        print(f"mxfp8-train: {'error: ' if results.status == 1 else ''}{results.reason}",
+              file=sys.stderr)
+        return results.status
     if results:  # rank 0 (or the launching process)
         _print_summary(args, runs, results, time.perf_counter() - start)
         if args.plot:

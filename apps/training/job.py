@@ -340,6 +340,11 @@ class RunOptions:
         help="units whose weight all-gathers are issued ahead of the compute, forward and "
              "backward (0: gather each unit when it runs); up to N + 1 units' weights are "
              "gathered at once. Never changes the numbers")
+    collective_timeout: float = option(
+        300.0, Group.WHERE, parse=positive(float),
+        help="seconds a collective may wait for the other ranks; a checkpoint load gives up "
+             "reading after half of it, so a stalled file system stops every rank with an "
+             "error")
     sync_reduce: bool = option(  # torch_side.Overlap
         False, Group.WHERE,
         help="wait for each unit's gradient reduce-scatter before backward goes on (default: "
@@ -373,6 +378,10 @@ class RunOptions:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
         _positive_int("RunOptions", "trace_steps", self.trace_steps)
+        if not (isinstance(self.collective_timeout, (int, float))
+                and math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
+            raise ValueError(f"RunOptions.collective_timeout={self.collective_timeout!r}: "
+                             f"expected a number of seconds > 0")
         self.overlap()  # checks prefetch / sync_reduce (torch_side.Overlap names them)
         if isinstance(self.max_consecutive_skips, bool) or not (
             isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1

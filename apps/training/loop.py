@@ -263,7 +263,8 @@ class Trainer:
             if opts.resume:
                 resumed = ckpt.load(opts.resume, fsdp=self.parts.fsdp, opt=self.parts.opt,
                                     job=self.desc, data_digest=self.parts.corpus.content_digest(),
-                                    scheduler=self.parts.schedule)
+                                    scheduler=self.parts.schedule,
+                                    timeout=opts.collective_timeout / 2)
                 self.start_step, self.position = resumed.step, resumed.position
             self.instruments = StepInstruments(self.parts.fsdp, telemetry=opts.telemetry,
                                                digest=opts.digest,

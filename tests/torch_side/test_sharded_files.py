@@ -51,12 +51,20 @@ def _write(path: Path, run_id: str = "run-a", tensors=None, step: int = 3) -> di
                       schema=SCHEMA, fields={"note": "test"})
 
 
+def _forge_meta(path: Path, edit) -> None:
+    """What a forger who edits meta.json and knows the format does: ``edit(meta)``, then record
+    the new content's own digest."""
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    meta[sf.META_DIGEST] = sf.meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
 def _rewrite_meta_digest(path: Path, name: str) -> None:
     """What a forger who also edits meta.json does: record the file's current digest."""
-    meta = json.loads((path / "meta.json").read_text())
     data = (path / name).read_bytes()
-    meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    (path / "meta.json").write_text(json.dumps(meta))
+    _forge_meta(path, lambda meta: meta["files"].__setitem__(
+        name, {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}))
 
 
 def test_round_trip_is_bit_exact_in_dtype_and_shape(tmp_path):
@@ -179,16 +187,16 @@ def test_an_index_declaring_what_the_writer_never_writes_is_refused(tmp_path, fi
 
 def test_meta_json_naming_files_outside_the_format_is_refused(tmp_path):
     _write(tmp_path)
-    meta = json.loads((tmp_path / "meta.json").read_text())
-    meta["files"]["../../etc/passwd"] = {"sha256": "0" * 64, "size": 1}
-    (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"expected exactly \['rank_00000.bin'"):
+    _forge_meta(tmp_path, lambda meta: meta["files"].__setitem__(
+        "../../etc/passwd", {"sha256": "0" * 64, "size": 1}))
+    with pytest.raises(CheckpointError, match=r"lists files \['../../etc/passwd', "
+                                              r"'rank_00000.bin'.*expected exactly the data"):
         ShardedReader(tmp_path, SCHEMA)
     (tmp_path / "meta.json").write_text('{"format_version": NaN}')
     with pytest.raises(CheckpointError, match="NaN is not valid JSON here"):
         ShardedReader(tmp_path, SCHEMA)
     (tmp_path / "meta.json").unlink()
-    with pytest.raises(CheckpointError, match="meta.json cannot be read"):
+    with pytest.raises(CheckpointError, match="meta.json cannot be opened"):
         ShardedReader(tmp_path, SCHEMA)
 
 
@@ -217,3 +225,179 @@ def test_a_rewrite_of_a_step_directory_leaves_no_file_of_the_earlier_save(tmp_pa
         "meta.json", "rank_00000.bin", "rank_00000.json"]
     with ShardedReader(tmp_path, SCHEMA) as r:
         assert r.meta["run_id"] == "second" and list(r.entries) == ["w/only"]
+
+
+# ---- issue 30: every byte a resume depends on is verified (item 6) ---------------------------
+
+
+def test_an_edit_of_meta_json_is_refused_naming_its_digest(tmp_path):
+    _write(tmp_path)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta["note"] = "edited"  # e.g. a data position 128 -> 129
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"meta.json: its content does not match its "
+                                              r"meta_sha256 .* edited or damaged"):
+        ShardedReader(tmp_path, SCHEMA)
+    meta.pop(sf.META_DIGEST)  # removing the digest does not help either
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="does not match its meta_sha256 .None."):
+        ShardedReader(tmp_path, SCHEMA)
+
+
+def test_a_format_2_directory_is_read_with_a_warning_that_its_meta_is_unverified(tmp_path):
+    _write(tmp_path)
+    for name in ("rank_00000.json",):
+        index = json.loads((tmp_path / name).read_text())
+        index["format_version"] = 2
+        (tmp_path / name).write_text(json.dumps(index))
+    _rewrite_meta_digest(tmp_path, "rank_00000.json")
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta["format_version"] = 2
+    meta.pop(sf.META_DIGEST)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.warns(sf.UnverifiedMetadataWarning, match="format 2, which carries no digest"):
+        with ShardedReader(tmp_path, SCHEMA) as r:
+            assert torch.equal(r.read("w/matrix"), _tensors()["w/matrix"])
+
+
+# ---- inputs that could hang every rank, or run a reader out of memory (items 5 and 11) --------
+
+
+@pytest.fixture
+def no_hang():
+    """Turn a hang into a test failure (10 s) instead of a stuck CI job."""
+    import signal
+
+    def fail(signum, frame):
+        raise AssertionError("the reader blocked")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.usefixtures("no_hang")
+def test_an_index_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    _write(tmp_path)
+    (tmp_path / "rank_00000.json").unlink()
+    os.mkfifo(tmp_path / "rank_00000.json")
+    with pytest.raises(CheckpointError, match=r"rank_00000.json is a FIFO, not a regular file"):
+        ShardedReader(tmp_path, SCHEMA)
+    (tmp_path / "meta.json").unlink()
+    os.mkfifo(tmp_path / "meta.json")
+    with pytest.raises(CheckpointError, match=r"meta.json is a FIFO, not a regular file"):
+        ShardedReader(tmp_path, SCHEMA)
+
+
+@pytest.mark.usefixtures("no_hang")
+def test_a_data_file_linked_to_dev_zero_is_refused_without_reading_it(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "rank_00000.bin").unlink()
+    (tmp_path / "rank_00000.bin").symlink_to("/dev/zero")
+    with ShardedReader(tmp_path, SCHEMA) as r, pytest.raises(
+            CheckpointError, match=r"rank_00000.bin is a character device, not a regular file"):
+        r.read("w/matrix")
+
+
+def test_a_data_file_larger_than_declared_is_refused_after_its_declared_size(tmp_path):
+    _write(tmp_path)
+    size = (tmp_path / "rank_00000.bin").stat().st_size
+    with open(tmp_path / "rank_00000.bin", "ab") as f:
+        f.truncate(size + (1 << 30))  # a sparse gigabyte more: read, it would take seconds
+    with ShardedReader(tmp_path, SCHEMA) as r, pytest.raises(
+            CheckpointError, match=rf"is truncated or extended: {size + 1}\+ bytes, meta.json "
+                                   rf"records {size}"):
+        r.read("w/matrix")
+
+
+@pytest.mark.parametrize("name", ["meta.json", "rank_00000.json"])
+def test_json_nested_too_deeply_is_refused_clearly(tmp_path, name):
+    _write(tmp_path)
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    if name != "meta.json":
+        _rewrite_meta_digest(tmp_path, name)
+    with pytest.raises(CheckpointError, match=rf"{name} is nested too deeply"):
+        ShardedReader(tmp_path, SCHEMA)
+
+
+def test_a_forged_huge_world_size_is_refused_at_once(tmp_path):
+    import time
+
+    _write(tmp_path)
+    _forge_meta(tmp_path, lambda meta: meta.__setitem__("world_size", 10**9))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="expected exactly the data and index file of each "
+                                              "of world size 1000000000 ranks"):
+        ShardedReader(tmp_path, SCHEMA)
+    assert time.perf_counter() - start < 1.0
+
+
+# ---- a save never removes the last complete copy before the new one is complete (item 4) -----
+
+
+def test_a_failed_rewrite_leaves_the_complete_copy_and_no_staging(tmp_path, monkeypatch):
+    step = tmp_path / "step_000004"
+    _write(step, run_id="first")
+    before = {p.name: p.read_bytes() for p in step.iterdir()}
+
+    def disk_full(path, tensors, head):
+        (path / "rank_00000.bin").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sf, "_write_rank", disk_full)
+    with pytest.raises(CheckpointError, match="rank 0: cannot write into .*No space left"):
+        _write(step, run_id="second")
+    assert {p.name: p.read_bytes() for p in step.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]  # staging removed
+
+
+def test_a_rewrite_is_published_whole_by_rename(tmp_path, monkeypatch):
+    """While the new copy is written, the directory holds the complete old one; the new one
+    appears under the step's name only with its meta.json."""
+    step = tmp_path / "step_000004"
+    _write(step, run_id="first")
+    seen = []
+    real = sf._write_rank
+
+    def spy(path, tensors, head):
+        seen.append((path.name, ShardedReader(step, SCHEMA).meta["run_id"]))
+        return real(path, tensors, head)
+
+    monkeypatch.setattr(sf, "_write_rank", spy)
+    _write(step, run_id="second")
+    assert seen == [(".step_000004.second.partial", "first")]
+    assert ShardedReader(step, SCHEMA).meta["run_id"] == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
+
+
+def test_a_directory_holding_other_files_is_never_saved_over(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="holds files that are not a checkpoint's; refusing"):
+        _write(target)
+    assert (target / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_a_signal_between_the_two_renames_still_leaves_a_complete_step(tmp_path, monkeypatch):
+    """SIGTERM/SIGINT become exceptions that can land anywhere, even between setting the old
+    copy aside and renaming the new one into place: the step is then complete (the new copy)."""
+    from torch_side import step_dirs
+
+    step = tmp_path / "step_000004"
+    _write(step, run_id="first")
+
+    def cut_publish(stage, path):
+        path.rename(path.with_name(f".{path.name}.0a1b.replaced"))
+        raise KeyboardInterrupt  # Ctrl-C, right there
+
+    monkeypatch.setattr(step_dirs, "publish", cut_publish)
+    with pytest.raises(KeyboardInterrupt):
+        _write(step, run_id="second")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004"]
+    assert ShardedReader(step, SCHEMA).meta["run_id"] == "second"

@@ -32,9 +32,15 @@ from apps.training import checkpoint as ckpt
 from apps.training.checkpoint import CheckpointError, CheckpointSaver
 from apps.training.data import DataPosition
 from apps.training.job import TrainJob
-from apps.training.loop import RunOptions, _Model, train_rank
+from apps.training.loop import RunOptions, Trainer, _Model, train_rank
 from apps.training.writer_lock import LOCK
-from torch_side.sharded_files import ShardedReader, write_step
+from torch_side import ShardingStrategy
+from torch_side.sharded_files import (
+    ShardedReader,
+    UnverifiedMetadataWarning,
+    meta_digest,
+    write_step,
+)
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 
@@ -67,9 +73,9 @@ def _save(m, save_dir: Path, step: int = 1) -> Path:
                           job=DESC, data_digest=_digest(m))
 
 
-def _load(path, m, job=DESC, digest=None):
+def _load(path, m, job=DESC, digest=None, timeout=None):
     return ckpt.load(path, fsdp=m.fsdp, opt=m.opt, job=job,
-                     data_digest=_digest(m) if digest is None else digest)
+                     data_digest=_digest(m) if digest is None else digest, timeout=timeout)
 
 
 def _snapshot(m) -> dict[str, torch.Tensor]:
@@ -89,6 +95,15 @@ def _snapshot(m) -> dict[str, torch.Tensor]:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _forge_meta(path: Path, edit) -> None:
+    """``edit(meta)`` of a step's meta.json, its own digest recomputed (a forger who knows the
+    format, or a checkpoint as an earlier version wrote it)."""
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    meta["meta_sha256"] = meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
 
 
 def _scramble(m) -> None:
@@ -159,23 +174,43 @@ def _write_format_2_by_hand(m, path: Path) -> None:
     write_step(path, sd, run_id="format-2", step=1, schema=ckpt.SCHEMA, fields={
         "data_position": {"samples_consumed": 4}, "data_digest": _digest(m), "job": DESC,
         "params": params, "optimizer": "AdamW"})
+    _downgrade_to_format_2(path)
+
+
+def _downgrade_to_format_2(path: Path) -> None:
+    """Format 2's files: version 2 in meta.json and the indexes, no meta_sha256."""
+    meta = json.loads((path / "meta.json").read_text())
+    for name in meta["files"]:
+        if name.endswith(".json"):
+            index = json.loads((path / name).read_text())
+            index["format_version"] = 2
+            data = json.dumps(index).encode()
+            (path / name).write_bytes(data)
+            meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                   "size": len(data)}
+    meta["format_version"] = 2
+    del meta["meta_sha256"]
+    (path / "meta.json").write_text(json.dumps(meta))
 
 
 def test_a_format_2_checkpoint_of_the_earlier_code_loads_bit_exact(models, tmp_path):
     trained, fresh = models
     _write_format_2_by_hand(trained, tmp_path / "step_000001")
     _scramble(fresh)
-    resumed = _load(tmp_path / "step_000001", fresh)
+    with pytest.warns(UnverifiedMetadataWarning, match="format 2, which carries no digest"):
+        resumed = _load(tmp_path / "step_000001", fresh)
     assert resumed.step == 1 and resumed.position == DataPosition(4)
     assert _same(_snapshot(fresh), _snapshot(trained))
-    # and what this code writes is the same format: the same keys, dtypes and shapes
+    # and what this code writes is the same format plus meta.json's own digest (format 3)
     ours = _save(trained, tmp_path / "ours")
-    with ShardedReader(ours, ckpt.SCHEMA) as a, ShardedReader(tmp_path / "step_000001",
-                                                               ckpt.SCHEMA) as b:
+    with pytest.warns(UnverifiedMetadataWarning), ShardedReader(
+            ours, ckpt.SCHEMA) as a, ShardedReader(tmp_path / "step_000001", ckpt.SCHEMA) as b:
         assert [(e.key, e.dtype, e.shape) for e in a.entries.values()] == [
             (e.key, e.dtype, e.shape) for e in b.entries.values()]
-        assert {k: v for k, v in a.meta.items() if k not in ("run_id", "files")} == {
-            k: v for k, v in b.meta.items() if k not in ("run_id", "files")}
+        assert (a.meta["format_version"], b.meta["format_version"]) == (3, 2)
+        skip = ("run_id", "files", "format_version", "meta_sha256")
+        assert {k: v for k, v in a.meta.items() if k not in skip} == {
+            k: v for k, v in b.meta.items() if k not in skip}
 
 
 def _refused(path, m, match: str, **kw) -> None:
@@ -222,11 +257,9 @@ def test_an_index_with_a_key_or_dtype_the_trainer_never_writes_is_refused(models
     entry["key"], entry["dtype"] = key or entry["key"], dtype
     entry["nbytes"] //= 1 if dtype == "uint8" else 2
     index_path.write_text(json.dumps(index))
-    meta = json.loads((path / "meta.json").read_text())  # a forger who also edits meta.json
-    data = index_path.read_bytes()
-    meta["files"]["rank_00000.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                        "size": len(data)}
-    (path / "meta.json").write_text(json.dumps(meta))
+    data = index_path.read_bytes()  # a forger who also edits meta.json, digests included
+    _forge_meta(path, lambda meta: meta["files"].__setitem__(
+        "rank_00000.json", {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}))
     match = "unknown key 'pickle/0'" if key else "has dtype 'bfloat16', expected 'float32'"
     _refused(path, fresh, r"rank_00000\.json: .*" + match)
 
@@ -247,9 +280,7 @@ def test_another_blocks_per_unit_is_refused_and_older_checkpoints_mean_one(model
     _refused(path, fresh, "saved with blocks_per_unit=1 but this run has blocks_per_unit=2; "
                           "resume with the same blocks_per_unit",
              job={**DESC, "blocks_per_unit": 2})
-    meta = json.loads((path / "meta.json").read_text())
-    del meta["job"]["blocks_per_unit"]
-    (path / "meta.json").write_text(json.dumps(meta))
+    _forge_meta(path, lambda meta: meta["job"].pop("blocks_per_unit"))
     _scramble(fresh)
     _load(path, fresh)
     assert _same(_snapshot(fresh), _snapshot(trained))
@@ -324,15 +355,16 @@ def test_a_second_writer_is_refused_naming_the_lock_and_its_holder(tmp_path):
         pass
 
 
-def test_a_stale_lock_is_reported_as_stale_with_what_to_do(tmp_path):
+def test_a_lock_left_by_a_run_that_is_gone_is_taken_over(tmp_path):
+    """A run killed outright (SIGKILL) leaves writer.lock; the next run on this host takes it
+    (the holder's pid is not running and nothing holds its flock): resume needs no hand edit."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer runs (reuse within this test is not expected)
     (tmp_path / LOCK).write_text(json.dumps({"run_id": "gone", "host": socket.gethostname(),
                                               "pid": dead.pid, "started": "earlier"}))
-    with pytest.raises(CheckpointError, match=rf"STALE: it was taken by run gone \(pid "
-                                              rf"{dead.pid} .*Delete {tmp_path / LOCK}"):
-        CheckpointSaver.start(tmp_path)
-    assert (tmp_path / LOCK).exists()  # never removed behind the user's back
+    with CheckpointSaver.start(tmp_path) as saver:
+        assert json.loads((tmp_path / LOCK).read_text())["run_id"] == saver.run_id
+    assert not (tmp_path / LOCK).exists()
 
 
 def test_a_run_refused_at_start_or_failing_later_leaves_the_lock_as_it_found_it(tmp_path):
@@ -375,3 +407,100 @@ def test_resume_and_save_into_the_same_directory_by_a_later_run(models, tmp_path
     assert _load(tmp_path, fresh).step == 2
     assert dataclasses.asdict(_load(tmp_path / "step_000001", fresh).position) == {
         "samples_consumed": 4}
+
+
+# ---- issue 30, item 1: units of several blocks (the recommended GPU setting) save and resume --
+
+SMALL_JOB = TrainJob(config="small", steps=2, micro_batches=1, batch_size=2, seq_len=32,
+                     eval_batches=1, seed=4)
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 4])
+@pytest.mark.parametrize("strategy", list(ShardingStrategy))
+def test_units_of_several_blocks_save_and_resume_bit_for_bit(tmp_path, blocks, strategy):
+    """The small GPT (4 blocks) with 2, 3 (a unit of 3 and one of 1) and 4 blocks per FSDP unit
+    under every strategy: a checkpoint saved after step 1 resumes to step 2's exact loss,
+    gradient norm, weights, optimizer state and MXFP8 planes (the unit names hold "+")."""
+    job = dataclasses.replace(SMALL_JOB, blocks_per_unit=blocks, strategy=strategy)
+    opts = RunOptions(progress=False, precompile=False)
+    save = tmp_path / "ck"
+    with Trainer(job, dataclasses.replace(opts, save_dir=str(save))) as t:
+        assert any("+" in u.name for u in t.parts.fsdp.units)
+        t.step()
+        t.save()
+        second = t.step()
+        want = _snapshot(t.parts)
+    with Trainer(job, dataclasses.replace(opts, resume=str(save))) as r:
+        assert r.start_step == 1
+        again = r.step()
+        assert (again.loss, again.grad_norm) == (second.loss, second.grad_norm)
+        assert _same(_snapshot(r.parts), want)
+
+
+# ---- issue 30: what a resume depends on is verified; writes never follow planted links -------
+
+
+def test_an_edited_data_position_is_refused(models, tmp_path):
+    trained, fresh = models
+    path = _save(trained, tmp_path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["data_position"]["samples_consumed"] += 1  # 4 -> 5: a shifted data stream
+    (path / "meta.json").write_text(json.dumps(meta))
+    _refused(path, fresh, r"meta.json: its content does not match its meta_sha256")
+
+
+def test_an_rng_state_of_the_wrong_size_is_refused_before_anything_is_restored(models, tmp_path):
+    trained, fresh = models
+    path = _save(trained, tmp_path)
+    index = json.loads((path / "rank_00000.json").read_text())
+    rng = next(e for e in index["entries"] if e["key"] == "rng/0/torch")
+    rng["shape"], rng["nbytes"] = [rng["shape"][0] - 16], rng["nbytes"] - 16
+    data = json.dumps(index).encode()
+    (path / "rank_00000.json").write_bytes(data)
+    _forge_meta(path, lambda meta: meta["files"].__setitem__(
+        "rank_00000.json", {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}))
+    _refused(path, fresh, r"the torch RNG state of rank 0 has \d+ bytes, this generator's has")
+
+
+def test_a_load_that_does_not_finish_in_time_is_refused(models, tmp_path, monkeypatch):
+    import time
+
+    trained, fresh = models
+    path = _save(trained, tmp_path)
+    real = ckpt.read_parts
+    monkeypatch.setattr(ckpt, "read_parts", lambda *a: (time.sleep(1.5), real(*a))[1])
+    _refused(path, fresh, r"reading the checkpoint .* did not finish within 0.5 s", timeout=0.5)
+
+
+def test_a_planted_latest_tmp_symlink_is_not_followed(models, tmp_path):
+    trained, _ = models
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a user's file")
+    save_dir = tmp_path / "ck"
+    save_dir.mkdir()
+    (save_dir / "latest.tmp").symlink_to(victim)
+    _save(trained, save_dir)
+    assert victim.read_text() == "a user's file"
+    assert (save_dir / "latest").read_text() == "step_000001\n"
+    assert not (save_dir / "latest").is_symlink()
+
+
+def test_resaving_an_existing_step_keeps_the_complete_copy_until_the_new_one_is_in(models,
+                                                                                   tmp_path):
+    """``--resume ow/step_000002 --save-dir ow`` where ``latest`` names step 4: the second run's
+    step 4 replaces the first run's only once complete; a kill between the two renames of the
+    swap leaves copies that ``resolve`` finds and the next writer puts back in place."""
+    trained, fresh = models
+    first = _save(trained, tmp_path, step=4)
+    run_of = json.loads((first / "meta.json").read_text())["run_id"]
+    # a kill between the renames: the old copy set aside, the new one complete but unpublished
+    aside = tmp_path / ".step_000004.0a1b.replaced"
+    first.rename(aside)
+    assert ckpt.resolve(tmp_path) == aside  # latest still names step 4: its copy is found
+    with CheckpointSaver.start(tmp_path):  # the next writer finishes it
+        pass
+    assert json.loads((first / "meta.json").read_text())["run_id"] == run_of
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000004"]
+    _scramble(fresh)
+    assert _load(tmp_path, fresh).step == 4
+    assert _same(_snapshot(fresh), _snapshot(trained))

@@ -42,11 +42,11 @@ def _losses(result) -> dict[int, float]:
 
 
 def _train_and_resume(root: str) -> dict:
-    """On every rank: full runs saving at step 3, then runs resumed from step 3 (ZeRO-3 and
-    ZeRO-2), and the fp32 control."""
+    """On every rank: full runs saving at step 3, then runs resumed from step 3 (ZeRO-3, and
+    ZeRO-2 with both blocks in one FSDP unit: a unit named "h_0+h_1"), and the fp32 control."""
     out = {}
-    for name, job in (("zero3", JOB),
-                      ("zero2", dataclasses.replace(JOB, strategy=ShardingStrategy.OPTIM_GRADS))):
+    zero2 = dataclasses.replace(JOB, strategy=ShardingStrategy.OPTIM_GRADS, blocks_per_unit=2)
+    for name, job in (("zero3", JOB), ("zero2", zero2)):
         save = f"{root}/{name}"
         full = train_rank(job, RunOptions(save_dir=save, save_every=3, progress=False,
                                           metrics=f"{root}/{name}.jsonl"))
