@@ -267,7 +267,7 @@ def write_step(
             try:
                 _write(staging / META, [json.dumps(meta, indent=1, sort_keys=True).encode()])
                 step_dirs.publish(staging, path)
-            except OSError as e:
+            except (OSError, CheckpointError) as e:
                 problem = f"cannot publish {staging} as {path}: {e}"
         agree(problem, group=group)
     except BaseException:
