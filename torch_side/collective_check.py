@@ -2,7 +2,8 @@
 about to do, so that a divergence is an error naming the unit instead of a crash or a hang.
 
 Why: every rank of a process group must issue the same collectives in the same order. When they
-do not -- typically an FSDP unit whose module the model code skips on some ranks -- gloo pairs
+do not -- typically an FSDP unit whose module the model code skips on some ranks (a declared
+expert unit is the exception: ``torch_side.expert_units`` keeps it in step) -- gloo pairs
 buffers of different sizes and aborts the process ("Received data size doesn't match expected
 size"), or pairs buffers of equal sizes and silently mixes different tensors; NCCL hangs until
 the process group's timeout or corrupts. None of these names the unit.
@@ -157,9 +158,11 @@ def mismatch_message(rows: torch.Tensor, rank: int, group_name: str) -> str | No
         f"Likely cause: an FSDP unit ran on some ranks only (units involved: "
         f"{', '.join(repr(u) for u in units)}) -- model code that skips a module listed in "
         f"unit_modules on some ranks (data-dependent control flow, layer drop, a router that "
-        f"sends no tokens to an expert wrapped as its own unit), or a forward, backward or "
-        f"state-dict call made on some ranks only. Fix: run every FSDP unit on every rank in "
-        f"every iteration (call it with an empty input where it has nothing to do), or make "
-        f"the skipped module part of an enclosing unit (list its parent in unit_modules "
-        f"instead).{models}"
+        f"sends no tokens to an expert wrapped as its own unit but not declared an expert), or "
+        f"a forward, backward or state-dict call made on some ranks only. Fix: run every FSDP "
+        f"unit on every rank in every iteration (call it with an empty input where it has "
+        f"nothing to do); declare experts, fully_shard(..., expert_modules=..., "
+        f"expert_group=...), and an expert unit's enclosing unit keeps every rank's "
+        f"collectives in step; or make the skipped module part of an enclosing unit (list its "
+        f"parent in unit_modules instead).{models}"
     )

@@ -5,6 +5,8 @@ The pieces, one noun each (see each file's note):
 - ``unit_builder``: which unit owns which parameters, groups by (device, format, requires_grad,
   DP group), the plane-injection hooks;
 - ``FSDPUnit`` (``fsdp_unit``): one module's groups and the hooks that unshard, reshard, reduce;
+- ``ExpertUnits`` (``expert_units``): the expert units a host unit schedules, so that an expert
+  the router skips on some rank still joins its collectives there;
 - ``ParamGroup`` (``param_group``): one group's buffers, plane states and collectives;
 - ``FSDPState`` (``fsdp_state``): the iteration lifecycle and prefetch order shared by the units;
 - ``state_dict``: full main weights, gradients and gathered model weights (collectives);

@@ -13,7 +13,8 @@ Forwards are tracked per unit (``fsdp_unit.TrainingState``): the root is IDLE du
   backward, is an activation-recompute forward (``torch.utils.checkpoint``).
 - ``on_pre_backward`` queues ``finish_backward`` as an autograd final callback: it reduces, in the
   fixed order ``reversed(units)`` (the same on every rank), the gradients of units not reduced
-  yet, reshards everything, freezes the prefetch order and returns to ``IDLE``.
+  yet, reshards everything, freezes the prefetch order and returns to ``IDLE``. Expert units of
+  their own are finished by their host unit, after its reduction (``torch_side.expert_units``).
 - ``grads_incomplete`` is a fact about the main gradients, not a lifecycle state: it outlives
   iterations (a backward after an aborted one does not make the gradients whole) and only
   ``zero_grad`` clears it.
@@ -112,7 +113,8 @@ class FSDPState:
         BACKWARD; autograd runs it only if that backward completes."""
         self._expect(RootState.BACKWARD, "the end of backward")
         for unit in reversed(self.units):
-            unit.finish_backward()
+            if unit.host is None:  # an expert unit is finished by its host, after the host
+                unit.finish_backward()
         self._enter(RootState.IDLE, _NO_GRAPH_TASK)
         self.schedule.order.freeze()
 

@@ -33,8 +33,15 @@ unit's own backward), or, when no input takes gradients, in the final callback -
 at the same point of the dense graph. Zeros stand in for the gradients that never came. (A
 gradient that reaches such a unit after that point -- one whose path does not run through the
 unit's inputs -- is staged again and reduced in the final callback.)
-(Expert modules are therefore never units of their own: ``unit_builder`` refuses it, since a
-unit whose module is not called on some rank would skip its all-gathers there.)
+
+An expert module may also be a unit of its own (an **expert unit**, ``host`` set): where the
+router skips it, its hooks do not run, so its host -- the nearest enclosing unit, which runs on
+every rank -- passes it in a rank-independent order (``torch_side.expert_units``): an expert
+unit's pre-forward and pre-backward first ``skip`` the host's expert units before it that did not
+run here (the same gathers, prefetches and reductions, with zeros for the gradients), and the
+host passes the rest at its post-forward and at its own reduction, which is therefore on exit
+too. A unit that is not declared an expert and is skipped on some rank still diverges, which
+only ``check_collectives`` names.
 
 The backward hook carries the ``weights_version`` its forward read; a different version at
 pre-backward (an optimizer step or a state load in between) raises instead of differentiating
@@ -61,8 +68,9 @@ from bridge.unit_targets import SPAN_PENDING, GradTarget
 from common import trace
 from common.formats import Plane
 from torch_side.collectives import Phase
+from torch_side.expert_units import ExpertUnits, Sweep
 from torch_side.fsdp_state import FSDPState
-from torch_side.param_group import ParamGroup
+from torch_side.param_group import ParamGroup, PlaneState
 
 __all__ = [
     "FSDPUnit", "GradCheck", "GroupGradSink", "MXFP8Planes", "ParamShare", "TrainingState",
@@ -95,11 +103,11 @@ class MXFP8Planes:
 
     def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
         phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
-        self.group.unshard([Plane.ROWWISE], phase)
+        _lazy_unshard(self.unit, self.group, [Plane.ROWWISE], phase)
         return self.group.plane_views(self.index, Plane.ROWWISE)
 
     def colwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        self.group.unshard([Plane.COLWISE], Phase.BACKWARD)
+        _lazy_unshard(self.unit, self.group, [Plane.COLWISE], Phase.BACKWARD)
         return self.group.plane_views(self.index, Plane.COLWISE)
 
     def grad_target(self) -> GradTarget | None:
@@ -113,7 +121,7 @@ class MXFP8Planes:
             phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
         else:
             phase = Phase.BACKWARD
-        self.group.unshard([plane], phase)
+        _lazy_unshard(self.unit, self.group, [plane], phase)
         return self.group.shared_plane(self.index, plane)
 
 
@@ -157,7 +165,7 @@ class ParamShare:
         if self.unit.state is TrainingState.BACKWARD:
             phase = Phase.BACKWARD
         g = self.group
-        g.unshard([g.forward_plane], phase)
+        _lazy_unshard(self.unit, g, [g.forward_plane], phase)
         data = g.buckets[g.forward_plane].shared_data()  # the full buffer, shared once
         s = g.layout.slots[self.index]
         return SharedTensor(data, s.start, tuple(s.shape))
@@ -193,6 +201,75 @@ def check_finite(name: str, grad: torch.Tensor) -> None:
         )
 
 
+# What a unit's hooks issue, shared with ``FSDPUnit.skip`` (an expert unit the router skipped).
+def _forward_gathers(unit: FSDPUnit) -> None:
+    """Pre-forward: record the execution order, gather the forward planes, prefetch."""
+    unit.fsdp.schedule.order.record(unit)
+    for g in unit.groups:
+        g.unshard([g.forward_plane], Phase.FORWARD)
+    unit.fsdp.schedule.prefetch_after(unit)
+
+
+def _recompute_gathers(unit: FSDPUnit) -> None:
+    """Pre-forward of a recompute: every plane (the backward that follows needs colwise)."""
+    for g in unit.groups:
+        g.unshard(g.planes, Phase.RECOMPUTE)
+
+
+def _backward_gathers(unit: FSDPUnit) -> None:
+    """Pre-backward: gather the backward planes, prefetch."""
+    for g in unit.groups:
+        g.unshard([g.backward_plane], Phase.BACKWARD)
+    unit.fsdp.schedule.prefetch_before(unit)
+
+
+def _lazy_unshard(unit: FSDPUnit, group: ParamGroup, planes: list[Plane], phase: Phase) -> None:
+    """Gather planes a layer asks for outside the unit's hooks (a no-op where they are gathered
+    already). Refused where the gather's place among the collectives would depend on what the
+    router skipped: in an expert unit, and in a host during its backward sweep (a recompute of
+    part of the unit: a checkpointed submodule)."""
+    if unit.host is not None or unit.experts.sweep is Sweep.BACKWARD:
+        stored = {group.codec.stored_plane(p) for p in planes}
+        if any(group.state[p] is PlaneState.SHARDED for p in stored):
+            role = "an expert unit" if unit.host is not None else "the host of expert units"
+            raise RuntimeError(
+                f"rank {_rank()}: FSDP unit {unit.name!r} ({role}) gathers "
+                f"{sorted(p.value for p in stored)} of group {group.label!r} outside its hooks "
+                f"(a recompute of part of the unit inside backward, i.e. a checkpointed "
+                f"submodule): where that gather falls among the expert units' collectives would "
+                f"differ between ranks whose routers skip different experts. Checkpoint the "
+                f"experts' host unit as a whole, or list the MoE layer in unit_modules, so that "
+                f"it hosts the experts and the checkpointed module lies outside it. Other ranks "
+                f"may now hang in a collective"
+            )
+    group.unshard(planes, phase)
+
+
+def _check_weights_version(unit: FSDPUnit, version: int) -> None:
+    now = unit.fsdp.weights_version
+    if version != now:
+        raise RuntimeError(
+            f"rank {_rank()}: FSDP unit {unit.name!r}: the model weights changed between "
+            f"this forward and its backward (weights version {version} at forward, {now} "
+            f"now: FSDPOptimizer.step(), refresh_model_weights() or load_full_state_dict() "
+            f"ran in between), so backward would differentiate against the new weights. "
+            f"Call backward before opt.step() (and redo this forward)"
+        )
+
+
+def _register_post_backward(unit: FSDPUnit, args):
+    """Wrap the forward inputs that take gradients in ``_PostBackward`` (None: no such input,
+    the unit is reduced in the final callback)."""
+    flat, spec = tree_flatten(args)
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    outs = _PostBackward.apply(unit, *(flat[i] for i in idx))
+    for i, t in zip(idx, outs, strict=True):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
 class FSDPUnit:
     """One unit: the groups of the parameters under ``modules`` (one module, or several that
     form one unit: unsharded when the first runs, resharded after the last one returns)."""
@@ -208,12 +285,15 @@ class FSDPUnit:
         self.name, self.modules, self.groups, self.fsdp = name, tuple(modules), groups, fsdp
         self.grad_check = grad_check
         self.state = TrainingState.IDLE
+        self.host: FSDPUnit | None = None  # the unit scheduling this expert unit (expert_units)
+        self.experts = ExpertUnits(name)  # the expert units this unit hosts (often none)
         self._pending = 0
         self._span = None  # the trace interval of this unit's forward or backward
         self._sinks: dict[str, GroupGradSink] = {}  # grad_sink(), per group label
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
         # Gradients of expert parameters may not arrive on every rank: reduce when backward
-        # leaves the unit (or at the end), never when the count of gradients completes.
+        # leaves the unit (or at the end), never when the count of gradients completes. A host
+        # of expert units too (``unit_builder._link_experts``): its reduction passes them first.
         self.reduce_on_exit = any(
             g.key.dp_group == "expert_dp" and g.key.requires_grad for g in groups
         )
@@ -236,32 +316,26 @@ class FSDPUnit:
     # ---- forward ----------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         if self.fsdp.in_backward():
-            for g in self.groups:
-                g.unshard(g.planes, Phase.RECOMPUTE)
+            if self.host is not None:
+                self.host.experts.reach(self, Sweep.RECOMPUTE)
+            _recompute_gathers(self)
+            self.experts.begin(Sweep.RECOMPUTE)
             return None
+        if self.host is not None:  # first the host's expert units the router skipped
+            self.host.experts.reach(self, Sweep.FORWARD)
         self.state = TrainingState.FORWARD
-        self.fsdp.schedule.order.record(self)
         self._span = trace.begin(TRACK, f"forward {self.name}")
-        for g in self.groups:
-            g.unshard([g.forward_plane], Phase.FORWARD)
-        self.fsdp.schedule.prefetch_after(self)
+        _forward_gathers(self)
+        self.experts.begin(Sweep.FORWARD)
         if self.reduce_on_exit and torch.is_grad_enabled():
-            return self._register_post_backward(args)
+            return _register_post_backward(self, args)
         return None
-
-    def _register_post_backward(self, args):
-        flat, spec = tree_flatten(args)
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None  # no input takes gradients: reduced in the final callback
-        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs, strict=True):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output):
         if self.fsdp.backward_active:
+            self.experts.finish(Sweep.RECOMPUTE)
             return None
+        self.experts.finish(Sweep.FORWARD)
         self._end_span()
         for g in self.groups:
             g.reshard()
@@ -279,28 +353,18 @@ class FSDPUnit:
             span.end()
 
     # ---- backward ---------------------------------------------------------------------------
-    def _check_weights_version(self, version: int) -> None:
-        now = self.fsdp.weights_version
-        if version != now:
-            raise RuntimeError(
-                f"rank {_rank()}: FSDP unit {self.name!r}: the model weights changed between "
-                f"this forward and its backward (weights version {version} at forward, {now} "
-                f"now: FSDPOptimizer.step(), refresh_model_weights() or load_full_state_dict() "
-                f"ran in between), so backward would differentiate against the new weights. "
-                f"Call backward before opt.step() (and redo this forward)"
-            )
-
     def _pre_backward(self, version: int, grad) -> None:
-        self._check_weights_version(version)
+        _check_weights_version(self, version)
         self.fsdp.on_pre_backward()
         if self.state is TrainingState.BACKWARD:
             return
+        if self.host is not None:  # first the host's expert units backward did not reach
+            self.host.experts.reach(self, Sweep.BACKWARD)
         self.state = TrainingState.BACKWARD
         self._pending = self._grad_params
         self._span = trace.begin(TRACK, f"backward {self.name}")
-        for g in self.groups:
-            g.unshard([g.backward_plane], Phase.BACKWARD)
-        self.fsdp.schedule.prefetch_before(self)
+        _backward_gathers(self)
+        self.experts.begin(Sweep.BACKWARD)
 
     def _make_grad_hook(self, group: ParamGroup, index: int):
         def hook(param: torch.Tensor) -> None:
@@ -331,7 +395,9 @@ class FSDPUnit:
 
     def post_backward(self) -> None:
         """Reduce this micro-batch's gradients into the main grads (asynchronously under
-        ``Overlap.async_reduce``: settled where they are read) and reshard."""
+        ``Overlap.async_reduce``: settled where they are read) and reshard; a host first passes
+        the expert units backward did not reach (``ExpertUnits.finish``)."""
+        self.experts.finish(Sweep.BACKWARD)
         self._end_span()
         async_op = self.fsdp.overlap.async_reduce
         for g in self.groups:
@@ -348,12 +414,30 @@ class FSDPUnit:
             self.post_backward()
 
     def finish_backward(self) -> None:
-        """Root's end-of-backward callback: reduce if some gradients never arrived; reset."""
+        """Root's end-of-backward callback: reduce if some gradients never arrived; reset. An
+        expert unit is finished by its host, after the host's own reduction (``FSDPState``)."""
         if self.state is TrainingState.BACKWARD:
             self.post_backward()
         for g in self.groups:
             g.reshard()
         self.state = TrainingState.IDLE
+        self.experts.finish_backward()
+
+    def skip(self, sweep: Sweep) -> None:
+        """Issue what this expert unit's hooks would have issued in ``sweep`` on a rank whose
+        router did not call it (``ExpertUnits``): forward, gather and reshard; recompute, gather;
+        backward, gather, prefetch and reduce (zeros for gradients that never came)."""
+        if sweep is Sweep.FORWARD:
+            _forward_gathers(self)
+            for g in self.groups:
+                g.reshard()
+        elif sweep is Sweep.RECOMPUTE:
+            _recompute_gathers(self)
+        elif self.state is not TrainingState.REDUCED:
+            if self.state is not TrainingState.BACKWARD:
+                self.state, self._pending = TrainingState.BACKWARD, self._grad_params
+                _backward_gathers(self)
+            self.post_backward()
 
     def abort(self) -> None:
         """After a forward or backward that an exception aborted (or at ``zero_grad``): wait for
@@ -368,6 +452,7 @@ class FSDPUnit:
         for m in self.modules:  # an aborted forward's unit program call (bridge.units)
             m.__dict__.pop(SPAN_PENDING, None)
         self.state, self._pending = TrainingState.IDLE, 0
+        self.experts.reset()
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -11,8 +11,11 @@ parameters of different formats never share a group; each group gets the codec o
 (``weight_codecs.codec_for``, which refuses formats FSDP does not implement). Which format a
 parameter takes is the policy's answer (``MixedPrecisionPolicy.param_format``) to what its module
 declares through ``mxfp8_params()``; no layer class is checked here. Parameters under
-``expert_modules`` are sharded over the expert-DP group; an expert module may not be a unit
-itself (``_check_expert_units``; see ``fsdp_unit`` on experts without tokens). For groups whose
+``expert_modules`` are sharded over the expert-DP group. An expert module (or a module inside
+one) may be a unit of its own, an **expert unit**: a router may skip it on some rank, so its
+collectives are scheduled by its host, the nearest enclosing unit that is not an expert unit
+(``_expert_hosts``, which refuses a host holding another unit; ``torch_side.expert_units``);
+experts inside an enclosing unit are reduced as ``fsdp_unit`` describes. For groups whose
 parameters are placeholders (MXFP8), a forward pre-hook on each owning layer injects its planes
 through the layer's ``weight_planes`` argument, so the model code calls the layer as usual.
 """
@@ -131,20 +134,80 @@ def _unit_members(root: nn.Module, unit_modules: ModuleSpec) -> list[tuple[str, 
     return sorted(units, key=lambda u: order[u[0]])
 
 
-def _check_expert_units(unit_names: list[str], expert_prefixes: list[str]) -> None:
-    """An expert module must not be (or lie inside) a unit of its own: a unit issues its
-    all-gathers when its module runs, and an expert that gets no tokens may not run on some rank,
-    which would leave the other ranks waiting in (or mixing up) collectives."""
-    for u in unit_names:
-        inside = [e for e in expert_prefixes if u == e or u.startswith(e + ".")]
-        if u and inside:
+def _in_expert(name: str, expert_prefixes: list[str]) -> bool:
+    return any(name == e or name.startswith(e + ".") for e in expert_prefixes)
+
+
+def _inside(name: str, prefix: str) -> bool:
+    """Whether module ``name`` is module ``prefix`` or lies inside it (every module is in "")."""
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def _host_of(i: int, units: list[tuple[str, ...]], expert: list[bool]) -> int:
+    """The host of expert unit ``i``: the nearest unit enclosing its members, -1 for the root."""
+    label = "+".join(units[i])
+    hosts = set()
+    for name in units[i]:
+        around = [(len(o), j) for j, other in enumerate(units) if j != i
+                  for o in other if _inside(name, o)]
+        inner = max(around, default=(0, -1))[1]
+        if inner >= 0 and expert[inner]:
             raise ValueError(
-                f"fully_shard: unit_modules makes {u!r} an FSDP unit, but it is (inside) the "
-                f"expert module {inside[0]!r}; an expert that gets no tokens may not run on "
-                f"some rank, and its unit's collectives would then differ between ranks. Keep "
-                f"experts inside an enclosing unit (list the block / MoE layer in unit_modules, "
-                f"not the expert)"
+                f"fully_shard: unit_modules makes {label!r} an FSDP unit inside the expert unit "
+                f"{'+'.join(units[inner])!r}; an expert unit may not hold other units (list the "
+                f"expert alone, or only modules inside it)"
             )
+        hosts.add(inner)
+    if len(hosts) > 1:
+        raise ValueError(
+            f"fully_shard: the expert unit {label!r} lies in different enclosing units; list "
+            f"together only experts of one MoE layer (or each expert alone)"
+        )
+    return hosts.pop()
+
+
+def _expert_hosts(units: list[tuple[str, ...]], expert_prefixes: list[str]) -> dict[int, int]:
+    """{index of an expert unit in ``units``: index of its host unit, -1 for the root}. An expert
+    unit's modules are (inside) declared expert modules; a router may skip it on some rank, so
+    its host, the nearest enclosing unit that is not an expert unit (it runs on every rank),
+    schedules its collectives (``expert_units``). The host must hold no other unit: theirs would
+    interleave with the expert units' differently on ranks that skip different experts."""
+    expert = []
+    for members in units:
+        flags = [_in_expert(m, expert_prefixes) for m in members]
+        if any(flags) and not all(flags):
+            raise ValueError(
+                f"fully_shard: the unit {'+'.join(members)} mixes expert modules with other "
+                f"modules; list expert modules in units of their own (their collectives are "
+                f"scheduled by an enclosing unit, since a router may skip them on some ranks)"
+            )
+        expert.append(all(flags))
+    hosts = {i: _host_of(i, units, expert) for i in range(len(units)) if expert[i]}
+    for i, h in hosts.items():
+        host = units[h] if h >= 0 else ("",)
+        dense = [j for j, members in enumerate(units) if j != h and not expert[j]
+                 and any(_inside(m, o) for m in members for o in host)]
+        if dense:
+            where = "+".join(host) if h >= 0 else "<root>"
+            raise ValueError(
+                f"fully_shard: the expert unit {'+'.join(units[i])!r} is scheduled by its host, "
+                f"the nearest enclosing unit ({where!r}), which also holds the unit "
+                f"{'+'.join(units[dense[0]])!r}; a host may hold expert units only, since ranks "
+                f"whose routers skip different experts would otherwise interleave the two "
+                f"units' collectives differently. List the module that calls the experts (the "
+                f"MoE layer) in unit_modules, so that it hosts them"
+            )
+    return hosts
+
+
+def _link_experts(built: list[FSDPUnit], hosts: dict[int, int]) -> None:
+    """Each expert unit gets its host; each host its expert units in module order, and reduces
+    when backward leaves it (``FSDPUnit.reduce_on_exit``), after passing the expert units."""
+    for i, h in sorted(hosts.items()):
+        unit, host = built[i + 1], built[h + 1]  # built[0] is the root unit
+        unit.host = host
+        host.experts.units.append(unit)
+        host.reduce_on_exit = True
 
 
 def _owned_params(root: nn.Module, units: list[tuple[str, ...]]):
@@ -217,7 +280,7 @@ def build_units(
     """The units of ``root`` (root unit first), their groups built and registered with ``fsdp``."""
     units = _unit_members(root, unit_modules)
     expert_prefixes = _check_specs(root, expert_modules, "expert_modules")
-    _check_expert_units([m for members in units for m in members], expert_prefixes)
+    hosts = _expert_hosts(units, expert_prefixes)
     per_unit = _owned_params(root, units)
     built = [FSDPUnit(ROOT_UNIT, (root,), _build_groups("", per_unit[""], expert_prefixes, cfg),
                       fsdp, cfg.grad_check)]
@@ -226,6 +289,7 @@ def build_units(
         modules = tuple(root.get_submodule(m) for m in members)
         groups = _build_groups(uname, per_unit[uname], expert_prefixes, cfg)
         built.append(FSDPUnit(uname, modules, groups, fsdp, cfg.grad_check))
+    _link_experts(built, hosts)
     fsdp.units = built
     return built
 

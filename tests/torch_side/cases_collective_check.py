@@ -3,7 +3,8 @@
 A unit that runs on some ranks only made gloo abort the process ("Received data size doesn't
 match expected size"), or pair same-size buffers of different units silently (NCCL: hang or
 corrupt). With the check on, every rank raises ``CollectiveMismatchError`` naming what each rank
-was about to run; with it off, training is unchanged, bit for bit.
+was about to run; with it off, training is unchanged, bit for bit. An expert unit declared in
+``expert_modules`` is the exception: skipped on one rank, it stays in step (no mismatch).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.torch_side.toy_models import (
     N_EXPERTS,
     Block,
     ExpertMLP,
+    MoEBlock,
     MoENet,
     ToyNet,
     make_batch,
@@ -58,11 +60,17 @@ def _expect_mismatch(ctx, fn) -> str:
     raise AssertionError("the ranks ran different collectives and no CollectiveMismatchError")
 
 
-def case_expert_unit_skipped_on_one_rank_is_named(ctx):
-    """An MXFP8 expert wrapped as its own (dense) unit; the router sends it no tokens on rank 1,
-    which skips its call. Without the check, rank 0's all-gather of expert 0 pairs with rank 1's
-    of expert 1 (same size: silently mixed shards), and a later one aborts gloo. With
-    MXFP8_FSDP_CHECK_COLLECTIVES=1 both ranks raise at the first divergent collective."""
+def _expert_route(ctx) -> torch.Tensor:
+    t = torch.arange(T, device=ctx.device)
+    return t % N_EXPERTS if ctx.rank == 0 else 1 + t % 2  # rank 1: expert 0 gets no tokens
+
+
+def case_undeclared_expert_unit_skipped_on_one_rank_is_named(ctx):
+    """An MXFP8 expert wrapped as its own unit but not declared an expert (a dense unit); the
+    router sends it no tokens on rank 1, which skips its call. Without the check, rank 0's
+    all-gather of expert 0 pairs with rank 1's of expert 1 (same size: silently mixed shards),
+    and a later one aborts gloo. With MXFP8_FSDP_CHECK_COLLECTIVES=1 both ranks raise at the
+    first divergent collective, and the error says to declare it."""
     torch.manual_seed(0)
     with _env(CHECK_ENV, "1"):
         model = fully_shard(
@@ -70,14 +78,40 @@ def case_expert_unit_skipped_on_one_rank_is_named(ctx):
         )
     assert model.comms["dp"].check
     x, _ = make_batch(3, T, ctx.device)
-    t = torch.arange(T, device=ctx.device)
-    route = t % N_EXPERTS if ctx.rank == 0 else 1 + t % 2  # rank 1: expert 0 gets no tokens
-    msg = _expect_mismatch(ctx, lambda: model(x, route))
+    msg = _expect_mismatch(ctx, lambda: model(x, _expert_route(ctx)))
     assert "rank 0: all-gather of 'moe.experts.0/mxfp8_e4m3/dp/rowwise' (unit 'moe.experts.0', "\
         "forward;" in msg, msg
     assert "rank 1: all-gather of 'moe.experts.1/mxfp8_e4m3/dp/rowwise' (unit 'moe.experts.1', "\
         "forward;" in msg, msg
     assert "ran on some ranks only" in msg and "run every FSDP unit on every rank" in msg, msg
+    assert "not declared an expert" in msg and "expert_modules=..." in msg, msg
+
+
+def case_declared_expert_unit_skipped_on_one_rank_trains(ctx):
+    """The same expert units declared (expert_modules) and hosted by their MoE layer's unit:
+    rank 1 still skips expert 0, and with the check on both ranks train in step (the host passes
+    the skipped expert: the same collectives on both ranks)."""
+    torch.manual_seed(0)
+    model = fully_shard(
+        MoENet().to(ctx.device), unit_modules=(Block, MoEBlock, ExpertMLP), strategy=ZERO3,
+        expert_modules=(ExpertMLP,), check_collectives=True,
+    )
+    assert model.comms["expert_dp"].check
+    opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = make_batch(3, T, ctx.device)
+    for _ in range(2):
+        model.clear_wire_log()
+        loss = mse(model(x, _expert_route(ctx)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.isfinite(loss)
+        wire = [(r.op.value, r.phase.value, r.label, r.numel) for r in model.wire_log()]
+        every = [None] * ctx.world_size
+        dist.all_gather_object(every, wire)
+        assert all(w == wire for w in every), "the ranks issued different collectives"
+        assert any(lbl.startswith("moe.experts.0/") for _, _, lbl, _ in wire)
+    assert model.allocator.live_keys() == []
 
 
 class _SkipNet(ToyNet):
@@ -183,7 +217,8 @@ def case_failed_collective_names_the_switch(ctx):
 
 _M = __name__
 CASES = {
-    f"{_M}:case_expert_unit_skipped_on_one_rank_is_named": (2,),
+    f"{_M}:case_undeclared_expert_unit_skipped_on_one_rank_is_named": (2,),
+    f"{_M}:case_declared_expert_unit_skipped_on_one_rank_trains": (2,),
     f"{_M}:case_block_unit_skipped_on_one_rank_is_named": (2,),
     f"{_M}:case_ranks_in_different_models_are_named": (2,),
     f"{_M}:case_failed_collective_names_the_switch": (2,),

@@ -28,6 +28,7 @@ from torch_side import (
     FSDPOptimizer,
     GradCheck,
     MixedPrecisionPolicy,
+    Overlap,
     Phase,
     ShardingStrategy,
     WeightFormat,
@@ -36,6 +37,7 @@ from torch_side import (
 
 T = 32
 ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+EXPERT_GROUP_SIZE = 2  # ranks per expert-DP group (_expert_groups)
 
 
 def _wrap(ctx, **kw):
@@ -255,14 +257,16 @@ def _routes(world_size: int) -> list[torch.Tensor]:
 def _expert_groups(world_size: int):
     """Expert-DP groups: one group of all ranks at world 2, {0,1} and {2,3} at world 4 (each
     group holds its own experts). Collective: every rank creates every group."""
-    size = 2
+    size = EXPERT_GROUP_SIZE
     ranks = [list(range(i, i + size)) for i in range(0, world_size, size)]
     return [dist.new_group(r) for r in ranks], size
 
 
-def _moe_net(device, group_index: int, dense_seed: int = 0) -> MoENet:
+def _moe_net(device, group_index: int, dense_seed: int = 0, **kw) -> MoENet:
+    """The same dense layers on every rank, the experts of expert group ``group_index``;
+    ``kw``: ``MoENet``'s (which experts without tokens are not called, recompute)."""
     torch.manual_seed(dense_seed)
-    net = MoENet()
+    net = MoENet(**kw)
     torch.manual_seed(10 + group_index)
     net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
     return net.to(device)
@@ -275,26 +279,45 @@ def _wire_sequences(model) -> dict[str, list[tuple]]:
     }
 
 
-def case_moe_experts_without_tokens(ctx):
-    """Some experts get no tokens on some ranks (not called, or called on an empty tensor): every
-    rank issues the same collectives in the same order (compared across ranks), and training
-    matches a replicated single-process reference over all ranks' micro-batches."""
-    w, r = ctx.world_size, ctx.rank
-    egroups, gsize = _expert_groups(w)
-    mine = r // gsize
-    n_groups = len(egroups)
-    model = fully_shard(
-        _moe_net(ctx.device, mine), unit_modules=(Block, MoEBlock), strategy=ZERO3,
-        expert_modules=(ExpertMLP,), expert_group=egroups[mine],
+def _wrap_moe(ctx, unit_modules, overlap: Overlap | None = None, **kw):
+    """The MoENet of this rank's expert group, wrapped (ZeRO-3, expert-DP groups as in
+    ``_expert_groups``)."""
+    egroups, gsize = _expert_groups(ctx.world_size)
+    mine = ctx.rank // gsize
+    return fully_shard(
+        _moe_net(ctx.device, mine, **kw), unit_modules=unit_modules, strategy=ZERO3,
+        expert_modules=(ExpertMLP,), expert_group=egroups[mine], overlap=overlap,
     )
+
+
+def _check_ranks_in_step(model, ctx) -> None:
+    """Every rank issued the same dense collectives, and the same expert collectives as the
+    ranks of its expert group, in the same order (this step's wire log)."""
+    gsize = EXPERT_GROUP_SIZE
+    seqs = _wire_sequences(model)
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, seqs)
+    for other in range(ctx.world_size):
+        assert every[other]["dp"] == seqs["dp"], f"rank {ctx.rank} vs {other}: dense collectives"
+        if other // gsize == ctx.rank // gsize:
+            assert every[other]["expert_dp"] == seqs["expert_dp"], (
+                f"rank {ctx.rank} vs {other}: expert collectives"
+            )
+
+
+def _train_moe_like_the_reference(ctx, model, routes, **kw) -> None:
+    """Two SGD steps of ``model`` (``_wrap_moe``), each rank on its own micro-batch routed by
+    ``routes[rank]``, against a replicated single-process reference over all ranks' micro-batches
+    (one dense net, one expert set per expert group); collectives compared across ranks each
+    step; no bucket left live. Exact at world 2, the training tolerance at 4."""
+    w, r = ctx.world_size, ctx.rank
+    gsize = EXPERT_GROUP_SIZE
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.5, foreach=False)
-    # Reference: one dense net, one expert set per expert group, all on this rank.
-    ref = _moe_net("cpu", 0)
-    experts = [_moe_net("cpu", g).moe.experts for g in range(n_groups)]
+    ref = _moe_net("cpu", 0, **kw)
+    experts = [_moe_net("cpu", g, **kw).moe.experts for g in range(w // gsize)]
     dense = [p for n, p in ref.named_parameters() if not n.startswith("moe.experts.")]
-    ref_params = dense + [p for e in experts for p in e.parameters()]
-    ref_opt = torch.optim.SGD(ref_params, lr=0.5, foreach=False)
-    routes = _routes(w)
+    ref_opt = torch.optim.SGD(dense + [p for e in experts for p in e.parameters()], lr=0.5,
+                              foreach=False)
     exact = w == 2
     for step in range(2):
         x, y = make_batch(50 + step, T * w, ctx.device)
@@ -304,15 +327,7 @@ def case_moe_experts_without_tokens(ctx):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        seqs = _wire_sequences(model)
-        every = [None] * w
-        dist.all_gather_object(every, seqs)
-        for other in range(w):
-            assert every[other]["dp"] == seqs["dp"], f"rank {r} vs {other}: dense collectives"
-            if other // gsize == mine:
-                assert every[other]["expert_dp"] == seqs["expert_dp"], (
-                    f"rank {r} vs {other}: expert collectives"
-                )
+        _check_ranks_in_step(model, ctx)
         total = loss.detach().clone()
         dist.all_reduce(total)
         ref_loss = torch.zeros(())
@@ -324,11 +339,85 @@ def case_moe_experts_without_tokens(ctx):
         ref_opt.step()
         ref_opt.zero_grad()
         _close(f"loss step {step}", (total / w).cpu(), ref_loss, exact)
-    ref.moe.experts = experts[mine]
+    ref.moe.experts = experts[r // gsize]
     state = model.full_state_dict()
     for name, p in ref.named_parameters():
         _close(name, state[name].cpu(), p.detach(), exact)
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
+
+
+def case_moe_experts_without_tokens(ctx):
+    """Some experts get no tokens on some ranks (not called, or called on an empty tensor), the
+    experts inside their MoE layer's unit: every rank issues the same collectives in the same
+    order (compared across ranks), and training matches a replicated single-process reference
+    over all ranks' micro-batches."""
+    model = _wrap_moe(ctx, (Block, MoEBlock))
+    _train_moe_like_the_reference(ctx, model, _routes(ctx.world_size))
+
+
+# ---- issue 30 item 12: experts as FSDP units of their own ------------------------------------
+SKIPPED = (0, 2)  # experts not called at all when they get no tokens (expert 1: called empty)
+
+
+def _expert_unit_routes(world_size: int) -> list[torch.Tensor]:
+    """Per rank, with experts 0 and 2 not called when empty (``SKIPPED``): rank 0 sends every
+    token to expert 2 (0 not called, 1 called empty); rank 1 to experts 0 and 1 (2 not called:
+    the last in forward, the first in backward); rank 2 to expert 1 only (0 and 2 not called);
+    rank 3 to all three."""
+    t = torch.arange(T)
+    return [torch.full((T,), 2), t % 2, torch.full((T,), 1), t % N_EXPERTS][:world_size]
+
+
+def _count_gathered_experts(model) -> list[int]:
+    """After every bucket allocation of ``model``: how many expert units hold gathered planes."""
+    counts, allocate = [], model.allocator.allocate
+
+    def counting(owner, purpose, *args, **kwargs):
+        out = allocate(owner, purpose, *args, **kwargs)
+        counts.append(len({o.split("/")[0] for o, p in model.allocator.live_keys()
+                           if o.startswith("moe.experts.") and p in ("rowwise", "colwise")}))
+        return out
+
+    model.allocator.allocate = counting
+    return counts
+
+
+def case_expert_units_without_tokens(ctx):
+    """Each expert an FSDP unit of its own, hosted by its MoE layer's unit; the router sends
+    some experts no tokens on some ranks, and they are not called there (or called on an empty
+    tensor): the skipped experts still join their gathers and reductions (zeros), so every rank
+    issues the same collectives in the same order, training matches the replicated reference,
+    and at most ``prefetch + 1`` experts' planes are gathered at once."""
+    model = _wrap_moe(ctx, (Block, MoEBlock, ExpertMLP), skip_when_empty=SKIPPED)
+    experts = [u for u in model.units if u.host is not None]
+    assert [u.name for u in experts] == [f"moe.experts.{e}" for e in range(N_EXPERTS)]
+    assert all(u.host.name == "moe" for u in experts)
+    gathered = _count_gathered_experts(model)
+    _train_moe_like_the_reference(ctx, model, _expert_unit_routes(ctx.world_size),
+                                  skip_when_empty=SKIPPED)
+    assert 0 < max(gathered) <= model.state.overlap.prefetch + 1, max(gathered)
+
+
+def case_expert_units_hosted_by_the_root(ctx):
+    """The experts are the only units: the root hosts them (forward and backward passes at the
+    root's own hooks, its reduction at the end of backward); gathers two units ahead and
+    synchronous reductions, where ranks whose collectives differed in order would deadlock."""
+    model = _wrap_moe(ctx, (ExpertMLP,), Overlap(prefetch=2, async_reduce=False),
+                      skip_when_empty=SKIPPED)
+    assert {u.host.name for u in model.units if u.host is not None} == {"<root>"}
+    gathered = _count_gathered_experts(model)
+    _train_moe_like_the_reference(ctx, model, _expert_unit_routes(ctx.world_size),
+                                  skip_when_empty=SKIPPED)
+    assert 0 < max(gathered) <= 3, max(gathered)
+
+
+def case_expert_units_in_a_recomputed_moe_layer(ctx):
+    """The MoE layer checkpointed as a whole: its recompute in backward gathers both planes of
+    the experts it calls, and the skipped ones are passed with the same gathers (also when Torch
+    stops the recompute early, before the layer's post-forward)."""
+    kw = {"skip_when_empty": SKIPPED, "recompute": True}
+    model = _wrap_moe(ctx, (Block, MoEBlock, ExpertMLP), **kw)
+    _train_moe_like_the_reference(ctx, model, _expert_unit_routes(ctx.world_size), **kw)
 
 
 def _close(what, got, want, exact: bool) -> None:
@@ -345,13 +434,17 @@ def case_bad_wrapping_arguments(ctx):
     _expect(TypeError, "policy must be a MixedPrecisionPolicy, got {}", _wrap, ctx, policy={})
     _wrap(ctx, policy=MixedPrecisionPolicy())  # the real thing is accepted
     _expect(ValueError, "unknown init_sync mode 'rank0'", _wrap, ctx, init_sync="rank0")
-    moe_group, _ = _expert_groups(ctx.world_size)
-    msg = _expect(
-        ValueError, "it is (inside) the expert module 'moe.experts.0'", fully_shard,
-        _moe_net(ctx.device, 0), unit_modules=(MoEBlock, ExpertMLP),
-        expert_modules=(ExpertMLP,), expert_group=moe_group[ctx.rank // 2],
-    )
-    assert "list the block / MoE layer in unit_modules" in msg, msg
+    egroups, gsize = _expert_groups(ctx.world_size)
+    net = _moe_net(ctx.device, 0)
+    moe = {"expert_modules": (ExpertMLP,), "expert_group": egroups[ctx.rank // gsize]}
+    # expert units whose host (here the root: the MoE layer is no unit) holds another unit
+    msg = _expect(ValueError, "the nearest enclosing unit ('<root>'), which also holds the unit "
+                  "'dense'", fully_shard, net, unit_modules=(Block, ExpertMLP), **moe)
+    assert "List the module that calls the experts (the MoE layer) in unit_modules" in msg, msg
+    _expect(ValueError, "an FSDP unit inside the expert unit 'moe.experts.0'", fully_shard, net,
+            unit_modules=(MoEBlock, ExpertMLP, net.moe.experts[0].fc1), **moe)
+    _expect(ValueError, "the unit moe.router+moe.experts.0 mixes expert modules with other",
+            fully_shard, net, unit_modules=(MoEBlock, [net.moe.router, net.moe.experts[0]]), **moe)
 
 
 _M = "tests.torch_side.cases_reliability"
@@ -364,5 +457,8 @@ CASES = {
     f"{_M}:case_plain_optimizer_is_refused": (2,),
     f"{_M}:case_step_between_forward_and_backward_is_refused": (2,),
     f"{_M}:case_moe_experts_without_tokens": (2, 4),
+    f"{_M}:case_expert_units_without_tokens": (2, 4),
+    f"{_M}:case_expert_units_hosted_by_the_root": (2, 4),
+    f"{_M}:case_expert_units_in_a_recomputed_moe_layer": (2, 4),
     f"{_M}:case_bad_wrapping_arguments": (2,),
 }

@@ -1,6 +1,7 @@
 """The collective-consistency check (``torch_side.collective_check``; spawned cases in
 cases_collective_check.py): a unit that runs on some ranks only is an error naming each rank's
-collective instead of a gloo abort or an NCCL hang; the check does not change training."""
+collective instead of a gloo abort or an NCCL hang (a declared expert unit stays in step and
+trains); the check does not change training."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ def _rows(*descriptors: Descriptor) -> torch.Tensor:
 
 
 # ---- spawned worlds ------------------------------------------------------------------------------
-def test_expert_unit_skipped_on_one_rank_is_named_on_every_rank(spawned):
-    check_case(spawned, cc, cc.case_expert_unit_skipped_on_one_rank_is_named, 2)
+def test_undeclared_expert_unit_skipped_on_one_rank_is_named_on_every_rank(spawned):
+    check_case(spawned, cc, cc.case_undeclared_expert_unit_skipped_on_one_rank_is_named, 2)
+
+
+def test_declared_expert_unit_skipped_on_one_rank_trains_in_step(spawned):
+    check_case(spawned, cc, cc.case_declared_expert_unit_skipped_on_one_rank_trains, 2)
 
 
 def test_block_unit_skipped_on_one_rank_is_named_on_every_rank(spawned):

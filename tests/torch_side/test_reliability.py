@@ -3,7 +3,8 @@
 Each test reads as the rule it pins: an exception escaping backward is recovered from; a second
 backward over a retained graph accumulates; state dicts are full and checked; a plain optimizer
 and an optimizer step between forward and backward are refused; experts that get no tokens keep
-every rank's collectives in step; wrapping arguments that match nothing are refused.
+every rank's collectives in step, also as FSDP units of their own; wrapping arguments that match
+nothing (or expert units no unit can host) are refused.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def test_optimizer_step_between_forward_and_backward_is_refused(spawned):
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_experts_without_tokens_keep_ranks_in_step(spawned, world_size):
     check_case(spawned, cr, cr.case_moe_experts_without_tokens, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case",
+    [cr.case_expert_units_without_tokens, cr.case_expert_units_hosted_by_the_root,
+     cr.case_expert_units_in_a_recomputed_moe_layer],
+    ids=["moe_layer_hosts", "root_hosts", "recomputed_moe_layer"],
+)
+def test_expert_units_without_tokens_keep_ranks_in_step(spawned, case, world_size):
+    """Experts as FSDP units of their own, not called (or called empty) on some ranks: the same
+    collectives on every rank, training as the replicated reference (issue 30 item 12)."""
+    check_case(spawned, cr, case, world_size)
 
 
 def test_wrapping_arguments_that_match_nothing_are_refused(spawned):

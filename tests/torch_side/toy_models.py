@@ -6,7 +6,8 @@
 ``Recompute`` picks activation checkpointing: none, whole blocks (unit), or the MLP inside a block.
 An ``ExpertMLP`` can stand in for the MLP (an MoE-style block with one local expert).
 ``MoENet``: ``inp`` -> a dense ``Block`` -> ``MoEBlock`` (router + ``N_EXPERTS`` ``ExpertMLP``s,
-tokens routed by an explicit per-token expert index) -> ``head``.
+tokens routed by an explicit per-token expert index; which experts without tokens are not called
+at all, and whether the layer is recomputed in backward, are arguments) -> ``head``.
 """
 
 from __future__ import annotations
@@ -123,12 +124,18 @@ class MoEBlock(nn.Module):
 
 
 class MoENet(nn.Module):
-    def __init__(self):
+    """``recompute``: the MoE layer is checkpointed (recomputed in backward) as a whole."""
+
+    def __init__(self, skip_when_empty: tuple[int, ...] = (0,), recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         self.inp = nn.Linear(D_IN, D)
         self.dense = Block(Recompute.NONE)
-        self.moe = MoEBlock()
+        self.moe = MoEBlock(skip_when_empty)
         self.head = nn.Linear(D, D_OUT)
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
-        return self.head(self.moe(self.dense(self.inp(x)), route))  # (T, D_OUT)
+        h = self.dense(self.inp(x))  # (T, D)
+        if self.recompute:
+            return self.head(checkpoint(self.moe, h, route, use_reentrant=False))
+        return self.head(self.moe(h, route))  # (T, D_OUT)
