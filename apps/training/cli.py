@@ -23,6 +23,7 @@ import importlib.util
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from apps.training.job import RunOptions, TrainJob, Weights
@@ -86,10 +87,17 @@ def under_torchrun() -> bool:
     return all(v in os.environ for v in _TORCHRUN_VARS)
 
 
-def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
-    """(label, job, RunOptions) of every training this command runs."""
-    from apps.training.loop import result_path
+def result_path(metrics: str | None, suffix: str) -> str | None:
+    """``run.jsonl`` -> ``run.<suffix>.jsonl`` (the --compare control's metrics file)."""
+    if metrics is None:
+        return None
+    p = Path(metrics)
+    return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))
 
+
+def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
+    """(label, job, RunOptions) of every training this command runs (no torch imported: a
+    refused combination answers at once)."""
     job = from_args(TrainJob, args)
     opts = from_args(RunOptions, args, label=job.weights.value)
     runs = [(job.weights.value, job, opts)]
@@ -225,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
             paths = [o.metrics for _, _, o in runs if o.metrics]  # parse_args: at least one
             print(f"loss curves: {plot_runs(paths, args.plot)}")
             if args.telemetry:  # the first run's MXFP8 numerics, beside the curves
-                from pathlib import Path
-
                 from apps.training.plot_telemetry import plot_telemetry
 
                 out = Path(args.plot).with_suffix(".telemetry.png")

@@ -19,6 +19,10 @@ GEMMs either way, only the wire differs.
 The learning rate follows ``schedule()`` (``torch_side.lr_schedule.ScheduleConfig``: linear warmup
 over ``warmup_steps``, then constant, cosine or linear decay to ``min_lr`` at ``steps``), and
 ``grad_clip`` > 0 clips the global gradient norm (``torch_side.clip_grad_norm_``).
+
+The module imports neither torch nor JAX (nor numpy): ``mxfp8-train``'s parser is built from
+these classes, and ``--help`` or a refused flag answers in a fraction of a second. What needs a
+framework (``policy()``, ``corpus()``, ``overlap()``) imports it when called.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ import enum
 import math
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
-
-from apps.training.data import BYTE_VOCAB, Corpus, make_corpus
 from apps.training.options import (
     Group,
     internal,
@@ -40,11 +42,16 @@ from apps.training.options import (
     option,
     positive,
 )
+from common.formats import WeightFormat
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, GatherMode, LinearMode
-from torch_side import MixedPrecisionPolicy, Overlap, ShardingStrategy, WeightFormat
 from torch_side.lr_schedule import LRSchedule, ScheduleConfig
+from torch_side.strategy import ShardingStrategy
+
+if TYPE_CHECKING:  # imported where used: the parser (mxfp8-train --help) needs no torch
+    from apps.training.data import Corpus
+    from torch_side import MixedPrecisionPolicy, Overlap
 
 __all__ = [
     "DEFAULT_ACTIVATIONS",
@@ -253,6 +260,10 @@ class TrainJob:
 
     def policy(self) -> MixedPrecisionPolicy:
         """The FSDP policy of the recipe (the table in the module docstring)."""
+        import torch
+
+        from torch_side import MixedPrecisionPolicy
+
         other = self.recipe.other_format[self.resolved_activations]
         return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32,
                                     gather=self.gather)
@@ -260,6 +271,8 @@ class TrainJob:
     def corpus(self) -> Corpus:
         """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's
         (capped at MARKOV_MAX_VOCAB) for the Markov chain."""
+        from apps.training.data import BYTE_VOCAB, make_corpus
+
         vocab = BYTE_VOCAB
         if self.data == "markov":
             vocab = min(PRESETS[self.config].vocab_size, MARKOV_MAX_VOCAB)
@@ -360,6 +373,8 @@ class RunOptions:
 
     def overlap(self) -> Overlap:
         """FSDP's communication schedule (``torch_side.Overlap``)."""
+        from torch_side import Overlap
+
         return Overlap(prefetch=self.prefetch, async_reduce=not self.sync_reduce)
 
     def trace_path(self, rank: int, world_size: int) -> str | None:
@@ -373,7 +388,14 @@ class RunOptions:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
         _positive_int("RunOptions", "trace_steps", self.trace_steps)
-        self.overlap()  # checks prefetch / sync_reduce (torch_side.Overlap names them)
+        # torch_side.Overlap checks them again when training builds it (overlap())
+        if isinstance(self.prefetch, bool) or not (
+            isinstance(self.prefetch, int) and self.prefetch >= 0
+        ):
+            raise ValueError(f"RunOptions.prefetch={self.prefetch!r}: expected an integer >= 0 "
+                             f"(units whose all-gathers are issued ahead; 0: none)")
+        if not isinstance(self.sync_reduce, bool):
+            raise TypeError(f"RunOptions.sync_reduce={self.sync_reduce!r}: expected a bool")
         if isinstance(self.max_consecutive_skips, bool) or not (
             isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
         ):

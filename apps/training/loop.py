@@ -23,7 +23,6 @@ import enum
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -403,11 +402,3 @@ def train_rank(job: TrainJob, opts: RunOptions = _DEFAULT_OPTIONS) -> TrainResul
     until it returns or raises (``apps.training.checkpoint.CheckpointSaver``)."""
     with Trainer(job, opts) as trainer:
         return trainer.run()
-
-
-def result_path(metrics: str | None, suffix: str) -> str | None:
-    """``run.jsonl`` -> ``run.<suffix>.jsonl`` (the --compare control's metrics file)."""
-    if metrics is None:
-        return None
-    p = Path(metrics)
-    return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,27 @@ def test_a_diverged_run_exits_nonzero_naming_the_step(tmp_path):
     assert f"mxfp8-train: error: mxfp8: step {k}: non-finite training (loss " in done.stderr
     saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "ckpt").glob("step_*"))
     assert saved and max(saved) <= k, (k, saved)
+
+
+def test_help_and_refused_flags_import_no_framework():
+    """``mxfp8-train --help`` took 3.6 s of CPU: the parser's module imported torch, and with it
+    JAX. Now the parser, and the checks that refuse a flag or a combination, import neither (nor
+    numpy): measured 0.06 s for --help against 1.9 s before on this machine."""
+    code = textwrap.dedent("""
+        import contextlib, io, json, sys
+        from apps.training import cli
+        codes = []
+        for argv in (["--help"], ["--steps", "0"], ["--gather", "bf16", "--weights", "fp32"]):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                try:
+                    codes.append(cli.main(argv))
+                except SystemExit as e:
+                    codes.append(e.code)
+        loaded = [m for m in ("torch", "jax", "jaxlib", "numpy") if m in sys.modules]
+        print(json.dumps([codes, loaded]))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == [[0, 2, 2], []]
