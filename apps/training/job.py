@@ -324,7 +324,11 @@ class RunOptions:
                              help="steps between checkpoints (0: one at the end, with --save-dir)")
     resume: str | None = option(None, Group.OUTPUTS,
                                 help="a --save-dir (its latest checkpoint) or a step_* directory")
-    progress: bool = option(True, Group.OUTPUTS, help="no progress bar")  # rank 0's tqdm bar
+    progress: bool = option(True, Group.OUTPUTS, help="no progress display")  # rank 0's
+    progress_every: int = option(  # apps.training.progress
+        10, Group.OUTPUTS, parse=positive(int),
+        help="where stderr is not a terminal (a log file, CI, nohup), a progress line every N "
+             "steps (and on the first and the last) instead of the bar")
     label: str = internal("", "shown in the progress bar and the run record; the command line "
                               "sets it to the --weights value (or 'fp32 control')")
     precompile: bool = option(  # compile the JAX linear programs in parallel before step 1
@@ -387,6 +391,7 @@ class RunOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
+        _positive_int("RunOptions", "progress_every", self.progress_every)
         _positive_int("RunOptions", "trace_steps", self.trace_steps)
         # torch_side.Overlap checks them again when training builds it (overlap())
         if isinstance(self.prefetch, bool) or not (

@@ -12,8 +12,9 @@ runs it. ``Trainer.step`` is one training step (``_forward_backward`` of the mic
 job and its options are ``apps.training.job``'s (``RunOptions``, ``OnNonFinite`` and
 ``MARKOV_MAX_VOCAB`` are re-exported here). Data come from ``apps.training.data``:
 sample ids are global, so rank r's micro-batch m of the step at data position p is a fixed set of
-ids, and a checkpoint needs only the position. Rank 0 shows progress (tqdm), writes the metrics
-(``apps.training.metrics``) and the checkpoint metadata.
+ids, and a checkpoint needs only the position. Rank 0 shows progress
+(``apps.training.progress``: a tqdm bar on a terminal, a line every ``--progress-every`` steps
+in a log), writes the metrics (``apps.training.metrics``) and the checkpoint metadata.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import sys
 import time
 
 import numpy as np
@@ -34,6 +34,7 @@ from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids
 from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
+from apps.training.progress import Progress, progress
 from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
@@ -226,13 +227,11 @@ def _stop_message(log: StepLog, opts: RunOptions, skips: int) -> str:
             f"it. Lower the learning rate, or skip such steps (--on-nonfinite skip)")
 
 
-def _progress(job: TrainJob, opts: RunOptions, start: int):
+def _progress(job: TrainJob, opts: RunOptions, start: int) -> Progress | None:
     if not opts.progress or dist.get_rank() != 0:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=job.steps, initial=start, desc=opts.label or job.weights.value,
-                unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+    return progress(opts.label or job.weights.value, job.steps, start,
+                    every=opts.progress_every)
 
 
 class Trainer:
@@ -352,9 +351,7 @@ class Trainer:
             while self.done < job.steps:
                 log = self.step()
                 if bar is not None:
-                    bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
-                                    step_s=f"{log.seconds:.3f}")
-                    bar.update(1)
+                    bar.show(log.step, log.loss, log.tokens_per_s, log.seconds)
                 if opts.save_every and self.done % opts.save_every == 0:
                     self.save()
             if not opts.save_every or self.done % opts.save_every:
