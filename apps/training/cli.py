@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every needs --save-dir")
     if args.compare and (args.resume or args.save_dir):
         p.error("--compare runs two trainings; use it without --resume / --save-dir")
+    _refuse_idle_flags(p, args)
     if args.plot:  # checked now, not after a training that has nothing to draw it with
         if not args.metrics:
             p.error("--plot needs --metrics (the curves are drawn from the metrics file)")
@@ -81,6 +82,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else 1
     return args
+
+
+def _refuse_idle_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A flag whose output or effect goes through another flag does nothing without it: the
+    run would go on as if it were not given. Refused instead, naming what to add."""
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != p.get_default(dest)
+
+    idle = (
+        ("--digest", given("digest") and not args.metrics,
+         "its hashes go into the --metrics step records: add --metrics PATH"),
+        ("--telemetry", given("telemetry") and not args.metrics,
+         "the MXFP8 numerics go into the --metrics step records: add --metrics PATH"),
+        ("--telemetry-every", given("telemetry_every") and not args.telemetry,
+         "it sets the steps --telemetry records: add --telemetry (and --metrics PATH)"),
+        ("--trace-steps", given("trace_steps") and not args.trace,
+         "it sets how many steps --trace records: add --trace PATH"),
+        ("--max-consecutive-skips", given("max_consecutive_skips")
+         and args.on_nonfinite != "skip",
+         "it bounds the skipped steps of --on-nonfinite skip: add --on-nonfinite skip"),
+        ("--progress-every", given("progress_every") and not args.progress,
+         "it paces the progress lines that --no-progress turns off: drop one of them"),
+    )
+    for flag, does_nothing, fix in idle:
+        if does_nothing:
+            p.error(f"{flag} would do nothing here: {fix}")
 
 
 def under_torchrun() -> bool:

@@ -15,8 +15,9 @@ colwise (the cause before its consequences: the main weights, then the scales an
 quantized from them). A file that disagrees with itself (a resumed run whose loaded state or
 re-run step hashes differently from the first time) is reported too: its resume was not exact.
 
-Exit status: 0 identical, 1 differ, 2 bad input (a missing or malformed file, no digests, runs
-of different models, no point in common), with the reason on stderr.
+Exit status: 0 identical, 1 differ, 2 bad input (a missing or malformed file, no digests or a
+digest that hashes no tensor, runs of different models, no point in common), with the reason on
+stderr.
 
 The digests do not depend on the world size (``torch_side.step_digest``): runs at different
 world sizes agree wherever their values are equal (the start, a resume of a checkpoint saved at
@@ -75,6 +76,9 @@ def _check_digest(path, lineno: int, digest) -> None:
     if not ok:
         raise DigestError(f"{path}:{lineno}: 'digest' must map group -> tensor -> hex string, "
                           f"got {str(digest)[:80]}")
+    if not digest or not all(digest.values()):  # else "identical" would compare nothing
+        raise DigestError(f"{path}:{lineno}: 'digest' hashes no tensor (got {str(digest)[:80]}); "
+                          f"--digest writes at least one group with its tensors' hashes")
 
 
 def load_digests(path: str | os.PathLike) -> DigestRun:

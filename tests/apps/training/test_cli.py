@@ -30,6 +30,14 @@ ROOT = Path(__file__).resolve().parents[3]
         (["--compare", "--resume", "x"], "--compare runs two trainings"),
         (["--config", "huge"], "invalid choice"),
         (["--plot", "c.png"], "--plot needs --metrics"),
+        # flags that did nothing without another one (the run went on as if not given)
+        (["--digest"], "--digest would do nothing here: its hashes go into the --metrics"),
+        (["--telemetry"], "--telemetry would do nothing here: the MXFP8 numerics go into"),
+        (["--metrics", "m.jsonl", "--telemetry-every", "5"],
+         "--telemetry-every would do nothing here: it sets the steps --telemetry records"),
+        (["--trace-steps", "3"], "--trace-steps would do nothing here: it sets how many steps"),
+        (["--max-consecutive-skips", "3"], "add --on-nonfinite skip"),
+        (["--no-progress", "--progress-every", "5"], "--progress-every would do nothing here"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, message, capsys):
