@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from apps.training.job import RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, from_args, option, positive
+from apps.training.output_path import unwritable_reason
 
 __all__ = ["Launch", "build_parser", "main", "parse_args"]
 
@@ -73,15 +74,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compare and (args.resume or args.save_dir):
         p.error("--compare runs two trainings; use it without --resume / --save-dir")
     _refuse_idle_flags(p, args)
+    if args.telemetry and args.weights != Weights.MXFP8.value:
+        p.error(f"--telemetry records the numerics of MXFP8 weights, and --weights "
+                f"{args.weights} has none (its records would carry no telemetry); use --weights "
+                f"mxfp8 (with --compare for the fp32 control), or drop --telemetry")
+    if args.nproc is None:
+        args.nproc = 2 if args.device == "cpu" else 1
     if args.plot:  # checked now, not after a training that has nothing to draw it with
         if not args.metrics:
             p.error("--plot needs --metrics (the curves are drawn from the metrics file)")
-        if importlib.util.find_spec("matplotlib") is None:
-            p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
-                    "or drop --plot (mxfp8-plot draws a --metrics file later)")
-    if args.nproc is None:
-        args.nproc = 2 if args.device == "cpu" else 1
+        _check_matplotlib(p)
+    for flag, path in _outputs(args):
+        if (why := unwritable_reason(path)) is not None:
+            p.error(f"{flag}: {why}")
     return args
+
+
+def _check_matplotlib(p: argparse.ArgumentParser) -> None:
+    """--plot draws with matplotlib after training: import it now, as ``apps.training.plot``
+    will (a broken install fails here, not after the run)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
+                "or drop --plot (mxfp8-plot draws a --metrics file later)")
+    try:
+        importlib.import_module("matplotlib.backends.backend_agg")
+    except Exception as e:  # whatever a broken install raises; the message names it
+        p.error(f"--plot needs matplotlib, which fails to import here ({type(e).__name__}: "
+                f"{e}); repair it (pip install --force-reinstall matplotlib), or drop --plot "
+                f"(mxfp8-plot draws a --metrics file later)")
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, path) of every file the command writes besides checkpoints: every rank's trace,
+    the metrics (and the --compare control's), the figures."""
+    out = []
+    if args.trace:  # PATH itself too: a directory there is a mistake at any world size
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+        traced = RunOptions(trace=args.trace)
+        paths = dict.fromkeys([args.trace, *(traced.trace_path(r, world) for r in range(world))])
+        out += [("--trace", path) for path in paths]
+    if args.metrics:
+        out.append(("--metrics", args.metrics))
+        if args.compare:
+            out.append(("--metrics (the --compare control's)", result_path(args.metrics, "fp32")))
+    if args.plot:
+        out.append(("--plot", args.plot))
+        if args.telemetry:
+            out.append(("--plot (its telemetry figure)", str(_telemetry_figure(args.plot))))
+    return out
+
+
+def _telemetry_figure(plot: str) -> Path:
+    """Where --plot a.png --telemetry draws the telemetry: a.telemetry.png."""
+    return Path(plot).with_suffix(".telemetry.png")
 
 
 def _refuse_idle_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -262,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.telemetry:  # the first run's MXFP8 numerics, beside the curves
                 from apps.training.plot_telemetry import plot_telemetry
 
-                out = Path(args.plot).with_suffix(".telemetry.png")
-                print(f"MXFP8 telemetry: {plot_telemetry(paths[0], out)}")
+                print(f"MXFP8 telemetry: "
+                      f"{plot_telemetry(paths[0], _telemetry_figure(args.plot))}")
     return 0
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -296,7 +297,9 @@ class Trainer:
             self._recorder = trace.Recorder(dist.get_rank())
         with trace.recording(self._recorder), trace.span("host: steps", f"step {self.done}"):
             log = self._step()
-        self._recorder.write(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        path = Path(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        path.parent.mkdir(parents=True, exist_ok=True)  # as the metrics and plots do
+        self._recorder.write(path)
         return log
 
     def _step(self) -> StepLog:

@@ -57,6 +57,65 @@ def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys)
     cli.parse_args(["--metrics", "m.jsonl"])  # no --plot: matplotlib is not needed
 
 
+def test_a_broken_matplotlib_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """One that is installed but fails to import failed only when the plot was drawn, after
+    the whole training."""
+    broken = tmp_path / "site" / "matplotlib"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('libfreetype.so.6: cannot open')\n")
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--metrics", str(tmp_path / "m.jsonl"), "--plot", str(tmp_path / "c.png")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "--plot needs matplotlib, which fails to import here (ImportError: libfreetype" in err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_training(tmp_path, capsys):
+    """A trace, metrics file or figure at a path that is a directory, or under a file, failed
+    after the training (the trace after its steps, the figure at the very end)."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("")
+    d, f = str(tmp_path / "dir"), str(tmp_path / "file")
+    cases = [
+        (["--nproc", "1", "--trace", d], f"--trace: {d!r} is an existing directory"),
+        (["--trace", d], f"--trace: {d!r} is an existing directory"),  # 2 ranks: d.rank<r>
+        (["--trace", f + "/t.json"], f"--trace: {f!r} is a file, so {f + '/t.json'!r} cannot"),
+        (["--metrics", d], f"--metrics: {d!r} is an existing directory"),
+        (["--metrics", d + "/m.jsonl", "--plot", d], f"--plot: {d!r} is an existing directory"),
+        (["--metrics", d + "/m.jsonl", "--plot", f + "/x/c.png"], "--plot: "),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, (argv, err)
+    args = cli.parse_args(["--trace", d + "/new/t.json", "--metrics", d + "/new/m.jsonl"])
+    assert args.trace == d + "/new/t.json"  # missing directories are created by the writers
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_an_output_in_a_read_only_directory_is_refused(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--trace", str(ro / "t.json")])
+    assert f"no permission to create {str(ro / 't.json')!r}" in capsys.readouterr().err
+
+
+def test_telemetry_of_a_run_without_mxfp8_weights_is_refused(capsys):
+    """``--plot --telemetry --weights fp32`` trained, then failed to draw: "no step record
+    carries telemetry" (an fp32 or bf16 run has no MXFP8 weights to record)."""
+    for weights in ("fp32", "bf16"):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(["--weights", weights, "--telemetry", "--metrics", "m.jsonl"])
+        assert e.value.code == 2
+        assert f"--weights {weights} has none" in capsys.readouterr().err
+    cli.parse_args(["--telemetry", "--metrics", "m.jsonl", "--compare"])  # mxfp8 + control
+
+
 def test_defaults_are_the_embedded_cpu_demo():
     args = cli.parse_args([])
     assert (args.device, args.nproc, args.config, args.weights) == ("cpu", 2, "tiny", "mxfp8")

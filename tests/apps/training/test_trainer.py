@@ -55,7 +55,7 @@ def test_trace_writes_a_chrome_trace_of_the_steps_after_the_first(single_rank_wo
     """``--trace`` (RunOptions.trace): a Chrome trace JSON of steps 1 and 2 with the unit spans,
     their JAX program dispatches, the collectives and the bucket-memory counter; the prefetch
     setting reaches FSDP."""
-    path = tmp_path / "t.json"
+    path = tmp_path / "traces" / "t.json"  # a directory the trainer creates
     opts = _opts(tmp_path, trace=str(path), trace_steps=2, prefetch=2, sync_reduce=True)
     with Trainer(JOB, opts) as t:
         assert t.parts.fsdp.state.overlap.prefetch == 2
