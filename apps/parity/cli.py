@@ -10,12 +10,15 @@
     python -m apps.parity --steps 3 --from-checkpoint runs/a   # from mxfp8-train --save-dir
 
 Prints the report (``ParityReport``, ``UnitParityReport`` or ``ReplayReport``) and a verdict.
+Exit status 0; 2 for arguments it cannot honour, and for a checkpoint the replay cannot start
+from (the reason on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -138,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.__version__}", flush=True)
     start = time.perf_counter()
     if args.replay:
-        report = _replay(args, cfg)
+        from torch_side.sharded_files import CheckpointError
+
+        try:
+            report = _replay(args, cfg)
+        except CheckpointError as e:  # a checkpoint the replay cannot start from
+            print(f"python -m apps.parity: error: {e}", file=sys.stderr)
+            return 2
     elif args.compute == "unit":
         report = unit_parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
