@@ -69,6 +69,13 @@ __all__ = [
 # a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
 MARKOV_MAX_VOCAB = 1024
 
+# torch.optim.AdamW's first step divides the learning rate by its bias correction 1 - beta1 (0.1
+# with the default beta1 = 0.9, which the trainer uses) and converts the quotient to the weights'
+# float32: above FLOAT32_MAX it raises "value cannot be converted to type float without overflow"
+# inside the optimizer. (Far smaller rates already diverge; --on-nonfinite stops those runs.)
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
+ADAMW_FIRST_STEP_DIVISOR = 1 - 0.9
+
 
 class Weights(enum.Enum):
     """The precision recipe of a run (``--weights``): a key of ``RECIPES``."""
@@ -199,6 +206,12 @@ class TrainJob:
             _positive_int(owner, name, getattr(self, name))
         if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"{owner}.lr={self.lr!r}: expected a finite learning rate > 0")
+        if self.lr / ADAMW_FIRST_STEP_DIVISOR > FLOAT32_MAX:
+            raise ValueError(
+                f"{owner}.lr={self.lr!r}: AdamW's first step divides the learning rate by "
+                f"1 - beta1 = {ADAMW_FIRST_STEP_DIVISOR:.1g}, over the float32 maximum "
+                f"{FLOAT32_MAX:.4g}; expected lr <= {FLOAT32_MAX * ADAMW_FIRST_STEP_DIVISOR:.3g} "
+                f"(rates that train are ~1e-4 .. 1e-2)")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"{owner}.weight_decay={self.weight_decay!r}: expected >= 0")
         self._check_schedule_and_gather(owner)

@@ -116,6 +116,24 @@ def test_telemetry_of_a_run_without_mxfp8_weights_is_refused(capsys):
     cli.parse_args(["--telemetry", "--metrics", "m.jsonl", "--compare"])  # mxfp8 + control
 
 
+def test_a_learning_rate_that_overflows_adamw_is_refused_before_training(monkeypatch, capsys):
+    """``--lr 1e38``: AdamW's first step divides it by 1 - beta1 = 0.1, beyond float32, and the
+    run died at step 0 with a traceback from inside torch.optim ("value cannot be converted to
+    type float without overflow")."""
+    import torch_side.launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(torch_side.launch, "run_local_ranks", no_launch)
+    assert cli.main(["--lr", "1e38"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mxfp8-train: error: TrainJob.lr=1e+38: AdamW's first step divides "
+                          "the learning rate by 1 - beta1 = 0.1, over the float32 maximum"), err
+    assert "expected lr <= 3.4e+37" in err
+    assert TrainJob(lr=3.4e37).lr == 3.4e37  # the largest rates are still accepted
+
+
 def test_defaults_are_the_embedded_cpu_demo():
     args = cli.parse_args([])
     assert (args.device, args.nproc, args.config, args.weights) == ("cpu", 2, "tiny", "mxfp8")

@@ -156,6 +156,27 @@ def test_bad_input_is_exit_2_with_the_reason(tmp_path, capsys, case, expect):
     assert err.startswith("mxfp8-digest-diff: error: ")
 
 
+@pytest.mark.parametrize(("record", "expect"), [
+    (_start(D0, resumed_from="two"), "bad.jsonl:1: a 'run' record's 'resumed_from' must be an "
+                                     "integer >= 0, got two"),
+    (_start(D0, resumed_from=-1), "'resumed_from' must be an integer >= 0, got -1"),
+    ({**_start(D0), "world_size": [2]}, "'world_size' must be an integer >= 1, got [2]"),
+    (_step(True, D0), "a 'step' record's 'step' must be an integer >= 0, got True"),
+    (None, "bad.jsonl:1: malformed metrics line: nested deeper"),  # None: a deep line
+])
+def test_malformed_fields_are_bad_input_not_a_difference(tmp_path, capsys, record, expect):
+    """A malformed ``resumed_from`` (or a deeply nested line) exited 1, the "runs differ"
+    status, with a traceback (TypeError comparing points; RecursionError)."""
+    good = _write(tmp_path / "good.jsonl", [_start(D0), _step(0, D0)])
+    bad = tmp_path / "bad.jsonl"
+    if record is None:  # nested deeper than the JSON reader follows
+        bad.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    else:
+        _write(bad, [record, _step(0, D0)])
+    code, out, err = _diff(capsys, good, bad)
+    assert (code, out) == (2, "") and expect in err, err
+
+
 def test_two_files_of_empty_digests_are_not_called_identical(tmp_path, capsys):
     """They were: "identical: 1 points compared", of nothing."""
     a = _write(tmp_path / "a.jsonl", [_start({})])
