@@ -24,6 +24,11 @@ from apps.parity.cli import main, parse_args
         (["--lr", "1e-3"], "--lr / --weight-decay set the replay's AdamW; add --steps N"),
         (["--compute", "op", "--activations", "bf16"], "--activations bf16 needs --compute unit"),
         (["--steps", "2", "--device", "cuda"], "the unit report and the replay run on the CPU"),
+        # AdamW's first step overflowed inside torch.optim (a traceback); nan trained NaN
+        (["--steps", "1", "--lr", "1e38"], "--lr 1e+38: expected a finite learning rate > 0 "
+                                           "and <= 3.4e+37"),
+        (["--steps", "1", "--lr", "nan"], "--lr nan: expected a finite learning rate > 0"),
+        (["--steps", "1", "--weight-decay", "-1"], "--weight-decay -1.0: expected a finite"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
