@@ -10,15 +10,20 @@
     python -m apps.parity --steps 3 --from-checkpoint runs/a   # from mxfp8-train --save-dir
 
 Prints the report (``ParityReport``, ``UnitParityReport`` or ``ReplayReport``) and a verdict.
+Exit status 0; 2 for arguments it cannot honour, and for a checkpoint the replay cannot start
+from (the reason on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 import time
 from pathlib import Path
 
+from apps.training.job import ADAMW_FIRST_STEP_DIVISOR, FLOAT32_MAX
 from common.model_config import PRESETS
 
 __all__ = ["main", "parse_args"]
@@ -94,6 +99,13 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "for the GPU report")
     if not args.replay and (args.lr is not None or args.weight_decay is not None):
         p.error("--lr / --weight-decay set the replay's AdamW; add --steps N")
+    limit = FLOAT32_MAX * ADAMW_FIRST_STEP_DIVISOR  # above it AdamW's first step overflows
+    if args.lr is not None and not (math.isfinite(args.lr) and 0 < args.lr <= limit):
+        p.error(f"--lr {args.lr}: expected a finite learning rate > 0 and <= {limit:.3g} "
+                f"(AdamW's first step divides it by 1 - beta1 = 0.1, in float32)")
+    if args.weight_decay is not None and not (
+            math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        p.error(f"--weight-decay {args.weight_decay}: expected a finite number >= 0")
 
 
 def _replay(args, cfg):
@@ -138,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.__version__}", flush=True)
     start = time.perf_counter()
     if args.replay:
-        report = _replay(args, cfg)
+        from torch_side.sharded_files import CheckpointError
+
+        try:
+            report = _replay(args, cfg)
+        except CheckpointError as e:  # a checkpoint the replay cannot start from
+            print(f"python -m apps.parity: error: {e}", file=sys.stderr)
+            return 2
     elif args.compute == "unit":
         report = unit_parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,

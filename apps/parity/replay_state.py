@@ -7,18 +7,22 @@ same state as the Flax twin holds it.
   decay);
 - ``build_torch(setup)``: ``fully_shard`` + ``FSDPOptimizer(torch.optim.AdamW, foreach=False)``
   started from the seed's Flax checkpoint or loaded from the training checkpoint (main weights,
-  AdamW moments and step count: ``torch_side.sharded_state.load_parts``, a collective);
+  AdamW moments and step count: ``torch_side.sharded_state.load_parts``, a collective; the step
+  count through ``_ScalarsOfAnyGroups``, since the twin's groups need not be the run's);
 - ``full_moments(opt)``: the AdamW moments of every parameter at full shape (rank 0; a
   collective), which with ``FSDPModel.full_state_dict()`` is the Flax twin's starting state.
 
 The twin's formats: MXFP8 linears (or the high-precision control) and fp32 everything else
 (``MixedPrecisionPolicy()``), whatever formats the training run used for its other weights: the
-Flax twin holds fp32 parameters. The learning rate is the job's constant ``lr``.
+Flax twin holds fp32 parameters. So a ``--weights bf16`` run replays as the high-precision
+control on fp32 weights, from its fp32 main weights and moments (its bf16 copies are not
+modelled). The learning rate is the job's constant ``lr``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -30,13 +34,14 @@ import torch.distributed as dist
 from apps.parity.flax_adamw import AdamWConfig, Sqrt
 from apps.parity.flax_run import init_flax_params
 from apps.parity.torch_run import load_flax_checkpoint, shard_gpt
+from apps.training.job import RECIPES, Weights
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, LinearMode
 from jax_side.models import flat_params
 from torch_side import FSDPModel, FSDPOptimizer, ShardingStrategy
 from torch_side.models import TorchGPT
 from torch_side.sharded_files import META, CheckpointError, read_json
-from torch_side.sharded_state import load_parts
+from torch_side.sharded_state import OptimScalarKey, key_text, load_parts, parse_key
 
 __all__ = ["ReplaySetup", "TorchSide", "build_torch", "full_moments", "setup_from_checkpoint"]
 
@@ -89,6 +94,56 @@ def _step_dir(path: str | os.PathLike) -> Path:
     return resolve(p)
 
 
+def _number(value, *, minimum: float, strict: bool) -> float:
+    """A finite JSON number above (``strict``) or at least ``minimum``, as float."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(value)
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(value)
+    return float(value)
+
+
+def _vocab(shape) -> int:
+    """The vocabulary of ``params['wte.weight']``, a [vocab, n_embd] shape."""
+    if not (isinstance(shape, list) and len(shape) == 2 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+        raise ValueError(shape)
+    return shape[0]
+
+
+# job field -> (how it is read, what a checkpoint of mxfp8-train holds there)
+_JOB_FIELDS = {
+    "config": (lambda v: PRESETS[v], f"one of {list(PRESETS)}"),
+    "weights": (lambda v: RECIPES[Weights(v)].linear_mode,
+                f"one of {[w.value for w in Weights]}"),
+    "activations": (Activations.parse, f"one of {[a.value for a in Activations]}"),
+    "lr": (lambda v: _number(v, minimum=0.0, strict=True), "a finite number > 0"),
+    "weight_decay": (lambda v: _number(v, minimum=0.0, strict=False), "a finite number >= 0"),
+}
+
+
+def _job_values(meta_path: Path, job: dict, params: dict) -> dict:
+    """The job fields a replay reads, checked: a ``CheckpointError`` names the field, what it
+    holds and what was expected (an edited ``meta.json`` raised a bare KeyError)."""
+    out = {}
+    for name, (read, expected) in _JOB_FIELDS.items():
+        value = job.get(name, 0.0 if name == "weight_decay" else None)  # older jobs had no wd
+        try:
+            out[name] = read(value)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{meta_path}: job field {name!r} holds {str(value)[:80]}, expected {expected}; "
+                f"the file was edited or is not mxfp8-train's: restore it, or replay another "
+                f"step_* directory") from None
+    try:
+        out["vocab"] = _vocab(params.get("wte.weight"))
+    except ValueError:
+        raise CheckpointError(
+            f"{meta_path}: params['wte.weight'] holds {str(params.get('wte.weight'))[:80]}, "
+            f"expected the embedding's shape [vocab, n_embd]; restore the file") from None
+    return out
+
+
 def setup_from_checkpoint(path: str | os.PathLike, **overrides) -> ReplaySetup:
     """The replay of a training checkpoint: its model and AdamW hyperparameters; ``overrides``
     (steps, sqrt, batch_size, seq_len, compute, strategy, flax_adamw, seed) set the rest."""
@@ -101,12 +156,10 @@ def setup_from_checkpoint(path: str | os.PathLike, **overrides) -> ReplaySetup:
     if meta.get("optimizer") != "AdamW":
         raise CheckpointError(f"{step_dir / META}: optimizer {meta.get('optimizer')!r}; the "
                               f"replay's Flax twin runs AdamW only")
-    from apps.training.job import RECIPES, Weights
-
-    cfg = dataclasses.replace(PRESETS[job["config"]], vocab_size=int(params["wte.weight"][0]))
-    hp = AdamWConfig(lr=float(job["lr"]), weight_decay=float(job.get("weight_decay", 0.0)))
-    fields = dict(cfg=cfg, mode=RECIPES[Weights(job["weights"])].linear_mode,
-                  activations=job["activations"], adamw=hp, checkpoint=str(step_dir))
+    v = _job_values(step_dir / META, job, params)
+    fields = dict(cfg=dataclasses.replace(v["config"], vocab_size=v["vocab"]), mode=v["weights"],
+                  activations=v["activations"], checkpoint=str(step_dir),
+                  adamw=AdamWConfig(lr=v["lr"], weight_decay=v["weight_decay"]))
     return ReplaySetup(**{**fields, **overrides})
 
 
@@ -129,6 +182,59 @@ class _NotRestored:
         return lambda: None
 
 
+class _ScalarsOfAnyGroups:
+    """A checkpoint reader (``ShardedReader``'s ``path``, ``meta``, ``entries``, ``read``) that
+    offers the 0-d optimizer states under the replay's own group labels.
+
+    The 0-d states (AdamW's step count) are saved per parameter group, ``optim_scalar/<state>/
+    <group label>``, and a label names its group's format: a ``--weights bf16`` run (or MXFP8
+    with bf16 activations) saved ``<root>/bf16/dp``, while the replay's Torch twin holds every
+    weight that is not an MXFP8 linear weight in fp32 (module note). The per-element states are
+    keyed by parameter and read as saved, whatever the grouping; a 0-d state must hold one value
+    in every saved group (it does: one optimizer step count), which every group of the twin
+    then takes."""
+
+    def __init__(self, reader, labels: list[str]):
+        self.path, self.meta, self._reader = reader.path, reader.meta, reader
+        self.entries, self._source = {}, {}
+        saved: dict[str, list[str]] = {}
+        for text, entry in reader.entries.items():
+            key = parse_key(text, [OptimScalarKey])
+            if key is None:
+                self.entries[text] = entry
+            else:
+                saved.setdefault(key.state, []).append(text)
+        for state, keys in saved.items():
+            values = {reader.read(k).item() for k in keys}
+            if len(values) != 1:
+                raise CheckpointError(
+                    f"{reader.path}: the saved groups hold different {state!r} values "
+                    f"{sorted(values)}; the replay's groups are not the run's and take one value")
+            for label in labels:
+                alias = key_text(OptimScalarKey(state, label))
+                self.entries[alias], self._source[alias] = reader.entries[keys[0]], keys[0]
+
+    def read(self, key: str, start: int = 0, count: int | None = None):
+        return self._reader.read(self._source.get(key, key), start, count)
+
+
+class _ReplayOptimizerState:
+    """The optimizer's checkpoint part, read through ``_ScalarsOfAnyGroups`` (load only)."""
+
+    def __init__(self, opt: FSDPOptimizer):
+        self._part, self._labels = opt.sharded_state(), [g.label for g in opt.groups]
+        self.schema = self._part.schema
+
+    def state_entries(self) -> dict:
+        return {}
+
+    def state_fields(self) -> dict:
+        return {}
+
+    def read_state(self, reader):
+        return self._part.read_state(_ScalarsOfAnyGroups(reader, self._labels))
+
+
 class TorchSide(NamedTuple):
     fsdp: FSDPModel
     opt: FSDPOptimizer
@@ -145,7 +251,8 @@ def build_torch(setup: ReplaySetup, device: str = "cpu") -> TorchSide:
                                                                            setup.seed)).items()}
         load_flax_checkpoint(fsdp, flat)
     else:
-        load_parts(setup.checkpoint, [fsdp.sharded_state(), opt.sharded_state(), _NotRestored()])
+        load_parts(setup.checkpoint,
+                   [fsdp.sharded_state(), _ReplayOptimizerState(opt), _NotRestored()])
     return TorchSide(fsdp, opt)
 
 

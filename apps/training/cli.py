@@ -23,10 +23,12 @@ import importlib.util
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from apps.training.job import RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, from_args, option, positive
+from apps.training.output_path import unwritable_reason
 
 __all__ = ["Launch", "build_parser", "main", "parse_args"]
 
@@ -69,25 +71,103 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--save-every needs --save-dir")
     if args.compare and (args.resume or args.save_dir):
         p.error("--compare runs two trainings; use it without --resume / --save-dir")
+    _refuse_idle_flags(p, args)
+    if args.telemetry and args.weights != Weights.MXFP8.value:
+        p.error(f"--telemetry records the numerics of MXFP8 weights, and --weights "
+                f"{args.weights} has none (its records would carry no telemetry); use --weights "
+                f"mxfp8 (with --compare for the fp32 control), or drop --telemetry")
+    if args.nproc is None:
+        args.nproc = 2 if args.device == "cpu" else 1
     if args.plot:  # checked now, not after a training that has nothing to draw it with
         if not args.metrics:
             p.error("--plot needs --metrics (the curves are drawn from the metrics file)")
-        if importlib.util.find_spec("matplotlib") is None:
-            p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
-                    "or drop --plot (mxfp8-plot draws a --metrics file later)")
-    if args.nproc is None:
-        args.nproc = 2 if args.device == "cpu" else 1
+        _check_matplotlib(p)
+    for flag, path in _outputs(args):
+        if (why := unwritable_reason(path)) is not None:
+            p.error(f"{flag}: {why}")
     return args
+
+
+def _check_matplotlib(p: argparse.ArgumentParser) -> None:
+    """--plot draws with matplotlib after training: import it now, as ``apps.training.plot``
+    will (a broken install fails here, not after the run)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib, which is not installed; pip install matplotlib, "
+                "or drop --plot (mxfp8-plot draws a --metrics file later)")
+    try:
+        importlib.import_module("matplotlib.backends.backend_agg")
+    except Exception as e:  # whatever a broken install raises; the message names it
+        p.error(f"--plot needs matplotlib, which fails to import here ({type(e).__name__}: "
+                f"{e}); repair it (pip install --force-reinstall matplotlib), or drop --plot "
+                f"(mxfp8-plot draws a --metrics file later)")
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, path) of every file the command writes besides checkpoints: every rank's trace,
+    the metrics (and the --compare control's), the figures."""
+    out = []
+    if args.trace:  # PATH itself too: a directory there is a mistake at any world size
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+        traced = RunOptions(trace=args.trace)
+        paths = dict.fromkeys([args.trace, *(traced.trace_path(r, world) for r in range(world))])
+        out += [("--trace", path) for path in paths]
+    if args.metrics:
+        out.append(("--metrics", args.metrics))
+        if args.compare:
+            out.append(("--metrics (the --compare control's)", result_path(args.metrics, "fp32")))
+    if args.plot:
+        out.append(("--plot", args.plot))
+        if args.telemetry:
+            out.append(("--plot (its telemetry figure)", str(_telemetry_figure(args.plot))))
+    return out
+
+
+def _telemetry_figure(plot: str) -> Path:
+    """Where --plot a.png --telemetry draws the telemetry: a.telemetry.png."""
+    return Path(plot).with_suffix(".telemetry.png")
+
+
+def _refuse_idle_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A flag whose output or effect goes through another flag does nothing without it: the
+    run would go on as if it were not given. Refused instead, naming what to add."""
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != p.get_default(dest)
+
+    idle = (
+        ("--digest", given("digest") and not args.metrics,
+         "its hashes go into the --metrics step records: add --metrics PATH"),
+        ("--telemetry", given("telemetry") and not args.metrics,
+         "the MXFP8 numerics go into the --metrics step records: add --metrics PATH"),
+        ("--telemetry-every", given("telemetry_every") and not args.telemetry,
+         "it sets the steps --telemetry records: add --telemetry (and --metrics PATH)"),
+        ("--trace-steps", given("trace_steps") and not args.trace,
+         "it sets how many steps --trace records: add --trace PATH"),
+        ("--max-consecutive-skips", given("max_consecutive_skips")
+         and args.on_nonfinite != "skip",
+         "it bounds the skipped steps of --on-nonfinite skip: add --on-nonfinite skip"),
+        ("--progress-every", given("progress_every") and not args.progress,
+         "it paces the progress lines that --no-progress turns off: drop one of them"),
+    )
+    for flag, does_nothing, fix in idle:
+        if does_nothing:
+            p.error(f"{flag} would do nothing here: {fix}")
 
 
 def under_torchrun() -> bool:
     return all(v in os.environ for v in _TORCHRUN_VARS)
 
 
-def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
-    """(label, job, RunOptions) of every training this command runs."""
-    from apps.training.loop import result_path
+def result_path(metrics: str | None, suffix: str) -> str | None:
+    """``run.jsonl`` -> ``run.<suffix>.jsonl`` (the --compare control's metrics file)."""
+    if metrics is None:
+        return None
+    p = Path(metrics)
+    return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))
 
+
+def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
+    """(label, job, RunOptions) of every training this command runs (no torch imported: a
+    refused combination answers at once)."""
     job = from_args(TrainJob, args)
     opts = from_args(RunOptions, args, label=job.weights.value)
     runs = [(job.weights.value, job, opts)]
@@ -260,12 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             paths = [o.metrics for _, _, o in runs if o.metrics]  # parse_args: at least one
             print(f"loss curves: {plot_runs(paths, args.plot)}")
             if args.telemetry:  # the first run's MXFP8 numerics, beside the curves
-                from pathlib import Path
-
                 from apps.training.plot_telemetry import plot_telemetry
 
-                out = Path(args.plot).with_suffix(".telemetry.png")
-                print(f"MXFP8 telemetry: {plot_telemetry(paths[0], out)}")
+                print(f"MXFP8 telemetry: "
+                      f"{plot_telemetry(paths[0], _telemetry_figure(args.plot))}")
     return 0
 
 

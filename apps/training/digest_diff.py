@@ -15,8 +15,9 @@ colwise (the cause before its consequences: the main weights, then the scales an
 quantized from them). A file that disagrees with itself (a resumed run whose loaded state or
 re-run step hashes differently from the first time) is reported too: its resume was not exact.
 
-Exit status: 0 identical, 1 differ, 2 bad input (a missing or malformed file, no digests, runs
-of different models, no point in common), with the reason on stderr.
+Exit status: 0 identical, 1 differ, 2 bad input (a missing or malformed file, no digests or a
+digest that hashes no tensor, runs of different models, no point in common), with the reason on
+stderr.
 
 The digests do not depend on the world size (``torch_side.step_digest``): runs at different
 world sizes agree wherever their values are equal (the start, a resume of a checkpoint saved at
@@ -75,10 +76,24 @@ def _check_digest(path, lineno: int, digest) -> None:
     if not ok:
         raise DigestError(f"{path}:{lineno}: 'digest' must map group -> tensor -> hex string, "
                           f"got {str(digest)[:80]}")
+    if not digest or not all(digest.values()):  # else "identical" would compare nothing
+        raise DigestError(f"{path}:{lineno}: 'digest' hashes no tensor (got {str(digest)[:80]}); "
+                          f"--digest writes at least one group with its tensors' hashes")
+
+
+def _count(path, lineno: int, record: dict, field: str, *, minimum: int) -> int:
+    """``record[field]``, an integer >= ``minimum`` (a bool is not one), else DigestError."""
+    value = record.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise DigestError(f"{path}:{lineno}: a {record.get('kind')!r} record's {field!r} must "
+                          f"be an integer >= {minimum}, got {str(value)[:80]}; was the line "
+                          f"edited? The metrics files of mxfp8-train write it so")
+    return value
 
 
 def load_digests(path: str | os.PathLike) -> DigestRun:
-    """The digest points of one metrics file; ``DigestError`` when it has none."""
+    """The digest points of one metrics file; ``DigestError`` when it has none, or when a
+    record it reads has a malformed field."""
     try:
         records = read_metrics(path)
     except (OSError, ValueError) as e:  # FileNotFoundError is an OSError
@@ -86,15 +101,17 @@ def load_digests(path: str | os.PathLike) -> DigestRun:
     run = DigestRun(str(path), {}, [], [])
     for lineno, r in enumerate(records, start=1):
         digest = r.get("digest")
-        if r.get("kind") == "run":
-            run.world_sizes.append(r.get("world_size"))
+        if r.get("kind") == "run" and "world_size" in r:
+            run.world_sizes.append(_count(path, lineno, r, "world_size", minimum=1))
         if digest is None:
             continue
         _check_digest(path, lineno, digest)
         if r.get("kind") == "run":
-            start = r.get("resumed_from") or 0
+            start = 0 if r.get("resumed_from") is None else _count(
+                path, lineno, r, "resumed_from", minimum=0)
             _add(run, (start, STATE), digest, f"line {lineno} (the run's start)")
-        elif r.get("kind") == "step" and isinstance(r.get("step"), int):
+        elif r.get("kind") == "step":
+            _count(path, lineno, r, "step", minimum=0)
             grads = {g: {t: h for t, h in d.items() if t == "grad"} for g, d in digest.items()}
             state = {g: {t: h for t, h in d.items() if t != "grad"} for g, d in digest.items()}
             if any(grads.values()):

@@ -19,6 +19,10 @@ GEMMs either way, only the wire differs.
 The learning rate follows ``schedule()`` (``torch_side.lr_schedule.ScheduleConfig``: linear warmup
 over ``warmup_steps``, then constant, cosine or linear decay to ``min_lr`` at ``steps``), and
 ``grad_clip`` > 0 clips the global gradient norm (``torch_side.clip_grad_norm_``).
+
+The module imports neither torch nor JAX (nor numpy): ``mxfp8-train``'s parser is built from
+these classes, and ``--help`` or a refused flag answers in a fraction of a second. What needs a
+framework (``policy()``, ``corpus()``, ``overlap()``) imports it when called.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ import enum
 import math
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
-
-from apps.training.data import BYTE_VOCAB, Corpus, make_corpus
 from apps.training.options import (
     Group,
     internal,
@@ -40,11 +42,16 @@ from apps.training.options import (
     option,
     positive,
 )
+from common.formats import WeightFormat
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, GatherMode, LinearMode
-from torch_side import MixedPrecisionPolicy, Overlap, ShardingStrategy, WeightFormat
 from torch_side.lr_schedule import LRSchedule, ScheduleConfig
+from torch_side.strategy import ShardingStrategy
+
+if TYPE_CHECKING:  # imported where used: the parser (mxfp8-train --help) needs no torch
+    from apps.training.data import Corpus
+    from torch_side import MixedPrecisionPolicy, Overlap
 
 __all__ = [
     "DEFAULT_ACTIVATIONS",
@@ -61,6 +68,13 @@ __all__ = [
 # A Markov corpus keeps a dense (V, V) transition matrix: presets with a GPT-2 vocabulary train on
 # a chain over the first MARKOV_MAX_VOCAB tokens (the model's vocabulary follows the corpus).
 MARKOV_MAX_VOCAB = 1024
+
+# torch.optim.AdamW's first step divides the learning rate by its bias correction 1 - beta1 (0.1
+# with the default beta1 = 0.9, which the trainer uses) and converts the quotient to the weights'
+# float32: above FLOAT32_MAX it raises "value cannot be converted to type float without overflow"
+# inside the optimizer. (Far smaller rates already diverge; --on-nonfinite stops those runs.)
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
+ADAMW_FIRST_STEP_DIVISOR = 1 - 0.9
 
 
 class Weights(enum.Enum):
@@ -192,6 +206,12 @@ class TrainJob:
             _positive_int(owner, name, getattr(self, name))
         if not (isinstance(self.lr, float | int) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"{owner}.lr={self.lr!r}: expected a finite learning rate > 0")
+        if self.lr / ADAMW_FIRST_STEP_DIVISOR > FLOAT32_MAX:
+            raise ValueError(
+                f"{owner}.lr={self.lr!r}: AdamW's first step divides the learning rate by "
+                f"1 - beta1 = {ADAMW_FIRST_STEP_DIVISOR:.1g}, over the float32 maximum "
+                f"{FLOAT32_MAX:.4g}; expected lr <= {FLOAT32_MAX * ADAMW_FIRST_STEP_DIVISOR:.3g} "
+                f"(rates that train are ~1e-4 .. 1e-2)")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"{owner}.weight_decay={self.weight_decay!r}: expected >= 0")
         self._check_schedule_and_gather(owner)
@@ -253,6 +273,10 @@ class TrainJob:
 
     def policy(self) -> MixedPrecisionPolicy:
         """The FSDP policy of the recipe (the table in the module docstring)."""
+        import torch
+
+        from torch_side import MixedPrecisionPolicy
+
         other = self.recipe.other_format[self.resolved_activations]
         return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32,
                                     gather=self.gather)
@@ -260,6 +284,8 @@ class TrainJob:
     def corpus(self) -> Corpus:
         """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's
         (capped at MARKOV_MAX_VOCAB) for the Markov chain."""
+        from apps.training.data import BYTE_VOCAB, make_corpus
+
         vocab = BYTE_VOCAB
         if self.data == "markov":
             vocab = min(PRESETS[self.config].vocab_size, MARKOV_MAX_VOCAB)
@@ -311,7 +337,11 @@ class RunOptions:
                              help="steps between checkpoints (0: one at the end, with --save-dir)")
     resume: str | None = option(None, Group.OUTPUTS,
                                 help="a --save-dir (its latest checkpoint) or a step_* directory")
-    progress: bool = option(True, Group.OUTPUTS, help="no progress bar")  # rank 0's tqdm bar
+    progress: bool = option(True, Group.OUTPUTS, help="no progress display")  # rank 0's
+    progress_every: int = option(  # apps.training.progress
+        10, Group.OUTPUTS, parse=positive(int),
+        help="where stderr is not a terminal (a log file, CI, nohup), a progress line every N "
+             "steps (and on the first and the last) instead of the bar")
     label: str = internal("", "shown in the progress bar and the run record; the command line "
                               "sets it to the --weights value (or 'fp32 control')")
     precompile: bool = option(  # compile the JAX linear programs in parallel before step 1
@@ -365,6 +395,8 @@ class RunOptions:
 
     def overlap(self) -> Overlap:
         """FSDP's communication schedule (``torch_side.Overlap``)."""
+        from torch_side import Overlap
+
         return Overlap(prefetch=self.prefetch, async_reduce=not self.sync_reduce)
 
     def trace_path(self, rank: int, world_size: int) -> str | None:
@@ -377,12 +409,20 @@ class RunOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "on_nonfinite", OnNonFinite(self.on_nonfinite))
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
+        _positive_int("RunOptions", "progress_every", self.progress_every)
         _positive_int("RunOptions", "trace_steps", self.trace_steps)
         if not (isinstance(self.collective_timeout, (int, float))
                 and math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
             raise ValueError(f"RunOptions.collective_timeout={self.collective_timeout!r}: "
                              f"expected a number of seconds > 0")
-        self.overlap()  # checks prefetch / sync_reduce (torch_side.Overlap names them)
+        # torch_side.Overlap checks them again when training builds it (overlap())
+        if isinstance(self.prefetch, bool) or not (
+            isinstance(self.prefetch, int) and self.prefetch >= 0
+        ):
+            raise ValueError(f"RunOptions.prefetch={self.prefetch!r}: expected an integer >= 0 "
+                             f"(units whose all-gathers are issued ahead; 0: none)")
+        if not isinstance(self.sync_reduce, bool):
+            raise TypeError(f"RunOptions.sync_reduce={self.sync_reduce!r}: expected a bool")
         if isinstance(self.max_consecutive_skips, bool) or not (
             isinstance(self.max_consecutive_skips, int) and self.max_consecutive_skips >= 1
         ):

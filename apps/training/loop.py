@@ -12,8 +12,9 @@ runs it. ``Trainer.step`` is one training step (``_forward_backward`` of the mic
 job and its options are ``apps.training.job``'s (``RunOptions``, ``OnNonFinite`` and
 ``MARKOV_MAX_VOCAB`` are re-exported here). Data come from ``apps.training.data``:
 sample ids are global, so rank r's micro-batch m of the step at data position p is a fixed set of
-ids, and a checkpoint needs only the position. Rank 0 shows progress (tqdm), writes the metrics
-(``apps.training.metrics``) and the checkpoint metadata.
+ids, and a checkpoint needs only the position. Rank 0 shows progress
+(``apps.training.progress``: a tqdm bar on a terminal, a line every ``--progress-every`` steps
+in a log), writes the metrics (``apps.training.metrics``) and the checkpoint metadata.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids
 from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
+from apps.training.progress import Progress, progress
 from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
@@ -216,6 +217,29 @@ def _update(m: _Model, job: TrainJob, opts: RunOptions, loss: float, norm: float
     return StepOutcome.STOPPED, skips
 
 
+def _largest_weight(m: _Model, job: TrainJob) -> float:
+    """COLLECTIVE: the largest |main weight| over every group and rank (a diagnosis)."""
+    local = max((float(g.main.abs().max()) for g in m.fsdp.param_groups if g.main.numel()),
+                default=0.0)
+    largest = torch.tensor([local], dtype=torch.float64, device=job.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return float(largest)
+
+
+def _diverged_message(step: int, held: float, last: StepLog | None, largest: float,
+                      job: TrainJob) -> str:
+    """The weights after ``step`` updates give a non-finite held-out loss."""
+    what = f"the weights after {step} steps give a non-finite held-out loss ({held})"
+    if last is not None:
+        what = (f"step {last.step}: its update made the held-out loss {held}, although the "
+                f"step's loss ({last.loss}) and global gradient norm ({last.grad_norm}) were "
+                f"finite: at lr {last.lr} it moved the weights to where the forward overflows")
+    weights = (f"every main weight is finite, the largest of magnitude {largest:.3g}"
+               if math.isfinite(largest) else "some main weights are not finite")
+    return (f"{what} ({weights}). Training stopped; no checkpoint of this state is written (the "
+            f"last one written stays 'latest'). Lower the learning rate (--lr {job.lr})")
+
+
 def _stop_message(log: StepLog, opts: RunOptions, skips: int) -> str:
     what = (f"step {log.step}: non-finite training (loss {log.loss}, global gradient norm "
             f"{log.grad_norm})")
@@ -227,13 +251,11 @@ def _stop_message(log: StepLog, opts: RunOptions, skips: int) -> str:
             f"it. Lower the learning rate, or skip such steps (--on-nonfinite skip)")
 
 
-def _progress(job: TrainJob, opts: RunOptions, start: int):
+def _progress(job: TrainJob, opts: RunOptions, start: int) -> Progress | None:
     if not opts.progress or dist.get_rank() != 0:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=job.steps, initial=start, desc=opts.label or job.weights.value,
-                unit="step", file=sys.stderr, dynamic_ncols=True, leave=True)
+    return progress(opts.label or job.weights.value, job.steps, start,
+                    every=opts.progress_every)
 
 
 class Trainer:
@@ -276,6 +298,7 @@ class Trainer:
         self.done = self.start_step  # steps done: the index of the next step
         self.skips = 0  # consecutive skipped steps
         self.logs: list[StepLog] = []  # the steps this trainer ran
+        self._held: tuple[int, float] | None = None  # (done, held-out loss) of this state
 
     def _open_metrics(self, extra: dict) -> None:
         if dist.get_rank() != 0 or not self.opts.metrics:
@@ -299,11 +322,14 @@ class Trainer:
             self._recorder = trace.Recorder(dist.get_rank())
         with trace.recording(self._recorder), trace.span("host: steps", f"step {self.done}"):
             log = self._step()
-        self._recorder.write(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        path = Path(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        path.parent.mkdir(parents=True, exist_ok=True)  # as the metrics and plots do
+        self._recorder.write(path)
         return log
 
     def _step(self) -> StepLog:
         job, world = self.job, dist.get_world_size()
+        self._held = None  # the weights are about to change
         t0 = time.perf_counter()
         lr = self.parts.schedule.lr  # this step's (set in the optimizer since the last step)
         loss, norm = _forward_backward(self.parts, job, self.position)
@@ -328,8 +354,10 @@ class Trainer:
         return log
 
     def save(self) -> None:
-        """A checkpoint of the current step into ``opts.save_dir`` (nothing without one)."""
+        """A checkpoint of the current step into ``opts.save_dir`` (nothing without one), of a
+        state whose held-out loss is finite only (``require_finite_state``)."""
         if self.saver is not None:
+            self.require_finite_state()
             self.saver.save(step=self.done, fsdp=self.parts.fsdp, opt=self.parts.opt,
                             position=self.position, job=self.desc,
                             data_digest=self.parts.corpus.content_digest(),
@@ -337,10 +365,32 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The held-out loss (``heldout_loss``), also written as the ``eval`` metrics record."""
-        held = heldout_loss(self.parts, self.job)
+        held = self._heldout()
         if self.metrics is not None:
             self.metrics.write(eval_record(step=self.done, heldout_loss=held))
         return held
+
+    def _heldout(self) -> float:
+        """``heldout_loss`` of the current weights, computed once per state (a collective)."""
+        if self._held is None or self._held[0] != self.done:
+            self._held = (self.done, heldout_loss(self.parts, self.job))
+        return self._held[1]
+
+    def require_finite_state(self) -> None:
+        """COLLECTIVE: ``NonFiniteTraining`` (on every rank alike: the loss is all-reduced)
+        unless the current weights give a finite held-out loss. An update can leave every
+        weight finite and still diverge: ``--lr 1e37`` makes them ~1e37, and the first linear
+        layer's output (~1e74) overflows fp32; the next step's loss would stop the run, but a
+        checkpoint written in between, or at the end, would keep that state. One held-out
+        evaluation per checkpoint (the one at the end is the run's own evaluation)."""
+        held = self._heldout()
+        if math.isfinite(held):
+            return
+        if self.metrics is not None:  # the file says why the run ended
+            self.metrics.write(eval_record(step=self.done, heldout_loss=held))
+        last = self.logs[-1] if self.logs and self.logs[-1].step == self.done - 1 else None
+        raise NonFiniteTraining(_diverged_message(
+            self.done, held, last, _largest_weight(self.parts, self.job), self.job))
 
     def run(self) -> TrainResult:
         """Precompile, train to ``job.steps`` (checkpoints every ``save_every`` steps and at the
@@ -354,14 +404,13 @@ class Trainer:
             while self.done < job.steps:
                 log = self.step()
                 if bar is not None:
-                    bar.set_postfix(loss=f"{log.loss:.4f}", tok_s=f"{log.tokens_per_s:,.0f}",
-                                    step_s=f"{log.seconds:.3f}")
-                    bar.update(1)
+                    bar.show(log.step, log.loss, log.tokens_per_s, log.seconds)
                 if opts.save_every and self.done % opts.save_every == 0:
                     self.save()
+            self.require_finite_state()  # a run that diverged at its end exits nonzero too
+            held = self.evaluate()  # the same evaluation (computed once per state)
             if not opts.save_every or self.done % opts.save_every:
                 self.save()
-            held = self.evaluate()
         finally:
             if bar is not None:
                 bar.close()
@@ -404,11 +453,3 @@ def train_rank(job: TrainJob, opts: RunOptions = _DEFAULT_OPTIONS) -> TrainResul
     until it returns or raises (``apps.training.checkpoint.CheckpointSaver``)."""
     with Trainer(job, opts) as trainer:
         return trainer.run()
-
-
-def result_path(metrics: str | None, suffix: str) -> str | None:
-    """``run.jsonl`` -> ``run.<suffix>.jsonl`` (the --compare control's metrics file)."""
-    if metrics is None:
-        return None
-    p = Path(metrics)
-    return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))

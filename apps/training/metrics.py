@@ -200,6 +200,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
                 record = json.loads(line, parse_constant=_reject_constant)
             except ValueError as err:  # json.JSONDecodeError is a ValueError
                 raise ValueError(f"{path}:{lineno}: malformed metrics line: {err}") from None
+            except RecursionError:  # the writer nests a few levels (telemetry: 4)
+                raise ValueError(f"{path}:{lineno}: malformed metrics line: nested deeper than "
+                                 f"the JSON reader can follow; not a record the writer "
+                                 f"makes") from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{path}:{lineno}: expected a JSON object per line, got {type(record).__name__}"

@@ -30,6 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from apps.training.metrics import evals, read_metrics, runs, steps
+from apps.training.output_path import unwritable_reason
 
 __all__ = ["RunCurves", "build_figure", "load_run", "main", "plot_runs"]
 
@@ -46,8 +47,19 @@ class RunCurves(NamedTuple):
     loss_floor: float | None  # from the last "run" record that carries one
 
 
-def _floats(records: list[dict[str, Any]], key: str) -> np.ndarray:
-    return np.array([np.nan if r.get(key) is None else r[key] for r in records], np.float64)
+def _number(value: Any, where: str) -> float:
+    """A JSON number as float (null: NaN); anything else is a malformed record."""
+    if value is None:
+        return np.nan
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where} is {str(value)[:40]!r}, expected a number or null (a "
+                         f"metrics file as mxfp8-train writes it)")
+    return float(value)
+
+
+def _floats(records: list[dict[str, Any]], key: str, path: Path) -> np.ndarray:
+    return np.array([_number(r.get(key), f"{path}: step {r['step']}'s {key!r}")
+                     for r in records], np.float64)
 
 
 def load_run(path: str | os.PathLike, *, label: str | None = None) -> RunCurves:
@@ -57,15 +69,24 @@ def load_run(path: str | os.PathLike, *, label: str | None = None) -> RunCurves:
     step_recs, eval_recs = steps(records), evals(records)
     if not step_recs:
         raise ValueError(f"{path}: no step records (kind 'step') to plot")
-    floors = [r["loss_floor"] for r in runs(records) if r.get("loss_floor") is not None]
+    try:
+        return _curves(path, label, records, step_recs, eval_recs)
+    except OverflowError as e:  # an integer beyond float64 or int64: not written by a run
+        raise ValueError(f"{path}: a number is out of range ({e}); not a metrics file as "
+                         f"mxfp8-train writes it") from None
+
+
+def _curves(path: Path, label: str | None, records, step_recs, eval_recs) -> RunCurves:
+    floors = [_number(r["loss_floor"], f"{path}: a run record's 'loss_floor'")
+              for r in runs(records) if r.get("loss_floor") is not None]
     return RunCurves(
         label=path.stem if label is None else label,
         step=np.array([r["step"] for r in step_recs], np.int64),
-        loss=_floats(step_recs, "loss"),
-        tokens_per_s=_floats(step_recs, "tokens_per_s"),
+        loss=_floats(step_recs, "loss", path),
+        tokens_per_s=_floats(step_recs, "tokens_per_s", path),
         eval_step=np.array([r["step"] for r in eval_recs], np.int64),
-        heldout_loss=_floats(eval_recs, "heldout_loss"),
-        loss_floor=float(floors[-1]) if floors else None,
+        heldout_loss=_floats(eval_recs, "heldout_loss", path),
+        loss_floor=floors[-1] if floors else None,
     )
 
 
@@ -162,11 +183,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line; returns the exit status (0 ok, 2 missing files, 1 unreadable files)."""
+    """Command line; returns the exit status: 0 ok, 1 unreadable or malformed metrics files, 2
+    bad arguments (missing files, an output that cannot be written: checked before reading)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.out is None and args.telemetry is None:
         parser.error("give -o/--out (loss curves), --telemetry OUT (MXFP8 numerics), or both")
+    for flag, out in (("-o/--out", args.out), ("--telemetry", args.telemetry)):
+        if out is not None and (why := unwritable_reason(out)) is not None:
+            parser.error(f"{flag}: {why}")
     missing = [str(p) for p in args.runs if not p.is_file()]
     if missing:
         print(f"plot: error: metrics file(s) not found: {', '.join(missing)}", file=sys.stderr)

@@ -57,6 +57,16 @@ def load_telemetry(path: str | os.PathLike, *, group: str | None = None) -> Tele
     if not recs:
         raise ValueError(f"{path}: no step record carries telemetry; train with --telemetry "
                          f"--metrics {path}")
+    try:
+        return _summed(path, recs, group)
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
+        raise ValueError(
+            f"{path}: malformed telemetry record ({type(e).__name__}: {str(e)[:80]}); expected "
+            f"what --telemetry writes (docs/training.md, 'Numerics telemetry')") from None
+
+
+def _summed(path: Path, recs: list[dict], group: str | None) -> TelemetrySeries:
+    """The series of the telemetry records ``recs`` (``load_telemetry``)."""
     chosen = [_pick(r, group, f"{path} step {r['step']}") for r in recs]
     lows = [p["scale_exp"]["lo"] for gs in chosen for g in gs for p in g.values()
             if p["scale_exp"]["counts"]]
@@ -86,7 +96,8 @@ def load_telemetry(path: str | os.PathLike, *, group: str | None = None) -> Tele
                 out["headroom"][plane][i] = sum(x["mean"] * x["blocks"] for x in h) / n
     return TelemetrySeries(
         label=path.stem if group is None else f"{path.stem} {group}",
-        step=np.array([r["step"] for r in recs]), exponents=np.arange(lo, hi + 1), hist=hist,
+        step=np.array([r["step"] for r in recs], np.int64), exponents=np.arange(lo, hi + 1),
+        hist=hist,
         zero_share=out["zero"], subnormal_share=out["subnormal"],
         changed_share=out["changed"], headroom_mean=out["headroom"],
     )

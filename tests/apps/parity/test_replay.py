@@ -16,6 +16,7 @@ programs compile once for the module.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +157,36 @@ def test_a_training_checkpoint_replays_bit_identically(world, tmp_path):
     assert r.start_step == 1 and r.first_divergence is None, r.format()
 
 
+@pytest.mark.slow
+def test_a_bf16_training_checkpoint_replays_as_the_high_precision_control(world, tmp_path):
+    """A ``--weights bf16`` run saves its AdamW step count under its groups' labels
+    (``<root>/bf16/dp``), which the twin's fp32 groups do not have: it was refused ("names no
+    parameter group of this optimizer"). It replays from its fp32 main weights and moments."""
+    from apps.parity.replay_state import build_torch, optimizer_step_count
+    from apps.training.checkpoint import CheckpointSaver
+    from apps.training.data import DataPosition
+    from apps.training.job import TrainJob
+    from apps.training.loop import _Model
+
+    job = TrainJob(weights="bf16", steps=1, micro_batches=1, batch_size=2, seq_len=32, seed=3)
+    m = _Model(job)
+    assert {g.label for g in m.opt.groups} >= {"<root>/bf16/dp"}
+    tokens = torch.randint(0, m.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    m.fsdp(tokens, tokens).backward()
+    m.opt.step()
+    with CheckpointSaver.start(tmp_path) as saver:
+        saver.save(step=1, fsdp=m.fsdp, opt=m.opt, position=DataPosition(2), job=job.describe(),
+                   data_digest=m.corpus.content_digest())
+    setup = setup_from_checkpoint(tmp_path, steps=1, batch_size=2, seq_len=32)
+    assert setup.mode.value == "high_precision"
+    side = build_torch(setup)
+    assert optimizer_step_count(side.opt) == 1
+    saved, loaded = m.fsdp.full_state_dict(), side.fsdp.full_state_dict()
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+    r = _replay(setup)
+    assert r.start_step == 1 and r.first_divergence is None, r.format()
+
+
 # ---------------------------------------------------------------------------------- bad input
 
 
@@ -163,6 +194,38 @@ def test_a_training_checkpoint_replays_bit_identically(world, tmp_path):
 def test_a_replay_of_fewer_than_one_step_is_refused(steps):
     with pytest.raises(ValueError, match=f"ReplaySetup.steps={steps}: replay at least one step"):
         ReplaySetup(TINY, steps=steps)
+
+
+def _meta(step_dir, **job_changes):
+    """A step directory whose meta.json holds a tiny MXFP8 job, edited by ``job_changes``
+    (None: the field removed). Only meta.json: enough for ``setup_from_checkpoint``."""
+    job = {"config": "tiny", "weights": "mxfp8", "activations": "fp32", "lr": 3e-3,
+           "weight_decay": 0.0}
+    job.update(job_changes)
+    step_dir.mkdir()
+    meta = {"job": {k: v for k, v in job.items() if v is not None}, "optimizer": "AdamW",
+            "params": {"wte.weight": [128, 64]}}
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    return step_dir
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"config": None}, "job field 'config' holds None, expected one of ['tiny'"),
+    ({"config": "huge"}, "job field 'config' holds huge, expected one of ['tiny'"),
+    ({"weights": "fp8"}, "job field 'weights' holds fp8, expected one of ['mxfp8', 'bf16'"),
+    ({"activations": None}, "job field 'activations' holds None, expected one of ['fp32'"),
+    ({"lr": "fast"}, "job field 'lr' holds fast, expected a finite number > 0"),
+    ({"lr": 0}, "job field 'lr' holds 0, expected a finite number > 0"),
+    ({"weight_decay": [1]}, "job field 'weight_decay' holds [1], expected a finite number >= 0"),
+])
+def test_an_edited_checkpoint_job_is_refused_naming_the_field(tmp_path, change, message):
+    """A ``meta.json`` whose job lacks a field (or holds a bad one) raised a bare KeyError."""
+    step_dir = _meta(tmp_path / "step_000001", **change)
+    with pytest.raises(CheckpointError) as e:
+        setup_from_checkpoint(step_dir)
+    assert str(e.value).startswith(f"{step_dir / 'meta.json'}: {message}"), str(e.value)
+    assert "restore it, or replay another step_* directory" in str(e.value)
+    assert setup_from_checkpoint(_meta(tmp_path / "good")).adamw.lr == 3e-3  # unedited: read
 
 
 def test_a_missing_checkpoint_is_refused_by_name(tmp_path):

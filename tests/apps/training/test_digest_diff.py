@@ -126,6 +126,8 @@ def _start(digest, resumed_from=0):
     ("no_digest", "no digests in this metrics file; train with --digest"),
     ("malformed", "malformed metrics line"),
     ("bad_digest", "'digest' must map group -> tensor -> hex string"),
+    ("empty_digest", "bad.jsonl:1: 'digest' hashes no tensor (got {})"),
+    ("empty_group", "bad.jsonl:2: 'digest' hashes no tensor (got {'g/mxfp8': {}})"),
     ("other_model", "the runs have different parameter groups"),
     ("other_tensors", "compare runs of the same model and weights recipe"),
     ("disjoint", "no point in common"),
@@ -139,6 +141,10 @@ def test_bad_input_is_exit_2_with_the_reason(tmp_path, capsys, case, expect):
         bad.write_text('{"kind": "run"\n')
     elif case == "bad_digest":
         _write(bad, [_start({"g/mxfp8": ["00"]})])
+    elif case == "empty_digest":  # was "identical: 1 points compared"
+        _write(bad, [_start({}), _step(0, {})])
+    elif case == "empty_group":
+        _write(bad, [_start(D0), _step(0, {"g/mxfp8": {}})])
     elif case == "other_model":
         _write(bad, [_start({"h/fp32": {"main": "00"}})])
     elif case == "other_tensors":
@@ -148,6 +154,35 @@ def test_bad_input_is_exit_2_with_the_reason(tmp_path, capsys, case, expect):
     code, out, err = _diff(capsys, good, bad)
     assert code == 2 and out == "" and expect in err, err
     assert err.startswith("mxfp8-digest-diff: error: ")
+
+
+@pytest.mark.parametrize(("record", "expect"), [
+    (_start(D0, resumed_from="two"), "bad.jsonl:1: a 'run' record's 'resumed_from' must be an "
+                                     "integer >= 0, got two"),
+    (_start(D0, resumed_from=-1), "'resumed_from' must be an integer >= 0, got -1"),
+    ({**_start(D0), "world_size": [2]}, "'world_size' must be an integer >= 1, got [2]"),
+    (_step(True, D0), "a 'step' record's 'step' must be an integer >= 0, got True"),
+    (None, "bad.jsonl:1: malformed metrics line: nested deeper"),  # None: a deep line
+])
+def test_malformed_fields_are_bad_input_not_a_difference(tmp_path, capsys, record, expect):
+    """A malformed ``resumed_from`` (or a deeply nested line) exited 1, the "runs differ"
+    status, with a traceback (TypeError comparing points; RecursionError)."""
+    good = _write(tmp_path / "good.jsonl", [_start(D0), _step(0, D0)])
+    bad = tmp_path / "bad.jsonl"
+    if record is None:  # nested deeper than the JSON reader follows
+        bad.write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    else:
+        _write(bad, [record, _step(0, D0)])
+    code, out, err = _diff(capsys, good, bad)
+    assert (code, out) == (2, "") and expect in err, err
+
+
+def test_two_files_of_empty_digests_are_not_called_identical(tmp_path, capsys):
+    """They were: "identical: 1 points compared", of nothing."""
+    a = _write(tmp_path / "a.jsonl", [_start({})])
+    b = _write(tmp_path / "b.jsonl", [_start({})])
+    code, out, err = _diff(capsys, a, b)
+    assert (code, out) == (2, "") and "a.jsonl:1: 'digest' hashes no tensor" in err, err
 
 
 def test_a_file_that_disagrees_with_itself_is_reported(tmp_path, capsys):

@@ -131,6 +131,9 @@ def test_malformed_lines_are_reported_with_file_and_line(tmp_path):
         read_metrics(path)
     with pytest.raises(FileNotFoundError, match="metrics file .*missing.jsonl' does not exist"):
         read_metrics(tmp_path / "missing.jsonl")
+    path.write_text('{"a": 1}\n{"deep": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(ValueError, match=rf"{path}:2: malformed metrics line: nested deeper"):
+        read_metrics(path)  # was a RecursionError
 
 
 def test_append_resumes_a_run_and_later_records_of_a_step_win(tmp_path):
@@ -222,6 +225,29 @@ def test_cli_plots_two_files_and_names_missing_ones(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     assert main([str(tmp_path / "bad.jsonl"), "-o", str(out)]) == 1
     assert "bad.jsonl:1: malformed metrics line" in capsys.readouterr().err
+
+
+def test_cli_refuses_an_output_directory_and_malformed_values(tmp_path, capsys):
+    """``-o <existing directory>`` was a traceback after reading and drawing (IsADirectoryError);
+    so were a loss that is not a number and a deeply nested line."""
+    path = str(_write_run(tmp_path / "r.jsonl", n_steps=4, floor=None))
+    with pytest.raises(SystemExit) as e:
+        main([path, "-o", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"-o/--out: {str(tmp_path)!r} is an existing directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    for line, message in [
+        ('{"kind": "step", "step": 0, "loss": {"v": 1}, "tokens_per_s": 1}',
+         f"{bad}: step 0's 'loss' is \"{{'v': 1}}\", expected a number or null"),
+        ('{"kind": "step", "step": 0, "loss": 1, "tokens_per_s": 1' + "0" * 400 + "}",
+         f"{bad}: a number is out of range"),
+        ('{"kind": "run", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+         f"{bad}:1: malformed metrics line: nested deeper"),
+    ]:
+        bad.write_text(line + "\n")
+        assert main([str(bad), "-o", str(tmp_path / "c.png")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("plot: error: ") and message in err, err
 
 
 def test_cli_runs_as_a_module(tmp_path):

@@ -4,6 +4,7 @@ together ~45 s on a loaded 2-core box, most of it compiling the JAX programs onc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -19,6 +20,7 @@ from apps.training.loop import (
     StepOutcome,
     train_rank,
 )
+from torch_side.lr_schedule import ScheduleConfig
 from torch_side.optimizer import FSDPOptimizer
 
 JOB = TrainJob(steps=5, micro_batches=1, batch_size=2, seq_len=32, eval_batches=1, seed=2)
@@ -62,6 +64,41 @@ def test_a_diverged_run_stops_naming_the_step_and_saves_nothing_after_it(one_ran
     assert all(int(name.split("_")[1]) <= k for name in saved), (k, saved)
     assert not any(r["kind"] == "eval" for r in map(json.loads, (tmp_path / "m.jsonl")
                                                     .read_text().splitlines()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("steps", "save_every", "saved"), [
+    (2, 0, []),  # the last step diverges; its checkpoint is the final one
+    (4, 1, ["step_000001"]),  # a middle step: the checkpoint after it is refused
+], ids=["last-step", "middle-step"])
+def test_an_update_whose_forward_overflows_is_never_saved(one_rank, tmp_path, monkeypatch,
+                                                          steps, save_every, saved):
+    """``--lr 1e37 --steps 1 --save-dir d`` applied a finite step (loss 4.86, gradient norm
+    0.86), saved its state, reported held-out loss NaN and exited 0 with ``latest`` naming it.
+    Every main weight was finite (~1e37), and so were their bf16 casts and MXFP8 planes (scale
+    2^115): the first linear layer's output, 1e37 x 1e37, overflows fp32. Such a state is now
+    never saved, at the last step or any other, and the run stops (exit status 1)."""
+    real = ScheduleConfig.lr_at
+    monkeypatch.setattr(ScheduleConfig, "lr_at",
+                        lambda self, step: 1e37 if step == 1 else real(self, step))
+    ckpt = tmp_path / "ckpt"
+    job = dataclasses.replace(JOB, steps=steps)
+    with pytest.raises(NonFiniteTraining) as err:
+        train_rank(job, _opts(tmp_path, save_dir=str(ckpt), save_every=save_every))
+    text = str(err.value)
+    assert text.startswith("step 1: its update made the held-out loss nan, although the step's "
+                           "loss ("), text
+    assert ("at lr 1e+37 it moved the weights to where the forward overflows (every main "
+            "weight is finite, the largest of magnitude 1e+37)") in text, text
+    assert "no checkpoint of this state is written" in text
+    assert sorted(p.name for p in ckpt.glob("step_*")) == saved
+    latest = ckpt / "latest"
+    assert (latest.read_text().strip() if latest.exists() else None) == (
+        saved[-1] if saved else None)  # still the last good checkpoint
+    records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r.get("outcome")) for r in records[1:]] == [
+        ("step", "applied"), ("step", "applied"), ("eval", None)]
+    assert records[-1] == {"kind": "eval", "step": 2, "heldout_loss": None}
 
 
 def _nan_norm_at(monkeypatch, steps: set[int]) -> list[int]:

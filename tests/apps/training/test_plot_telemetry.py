@@ -68,3 +68,20 @@ def test_the_command_line_draws_it_and_refuses_what_it_cannot(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(path)])  # neither -o nor --telemetry
     assert "give -o/--out" in capsys.readouterr().err
+
+
+def test_malformed_telemetry_and_an_output_directory_are_refused(tmp_path, capsys):
+    """A record whose telemetry lacks a field, or an --telemetry OUT that is a directory, was a
+    traceback (KeyError; IsADirectoryError after drawing)."""
+    path = _write(tmp_path / "r.jsonl")
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2].replace('"scale_exp"', '"scale_exponents"')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    assert main([str(bad), "--telemetry", str(tmp_path / "t.png")]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}: malformed telemetry record (KeyError: 'scale_exp'); expected what" in err, err
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--telemetry", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"--telemetry: {str(tmp_path)!r} is an existing directory" in capsys.readouterr().err

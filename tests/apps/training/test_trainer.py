@@ -55,7 +55,7 @@ def test_trace_writes_a_chrome_trace_of_the_steps_after_the_first(single_rank_wo
     """``--trace`` (RunOptions.trace): a Chrome trace JSON of steps 1 and 2 with the unit spans,
     their JAX program dispatches, the collectives and the bucket-memory counter; the prefetch
     setting reaches FSDP."""
-    path = tmp_path / "t.json"
+    path = tmp_path / "traces" / "t.json"  # a directory the trainer creates
     opts = _opts(tmp_path, trace=str(path), trace_steps=2, prefetch=2, sync_reduce=True)
     with Trainer(JOB, opts) as t:
         assert t.parts.fsdp.state.overlap.prefetch == 2
@@ -73,5 +73,5 @@ def test_trace_writes_a_chrome_trace_of_the_steps_after_the_first(single_rank_wo
     assert any(e["ph"] == "C" and e["name"] == "bucket bytes" for e in events)
     assert RunOptions(trace="a/t.json").trace_path(1, 2) == "a/t.rank1.json"
     assert RunOptions(trace="a/t.json").trace_path(0, 1) == "a/t.json"
-    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"prefetch=-1: expected an integer >= 0"):
         RunOptions(prefetch=-1)
