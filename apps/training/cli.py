@@ -199,7 +199,8 @@ def _check_jax_cache() -> None:
 
 class Stopped(NamedTuple):
     """What every rank returns when a training stopped early: on a non-finite loss or gradient
-    norm (exit status 1), or on SIGTERM / SIGINT (``apps.training.interrupts``: 128 + signal)."""
+    norm (exit status 1), a refused checkpoint (2), or SIGTERM / SIGINT
+    (``apps.training.interrupts``: 128 + signal)."""
 
     reason: str
     status: int = 1
@@ -207,10 +208,13 @@ class Stopped(NamedTuple):
 
 def _rank_entry(runs):
     """What every rank runs: the trainings in order, then the results (rank 0's matter), or
-    ``Stopped`` when one diverged (every rank stops at the same step: the values are global)."""
+    ``Stopped`` when one diverged (every rank stops at the same step: the values are global),
+    a checkpoint was refused (every rank raises the same error; exit status 2), or a signal
+    interrupted it."""
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
+    from torch_side.sharded_files import CheckpointError
 
     with unwinding():  # SIGTERM / SIGINT: the lock released, a save in progress abandoned
         enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
@@ -220,6 +224,8 @@ def _rank_entry(runs):
                 results.append(train_rank(job, opts))
             except NonFiniteTraining as e:
                 return Stopped(f"{label}: {e}")
+            except CheckpointError as e:  # refused on every rank alike (sharded_files.agree)
+                return Stopped(f"{label}: {e}", 2)
             except Interrupted as e:
                 return Stopped(f"{label}: {e}; {_after_interrupt(opts)}", e.exit_status)
         return results
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = _local_main(args, runs)
     if isinstance(results, Stopped):
-        print(f"mxfp8-train: {'error: ' if results.status == 1 else ''}{results.reason}",
+        print(f"mxfp8-train: {'error: ' if results.status <= 128 else ''}{results.reason}",
               file=sys.stderr)
         return results.status
     if results:  # rank 0 (or the launching process)

@@ -262,3 +262,18 @@ def test_help_and_refused_flags_import_no_framework():
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout) == [[0, 2, 2], []]
+
+
+@pytest.mark.slow
+def test_a_refused_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
+    """A CheckpointError is raised on every rank alike: the command prints it and exits 2."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MXFP8_JAX_CACHE": "off"}
+    done = subprocess.run(
+        [sys.executable, "-m", "apps.training", "--nproc", "1", "--steps", "2", "--no-progress",
+         "--resume", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    missing = tmp_path / "nowhere"
+    assert f"mxfp8-train: error: mxfp8: rank 0: checkpoint {missing} does not exist" in (
+        done.stderr), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
