@@ -317,7 +317,7 @@ def _linearize(spec: UnitSpec, row_planes, aux, values, x, *, vjp: bool = True):
     """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` (None
     with ``vjp=False``). For a ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and
     its input), out the tuple of the blocks' outputs, of which all but the last are passed on
-    (the next block's input)."""
+    to the next block through ``_boundary``."""
     if not isinstance(spec.fn, SpanFn):
         f = _bound(spec, row_planes, aux)
         return (*jax.vjp(f, values, x), ()) if vjp else (f(values, x), None, ())
@@ -329,8 +329,18 @@ def _linearize(spec: UnitSpec, row_planes, aux, values, x, *, vjp: bool = True):
             vjps.append(vjp_k)
         else:
             x = f(own, x)
-        outs.append(x)
+        outs.append(x if k == len(spec.fn.fns) - 1 else _boundary(x))
+        x = outs[-1]
     return tuple(outs), tuple(vjps), tuple(outs[:-1])
+
+
+def _boundary(h: jax.Array) -> jax.Array:
+    """A value crossing from one block of a span to the next (an output forward, a cotangent
+    backward), behind an optimization barrier: XLA then neither fuses across it nor keeps the
+    value wider than its dtype (it may keep bf16 intermediates in fp32 inside a fusion, unless
+    ``--xla_allow_excess_precision=false``), so the next block reads the rounded value, as it
+    would from a program of its own: a span has the bits of one unit per block."""
+    return lax.optimization_barrier(h)
 
 
 def _pullback(spec: UnitSpec, vjp, dout):
@@ -346,8 +356,8 @@ def _pullback(spec: UnitSpec, vjp, dout):
     d_params: list = [None] * len(spec.params)
     ct = dout[-1]
     for k in reversed(range(len(vjp))):
-        if k < len(vjp) - 1 and dout[k] is not None:
-            ct = ct + dout[k]
+        if k < len(vjp) - 1:
+            ct = _boundary(ct if dout[k] is None else ct + dout[k])
         d_own, ct = vjp[k](ct)
         for i, g in zip(_stage(spec, k), d_own, strict=True):
             d_params[i] = g

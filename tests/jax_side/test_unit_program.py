@@ -135,7 +135,10 @@ def _span_inputs():
 
 
 def _program(fn, *args, spec):
-    return fn(*args, spec=spec)
+    """``fn``'s program compiled as XLA compiles by default (``--xla_allow_excess_precision``:
+    bf16 intermediates may stay fp32 inside a fusion; the tests' flag turns it off), then run."""
+    compiled = fn.lower(*args, spec=spec).compile({"xla_allow_excess_precision": True})
+    return compiled(*args)
 
 
 def _cut(raw, seg):
@@ -146,10 +149,10 @@ def _cut(raw, seg):
 
 @pytest.mark.parametrize("own_cotangent", [True, False], ids=["read", "unread"])
 def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_block(own_cotangent):
-    """A ``SpanFn`` of two blocks against each block as its own program: the same outputs
-    (h_1, h_2) and gradients, whether block 1's output gets a cotangent of its own (a model
-    reading it) or only block 2's dx (a block loop: None, another program variant). h_1, an
-    input of block 2's backward, is returned once."""
+    """A ``SpanFn`` of two blocks against each block as its own program, both compiled with
+    XLA's default excess precision: the same outputs (h_1, h_2) and gradients, whether block 1's
+    output gets a cotangent of its own (a model reading it) or only block 2's dx (a block loop:
+    None, another program variant). h_1, an input of block 2's backward, is returned once."""
     spec, span, params, rows, cols, x = _span_inputs()
     d2 = jnp.ones_like(x)
     d1 = (0.25 * jax.random.normal(jax.random.key(2), x.shape)).astype(x.dtype)
