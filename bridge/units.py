@@ -41,8 +41,9 @@ Recompute (``recompute=True``, or the model's ``set_compute(..., recompute=True)
 keeps nothing but its inputs; the backward program runs the forward again, then the backward
 (under FSDP the rowwise planes are gathered again for it, phase ``RECOMPUTE``).
 
-An FSDP unit of several registered blocks runs as one program per direction whose outputs its
-blocks return, each its own (``bridge.unit_spans``).
+Evaluation (no gradients) runs the forward program of training, its residuals dropped at once
+(``_evaluate``), for training's bits. An FSDP unit of several registered blocks runs as one
+program per direction whose outputs its blocks return, each its own (``bridge.unit_spans``).
 
 Ahead-of-time compilation: inside ``compile_ahead()`` both programs are submitted and the op
 returns zeros, like the per-linear op.
@@ -455,8 +456,15 @@ def _run(module, fn, x, aux, recompute, *, parts=None, span=None, span_run=None)
 
 
 def _evaluate(call: _Call, x: torch.Tensor, aux):
-    """The forward without gradients (``unit_apply``)."""
+    """The forward without gradients: the very program the forward with gradients runs
+    (``unit_forward``, its residuals dropped at once; ``unit_apply`` when recomputing). A
+    forward-only program is another XLA program, which may round bf16 intermediates elsewhere
+    (XLA keeps them in fp32 inside a fusion unless ``--xla_allow_excess_precision=false``), so
+    evaluation would differ from training by an ulp; this way it has training's bits."""
     params, rows, xj, auxj = _jax_inputs(call, x, aux)
-    out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
+    if call.recompute:
+        out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
+    else:
+        out, _ = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=call.spec)
     outs = _results(out, x.device)
     return outs if call.span_run is not None else outs[0]

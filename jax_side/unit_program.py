@@ -23,7 +23,8 @@ The programs:
   the caller adds one segment per group instead of one gradient per parameter;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
   (``spec`` says nothing is kept): the forward runs again inside the backward program;
-- ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (no gradient: evaluation).
+- ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (the forward of a recomputing
+  unit; ``bridge.units`` evaluates with ``unit_forward``, whose bits the training forward has).
 
 A ``SpanFn`` (an FSDP unit of several blocks, one program) returns every block's output, and its
 backward takes a cotangent, or None, for each (``_linearize``, ``_pullback``).

@@ -158,12 +158,27 @@ def test_a_unit_whose_last_output_is_not_read_trains_to_the_same_bytes(single_ra
     _assert_same(_train(_model(2, cls=EarlyHeadGPT)), _train(_model(1, cls=EarlyHeadGPT)))
 
 
-def test_evaluation_runs_the_unit_program_with_the_same_bytes(single_rank_world):
+def test_evaluation_runs_the_training_forward_program(single_rank_world, monkeypatch):
+    # no_grad runs unit_forward, as training does (a forward-only program may round bf16
+    # elsewhere: XLA's excess precision), dropping its residuals; the unit's blocks are one
+    # program there too
+    calls = collections.Counter()
+    for name in ("unit_forward", "unit_apply"):
+        real = getattr(U, name)
+
+        def wrap(*a, _real=real, _name=name, **kw):
+            calls[_name, type(kw["spec"].fn).__name__] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(U, name, wrap)
     tokens, targets = _batch(0)
     with torch.no_grad():
         want = _model(1)(tokens, targets)
         got = _model(2)(tokens, targets)
     assert torch.equal(_bytes(got), _bytes(want))
+    assert calls == {("unit_forward", "GPTBlockFn"): 4, ("unit_forward", "SpanFn"): 2,
+                     ("unit_forward", "GPTHeadFn"): 2}, dict(calls)
+    assert torch.equal(_bytes(_model(2)(tokens, targets)), _bytes(want))
 
 
 def test_a_later_block_of_the_unit_called_alone_is_refused(single_rank_world):
