@@ -41,6 +41,10 @@ Recompute (``recompute=True``, or the model's ``set_compute(..., recompute=True)
 keeps nothing but its inputs; the backward program runs the forward again, then the backward
 (under FSDP the rowwise planes are gathered again for it, phase ``RECOMPUTE``).
 
+Evaluation (no gradients) runs the forward program of training, its residuals dropped at once
+(``_evaluate``), for training's bits. An FSDP unit of several registered blocks runs as one
+program per direction whose outputs its blocks return, each its own (``bridge.unit_spans``).
+
 Ahead-of-time compilation: inside ``compile_ahead()`` both programs are submitted and the op
 returns zeros, like the per-linear op.
 """
@@ -60,6 +64,7 @@ from bridge.dlpack import to_jax
 from bridge.dtypes import torch_dtype_for
 from bridge.linear import MXFP8Linear, _result, _share, resolve_for
 from bridge.shared import to_flat_plane, to_flat_tensor
+from bridge.unit_spans import SpanRun, later_block_output
 from bridge.unit_targets import SPAN_PENDING, SPECS_CACHE, UNIT_SPAN, GradTarget
 from common import trace
 from common.formats import Plane
@@ -115,28 +120,6 @@ def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = F
 # ------------------------------------------------ several blocks, one program (an FSDP unit)
 
 
-class _SpanRun:
-    """One span program call: the members still to be called on its output."""
-
-    def __init__(self, members: tuple[nn.Module, ...]):
-        self.names = tuple(type(m).__name__ for m in members)
-        self.out = lambda: None  # weakref to the program's output once it ran
-        self.waiting = {id(m) for m in members[1:]}
-
-    def check_done(self) -> None:
-        """Raise when a block of the unit was not called on the program's output."""
-        if self.waiting:
-            raise RuntimeError(
-                f"unit compute: a unit program ran the {len(self.names)} blocks of one FSDP "
-                f"unit ({' -> '.join(self.names)}) when its first block was called, but "
-                f"{len(self.waiting)} of the others were not called on its output before this "
-                f"backward, so the forward applied blocks the model did not call. Call a "
-                f"unit's blocks in order, each on the previous one's output (as a block loop "
-                f"does), list blocks the model may skip as units of their own in "
-                f"unit_modules, or run with Compute.OP"
-            )
-
-
 def _span_of(block: nn.Module) -> tuple[nn.Module, ...] | None:
     """The modules of ``block``'s FSDP unit when they are several registered blocks."""
     span = block.__dict__.get(UNIT_SPAN)
@@ -148,36 +131,22 @@ def _span_of(block: nn.Module) -> tuple[nn.Module, ...] | None:
 def _block_forward(block: nn.Module, x: torch.Tensor, recompute: bool) -> torch.Tensor:
     """A registered block's forward under ``Compute.UNIT``: its own unit program; or, when it
     is the first of an FSDP unit of several blocks (``UNIT_SPAN``), one program for all of
-    them, which the unit's later blocks then pass on (they must be called in order on it)."""
-    span = _span_of(block) if torch.is_grad_enabled() else None
-    if span is None:  # (without gradients each block runs alone: nothing to check later)
+    them, whose outputs the unit's blocks then return, each its own (``bridge.unit_spans``)."""
+    span = _span_of(block)
+    if span is None:
         return run_unit(block, registered_fn(block), x, recompute=recompute)
-    if span[0] is block:
-        prev = block.__dict__.get(SPAN_PENDING)
-        if prev is not None and prev.out() is not None:
-            prev.check_done()  # the previous forward skipped one of them (FSDP drops the
-            # record of a forward an exception aborted: FSDPUnit.abort)
-        fn = U.SpanFn(tuple(registered_fn(m) for m in span))
-        run_ = _SpanRun(span)
-        y = _run(block, fn, x, (), recompute, span=span, span_run=run_)
-        run_.out = weakref.ref(y)
-        for m in span:
-            m.__dict__[SPAN_PENDING] = run_
-        return y
-    run_ = block.__dict__.pop(SPAN_PENDING, None)
-    if run_ is None or id(block) not in run_.waiting or run_.out() is not x:
-        where = next(i for i, m in enumerate(span) if m is block)
-        how = ("without the unit's first block called before it" if run_ is None
-               else "on another tensor than that program's output")
-        raise RuntimeError(
-            f"unit compute: this {type(block).__name__} is block {where} of an FSDP unit of "
-            f"{len(span)} blocks, whose one unit program runs them all when the first is "
-            f"called; it was called {how}. Call a unit's blocks in order, each on the previous "
-            f"one's output (as a block loop does), make it a unit of its own in unit_modules, "
-            f"or run with Compute.OP"
-        )
-    run_.waiting.discard(id(block))
-    return x
+    if span[0] is not block:
+        return later_block_output(block, span, x)
+    prev = block.__dict__.get(SPAN_PENDING)
+    if prev is not None:
+        prev.check_previous()  # the previous forward skipped one of them (FSDP drops the
+        # record of a forward an exception aborted: FSDPUnit.abort)
+    fn = U.SpanFn(tuple(registered_fn(m) for m in span))
+    run_ = SpanRun(span, torch.is_grad_enabled())
+    outs = _run(block, fn, x, (), recompute, span=span, span_run=weakref.ref(run_))
+    for m in span:
+        m.__dict__[SPAN_PENDING] = run_
+    return run_.start(outs)
 
 
 # ------------------------------------------------------------------ what a unit reads (cached)
@@ -271,7 +240,7 @@ class _Call(NamedTuple):
     n_aux: int
     recompute: bool
     sinks: tuple[tuple[object, int], ...]  # (sink, gradients it takes), grad_groups order
-    span_run: _SpanRun | None = None  # a span's call: its later blocks must have passed it on
+    span_run: weakref.ref | None = None  # a span's call: its ``SpanRun`` (checked at backward)
 
 
 def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device, span=None):
@@ -349,13 +318,16 @@ def _aux32(a: torch.Tensor) -> torch.Tensor:
 
 class _UnitFn(torch.autograd.Function):
     """forward: ``unit_forward`` (or ``unit_apply`` when recomputing); backward:
-    ``unit_backward`` (or ``unit_recompute_backward``), one crossing back for every gradient."""
+    ``unit_backward`` (or ``unit_recompute_backward``), one crossing back for every gradient.
+    A span's op has one output per block; an output that got no gradient is None in backward
+    (``set_materialize_grads(False)``) and picks the program that takes no cotangent for it."""
 
     @staticmethod
     def forward(ctx, call: _Call, x, *rest):
         aux = rest[: call.n_aux]
         params, rows, xj, auxj = _jax_inputs(call, x, aux)
-        ctx.call, ctx.ahead = call, active()
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.ahead, ctx.device = call, active(), x.device
         ctx.x_dtype, ctx.x_shape = x.dtype, tuple(x.shape)
         if call.recompute:
             ctx.save_for_backward(x, *aux)
@@ -365,20 +337,24 @@ class _UnitFn(torch.autograd.Function):
             with trace.span(TRACK, "unit_forward"):
                 out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj,
                                                 spec=call.spec)
-            # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here;
-            # parameters are read again at backward (FSDP gathers them for it), so the forward's
-            # gathered buckets go back to FSDP's pool at reshard instead of living till then
-            ctx.kept = ctx.saved.forwarded.kept_without_params(params, rows, xj, auxj)
+            # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here,
+            # as do a span's outputs that its later blocks keep; parameters are read again at
+            # backward (FSDP gathers them for it), so the forward's gathered buckets go back
+            # to FSDP's pool at reshard instead of living till then
+            ctx.kept = ctx.saved.forwarded.kept_without_params(params, rows, xj, auxj, out)
             ctx.save_for_backward(x.new_empty(0))  # a freed graph raises Torch's own error
-        return _result(out, x.device)
+        outs = _results(out, x.device)
+        ctx.out_meta = [(tuple(o.shape), o.dtype) for o in outs]
+        return outs if call.span_run is not None else outs[0]
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, *douts):
         call = ctx.call
-        if call.span_run is not None:
-            call.span_run.check_done()
+        run_ = call.span_run() if call.span_run is not None else None
+        if run_ is not None:
+            run_.check_done()
         cols = tuple(_plane_input(lin, Plane.COLWISE) for _, lin in call.layout.linears)
-        dj = _share(dout)
+        dj = _cotangents(ctx, douts)
         if call.recompute:
             x, *aux = ctx.saved_tensors
             params, rows, xj, auxj = _jax_inputs(call, x, aux)
@@ -394,10 +370,28 @@ class _UnitFn(torch.autograd.Function):
             with trace.span(TRACK, "unit_backward"):
                 packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols,
                                 spec=call.spec)
-        grads, segments = _unpack(_result(packed, dout.device), ctx)
+        grads, segments = _unpack(_result(packed, ctx.device), ctx)
         for (sink, n), segment in zip(call.sinks, segments, strict=True):
             sink.stage_segment(segment, n)  # FSDP's grad bucket: one add per group
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
+
+
+def _results(out, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A program's output (one array, or a span's tuple of them) as Torch tensors."""
+    return tuple(_result(o, device) for o in (out if isinstance(out, tuple) else (out,)))
+
+
+def _cotangents(ctx, douts):
+    """The output gradients as the backward program takes them: one, or a span's tuple with
+    None where no gradient came. The last block's output always has one (zeros when the model
+    read only earlier outputs: rare, and not on a block loop's path)."""
+    last = douts[-1]
+    if last is None:
+        shape, dtype = ctx.out_meta[-1]
+        last = torch.zeros(shape, dtype=dtype, device=ctx.device)
+    if ctx.call.span_run is None:
+        return _share(last)
+    return (*(None if d is None else _share(d) for d in douts[:-1]), _share(last))
 
 
 def _grad_layout(call: _Call, x_shape, x_dtype: torch.dtype) -> U.GradLayout:
@@ -452,11 +446,25 @@ def run_unit(
 
 def _run(module, fn, x, aux, recompute, *, parts=None, span=None, span_run=None):
     layout, spec, sinks = _layout_and_spec(module, fn, parts, x.device, span)
+    call = _Call(layout, spec, len(aux), recompute, sinks, span_run)
     if not torch.is_grad_enabled():
-        params, rows, xj, auxj = _jax_inputs(_Call(layout, spec, len(aux), False, sinks), x, aux)
-        return _result(run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec), x.device)
+        return _evaluate(call, x, aux)
     # (parameters whose gradients go to a sink stay inputs -- the output takes gradients as
     # before -- and get None from the backward)
     tensors = [p.param for p in layout.params] + [lin.weight for _, lin in layout.linears]
-    call = _Call(layout, spec, len(aux), recompute, sinks, span_run)
     return _UnitFn.apply(call, x, *aux, *tensors)
+
+
+def _evaluate(call: _Call, x: torch.Tensor, aux):
+    """The forward without gradients: the very program the forward with gradients runs
+    (``unit_forward``, its residuals dropped at once; ``unit_apply`` when recomputing). A
+    forward-only program is another XLA program, which may round bf16 intermediates elsewhere
+    (XLA keeps them in fp32 inside a fusion unless ``--xla_allow_excess_precision=false``), so
+    evaluation would differ from training by an ulp; this way it has training's bits."""
+    params, rows, xj, auxj = _jax_inputs(call, x, aux)
+    if call.recompute:
+        out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=call.spec)
+    else:
+        out, _ = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=call.spec)
+    outs = _results(out, x.device)
+    return outs if call.span_run is not None else outs[0]

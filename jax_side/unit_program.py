@@ -23,7 +23,11 @@ The programs:
   the caller adds one segment per group instead of one gradient per parameter;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
   (``spec`` says nothing is kept): the forward runs again inside the backward program;
-- ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (no gradient: evaluation).
+- ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (the forward of a recomputing
+  unit; ``bridge.units`` evaluates with ``unit_forward``, whose bits the training forward has).
+
+A ``SpanFn`` (an FSDP unit of several blocks, one program) returns every block's output, and its
+backward takes a cotangent, or None, for each (``_linearize``, ``_pullback``).
 
 Weights. ``rows[i]`` is the i-th MXFP8 linear's rowwise plane (``FlatPlane`` inside a shared FSDP
 buffer, or an ``MXFP8Tensor``), or its high-precision weight (an array), which the program then
@@ -117,18 +121,20 @@ class UnitSpec(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SpanFn:
-    """The unit function of several unit functions applied in order, as one program (an FSDP
-    unit of several blocks): function ``i`` reads the parameters and linears named
-    ``<i>.<name>`` as ``<name>``, each takes the previous one's output."""
+    """Several unit functions applied in order as one program (an FSDP unit of several blocks):
+    function ``i`` reads the parameters and linears named ``<i>.<name>`` as ``<name>`` and takes
+    the previous one's output. The programs return every block's output (h_1, ..., h_n) and
+    linearize each block on its own (``_linearize``); the backward takes a cotangent for any of
+    the outputs and chains the blocks' rules, adding a block's own cotangent where one came, as
+    one unit per block would (``_pullback``)."""
 
     fns: tuple[Callable, ...]
 
-    def __call__(self, params, linear, x):
-        for i, fn in enumerate(self.fns):
-            pre = f"{i}."
-            own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
-            x = fn(own, lambda name, h, pre=pre: linear(pre + name, h), x)
-        return x
+    def block(self, i: int, params, linear, x):
+        """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
+        pre = f"{i}."
+        own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+        return self.fns[i](own, lambda name, h: linear(pre + name, h), x)
 
 
 class GradLayout(NamedTuple):
@@ -273,13 +279,16 @@ def _values(params) -> tuple:
     return tuple(p.array() if isinstance(p, FlatTensor) else p for p in params)
 
 
-def _bound(spec: UnitSpec, row_planes, aux):
-    """``f(param values, x) -> out`` with the linears filled in."""
+def _bound(spec: UnitSpec, row_planes, aux, stage: int | None = None):
+    """``f(param values, x) -> out`` with the linears filled in: the unit function over all
+    of ``spec.params``, or block ``stage`` of a ``SpanFn`` over its own (``_stage``)."""
     index = {name: i for i, name in enumerate(spec.mxfp8)}
     hp_lin = set(spec.hp_linears)
+    names = spec.params if stage is None else tuple(spec.params[i] for i in _stage(spec, stage))
+    fn = spec.fn if stage is None else functools.partial(spec.fn.block, stage)
 
     def f(values, x):
-        params = dict(zip(spec.params, values, strict=True))
+        params = dict(zip(names, values, strict=True))
 
         def linear(name, h):
             lead = h.shape[:-1]
@@ -295,9 +304,65 @@ def _bound(spec: UnitSpec, row_planes, aux):
                 )
             return y2.reshape(*lead, y2.shape[-1])
 
-        return spec.fn(params, linear, x, *aux)
+        return fn(params, linear, x, *aux)
 
     return f
+
+
+def _stage(spec: UnitSpec, k: int) -> tuple[int, ...]:
+    """Indices into ``spec.params`` of block ``k`` of a ``SpanFn`` (named ``<k>.<name>``)."""
+    return tuple(i for i, n in enumerate(spec.params) if n.startswith(f"{k}."))
+
+
+def _linearize(spec: UnitSpec, row_planes, aux, values, x, *, vjp: bool = True):
+    """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` (None
+    with ``vjp=False``). For a ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and
+    its input), out the tuple of the blocks' outputs, of which all but the last are passed on
+    to the next block through ``_boundary``."""
+    if not isinstance(spec.fn, SpanFn):
+        f = _bound(spec, row_planes, aux)
+        return (*jax.vjp(f, values, x), ()) if vjp else (f(values, x), None, ())
+    outs, vjps = [], []
+    for k in range(len(spec.fn.fns)):
+        f, own = _bound(spec, row_planes, aux, k), tuple(values[i] for i in _stage(spec, k))
+        if vjp:
+            x, vjp_k = jax.vjp(f, own, x)
+            vjps.append(vjp_k)
+        else:
+            x = f(own, x)
+        outs.append(x if k == len(spec.fn.fns) - 1 else _boundary(x))
+        x = outs[-1]
+    return tuple(outs), tuple(vjps), tuple(outs[:-1])
+
+
+def _boundary(h: jax.Array) -> jax.Array:
+    """A value crossing from one block of a span to the next (an output forward, a cotangent
+    backward), behind an optimization barrier: XLA then neither fuses across it nor keeps the
+    value wider than its dtype (it may keep bf16 intermediates in fp32 inside a fusion, unless
+    ``--xla_allow_excess_precision=false``), so the next block reads the rounded value, as it
+    would from a program of its own: a span has the bits of one unit per block."""
+    return lax.optimization_barrier(h)
+
+
+def _pullback(spec: UnitSpec, vjp, dout):
+    """(gradient of each of ``spec.params``, dx). For a ``SpanFn``, ``dout`` holds a cotangent
+    or None per block output (the last one present): block k's rule takes block k+1's dx plus
+    block k's own cotangent, where one came, as autograd sums them for units of one block.
+    Which are None is part of jit's cache key: a missing one costs nothing."""
+    if not isinstance(spec.fn, SpanFn):
+        return vjp(dout)
+    if len(dout) != len(vjp) or dout[-1] is None:
+        raise ValueError(f"unit_backward: a span of {len(vjp)} blocks takes a cotangent or "
+                         f"None per output, the last one present; got {dout}")
+    d_params: list = [None] * len(spec.params)
+    ct = dout[-1]
+    for k in reversed(range(len(vjp))):
+        if k < len(vjp) - 1:
+            ct = _boundary(ct if dout[k] is None else ct + dout[k])
+        d_own, ct = vjp[k](ct)
+        for i, g in zip(_stage(spec, k), d_own, strict=True):
+            d_params[i] = g
+    return tuple(d_params), ct
 
 
 # ------------------------------------------------------------------------------- the programs
@@ -307,31 +372,33 @@ def _bound(spec: UnitSpec, row_planes, aux):
 def unit_apply(params, rows, x, aux, *, spec: UnitSpec):
     """The unit's output alone (no residuals kept)."""
     row_planes, _ = _weights(rows, spec.kernels)
-    return _bound(spec, row_planes, aux)(_values(params), x)
+    return _linearize(spec, row_planes, aux, _values(params), x, vjp=False)[0]
 
 
 class Forwarded:
-    """Which residuals of a forward are its own inputs, as static pytree data: ``positions`` =
-    ((residual leaf index, input leaf index), ...) over ``jax.tree.leaves`` of the linearization
-    and of ``(params, rows, x, aux)``. Such a residual is not returned by the program (XLA
-    would copy the input into a new output buffer, a device-to-device memcpy per call; in a
-    CUDA-graph command buffer that copy failed on Torch-allocated inputs on the H200); the
-    caller keeps those inputs (``kept``) and hands them to ``unit_backward``."""
+    """Which residuals of a forward are its own inputs, or outputs a span passes on to its next
+    block, as static pytree data: ``positions`` = ((residual leaf index, source leaf index),
+    ...) over ``jax.tree.leaves`` of the linearization and of ``(params, rows, x, aux, out)``.
+    Such a residual is not returned by the program (XLA would copy it into a new output buffer,
+    a device-to-device memcpy per call; in a CUDA-graph command buffer that copy failed on
+    Torch-allocated inputs on the H200); the caller keeps those inputs and outputs (``kept``)
+    and hands them to ``unit_backward``, as one unit per block keeps its input."""
 
     def __init__(self, positions: tuple[tuple[int, int], ...]):
         self.positions = positions
 
-    def kept(self, params, rows, x, aux) -> tuple:
-        """The input leaves the backward needs back, in ``positions`` order."""
-        flat = jax.tree.leaves((params, rows, x, aux))
+    def kept(self, params, rows, x, aux, out=None) -> tuple:
+        """The source leaves the backward needs back, in ``positions`` order (``out``: the
+        forward's output, needed where a span passes outputs on)."""
+        flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(flat[i] for _, i in self.positions)
 
-    def kept_without_params(self, params, rows, x, aux) -> tuple:
+    def kept_without_params(self, params, rows, x, aux, out=None) -> tuple:
         """``kept``, with None where a leaf comes from ``params``: a caller that can give the
         same parameter values again at backward (FSDP gathers them again) does not hold the
         forward's parameter buffers until then; ``with_params`` fills them in."""
         n = len(jax.tree.leaves(params))
-        flat = jax.tree.leaves((params, rows, x, aux))
+        flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(None if i < n else flat[i] for _, i in self.positions)
 
     def with_params(self, kept: tuple, params) -> tuple:
@@ -357,10 +424,14 @@ class Saved(NamedTuple):
     forwarded: Forwarded
 
 
-def _strip_inputs(vjp, inputs):
-    """(the linearization with residuals that are inputs replaced by scalars, Forwarded)."""
+def _strip_inputs(vjp, sources, passed):
+    """(the linearization with residuals that are inputs or ``passed`` outputs replaced by
+    scalars, Forwarded); ``sources`` = (params, rows, x, aux, out)."""
     leaves, tree = jax.tree.flatten(vjp)
-    where = {id(t): i for i, t in enumerate(jax.tree.leaves(inputs))}
+    flat = jax.tree.leaves(sources)
+    n_inputs = len(jax.tree.leaves(sources[:4]))
+    passed_ids = {id(t) for t in jax.tree.leaves(passed)}
+    where = {id(t): i for i, t in enumerate(flat) if i < n_inputs or id(t) in passed_ids}
     positions = []
     for k, leaf in enumerate(leaves):
         i = where.get(id(leaf))
@@ -381,9 +452,8 @@ def _restore_inputs(saved: Saved, kept):
 def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
     """(out, ``Saved``): the forward and its linearization (module docstring)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
-    values = _values(params)
-    out, vjp = jax.vjp(_bound(spec, row_planes, aux), values, x)
-    vjp, forwarded = _strip_inputs(vjp, (params, rows, x, aux))
+    out, vjp, passed = _linearize(spec, row_planes, aux, _values(params), x)
+    vjp, forwarded = _strip_inputs(vjp, (params, rows, x, aux, out), passed)
     return out, Saved(vjp, own_cols, forwarded)
 
 
@@ -402,7 +472,7 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
         # Library backward rules (jax.nn.dot_product_attention's) mix bf16 and fp32 internally;
         # under jax_numpy_dtype_promotion="strict" (the tests) they need the standard rules.
         with jax.numpy_dtype_promotion("standard"):
-            d_params, dx = vjp(dout)
+            d_params, dx = _pullback(spec, vjp, dout)
     finally:
         stack.pop()
     dws = [jnp.zeros(c.shape, jnp.dtype(dt)) if dw is None else dw
@@ -412,8 +482,9 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
-    """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs it
-    forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout``; ``cols``: the
+    """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs (and
+    outputs) it forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for
+    a ``SpanFn``: one per block output, None where none came, ``_pullback``); ``cols``: the
     colwise plane of each MXFP8 linear (None: quantized in the forward)."""
     return _gradients(_restore_inputs(saved, kept), saved.own_cols, dout, cols, spec)
 
@@ -422,5 +493,5 @@ def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
 def unit_recompute_backward(params, rows, x, aux, dout, cols, *, spec: UnitSpec):
     """Recompute the forward, then the backward, in one program (activation recompute)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
-    _, vjp = jax.vjp(_bound(spec, row_planes, aux), _values(params), x)
+    _, vjp, _ = _linearize(spec, row_planes, aux, _values(params), x)
     return _gradients(vjp, own_cols, dout, cols, spec)

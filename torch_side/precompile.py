@@ -62,8 +62,9 @@ def precompile(
     loss_fn: runs one micro-batch's forward of ``model`` on inputs of the training shapes and
     returns the scalar loss (``precompile`` calls its backward). Its values are meaningless (the
     linears return zeros) and are discarded. no_grad_forward: also compile the programs of a
-    forward under ``torch.no_grad()`` (evaluation: the linears keep nothing for backward, which
-    makes other programs), by one more call of ``loss_fn`` first, under no_grad. max_workers:
+    forward under ``torch.no_grad()`` (evaluation: the per-linear ops keep nothing for backward,
+    which makes other programs; unit programs evaluate with training's), by one more call of
+    ``loss_fn`` first, under no_grad. max_workers:
     compile threads (default: the CPU count, at most 16). Returns the ``bridge.AheadReport``
     (programs, wall and compile seconds).
     Call it before the first step (or right after ``zero_grad()``). See the module docstring for

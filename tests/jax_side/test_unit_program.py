@@ -115,3 +115,70 @@ def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
     assert np.array_equal(cut(packed, lg.groups[0]).view(np.uint16), want.view(np.uint16))
     for a, b in ((lp.dx, lg.dx), (lp.params[2], lg.params[2]), (lp.mxfp8[0], lg.mxfp8[0])):
         assert np.array_equal(cut(plain, a), cut(packed, b))
+
+
+def _span_inputs():
+    """Two GPT blocks (bf16) as one ``SpanFn`` and each as its own unit; each block's weights
+    as (rowwise, colwise) planes."""
+    spec, params, weights, x = _inputs()
+    keys = jax.random.split(jax.random.key(1), 4)
+    second = [0.05 * jax.random.normal(k, s)
+              for k, s in zip(keys, LINEARS.values(), strict=True)]
+    planes = [[quantize_weight(w) for w in ws] for ws in (weights, second)]
+    rows = [tuple(p.only(Plane.ROWWISE) for p in ps) for ps in planes]
+    cols = [tuple(p.only(Plane.COLWISE) for p in ps) for ps in planes]
+    span = U.UnitSpec(U.SpanFn((spec.fn, spec.fn)),
+                      tuple(f"{i}.{n}" for i in range(2) for n in NORMS),
+                      tuple(f"{i}.{n}" for i in range(2) for n in LINEARS), (),
+                      spec.dw_dtypes * 2, spec.kernels)
+    return spec, span, params, rows, cols, x
+
+
+def _program(fn, *args, spec):
+    """``fn``'s program compiled as XLA compiles by default (``--xla_allow_excess_precision``:
+    bf16 intermediates may stay fp32 inside a fusion; the tests' flag turns it off), then run."""
+    compiled = fn.lower(*args, spec=spec).compile({"xla_allow_excess_precision": True})
+    return compiled(*args)
+
+
+def _cut(raw, seg):
+    start, shape, dtype = seg
+    n = int(np.prod(shape)) * np.dtype(jnp.dtype(dtype)).itemsize
+    return np.asarray(raw)[start:start + n]
+
+
+@pytest.mark.parametrize("own_cotangent", [True, False], ids=["read", "unread"])
+def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_block(own_cotangent):
+    """A ``SpanFn`` of two blocks against each block as its own program, both compiled with
+    XLA's default excess precision: the same outputs (h_1, h_2) and gradients, whether block 1's
+    output gets a cotangent of its own (a model reading it) or only block 2's dx (a block loop:
+    None, another program variant). h_1, an input of block 2's backward, is returned once."""
+    spec, span, params, rows, cols, x = _span_inputs()
+    d2 = jnp.ones_like(x)
+    d1 = (0.25 * jax.random.normal(jax.random.key(2), x.shape)).astype(x.dtype)
+    h1, s1 = _program(U.unit_forward, params, rows[0], x, (), spec=spec)
+    h2, s2 = _program(U.unit_forward, params, rows[1], h1, (), spec=spec)
+    g2 = _program(U.unit_backward, s2, s2.forwarded.kept(params, rows[1], h1, ()), d2, cols[1],
+                 spec=spec)
+    one = U.grad_layout(x.shape, x.dtype, [p.shape for p in params], ["float32"] * 4,
+                        list(LINEARS.values()), spec.dw_dtypes)
+    dh1 = jnp.asarray(_cut(g2, one.dx).view(x.dtype).reshape(x.shape))
+    g1 = _program(U.unit_backward, s1, s1.forwarded.kept(params, rows[0], x, ()),
+                 dh1 + d1 if own_cotangent else dh1, cols[0], spec=spec)
+
+    both, rows2, cols2 = params * 2, rows[0] + rows[1], cols[0] + cols[1]
+    outs, saved = _program(U.unit_forward, both, rows2, x, (), spec=span)
+    n_inputs = len(jax.tree.leaves((both, rows2, x, ())))
+    assert any(i >= n_inputs for _, i in saved.forwarded.positions), "h_1 is kept, not copied"
+    kept = saved.forwarded.kept(both, rows2, x, (), outs)
+    g = _program(U.unit_backward, saved, kept, (d1 if own_cotangent else None, d2), cols2,
+                spec=span)
+    assert [np.asarray(o).tobytes() for o in outs] == [np.asarray(h1).tobytes(),
+                                                       np.asarray(h2).tobytes()]
+    two = U.grad_layout(x.shape, x.dtype, [p.shape for p in both], ["float32"] * 8,
+                        list(LINEARS.values()) * 2, span.dw_dtypes)
+    assert np.array_equal(_cut(g, two.dx), _cut(g1, one.dx))
+    want = [(g1, seg) for seg in one.params] + [(g2, seg) for seg in one.params]
+    want += [(g1, seg) for seg in one.mxfp8] + [(g2, seg) for seg in one.mxfp8]
+    for k, (seg, (raw, own)) in enumerate(zip((*two.params, *two.mxfp8), want, strict=True)):
+        assert np.array_equal(_cut(g, seg), _cut(raw, own)), k

@@ -2,11 +2,12 @@
 
 ``fully_shard(model, unit_modules=[(model.h_0, model.h_1), ...])`` makes the listed modules one
 unit (one gather, one reduction); under ``Compute.UNIT`` a unit of registered blocks runs as one
-JAX program per direction (``bridge.units``: ``SpanFn``). Checked here, world 1 in process:
-losses, reduced gradients and weights after an optimizer step are the same bytes as with one unit
-per block (unit and op compute, recompute, fp32 and bf16 activations, evaluation); the programs
-and collectives per step shrink as they should; misuse is refused with a clear error. The sharded
-ranks against the replicated reference: ``cases_units`` (``spans``).
+JAX program per direction (``bridge.units``: ``SpanFn``), and each block returns its own output.
+Checked here, world 1 in process: losses, reduced gradients and weights after optimizer steps are
+the same bytes as with one unit per block (unit and op compute, recompute, fp32 and bf16
+activations, evaluation, a model that reads every block's output); the programs and collectives
+per step shrink as they should; misuse is refused with a clear error. The sharded ranks against
+the replicated reference: ``cases_units`` (``spans``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,38 @@ def _batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _spans(model: TorchGPT, k: int):
-    blocks = model.blocks
-    return [tuple(blocks[i:i + k]) for i in range(0, len(blocks), k)]
+class HiddenStatesGPT(TorchGPT):
+    """A GPT whose loss reads every block's output: an auxiliary term over all hidden states
+    and a residual from the first block's output into the last one's."""
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))  # (B, S, D)
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        aux = sum(h.square().mean() for h in hidden)
+        loss = BU.run_unit(self, BU.GPTHeadFn(self.cfg), x + hidden[0], targets,
+                           parts=("ln_f", "lm_head"))
+        return loss + 0.01 * aux
 
 
-def _model(k: int, compute="unit", **kw):
-    net = TorchGPT(CFG, seed=3, compute=compute, **kw)
-    return fully_shard(net, unit_modules=(Block,) if k == 1 else _spans(net, k))
+class EarlyHeadGPT(TorchGPT):
+    """A GPT whose head reads the third block's output: the fourth block runs, unread."""
+
+    def forward(self, tokens, targets):
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))  # (B, S, D)
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        return BU.run_unit(self, BU.GPTHeadFn(self.cfg), hidden[2], targets,
+                           parts=("ln_f", "lm_head"))
+
+
+def _model(k: int, compute="unit", cls=TorchGPT, **kw):
+    net = cls(CFG, seed=3, compute=compute, **kw)
+    return fully_shard(net, unit_modules=net.block_units(k))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -116,12 +141,44 @@ def test_one_program_per_unit_and_direction_and_one_gather_per_unit(
     assert units == ["<root>", "h_0+h_1+h_2+h_3"]
 
 
-def test_evaluation_runs_each_block_alone_with_the_same_bytes(single_rank_world):
+def test_every_block_of_a_unit_returns_its_own_output(single_rank_world):
+    # a model reading h_1 .. h_4 trains to the same bytes with 2 or 3 blocks per unit (units
+    # (h_0, h_1, h_2) and (h_3,)) as with one, and evaluates to the training forward's bytes
+    want = _train(_model(1, cls=HiddenStatesGPT))
+    for k in (2, 3):
+        _assert_same(_train(_model(k, cls=HiddenStatesGPT)), want)
+    for k in (1, 2, 3):
+        with torch.no_grad():
+            evaluated = _model(k, cls=HiddenStatesGPT)(*_batch(0))
+        assert torch.equal(_bytes(evaluated), _bytes(want[0][0])), k
+
+
+def test_a_unit_whose_last_output_is_not_read_trains_to_the_same_bytes(single_rank_world):
+    # the unit (h_2, h_3): a gradient for h_2's output only (the backward takes zeros for h_3's)
+    _assert_same(_train(_model(2, cls=EarlyHeadGPT)), _train(_model(1, cls=EarlyHeadGPT)))
+
+
+def test_evaluation_runs_the_training_forward_program(single_rank_world, monkeypatch):
+    # no_grad runs unit_forward, as training does (a forward-only program may round bf16
+    # elsewhere: XLA's excess precision), dropping its residuals; the unit's blocks are one
+    # program there too
+    calls = collections.Counter()
+    for name in ("unit_forward", "unit_apply"):
+        real = getattr(U, name)
+
+        def wrap(*a, _real=real, _name=name, **kw):
+            calls[_name, type(kw["spec"].fn).__name__] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(U, name, wrap)
     tokens, targets = _batch(0)
     with torch.no_grad():
         want = _model(1)(tokens, targets)
         got = _model(2)(tokens, targets)
     assert torch.equal(_bytes(got), _bytes(want))
+    assert calls == {("unit_forward", "GPTBlockFn"): 4, ("unit_forward", "SpanFn"): 2,
+                     ("unit_forward", "GPTHeadFn"): 2}, dict(calls)
+    assert torch.equal(_bytes(_model(2)(tokens, targets)), _bytes(want))
 
 
 def test_a_later_block_of_the_unit_called_alone_is_refused(single_rank_world):
@@ -133,6 +190,11 @@ def test_a_later_block_of_the_unit_called_alone_is_refused(single_rank_world):
     y = model.module.h_0(x)  # runs h_0 and h_1 in one program
     with pytest.raises(RuntimeError, match="on another tensor than that program's output"):
         model.module.h_1(y + 0)
+    assert not torch.equal(model.module.h_1(y), y)  # h_1's own output, not h_0's
+    with torch.no_grad():
+        y = model.module.h_0(x)
+    with pytest.raises(RuntimeError, match="with gradients on, the first block with them off"):
+        model.module.h_1(y)
 
 
 def test_a_block_skipped_after_its_unit_program_ran_is_caught_at_backward(single_rank_world):
