@@ -15,7 +15,11 @@ When a pooled tensor may be reused -- never while anyone may still read it:
   The pool's own JAX share of the tensor is allowed for, as long as nothing else references it
   or its JAX array. A bucket
   with such a holder is left alone (counted in ``held_bytes``) and a new one is made; it is
-  reused once the holder lets go.
+  reused once the holder lets go. So a bound on ``peak_reserved_bytes`` holds only if every
+  holder lets go before the pool is asked again, whatever the timing; FSDP's do: buckets cross
+  to JAX only through the pool's share, none is held by an object only the cyclic garbage
+  collector frees, and the one holder on another thread, gloo's worker (a finished collective's
+  work), is waited for by ``collectives.Handle.wait`` (issue 30, item 13).
 - **Streams (CUDA).** ``free`` records an event on the current stream, which at that point is
   ordered after every reader's work: JAX's programs that read the bucket produced results Torch
   imported before the reshard (``to_torch`` waits for the program), and Torch's own kernels are on
