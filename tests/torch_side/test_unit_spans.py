@@ -109,10 +109,11 @@ def test_a_unit_of_several_blocks_trains_to_the_same_bytes(single_rank_world, co
         _assert_same(_train(_model(k, compute, **kw), micro_batches=mb), want)
 
 
-def test_one_program_per_unit_and_direction_and_one_gather_per_unit(
-        single_rank_world, monkeypatch):
+def _count_calls(monkeypatch, names) -> collections.Counter:
+    """Count the calls of ``bridge.units``' program entry points ``names`` by (name, the
+    spec's function type)."""
     calls = collections.Counter()
-    for name in ("unit_forward", "unit_backward"):
+    for name in names:
         real = getattr(U, name)
 
         def wrap(*a, _real=real, _name=name, **kw):
@@ -120,6 +121,12 @@ def test_one_program_per_unit_and_direction_and_one_gather_per_unit(
             return _real(*a, **kw)
 
         monkeypatch.setattr(U, name, wrap)
+    return calls
+
+
+def test_one_program_per_unit_and_direction_and_one_gather_per_unit(
+        single_rank_world, monkeypatch):
+    calls = _count_calls(monkeypatch, ("unit_forward", "unit_backward"))
     for k, programs in ((1, 4), (2, 2), (4, 1)):
         calls.clear()
         model = _model(k)
@@ -162,15 +169,7 @@ def test_evaluation_runs_the_training_forward_program(single_rank_world, monkeyp
     # no_grad runs unit_forward, as training does (a forward-only program may round bf16
     # elsewhere: XLA's excess precision), dropping its residuals; the unit's blocks are one
     # program there too
-    calls = collections.Counter()
-    for name in ("unit_forward", "unit_apply"):
-        real = getattr(U, name)
-
-        def wrap(*a, _real=real, _name=name, **kw):
-            calls[_name, type(kw["spec"].fn).__name__] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(U, name, wrap)
+    calls = _count_calls(monkeypatch, ("unit_forward", "unit_apply"))
     tokens, targets = _batch(0)
     with torch.no_grad():
         want = _model(1)(tokens, targets)

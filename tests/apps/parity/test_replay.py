@@ -134,23 +134,30 @@ def test_xla_sqrt_differs_from_torch_cpu_sqrt_after_the_first_update(world):
     assert step.step == 1 and first.kind is Kind.MAIN, r.format()
 
 
-@pytest.mark.slow
-def test_a_training_checkpoint_replays_bit_identically(world, tmp_path):
-    """mxfp8-train's model after one AdamW step, saved by its CheckpointSaver: the replay starts
-    from its main weights, moments and step count."""
+def _one_step_saved(job, save_dir):
+    """A ``_Model`` of ``job`` after one AdamW step, saved as step 1 into ``save_dir``."""
     from apps.training.checkpoint import CheckpointSaver
     from apps.training.data import DataPosition
-    from apps.training.job import TrainJob
     from apps.training.loop import _Model
 
-    job = TrainJob(steps=1, micro_batches=1, batch_size=2, seq_len=32, seed=3, weight_decay=0.1)
     m = _Model(job)
     tokens = torch.randint(0, m.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     m.fsdp(tokens, tokens).backward()
     m.opt.step()
-    with CheckpointSaver.start(tmp_path) as saver:
+    with CheckpointSaver.start(save_dir) as saver:
         saver.save(step=1, fsdp=m.fsdp, opt=m.opt, position=DataPosition(2), job=job.describe(),
                    data_digest=m.corpus.content_digest())
+    return m
+
+
+@pytest.mark.slow
+def test_a_training_checkpoint_replays_bit_identically(world, tmp_path):
+    """mxfp8-train's model after one AdamW step, saved by its CheckpointSaver: the replay starts
+    from its main weights, moments and step count."""
+    from apps.training.job import TrainJob
+
+    job = TrainJob(steps=1, micro_batches=1, batch_size=2, seq_len=32, seed=3, weight_decay=0.1)
+    m = _one_step_saved(job, tmp_path)
     setup = setup_from_checkpoint(tmp_path, steps=2, batch_size=2, seq_len=32)
     assert setup.adamw == AdamWConfig(lr=job.lr, weight_decay=0.1) and setup.cfg == m.cfg
     r = _replay(setup)
@@ -163,20 +170,11 @@ def test_a_bf16_training_checkpoint_replays_as_the_high_precision_control(world,
     (``<root>/bf16/dp``), which the twin's fp32 groups do not have: it was refused ("names no
     parameter group of this optimizer"). It replays from its fp32 main weights and moments."""
     from apps.parity.replay_state import build_torch, optimizer_step_count
-    from apps.training.checkpoint import CheckpointSaver
-    from apps.training.data import DataPosition
     from apps.training.job import TrainJob
-    from apps.training.loop import _Model
 
     job = TrainJob(weights="bf16", steps=1, micro_batches=1, batch_size=2, seq_len=32, seed=3)
-    m = _Model(job)
+    m = _one_step_saved(job, tmp_path)
     assert {g.label for g in m.opt.groups} >= {"<root>/bf16/dp"}
-    tokens = torch.randint(0, m.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    m.fsdp(tokens, tokens).backward()
-    m.opt.step()
-    with CheckpointSaver.start(tmp_path) as saver:
-        saver.save(step=1, fsdp=m.fsdp, opt=m.opt, position=DataPosition(2), job=job.describe(),
-                   data_digest=m.corpus.content_digest())
     setup = setup_from_checkpoint(tmp_path, steps=1, batch_size=2, seq_len=32)
     assert setup.mode.value == "high_precision"
     side = build_torch(setup)
