@@ -2,8 +2,9 @@
 nor jax (numpy and ml_dtypes only).
 
 - ``formats``: block size, E4M3/E8M0 constants, ``Plane``, ``WeightFormat`` with its one table of
-  facts (``FORMATS``), scale shapes, the MXFP8 shape rule, and the ``mxfp8_params()`` protocol
-  by which a module declares its block-scaled parameters;
+  facts (``FORMATS``: per format its ``ScaleBlocks``, which every layer asks) and
+  ``register_format`` for formats of one's own, scale shapes, the MXFP8 shape rule, and the
+  ``mxfp8_params()`` protocol by which a module declares its block-scaled parameters;
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
 - ``modes``: ``LinearMode`` (how a linear layer multiplies), ``Activations`` (the GPT twins'
   activation dtype), ``Compute`` (one JAX op per linear or one program per FSDP unit),
@@ -19,14 +20,19 @@ from common.formats import (
     E4M3_MAX,
     E8M0_BIAS,
     FORMATS,
+    MXFP8_BLOCKS,
     BlockScaledParams,
+    FormatKey,
     FormatSpec,
     Plane,
+    RegisteredFormat,
     ScaleBlocks,
     WeightFormat,
     block_scaled_params,
     check_mxfp8_shape,
     format_spec,
+    parse_format,
+    register_format,
     scale_shape,
 )
 from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
@@ -39,12 +45,14 @@ __all__ = [
     "E4M3_MAX",
     "E8M0_BIAS",
     "FORMATS",
+    "MXFP8_BLOCKS",
     "PRESETS",
     "ROLES",
     "Activations",
     "Backend",
     "BlockScaledParams",
     "Compute",
+    "FormatKey",
     "FormatSpec",
     "GPTConfig",
     "GatherMode",
@@ -53,6 +61,7 @@ __all__ = [
     "KernelConfig",
     "LinearMode",
     "Plane",
+    "RegisteredFormat",
     "RoleSpec",
     "ScaleBlocks",
     "WeightFormat",
@@ -60,6 +69,8 @@ __all__ = [
     "check_mxfp8_shape",
     "format_spec",
     "parse_enum",
+    "parse_format",
+    "register_format",
     "role_spec",
     "scale_shape",
 ]

@@ -1,16 +1,24 @@
 """Formats of model weights and the MXFP8 layout facts, in one table (DESIGN.md 3-5).
 
-- ``BLOCK_SIZE`` (32), ``E4M3_MAX`` (448), ``E8M0_BIAS`` (127): the MXFP8 constants, defined once.
-- ``Plane``: which quantized copy of a 2-D (M, K) tensor -- ``ROWWISE`` (blocks 1x32 along K,
-  scales (M, K/32)) or ``COLWISE`` (blocks 32x1 along M, data *not transposed*, scales (M/32, K)).
-  A high-precision weight has one plane, ``ROWWISE``: the weights themselves.
-- ``WeightFormat``: the format of the model weights forward and backward read, with ``FORMATS``
-  mapping each one to a ``FormatSpec``: the model weight buffer's dtype, the high-precision dtype
-  the weight is made from, the planes it consists of (forward reads the first, backward the last)
-  and, for block-scaled formats, ``ScaleBlocks`` (element and scale dtypes, block size, element
-  max). Code asks the table; nothing branches on a derived boolean. ``NVFP4`` is described here
-  so that the table shows the room left for it, but no layer implements it: each layer refuses
-  it (and any format missing from its own table) with a clear error.
+- ``BLOCK_SIZE`` (32), ``E4M3_MAX`` (448), ``E8M0_BIAS`` (127): the MXFP8 constants, defined once;
+  ``MXFP8_BLOCKS`` is MXFP8's ``ScaleBlocks`` built from them.
+- ``Plane``: which quantized copy of a 2-D (M, K) tensor -- ``ROWWISE`` (blocks along K) or
+  ``COLWISE`` (blocks along M, data *not transposed*). A high-precision weight has one plane,
+  ``ROWWISE``: the weights themselves.
+- ``WeightFormat``: the built-in formats of the model weights forward and backward read, with
+  ``FORMATS`` mapping each one to a ``FormatSpec``: the model weight buffer's dtype, the
+  high-precision dtype the weight is made from, the planes it consists of (forward reads the
+  first, backward the last) and, for block-scaled formats, ``ScaleBlocks``: the per-format object
+  every layer asks instead of assuming MXFP8 -- element and scale dtypes, block size and block
+  shape per plane, scale shape per plane, elements per byte, an optional tensor-level scale,
+  element max. Code asks the table; nothing branches on a derived boolean. ``NVFP4`` is
+  described completely (4-bit elements, two per byte, E4M3 block scales and an fp32 tensor
+  scale) so that the table shows the room left for it, but no layer implements it: each layer
+  refuses it (and any format missing from its own table) with a clear error.
+- ``register_format``: a format added at run time (a ``RegisteredFormat`` key and its row of
+  ``FORMATS``) -- how a new format plugs in without editing this file (docs/extending.md, "A
+  weight format"). Everything that takes a format takes a ``FormatKey``: a ``WeightFormat``
+  member or a ``RegisteredFormat``.
 
 Dtypes are named by strings (``"bfloat16"``, ``"uint8"``, ``"float8_e4m3fn"``) so this module
 stays framework-free; each layer maps names to its own dtype objects.
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -32,11 +41,14 @@ __all__ = [
     "E8M0_INF",
     "E8M0_NAN",
     "FORMATS",
+    "MXFP8_BLOCKS",
+    "FormatKey",
     "FormatSpec",
     "ALL_PLANES",
     "Plane",
     "PlaneData",
     "PlaneFields",
+    "RegisteredFormat",
     "ScaleBlocks",
     "BlockScaledParams",
     "WeightFormat",
@@ -44,7 +56,9 @@ __all__ = [
     "block_shape_problem",
     "check_mxfp8_shape",
     "format_spec",
+    "parse_format",
     "parse_planes",
+    "register_format",
     "scale_shape",
 ]
 
@@ -112,20 +126,66 @@ class WeightFormat(enum.Enum):
     BF16 = "bf16"
     MXFP8_E4M3 = "mxfp8_e4m3"
     NVFP4 = "nvfp4"  # described in FORMATS; not implemented by any layer yet
+    # formats of one's own: common.formats.register_format (a RegisteredFormat key)
 
     @classmethod
     def parse(cls, value: WeightFormat | str) -> WeightFormat:
         return parse_enum(cls, value, what="weight format")
 
 
+_FORMAT_VALUE = re.compile(r"[a-z0-9_]+")  # a format's value names groups (param_group)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScaleBlocks:
-    """Facts of a block-scaled format."""
+    """Facts of a block-scaled format: what one plane of a logical (M, K) tensor holds.
+
+    Data: ``data_shape(shape)`` bytes, (M, K / elements_per_byte), row-major and not transposed
+    in either plane. Scales: one ``scale_dtype`` value per block of ``block_size`` consecutive
+    elements along the plane's blocked axis (``block_shape``: rowwise 1 x b along K, columnwise
+    b x 1 along M), compact, ``scale_shape(shape, plane)``: rowwise (M, K/b), columnwise
+    (M/b, K). ``tensor_scale_dtype``: a second-level scale per tensor that multiplies every block
+    scale (NVFP4's fp32 scale), or None.
+    """
 
     element_dtype: str  # e.g. "float8_e4m3fn"
     scale_dtype: str  # e.g. "float8_e8m0fnu"
     block_size: int  # elements per scale, along the blocked axis of each plane
     element_max: float  # largest finite element magnitude
+    elements_per_byte: int = 1  # 2 for 4-bit elements packed two per byte
+    tensor_scale_dtype: str | None = None  # a per-tensor second-level scale, if any
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.elements_per_byte not in (1, 2) or (
+            self.block_size % self.elements_per_byte
+        ):
+            raise ValueError(
+                f"ScaleBlocks: block_size={self.block_size}, elements_per_byte="
+                f"{self.elements_per_byte}: expected a positive block size and 1 or 2 elements "
+                f"per byte that divide it"
+            )
+
+    def block_shape(self, plane: Plane) -> tuple[int, int]:
+        """(rows, columns) of one block of ``plane``: (1, b) rowwise, (b, 1) columnwise."""
+        b = self.block_size
+        return (1, b) if plane is Plane.ROWWISE else (b, 1)
+
+    def scale_shape(self, shape: tuple[int, int], plane: Plane) -> tuple[int, int]:
+        """Compact scale shape of ``plane`` of a logical (M, K) tensor."""
+        (m, k), (bm, bk) = shape, self.block_shape(plane)
+        return (m // bm, k // bk)
+
+    def scale_numel(self, shape: tuple[int, int]) -> int:
+        """Scales per plane (M * K / block_size; the same for both planes)."""
+        return shape[0] * shape[1] // self.block_size
+
+    def data_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """Byte shape of one plane's data: (M, K / elements_per_byte)."""
+        return (shape[0], shape[1] // self.elements_per_byte)
+
+    def shape_problem(self, shape: tuple[int, ...]) -> str | None:
+        """Why a tensor of ``shape`` cannot take this format, or None if it can."""
+        return block_shape_problem(shape, self.block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,20 +209,77 @@ class FormatSpec:
         """Why a weight of ``shape`` cannot take this format, or None if it can."""
         if self.blocks is None:
             return None
-        return block_shape_problem(shape, self.blocks.block_size)
+        return self.blocks.shape_problem(shape)
 
 
-_MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
+@dataclasses.dataclass(frozen=True)
+class RegisteredFormat:
+    """A weight format added at run time by ``register_format``, beside the built-in
+    ``WeightFormat`` members; ``value`` names it as a member's value does (group labels,
+    checkpoint metadata, errors)."""
+
+    value: str
+
+    @property
+    def name(self) -> str:
+        return self.value.upper()
 
 
-FORMATS: dict[WeightFormat, FormatSpec] = {
+FormatKey = WeightFormat | RegisteredFormat  # what every layer takes as "a format"
+
+MXFP8_BLOCKS = ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", BLOCK_SIZE, E4M3_MAX)
+
+
+FORMATS: dict[FormatKey, FormatSpec] = {
     WeightFormat.FP32: FormatSpec("float32", "float32", (Plane.ROWWISE,), None),
     WeightFormat.BF16: FormatSpec("bfloat16", "bfloat16", (Plane.ROWWISE,), None),
-    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", ALL_PLANES, _MXFP8_BLOCKS),
-    WeightFormat.NVFP4: FormatSpec(
-        "uint8", "bfloat16", ALL_PLANES, ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 16, 6.0)
-    ),
+    WeightFormat.MXFP8_E4M3: FormatSpec("uint8", "bfloat16", ALL_PLANES, MXFP8_BLOCKS),
+    WeightFormat.NVFP4: FormatSpec("uint8", "bfloat16", ALL_PLANES, ScaleBlocks(
+        "float4_e2m1fn", "float8_e4m3fn", 16, 6.0, elements_per_byte=2,
+        tensor_scale_dtype="float32",
+    )),
 }
+
+
+def register_format(value: str, spec: FormatSpec) -> RegisteredFormat:
+    """Add a format to ``FORMATS`` under a new key named ``value`` and return the key.
+
+    Registering the same value with an equal row again returns the same key (a module that
+    registers at import may be imported by several processes or twice); another row under a
+    taken value, or a built-in format's value, is refused. The format's implementations are
+    separate tables of each layer (e.g. ``torch_side.weight_codecs.CODECS``); removing the row
+    (``del FORMATS[key]``) unregisters it.
+    """
+    if not isinstance(value, str) or not _FORMAT_VALUE.fullmatch(value):
+        raise ValueError(
+            f"register_format: value {value!r} must be lower-case letters, digits and '_' "
+            f"(it names parameter groups and checkpoint entries), e.g. 'mxfp8_b16'"
+        )
+    if not isinstance(spec, FormatSpec):
+        raise TypeError(f"register_format({value!r}): expected a FormatSpec, got {spec!r}")
+    key = RegisteredFormat(value)
+    taken = {f.value: f for f in FORMATS}
+    if value in taken and (taken[value] != key or FORMATS[key] != spec):
+        raise ValueError(
+            f"register_format: {value!r} is already the format {taken[value]!r} with row "
+            f"{FORMATS[taken[value]]}; choose another value"
+        )
+    FORMATS[key] = spec
+    return key
+
+
+def parse_format(fmt: FormatKey | str) -> FormatKey:
+    """The ``FORMATS`` key of a format: a key itself, or its value (case-insensitive)."""
+    if isinstance(fmt, FormatKey) and fmt in FORMATS:
+        return fmt
+    value = fmt.value if isinstance(fmt, FormatKey) else str(fmt).lower()
+    for key in FORMATS:
+        if key.value == value:
+            return key
+    raise ValueError(
+        f"unknown weight format {fmt!r}: expected one of {[f.value for f in FORMATS]} (a format "
+        f"of one's own is added by common.formats.register_format)"
+    )
 
 
 @runtime_checkable
@@ -200,18 +317,18 @@ def block_scaled_params(module) -> tuple[str, ...]:
     return names
 
 
-def format_spec(fmt: WeightFormat | str) -> FormatSpec:
-    """The table row of a format (accepts the enum or its value)."""
-    return FORMATS[WeightFormat.parse(fmt)]
+def format_spec(fmt: FormatKey | str) -> FormatSpec:
+    """The table row of a format (accepts a key or its value)."""
+    return FORMATS[parse_format(fmt)]
 
 
-def scale_shape(shape: tuple[int, int], plane: Plane) -> tuple[int, int]:
-    """Compact E8M0 scale shape of one MXFP8 plane of a logical (M, K) tensor (DESIGN.md 4):
-    rowwise (M, K/32), columnwise (M/32, K)."""
-    m, k = shape
-    if plane is Plane.ROWWISE:
-        return (m, k // BLOCK_SIZE)
-    return (m // BLOCK_SIZE, k)
+def scale_shape(
+    shape: tuple[int, int], plane: Plane, blocks: ScaleBlocks = MXFP8_BLOCKS
+) -> tuple[int, int]:
+    """Compact scale shape of one plane of a logical (M, K) tensor in the format of ``blocks``
+    (``ScaleBlocks.scale_shape``); MXFP8 by default (DESIGN.md 4): rowwise (M, K/32),
+    columnwise (M/32, K)."""
+    return blocks.scale_shape(tuple(shape), plane)
 
 
 def _round_up(d: int) -> int:

@@ -28,6 +28,7 @@ import torch
 from common.enums import parse_enum
 from common.formats import (
     FORMATS,
+    FormatKey,
     FormatSpec,
     Plane,
     WeightFormat,
@@ -80,8 +81,8 @@ class MixedPrecisionPolicy:
     rounded to the gather's dtype.
     """
 
-    linear_weight_format: WeightFormat = WeightFormat.MXFP8_E4M3
-    other_format: WeightFormat = WeightFormat.FP32
+    linear_weight_format: FormatKey = WeightFormat.MXFP8_E4M3
+    other_format: FormatKey = WeightFormat.FP32
     main_param_dtype: torch.dtype = torch.float32
     main_grad_dtype: torch.dtype = torch.float32
     grad_comm_dtype: torch.dtype = torch.float32
@@ -90,10 +91,12 @@ class MixedPrecisionPolicy:
 
     def __post_init__(self) -> None:
         for name in ("linear_weight_format", "other_format"):
-            if not isinstance(getattr(self, name), WeightFormat):
+            fmt = getattr(self, name)
+            if not isinstance(fmt, FormatKey) or fmt not in FORMATS:
                 raise TypeError(
-                    f"MixedPrecisionPolicy.{name}={getattr(self, name)!r}: expected a WeightFormat,"
-                    f" e.g. WeightFormat.MXFP8_E4M3"
+                    f"MixedPrecisionPolicy.{name}={fmt!r}: expected a WeightFormat, e.g. "
+                    f"WeightFormat.MXFP8_E4M3, or a format registered with "
+                    f"common.formats.register_format"
                 )
         if FORMATS[self.other_format].blocks is not None:
             raise ValueError(
@@ -127,13 +130,13 @@ class MixedPrecisionPolicy:
                 f"gather=GatherMode.MXFP8"
             )
 
-    def param_format(self, module, pname: str, qualified_name: str) -> WeightFormat:
+    def param_format(self, module, pname: str, qualified_name: str) -> FormatKey:
         """The model weight format of ``module``'s own parameter ``pname``, from what the module
         declares (``common.formats.block_scaled_params``)."""
         declared = pname in block_scaled_params(module)
         return self.weight_format(qualified_name, getattr(module, pname), declared)
 
-    def weight_format(self, name: str, param: torch.Tensor, block_scaled: bool) -> WeightFormat:
+    def weight_format(self, name: str, param: torch.Tensor, block_scaled: bool) -> FormatKey:
         """The model weight format of one parameter, declared block-scaled or not (``name`` only
         appears in errors)."""
         if not block_scaled:
@@ -153,27 +156,27 @@ class MixedPrecisionPolicy:
 
     # ---- the questions FSDP asks of a format (answered from common.formats.FORMATS) --------
     @staticmethod
-    def spec(fmt: WeightFormat) -> FormatSpec:
+    def spec(fmt: FormatKey) -> FormatSpec:
         return format_spec(fmt)
 
     @staticmethod
-    def model_weight_buffer_dtype(fmt: WeightFormat) -> torch.dtype:
+    def model_weight_buffer_dtype(fmt: FormatKey) -> torch.dtype:
         """dtype of the model weight buffer (and of every plane's buffer): uint8 bytes for MXFP8."""
         return torch_dtype(format_spec(fmt).buffer_dtype)
 
     @staticmethod
-    def requires_backward_specific_weight(fmt: WeightFormat) -> bool:
+    def requires_backward_specific_weight(fmt: FormatKey) -> bool:
         """Whether backward reads another plane than forward (MXFP8: the columnwise plane)."""
         spec = format_spec(fmt)
         return spec.backward_plane is not spec.forward_plane
 
     @staticmethod
-    def planes(fmt: WeightFormat) -> tuple[Plane, ...]:
+    def planes(fmt: FormatKey) -> tuple[Plane, ...]:
         """The planes the model weights consist of (forward reads the first, backward the last)."""
         return format_spec(fmt).planes
 
     @staticmethod
-    def high_precision_value(fmt: WeightFormat, main: torch.Tensor) -> torch.Tensor:
+    def high_precision_value(fmt: FormatKey, main: torch.Tensor) -> torch.Tensor:
         """The high-precision value the model weight is made from: ``source_dtype(main)``
         (bf16(main) for MXFP8, DESIGN.md 3; the weights themselves for fp32/bf16)."""
         return main.to(torch_dtype(format_spec(fmt).source_dtype))

@@ -20,6 +20,15 @@ from common import (
     role_spec,
     scale_shape,
 )
+from common.formats import (
+    ALL_PLANES,
+    MXFP8_BLOCKS,
+    FormatSpec,
+    RegisteredFormat,
+    ScaleBlocks,
+    parse_format,
+    register_format,
+)
 from common.kernels import Backend, GemmImpl
 from common.model_config import GPT2_124M, GPT2_350M, PRESETS
 
@@ -49,6 +58,46 @@ def test_shape_rules_and_scale_shapes():
     assert check_mxfp8_shape((64, 96), "w") == (64, 96)
     with pytest.raises(ValueError, match=r"w: MXFP8 needs M % 32 == 0.*\(40, 64\).*\(64, 64\)"):
         check_mxfp8_shape((40, 64), "w")
+
+
+def test_scale_blocks_describe_each_plane_of_any_block_format():
+    """The per-format object every layer asks (issue 31): MXFP8's blocks give the layout of
+    DESIGN.md 4, and NVFP4's row says what it is -- 16-element blocks, two 4-bit elements per
+    byte, E4M3 block scales and an fp32 tensor-level scale."""
+    assert format_spec("mxfp8_e4m3").blocks is MXFP8_BLOCKS
+    assert MXFP8_BLOCKS.block_shape(Plane.ROWWISE) == (1, 32)
+    assert MXFP8_BLOCKS.block_shape(Plane.COLWISE) == (32, 1)
+    assert MXFP8_BLOCKS.data_shape((64, 96)) == (64, 96)
+    assert MXFP8_BLOCKS.scale_numel((64, 96)) == 64 * 96 // 32
+    nv = format_spec(WeightFormat.NVFP4).blocks
+    assert (nv.elements_per_byte, nv.tensor_scale_dtype, nv.scale_dtype) == (
+        2, "float32", "float8_e4m3fn")
+    assert nv.data_shape((64, 96)) == (64, 48)
+    assert nv.scale_shape((64, 96), Plane.ROWWISE) == (64, 6)
+    assert scale_shape((64, 96), Plane.COLWISE, nv) == (4, 96)
+    assert "multiples of 16" in nv.shape_problem((40, 64))
+    with pytest.raises(ValueError, match="elements per byte"):
+        ScaleBlocks("float4_e2m1fn", "float8_e4m3fn", 15, 6.0, elements_per_byte=2)
+
+
+def test_a_format_of_ones_own_is_registered_beside_the_built_in_ones():
+    row = FormatSpec("uint8", "bfloat16", ALL_PLANES,
+                     ScaleBlocks("float8_e4m3fn", "float8_e8m0fnu", 16, 448.0))
+    key = register_format("test_b16", row)
+    try:
+        assert key == RegisteredFormat("test_b16") and key.name == "TEST_B16"
+        assert format_spec("test_b16") is row and parse_format("TEST_B16") == key
+        assert register_format("test_b16", row) == key  # the same row again: the same key
+        with pytest.raises(ValueError, match="already the format"):
+            register_format("test_b16", FORMATS[WeightFormat.MXFP8_E4M3])
+        with pytest.raises(ValueError, match="already the format"):
+            register_format("mxfp8_e4m3", row)
+        with pytest.raises(ValueError, match="lower-case letters"):
+            register_format("B 16", row)
+    finally:
+        del FORMATS[key]
+    with pytest.raises(ValueError, match="unknown weight format 'test_b16'.*register_format"):
+        format_spec("test_b16")
 
 
 def test_gemm_role_table():

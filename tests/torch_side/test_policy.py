@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from common.formats import FORMATS
+from common.formats import FORMATS, RegisteredFormat
 from torch_side import (
     BucketAllocator,
     MixedPrecisionPolicy,
@@ -31,6 +31,8 @@ def test_policy_is_frozen_and_validated():
         MixedPrecisionPolicy(grad_comm_dtype=torch.float16)
     with pytest.raises(TypeError, match="expected a WeightFormat"):
         MixedPrecisionPolicy(linear_weight_format="mxfp8")
+    with pytest.raises(TypeError, match="or a format registered with"):
+        MixedPrecisionPolicy(linear_weight_format=RegisteredFormat("not_registered"))
 
 
 def test_weight_format_routing_and_helpers():
