@@ -1,10 +1,14 @@
-"""``refresh_groups``: the model weights of many groups from their main weights, MXFP8 batched.
+"""``refresh_groups``: the model weights of many groups from their main weights, block-scaled
+groups batched.
 
 Every refresh of an ``FSDPModel`` (the optimizer step, the wrap, ``load_full_state_dict`` and
-sharded-state loads) goes through here. The host cost of the distributed MXFP8 quantization
+sharded-state loads) goes through here. The host cost of the distributed quantization
 (DESIGN.md 5) is a fixed handful of JAX programs, crossings and one collective per call, so a
-model's MXFP8 groups are quantized together: the groups whose codec is ``MXFP8Codec`` and that
-share a communicator ("dp" or "expert_dp"), device, kernels and source dtype form one **batch**:
+model's block-scaled groups are quantized together: the groups whose codecs give the same
+``WeightCodec.batch_key`` (a ``BlockScaledCodec``: its format and source dtype) and that share
+a communicator ("dp" or "expert_dp"), device and kernels form one **batch** (shown for MXFP8,
+whose codec runs ``bridge.mxfp8_slices``; another format's ``quantize_images`` does its own
+numerics between the same collective):
 
 1. one program computes the packed partial amax of every group of the batch (each group's main
    shard crosses to JAX once), one crossing back;
@@ -18,13 +22,13 @@ share a communicator ("dp" or "expert_dp"), device, kernels and source dtype for
    amax slice to the telemetry observer, and under ZeRO-1/2 the all-gathers of its staged
    shards, exactly as the per-group refresh does.
 
-The bytes are identical to the per-group refresh (``bridge.mxfp8_slices``: each group's part is
-the single-group program). A batch of one group, and every other codec (cast formats, the
+The bytes are identical to the per-group refresh (``bridge.mxfp8_slices``: each group's part is the
+single-group program). A batch of one group, and every codec without a batch key (cast formats, the
 ``BF16GatherCodec``), refreshes alone (``GroupBuffers.refresh``; its amax all-reduce is labelled
-``"<group label>/amax"``). Collective order, the same on every rank: each batch's amax
-all-reduce when the walk over the groups (``param_groups`` order) reaches the batch's first
-group, then each group's own collectives at its turn. Memory: a batch's images (2 bytes per
-element of the batch's main shards, plus scales) live until its last group is written.
+``"<group label>/amax"``). Collective order, the same on every rank: each batch's amax all-reduce
+when the walk over the groups (``param_groups`` order) reaches the batch's first group, then each
+group's own collectives at its turn. Memory: a batch's images (2 bytes per element of the batch's
+main shards, plus scales) live until its last group is written.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ from collections.abc import Sequence
 from torch_side.collectives import Phase
 from torch_side.distributed_quantize import BatchImages
 from torch_side.param_group import ParamGroup
-from torch_side.weight_codecs import MXFP8Codec
 
 __all__ = ["refresh_groups"]
 
@@ -42,9 +45,8 @@ __all__ = ["refresh_groups"]
 def _batch_key(g: ParamGroup):
     """Groups with equal keys are quantized together; None: the group refreshes alone."""
     b = g.buffers
-    if type(b.codec) is not MXFP8Codec:
-        return None
-    return (id(b.comm), b.device, b.kernels, b.codec.source_dtype)
+    key = b.codec.batch_key()
+    return None if key is None else (key, id(b.comm), b.device, b.kernels)
 
 
 def _batches(groups: Sequence[ParamGroup]) -> dict[int, list[int]]:
@@ -65,10 +67,10 @@ def _quantize(groups: list[ParamGroup], phase: Phase) -> BatchImages:
 
 
 def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:
-    """Model weight buffers (and scales) of ``groups`` from their main weights, MXFP8 groups in
-    batches (module note). Every rank must pass the same groups in the same order (collectives).
-    Every plane of every group must be out of its bucket: all groups are checked before any is
-    changed (``ParamGroup.expect_refreshable``)."""
+    """Model weight buffers (and scales) of ``groups`` from their main weights, block-scaled
+    groups in batches (module note). Every rank must pass the same groups in the same order
+    (collectives). Every plane of every group must be out of its bucket: all groups are checked
+    before any is changed (``ParamGroup.expect_refreshable``)."""
     for g in groups:
         g.expect_refreshable()
     for g in groups:
