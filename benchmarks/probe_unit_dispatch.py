@@ -181,18 +181,18 @@ def _plain_step(args, cfg, sinks: bool):
     """The mxfp8 run's step without the benchmark's timed refresh; ``sinks=False``: the unit
     programs return every gradient to autograd (the per-parameter hooks stage them)."""
     from benchmarks import bench_train_step as B
-    from torch_side.fsdp_unit import MXFP8Planes, ParamShare
+    from torch_side.fsdp_unit import ParamShare, WeightPlanes
 
-    saved = MXFP8Planes.grad_target, ParamShare.grad_target
+    saved = WeightPlanes.grad_target, ParamShare.grad_target
     if not sinks:
-        MXFP8Planes.grad_target = ParamShare.grad_target = None
+        WeightPlanes.grad_target = ParamShare.grad_target = None
     try:
         model, step, _ = B._build("mxfp8", cfg, args)
         model.__dict__.pop("refresh_model_weights", None)
         for i in range(3):  # specs (with or without sinks) are made and cached here
             step(*B._batch(cfg, args, 0, i))
     finally:
-        MXFP8Planes.grad_target, ParamShare.grad_target = saved
+        WeightPlanes.grad_target, ParamShare.grad_target = saved
     return model, step
 
 

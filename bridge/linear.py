@@ -11,6 +11,8 @@ Tensors in one call (names used below):
 - weight planes: precomputed MXFP8 planes held by Torch (``MXFP8WeightPlanes``, e.g. FSDP buffers).
   ``rowwise()`` is called in forward and ``colwise()`` only in backward; both are shared zero-copy
   (never re-quantized or copied) and no reference to them outlives the call that reads them.
+  Planes of another block-scaled format (a provider whose ``blocks`` are not MXFP8's: FSDP with
+  a registered format) are read by ``jax_side.block_scaled``; x and dy are MXFP8 either way.
   Without planes, W = quantize(bf16(weight)) in forward, and its colwise plane is kept for dgrad.
 - x colwise: the colwise MXFP8 plane of the (token-padded) x, computed in forward and kept (in JAX
   memory) for wgrad, as Transformer Engine does.
@@ -45,10 +47,11 @@ from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for, torch_dtype_for
 from bridge.mxfp8_tensor import MXFP8WeightPlanes, check_plane, planes_to_jax
 from bridge.shared import SharedPlane, to_flat_plane
-from common.formats import ALL_PLANES, Plane, check_mxfp8_shape
+from common.formats import ALL_PLANES, MXFP8_BLOCKS, Plane, check_mxfp8_shape
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
+from jax_side.linear import FlatPlane
 from jax_side.mxfp8 import ResolvedKernels, resolve_kernels
 
 __all__ = ["LinearMode", "MXFP8Linear", "mxfp8_linear", "resolve_for"]
@@ -80,13 +83,16 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
             )
         return to_flat_plane(sp)
     data, scale = planes.rowwise() if plane is Plane.ROWWISE else planes.colwise()
-    shape = tuple(weight.shape)
-    check_plane(f"mxfp8_linear weight_planes.{plane.value}()", shape, plane, data, scale)
+    shape, blocks = tuple(weight.shape), getattr(planes, "blocks", MXFP8_BLOCKS)
+    check_plane(f"mxfp8_linear weight_planes.{plane.value}()", shape, plane, data, scale, blocks)
     if data.device != weight.device:
         raise ValueError(
             f"mxfp8_linear: weight_planes.{plane.value}() returned tensors on {data.device}, but "
             f"the weight is on {weight.device}; JAX runs each op on its Torch tensors' device"
         )
+    if blocks != MXFP8_BLOCKS:  # another block format: read by jax_side.block_scaled
+        flat = (_share(t.contiguous().view(torch.uint8).reshape(-1)) for t in (data, scale))
+        return FlatPlane(*flat, 0, 0, shape, plane, blocks)
     # weights are quantized as bf16(master)
     return planes_to_jax(shape, torch.bfloat16, {plane: (data, scale)})
 

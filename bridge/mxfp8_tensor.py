@@ -15,6 +15,12 @@ reinterpreted with ``Tensor.view(dtype)`` (same bytes, same pointer) before it c
 ``MXFP8WeightPlanes`` is the protocol ``mxfp8_linear`` takes weights through, so that FSDP can hand
 over planes lazily: the op calls ``rowwise()`` in forward and ``colwise()`` only in backward, and
 holds no reference to the returned tensors after the call that uses them.
+
+Other block-scaled formats (``common.formats.ScaleBlocks`` other than ``MXFP8_BLOCKS``: a format
+registered by a user) travel through the same classes with their ``blocks`` given: the shapes
+checked are then the format's (``blocks.data_shape``, ``blocks.scale_shape``). Such planes are
+not an ``MXFP8Tensor`` (``to_jax_mxfp8`` refuses them); JAX reads them as
+``jax_side.linear.FlatPlane`` (``bridge.mxfp8_linear`` does).
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ import torch
 
 from bridge.capabilities import Fp8Transport
 from bridge.dlpack import to_jax, to_torch
-from common.formats import Plane, PlaneData, PlaneFields, check_mxfp8_shape, scale_shape
+from common.formats import (
+    MXFP8_BLOCKS,
+    Plane,
+    PlaneData,
+    PlaneFields,
+    ScaleBlocks,
+    check_mxfp8_shape,
+)
 from jax_side.mxfp8 import MXFP8Tensor
 
 __all__ = [
@@ -55,7 +68,8 @@ class MXFP8WeightPlanes(Protocol):
 
     A provider may also offer ``shared(plane) -> bridge.shared.SharedPlane`` (FSDP does): the
     plane inside buffers already shared with JAX, which ``mxfp8_linear`` then prefers (no
-    per-call crossing for the weight).
+    per-call crossing for the weight); and ``blocks``, the planes' ``ScaleBlocks`` when they
+    are not MXFP8's (shapes above: ``blocks.scale_shape``).
     """
 
     shape: tuple[int, int]
@@ -66,10 +80,12 @@ class MXFP8WeightPlanes(Protocol):
 
 
 def check_plane(
-    owner: str, shape: tuple[int, int], plane: Plane, data: torch.Tensor, scale: torch.Tensor
+    owner: str, shape: tuple[int, int], plane: Plane, data: torch.Tensor, scale: torch.Tensor,
+    blocks: ScaleBlocks = MXFP8_BLOCKS,
 ) -> None:
-    """Raise a clear error unless (data, scale) is a valid ``plane`` of a logical ``shape``."""
-    want_data, want_scale = tuple(shape), scale_shape(shape, plane)
+    """Raise a clear error unless (data, scale) is a valid ``plane`` of a logical ``shape`` in
+    the format of ``blocks``."""
+    want_data, want_scale = blocks.data_shape(tuple(shape)), blocks.scale_shape(shape, plane)
     for what, t, want, dtypes in (
         ("data", data, want_data, _DATA_DTYPES),
         ("scale", scale, want_scale, _SCALE_DTYPES),
@@ -80,7 +96,8 @@ def check_plane(
             )
         if tuple(t.shape) != want or t.dtype not in dtypes:
             raise ValueError(
-                f"{owner}: {plane.value} {what} of a logical {shape} MXFP8 tensor must have shape "
+                f"{owner}: {plane.value} {what} of a logical {shape} {_name(blocks)} tensor must "
+                f"have shape "
                 f"{want} and dtype in {[str(d) for d in dtypes]}, got shape {tuple(t.shape)} dtype "
                 f"{t.dtype} (DESIGN.md 4: planes are (M, K), not transposed; scales compact)"
             )
@@ -90,16 +107,32 @@ def check_plane(
         )
 
 
+def _name(blocks: ScaleBlocks) -> str:
+    return "MXFP8" if blocks == MXFP8_BLOCKS else f"block-scaled ({blocks.block_size}-element)"
+
+
+def _check_shape(shape, blocks: ScaleBlocks) -> tuple[int, int]:
+    if blocks == MXFP8_BLOCKS:
+        return check_mxfp8_shape(shape, "TorchMXFP8Tensor")
+    shape = tuple(int(d) for d in shape)
+    problem = blocks.shape_problem(shape)
+    if problem is not None:
+        raise ValueError(f"TorchMXFP8Tensor of blocks {blocks}: {problem}")
+    return shape
+
+
 @dataclasses.dataclass(frozen=True)
 class TorchMXFP8Tensor(PlaneFields):
-    """MXFP8 planes of a logical (M, K) tensor held by Torch; see the module docstring."""
+    """Block-scaled planes of a logical (M, K) tensor held by Torch, MXFP8 unless ``blocks``
+    says otherwise; see the module docstring."""
 
     planes: Mapping[Plane, PlaneData]  # only the planes present
     shape: tuple[int, int]
     dtype: torch.dtype  # dtype of the high-precision tensor that was quantized
+    blocks: ScaleBlocks = MXFP8_BLOCKS  # the format of the planes
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", check_mxfp8_shape(self.shape, "TorchMXFP8Tensor"))
+        object.__setattr__(self, "shape", _check_shape(self.shape, self.blocks))
         if self.dtype not in _HP_DTYPES:
             raise ValueError(
                 f"TorchMXFP8Tensor: dtype (of the quantized source) must be torch.float32 or "
@@ -117,7 +150,7 @@ class TorchMXFP8Tensor(PlaneFields):
                     f"TorchMXFP8Tensor{self.shape}: {plane.value} data and scale must both be "
                     f"given (leave an absent plane out of the mapping)"
                 )
-            check_plane("TorchMXFP8Tensor", self.shape, plane, data, scale)
+            check_plane("TorchMXFP8Tensor", self.shape, plane, data, scale, self.blocks)
         object.__setattr__(self, "planes", {p: planes[p] for p in Plane if p in planes})
 
     def has_plane(self, plane: Plane | str) -> bool:
@@ -159,6 +192,11 @@ def to_jax_mxfp8(
     """Zero-copy: every present plane of ``tt`` as a JAX float8 array at the same address."""
     if not isinstance(tt, TorchMXFP8Tensor):
         raise TypeError(f"to_jax_mxfp8: expected a TorchMXFP8Tensor, got {type(tt).__name__}")
+    if tt.blocks != MXFP8_BLOCKS:
+        raise ValueError(
+            f"to_jax_mxfp8: the planes are in blocks {tt.blocks}, not MXFP8's; JAX reads them as "
+            f"jax_side.linear.FlatPlane (jax_side.block_scaled), not as an MXFP8Tensor"
+        )
     planes = {
         p: (
             to_jax(_as_native(data, torch.float8_e4m3fn), transport=transport),

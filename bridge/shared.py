@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from bridge.dlpack import to_jax
-from common.formats import Plane
+from common.formats import MXFP8_BLOCKS, Plane, ScaleBlocks
 from jax_side.linear import FlatPlane
 from jax_side.unit_program import FlatTensor
 
@@ -71,7 +71,7 @@ class SharedBuffer:
 
 
 class SharedPlane(NamedTuple):
-    """One MXFP8 plane of an (N, K) weight inside shared buffers (offsets in elements)."""
+    """One block-scaled plane of an (N, K) weight inside shared buffers (offsets in elements)."""
 
     data: SharedBuffer  # uint8 buffer: the (N, K) plane at data_offset, row-major
     data_offset: int
@@ -79,12 +79,14 @@ class SharedPlane(NamedTuple):
     scale_offset: int
     shape: tuple[int, int]
     plane: Plane
+    blocks: ScaleBlocks = MXFP8_BLOCKS  # the weight's format (FSDP: its group's)
 
 
 def to_flat_plane(p: SharedPlane) -> FlatPlane:
     """The JAX side of a ``SharedPlane`` (the buffers' JAX views; no copy, no per-call crossing
     once the buffers are shared)."""
-    return FlatPlane(p.data.jax(), p.scale.jax(), p.data_offset, p.scale_offset, p.shape, p.plane)
+    return FlatPlane(p.data.jax(), p.scale.jax(), p.data_offset, p.scale_offset, p.shape, p.plane,
+                     p.blocks)
 
 
 class SharedTensor(NamedTuple):

@@ -21,8 +21,10 @@ __all__ = ["Activations", "Compute", "GatherMode", "LinearMode"]
 
 
 class LinearMode(enum.Enum):
-    """MXFP8: quantized GEMMs on MXFP8 planes (the real op). HIGH_PRECISION: the same graph with
-    plain dots and no quantization (the control, and gradcheck-style tests)."""
+    """MXFP8: quantized GEMMs on block-scaled weight planes (the real op): x and dy quantized to
+    MXFP8, the weight MXFP8 or the planes FSDP hands over in its group's format, which they carry
+    (``jax_side.linear.FlatPlane``). HIGH_PRECISION: the same graph with plain dots and no
+    quantization (the control, and gradcheck-style tests)."""
 
     MXFP8 = "mxfp8"
     HIGH_PRECISION = "high_precision"
@@ -57,8 +59,9 @@ class Compute(enum.Enum):
 class GatherMode(enum.Enum):
     """How FSDP all-gathers block-scaled (MXFP8) weights (``MixedPrecisionPolicy.gather``).
 
-    MXFP8: the MXFP8 planes themselves, 1 byte per element per plane (forward the rowwise, backward
-    the columnwise plane), quantized once per optimizer step by the distributed recipe.
+    MXFP8: the planes themselves (of the weights' block-scaled format: MXFP8 or one registered),
+    1 byte per element per plane (forward the rowwise, backward the columnwise plane), quantized
+    once per optimizer step by the distributed recipe.
     BF16: bf16(main), 2 bytes per element, once for forward and once for backward; every rank then
     quantizes the full bf16 weight itself (Megatron-LM's ``fp8_param_gather=False``). Both give
     the same MXFP8 bytes to the GEMMs (DESIGN.md 5: distributed quantization equals quantizing

@@ -15,7 +15,10 @@ quantized here as ``quantize(bf16(weight))`` (DESIGN.md 3: master weights are qu
 bf16 rounding). Given planes are an ``MXFP8Tensor`` or a ``FlatPlane``: one plane of the weight
 inside flat byte buffers (FSDP's unsharded bucket and its group's scale buffer, shared with JAX
 once per bucket lifetime), cut out inside the jitted program -- so no per-call transfer or slice
-dispatch is needed for weights.
+dispatch is needed for weights. A ``FlatPlane`` says its format (``common.formats.ScaleBlocks``):
+MXFP8 planes go to ``jax_side.mxfp8``'s GEMM kernels, planes of another block-scaled format
+(registered by a user, docs/extending.md) to ``jax_side.block_scaled``'s reference GEMM; x and
+dy are quantized to MXFP8 either way.
 
 Tokens (the flattened leading dims of x, the M of x and dy) need not be a multiple of 32: x and dy
 are **zero-padded along the token dim** to the next multiple of 32 (at least 32) before they are
@@ -46,10 +49,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import ALL_PLANES, BLOCK_SIZE, Plane, parse_planes, scale_shape
+from common.formats import ALL_PLANES, BLOCK_SIZE, MXFP8_BLOCKS, Plane, ScaleBlocks, parse_planes
 from common.gemm_roles import GemmRole
 from common.kernels import GemmImpl, KernelConfig
 from common.modes import LinearMode
+from jax_side import block_scaled
 from jax_side.mxfp8 import MXFP8Tensor, matmul, quantize
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_kernels
 
@@ -75,12 +79,16 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class FlatPlane:
-    """One MXFP8 plane of an (N, K) weight held in flat byte buffers.
+    """One block-scaled plane of an (N, K) weight held in flat byte buffers.
 
     data: 1-D uint8 (or float8_e4m3fn) buffer whose elements ``[data_offset, data_offset + N*K)``
     are the plane's (N, K) data, row-major; scale: 1-D uint8 (or float8_e8m0fnu) buffer whose
-    elements from ``scale_offset`` are its compact scales ((N, K/32) rowwise, (N/32, K) colwise).
-    Offsets, shape and plane are static (part of the compiled program).
+    elements from ``scale_offset`` are its compact scales (``blocks.scale_shape``: MXFP8's
+    (N, K/32) rowwise, (N/32, K) colwise). ``blocks``: the format of the plane (the weight's
+    ``common.formats.ScaleBlocks``; MXFP8's by default): MXFP8 planes are read by
+    ``jax_side.mxfp8``'s kernels (``tensor``), those of any other block format by
+    ``jax_side.block_scaled`` (``dequantized``). Offsets, shape, plane and blocks are static
+    (part of the compiled program).
     """
 
     data: jax.Array
@@ -89,22 +97,43 @@ class FlatPlane:
     scale_offset: int
     shape: tuple[int, int]
     plane: Plane
+    blocks: ScaleBlocks = MXFP8_BLOCKS
 
-    def tensor(self) -> MXFP8Tensor:
-        """The plane as an ``MXFP8Tensor`` (slices and bitcasts, fused by XLA under jit)."""
+    @property
+    def is_mxfp8(self) -> bool:
+        """Whether ``jax_side.mxfp8``'s kernels read this plane (``tensor``)."""
+        return self.blocks == MXFP8_BLOCKS
+
+    def _cut(self) -> tuple[jax.Array, jax.Array]:
+        """(data (N, K), scale ``blocks.scale_shape``) in their stored dtypes (slices, fused by
+        XLA under jit)."""
         n, k = self.shape
-        ss = scale_shape(self.shape, self.plane)
+        ss = self.blocks.scale_shape(self.shape, self.plane)
         data = lax.slice(self.data, (self.data_offset,), (self.data_offset + n * k,))
         scale = lax.slice(self.scale, (self.scale_offset,), (self.scale_offset + ss[0] * ss[1],))
-        data = _bitcast(data, jnp.float8_e4m3fn).reshape(n, k)
-        scale = _bitcast(scale, jnp.float8_e8m0fnu).reshape(ss)
+        return data.reshape(n, k), scale.reshape(ss)
+
+    def tensor(self) -> MXFP8Tensor:
+        """The plane as an ``MXFP8Tensor`` (slices and bitcasts); MXFP8 planes only."""
+        if not self.is_mxfp8:
+            raise ValueError(
+                f"FlatPlane of blocks {self.blocks} is not an MXFP8 plane; read it with "
+                f"dequantized() (jax_side.block_scaled)"
+            )
+        data, scale = self._cut()
+        data, scale = _bitcast(data, jnp.float8_e4m3fn), _bitcast(scale, jnp.float8_e8m0fnu)
         return MXFP8Tensor({self.plane: (data, scale)}, self.shape, jnp.dtype(jnp.bfloat16))
+
+    def dequantized(self) -> jax.Array:
+        """fp32 (N, K) of the plane, in any block format ``jax_side.block_scaled`` reads."""
+        data, scale = self._cut()
+        return block_scaled.dequantize_plane(data, scale, self.plane, self.blocks)
 
 
 jax.tree_util.register_dataclass(
     FlatPlane,
     data_fields=["data", "scale"],
-    meta_fields=["data_offset", "scale_offset", "shape", "plane"],
+    meta_fields=["data_offset", "scale_offset", "shape", "plane", "blocks"],
 )
 
 
@@ -114,6 +143,7 @@ def _bitcast(a: jax.Array, dtype) -> jax.Array:
 
 def _as_tensor(w: MXFP8Tensor | FlatPlane | None) -> MXFP8Tensor | None:
     return w.tensor() if isinstance(w, FlatPlane) else w
+
 
 _MXFP8_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -153,7 +183,11 @@ def _kernels(kernels: ResolvedKernels | KernelConfig | None) -> ResolvedKernels:
 
 
 def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
-    return matmul(a, b, role, out_dtype=out_dtype, kernels=kernels)
+    """``a`` (a quantized activation or gradient) times ``b``: an ``MXFP8Tensor``, or a weight's
+    ``FlatPlane``, which its blocks say how to read (``FlatPlane.is_mxfp8``)."""
+    if isinstance(b, FlatPlane) and not b.is_mxfp8:
+        return block_scaled.matmul(a, b.dequantized(), role, kernels.gemm).astype(out_dtype)
+    return matmul(a, _as_tensor(b), role, out_dtype=out_dtype, kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("planes", "kernels"))
@@ -199,7 +233,7 @@ def forward(
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
     planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
     xq = quantize(pad_tokens(x2d), planes=planes, kernels=kernels)
-    y = _gemm(xq, _as_tensor(w_rowwise), GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
+    y = _gemm(xq, w_rowwise, GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
 
@@ -221,7 +255,6 @@ def backward(
     ``packed`` their bytes come back in one uint8 array (``BackwardOut.packed``).
     """
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
-    w_colwise = _as_tensor(w_colwise)
     # dgrad reads dy rowwise, wgrad dy colwise (common.gemm_roles)
     planes = tuple(p for p, need in ((Plane.ROWWISE, need_dx), (Plane.COLWISE, need_dw)) if need)
     dyq = quantize(pad_tokens(dy2d), planes=planes, kernels=kernels)

@@ -49,7 +49,7 @@ the forward's activations against new weights.
 
 "Already unsharded" is tracked per plane of each ``ParamGroup`` (its ``PlaneBucket``s'
 ``PlaneState``); a plane asked for outside these hooks (a recompute of a submodule inside the
-unit, a user reading weights) is gathered lazily by ``MXFP8Planes`` with the phase of the moment.
+unit, a user reading weights) is gathered lazily by ``WeightPlanes`` with the phase of the moment.
 Gradients are staged and reduced by each group's ``GradReducer`` (``group.grads``).
 """
 
@@ -73,7 +73,7 @@ from torch_side.fsdp_state import FSDPState
 from torch_side.param_group import ParamGroup, PlaneState
 
 __all__ = [
-    "FSDPUnit", "GradCheck", "GroupGradSink", "MXFP8Planes", "ParamShare", "TrainingState",
+    "FSDPUnit", "GradCheck", "GroupGradSink", "ParamShare", "TrainingState", "WeightPlanes",
     "check_finite",
 ]
 
@@ -94,12 +94,15 @@ class TrainingState(enum.Enum):
     REDUCED = "reduced"  # post-backward ran in this backward
 
 
-class MXFP8Planes:
-    """``bridge.MXFP8WeightPlanes`` of one MXFP8 parameter, gathered lazily per plane."""
+class WeightPlanes:
+    """``bridge.MXFP8WeightPlanes`` of one block-scaled parameter, gathered lazily per plane;
+    ``blocks``: its format's ``common.formats.ScaleBlocks`` (the layer reads the planes by
+    them)."""
 
     def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
         self.unit, self.group, self.index = unit, group, index
         self.shape = tuple(group.layout.slots[index].shape)
+        self.blocks = group.blocks
 
     def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
         phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
@@ -151,7 +154,7 @@ class GroupGradSink:
 class ParamShare:
     """A high-precision parameter of a unit inside its group's weights buffer, shared with JAX
     (``bridge.shared.SharedTensor``) for the unit programs (``bridge.units``); gathered lazily
-    with the phase of the moment, like ``MXFP8Planes``."""
+    with the phase of the moment, like ``WeightPlanes``."""
 
     def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
         self.unit, self.group, self.index = unit, group, index

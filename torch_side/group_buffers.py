@@ -8,9 +8,10 @@ Tensors owned (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLayout`
   (``common.formats.FORMATS``): MXFP8 has a rowwise and a **columnwise** (transpose) plane of
   uint8 bytes, fp32/bf16 one (rowwise) plane holding the weights. The rank's shard under ZeRO-3,
   else the full replicated buffer.
-- **scale tensors** (``scales[plane][i]``, MXFP8: rowwise (M, K/32), columnwise (M/32, K),
-  uint8): full and replicated, recomputed identically by every rank at each quantization; views
-  of one flat buffer per plane (``scale_buffers``, parameter i at ``scale_offsets[i]``).
+- **scale tensors** (``scales[plane][i]``, shaped by the format's ``ScaleBlocks``; MXFP8:
+  rowwise (M, K/32), columnwise (M/32, K), uint8): full and replicated, recomputed identically by
+  every rank at each quantization; views of one flat buffer per plane (``scale_buffers``,
+  parameter i at ``scale_offsets[i]``).
 - **main grad** (``main_grad``): the reduced gradient, shard (ZeRO-2/3) or full, policy dtype;
   None for a group that takes no gradients.
 
@@ -67,7 +68,7 @@ class GroupBuffers:
         self.scales, self.scale_buffers, self.scale_offsets = (
             scales.views, scales.buffers, scales.offsets
         )
-        # Set by torch_side.numerics_telemetry: sees each refresh's reduced block amax (MXFP8).
+        # Set by torch_side.numerics_telemetry: sees each refresh's reduced block amax.
         self.amax_observer = None
 
     def _local(self, sharded: bool) -> int:
@@ -118,9 +119,9 @@ class GroupBuffers:
         self._publish(targets, phase)
 
     def refresh_from(self, images: GroupImages, amax: torch.Tensor, phase: Phase) -> None:
-        """``refresh`` of an MXFP8 group whose bytes a batched quantization made
-        (``torch_side.batched_refresh``): the codec's four copies (and the telemetry's amax
-        slice), then the all-gathers where replicated, as ``refresh`` does."""
+        """``refresh`` of a block-scaled group whose bytes a batched quantization made
+        (``torch_side.batched_refresh``): the codec's copies (and the telemetry's amax slice),
+        then the all-gathers where replicated, as ``refresh`` does."""
         targets = self._targets()
         self.codec.write_images(self.codec_context(), images, amax, targets)
         self._publish(targets, phase)

@@ -1,6 +1,6 @@
-"""MXFP8 numerics telemetry of a wrapped model's MXFP8 groups, per plane, after each update.
+"""Numerics telemetry of a wrapped model's block-scaled groups, per plane, after each update.
 
-``NumericsTelemetry(model)`` listens to every MXFP8 group's requantization (the group's
+``NumericsTelemetry(model)`` listens to every block-scaled group's requantization (the group's
 ``amax_observer``: it receives the reduced packed block amax that every rank holds after the
 distributed quantization's all-reduce MAX, DESIGN.md 5) and ``collect()`` returns, per group and
 plane (``PlaneTelemetry``):
@@ -15,14 +15,16 @@ plane (``PlaneTelemetry``):
   3 int64 per group and plane adds them up -- exact totals over the whole model, at any world size;
 - **amax headroom** of the latest quantization, in bits, per block with a finite amax > 0:
   ``h = log2(448 * 2**(E - 127) / amax)``, how far the block's largest element, once scaled, sits
-  below the E4M3 maximum 448. The RCEIL scale rule (DESIGN.md 3) keeps h in [0, 1) for normal
-  blocks; h < 0 means the block saturates (E clamped at 254), h >= 1 that its scale is at the E8M0
-  floor (tiny amax). Summarised as mean, min and max over the blocks, with the count of all-zero
-  blocks (amax 0: scale byte 0, no headroom); None when no quantization ran since the last
-  ``collect()`` (e.g. a skipped step).
+  below the E4M3 maximum 448 (the format's ``element_max``). The RCEIL scale rule (DESIGN.md 3)
+  keeps h in [0, 1) for normal blocks; h < 0 means the block saturates (E clamped at 254), h >= 1
+  that its scale is at the E8M0 floor (tiny amax). Summarised as mean, min and max over the
+  blocks, with the count of all-zero blocks (amax 0: scale byte 0, no headroom); None when no
+  quantization ran since the last ``collect()`` (e.g. a skipped step).
 
 Expert groups count over the DP group (every expert once); their scale histograms are this rank's
-expert-DP group's.
+expert-DP group's. What a group's blocks are comes from its format (``ParamGroup.blocks``: block
+size, element max), so any format of E4M3 elements and E8M0 scales is counted, whatever its
+block size; groups of other element or scale types are refused by name.
 
 Cost (measured in docs/training.md): the step is often host-bound, so the number of Torch calls
 matters as much as the bytes. Everything a step reads is located once, in ``__init__``, as index
@@ -52,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.formats import BLOCK_SIZE, E4M3_MAX, E8M0_BIAS, Plane
+from common.formats import E8M0_BIAS, Plane
 from torch_side.collectives import Collective, Phase
 from torch_side.fsdp_model import FSDPModel
 from torch_side.param_group import ParamGroup
@@ -60,7 +62,7 @@ from torch_side.rank_share import rank_share
 
 __all__ = ["Headroom", "NumericsTelemetry", "PlaneTelemetry"]
 
-_E4M3_MAX_LOG2 = math.log2(E4M3_MAX)
+_COUNTED = ("float8_e4m3fn", "float8_e8m0fnu")  # the (element, scale) dtypes counted here
 _NAN_SCALE = 255
 _PLANES = (Plane.ROWWISE, Plane.COLWISE)  # the packed amax's plane order
 _BINS = 512  # per (group, plane) row of the scale histogram: 256 bytes x (unchanged, changed)
@@ -81,7 +83,7 @@ def _group_index(g: ParamGroup) -> _GroupIndex:
     amax: dict[Plane, list[torch.Tensor]] = {p: [] for p in _PLANES}
     scale_idx, offset = [], 0
     for slot, start in zip(g.layout.slots, g.scale_offsets, strict=True):
-        n = slot.numel // BLOCK_SIZE  # blocks per plane (both planes: M*K/32)
+        n = g.blocks.scale_numel(slot.shape)  # blocks per plane (both planes: M*K/block)
         for k, p in enumerate(_PLANES):
             amax[p].append(torch.arange(offset + k * n, offset + (k + 1) * n))
         scale_idx.append(torch.arange(start, start + n))
@@ -149,12 +151,12 @@ class PlaneTelemetry(NamedTuple):
         }
 
 
-def _headroom(amax: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+def _headroom(amax: torch.Tensor, scale_bytes: torch.Tensor, max_log2: float) -> torch.Tensor:
     """float64 (planes, 5): blocks, sum, min, max, zero blocks of the headroom of each row of
-    ``amax`` / ``scale_bytes`` (planes, blocks)."""
+    ``amax`` / ``scale_bytes`` (planes, blocks); ``max_log2``: log2 of the element max."""
     e = scale_bytes.to(torch.float32)
     ok = (amax > 0) & torch.isfinite(amax) & (scale_bytes != _NAN_SCALE)
-    h = ((e - E8M0_BIAS + _E4M3_MAX_LOG2) - torch.log2(torch.where(ok, amax, 1.0))).double()
+    h = ((e - E8M0_BIAS + max_log2) - torch.log2(torch.where(ok, amax, 1.0))).double()
     return torch.stack([
         ok.sum(1).double(), torch.where(ok, h, 0.0).sum(1),
         torch.where(ok, h, math.inf).amin(1), torch.where(ok, h, -math.inf).amax(1),
@@ -163,7 +165,7 @@ def _headroom(amax: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
 
 
 class NumericsTelemetry:
-    """Telemetry of ``model``'s MXFP8 groups (module note). A collective object: every rank
+    """Telemetry of ``model``'s block-scaled groups (module note). A collective object: every rank
     makes one and calls ``collect()`` at the same points. ``close()`` detaches it.
 
     ``observing``: whether a refresh's amax is summarised (headroom). A caller that collects
@@ -173,6 +175,13 @@ class NumericsTelemetry:
     def __init__(self, model: FSDPModel):
         self.model = model
         self.groups = [g for g in model.param_groups if g.scale_buffers]
+        others = {g.label: g.blocks for g in self.groups
+                  if (g.blocks.element_dtype, g.blocks.scale_dtype) != _COUNTED}
+        if others:
+            raise ValueError(
+                f"NumericsTelemetry counts {_COUNTED[0]} elements with {_COUNTED[1]} scales; "
+                f"groups {others} hold other types: leave them out of the telemetry"
+            )
         bf16_gathered = [g.label for g in self.groups if g.codec.quantizes_after_gather]
         if bf16_gathered:
             raise ValueError(
@@ -220,7 +229,8 @@ class NumericsTelemetry:
         idx = self._index[g.label]
         amax = packed.index_select(0, idx.amax).view(2, -1)
         scales = torch.cat([g.scale_buffers[p] for p in _PLANES]).index_select(0, idx.scales)
-        self._headroom[g.label] = _headroom(amax, scales.view(2, -1))
+        self._headroom[g.label] = _headroom(amax, scales.view(2, -1),
+                                            math.log2(g.blocks.element_max))
 
     @staticmethod
     def _plane_rows(g: ParamGroup, h: torch.Tensor) -> torch.Tensor:

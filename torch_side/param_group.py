@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bridge.shared import SharedPlane
-from common.formats import Plane, WeightFormat
+from common.formats import FormatKey, Plane, ScaleBlocks, format_spec
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator, Phase
@@ -67,7 +67,7 @@ GROUP_LABEL = (rf"(<root>|{_MODULE}(\{UNIT_JOIN}{_MODULE})*)"  # the unit
 @dataclasses.dataclass(frozen=True)
 class GroupKey:
     device: torch.device
-    weight_format: WeightFormat
+    weight_format: FormatKey
     requires_grad: bool
     dp_group: str  # "dp" or "expert_dp"
 
@@ -122,6 +122,8 @@ class ParamGroup:
         self.comm, self.allocator = comm, allocator
         self.format, self.codec, self.kernels = key.weight_format, codec, kernels
         self.planes = codec.planes
+        # The block-scaled facts of the planes the layers read (None: unscaled weights)
+        self.blocks: ScaleBlocks | None = format_spec(key.weight_format).blocks
         self.forward_plane: Plane = codec.spec.forward_plane
         # The plane backward reads: columnwise for MXFP8, the (only) weights otherwise.
         self.backward_plane: Plane = codec.spec.backward_plane
@@ -289,4 +291,5 @@ class ParamGroup:
         else:
             data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
         s = self.layout.slots[index]
-        return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane)
+        return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane,
+                           self.blocks)

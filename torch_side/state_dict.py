@@ -6,11 +6,12 @@ All functions here are collectives over each group's process group: call them on
   ``FSDPModel.state_dict()`` is the wrapped module's state dict with these values
   (``split_state_keys`` / ``check_buffers`` serve its ``load_state_dict``);
 - ``load_full_state_dict``: main weights from full high-precision values, then the model weights
-  are refreshed (the distributed MXFP8 quantization for MXFP8 groups); every name and shape is
-  checked before anything is written;
+  are refreshed (the distributed quantization for block-scaled groups); every name and shape
+  is checked before anything is written;
 - ``full_grads``: {name: full reduced gradient, fp32};
-- ``gathered_weights``: a context yielding the unsharded model weights (MXFP8 planes as
-  ``TorchMXFP8Tensor``), views of temporary buckets valid inside the ``with`` only.
+- ``gathered_weights``: a context yielding the unsharded model weights (block-scaled planes as
+  ``TorchMXFP8Tensor``, with their format's ``blocks``), views of temporary buckets valid inside
+  the ``with`` only.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def load_full_state_dict(groups: list[ParamGroup], state: Mapping[str, torch.Ten
     _check_state(groups, state)
     for g in groups:
         g.load_main_from([state[s.name] for s in g.layout.slots])
-    refresh_groups(groups, Phase.STATE)  # MXFP8 groups quantized in batches
+    refresh_groups(groups, Phase.STATE)  # block-scaled groups quantized in batches
 
 
 def split_state_keys(groups: list[ParamGroup], module: torch.nn.Module) -> tuple[set, set]:
@@ -117,15 +118,16 @@ def gathered_weights(
     groups: list[ParamGroup],
 ) -> Iterator[dict[str, TorchMXFP8Tensor | torch.Tensor]]:
     """All-gather every model weight. Yields {name: unsharded value}: ``TorchMXFP8Tensor`` (both
-    planes, uint8, dtype bf16) for MXFP8 parameters, the bf16/fp32 tensor for the others. Views
-    into temporary buckets: valid inside the ``with`` only."""
+    planes, uint8, dtype bf16, ``blocks`` the group's format) for block-scaled parameters, the
+    bf16/fp32 tensor for the others. Views into temporary buckets: valid inside the ``with``
+    only."""
     out = {}
     for g in groups:
         g.unshard(g.planes, Phase.STATE)
         for i, s in enumerate(g.layout.slots):
             if g.codec.param_storage is ParamStorage.PLACEHOLDER:
                 planes = {p: g.plane_views(i, p) for p in g.codec.compute_planes}
-                out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype)
+                out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype, g.blocks)
             else:  # the full weights: a view of the full buffer
                 full = g.full_buffer(g.forward_plane)
                 out[s.name] = full[s.start : s.end].view(s.shape)

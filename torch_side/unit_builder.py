@@ -34,7 +34,7 @@ from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
 from torch_side.fsdp_state import FSDPState
-from torch_side.fsdp_unit import FSDPUnit, GradCheck, MXFP8Planes, ParamShare
+from torch_side.fsdp_unit import FSDPUnit, GradCheck, ParamShare, WeightPlanes
 from torch_side.param_group import ROOT_UNIT, UNIT_JOIN, GroupKey, ParamEntry, ParamGroup
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import ShardingStrategy
@@ -296,7 +296,7 @@ def build_units(
 
 def install_plane_hooks(units: list[FSDPUnit]) -> list:
     """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder,
-    and each owning module's ``fsdp_sources`` ({parameter name: ``MXFP8Planes`` or
+    and each owning module's ``fsdp_sources`` ({parameter name: ``WeightPlanes`` or
     ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from; each member of
     a unit of several modules gets the unit's modules (``UNIT_SPAN``): ``bridge.units`` runs them
     as one program."""
@@ -317,7 +317,7 @@ def install_plane_hooks(units: list[FSDPUnit]) -> list:
                 if not placeholder:
                     sources[local] = ParamShare(unit, g, i)
                     continue
-                planes = sources[local] = MXFP8Planes(unit, g, i)
+                planes = sources[local] = WeightPlanes(unit, g, i)
 
                 def inject(module, args, kwargs, planes=planes):
                     kwargs = dict(kwargs)

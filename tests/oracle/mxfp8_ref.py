@@ -48,18 +48,25 @@ def _block_amax(x32: np.ndarray, axis: int) -> np.ndarray:
     return np.max(np.where(np.isnan(x32), np.float32(0), np.abs(x32)), axis=axis)
 
 
-def quantize(x: np.ndarray) -> dict[str, np.ndarray]:
-    """Both planes of a 2-D (M, K) bf16/fp32 array as uint8 arrays (data (M, K), scales)."""
-    x32 = np.asarray(x).astype(np.float32)
+def block_amax(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1 for both planes of a 2-D (M, K) fp32 array: rowwise (M, K/block) amax of 1 x block
+    blocks along K, columnwise (M/block, K) of block x 1 blocks along M."""
     m, k = x32.shape
-    assert m % BLOCK == 0 and k % BLOCK == 0
-    row_amax = _block_amax(x32.reshape(m, k // BLOCK, BLOCK), axis=2)  # (M, K/32)
-    col_amax = _block_amax(x32.reshape(m // BLOCK, BLOCK, k), axis=1)  # (M/32, K)
+    assert m % block == 0 and k % block == 0
+    return (_block_amax(x32.reshape(m, k // block, block), axis=2),
+            _block_amax(x32.reshape(m // block, block, k), axis=1))
+
+
+def quantize(x: np.ndarray, block: int = BLOCK) -> dict[str, np.ndarray]:
+    """Both planes of a 2-D (M, K) bf16/fp32 array as uint8 arrays (data (M, K), scales).
+    ``block``: the block size (32: MXFP8; the tests' second format uses 16)."""
+    x32 = np.asarray(x).astype(np.float32)
+    row_amax, col_amax = block_amax(x32, block)  # (M, K/block), (M/block, K)
     rs, cs = scale_bytes(row_amax), scale_bytes(col_amax)
     return {
-        "rowwise_data": cast_elements(x32, np.repeat(rs, BLOCK, axis=1)),
+        "rowwise_data": cast_elements(x32, np.repeat(rs, block, axis=1)),
         "rowwise_scale": rs,
-        "colwise_data": cast_elements(x32, np.repeat(cs, BLOCK, axis=0)),
+        "colwise_data": cast_elements(x32, np.repeat(cs, block, axis=0)),
         "colwise_scale": cs,
     }
 

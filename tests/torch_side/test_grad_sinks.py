@@ -17,7 +17,7 @@ import torch
 
 from common.model_config import GPTConfig
 from torch_side import GradCheck, fully_shard
-from torch_side.fsdp_unit import MXFP8Planes, ParamShare
+from torch_side.fsdp_unit import ParamShare, WeightPlanes
 from torch_side.grad_reducer import GradReducer
 from torch_side.models.gpt import Block, TorchGPT
 
@@ -61,7 +61,7 @@ def test_unit_gradients_reach_the_grad_buckets_in_one_add_per_group_same_bytes(
     got = _main_grads(sinks)
     staged = dict(calls)
     calls.clear()
-    monkeypatch.setattr(MXFP8Planes, "grad_target", None)  # the per-parameter hook path
+    monkeypatch.setattr(WeightPlanes, "grad_target", None)  # the per-parameter hook path
     monkeypatch.setattr(ParamShare, "grad_target", None)
     hooks = _model()
     for step in range(2):
