@@ -14,6 +14,7 @@ import pytest
 from tests.torch_side import (
     cases_collective_check,
     cases_exceptions,
+    cases_formats,
     cases_grad_clip,
     cases_grad_norm,
     cases_init_sync,
@@ -35,9 +36,9 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_exceptions, cases_grad_clip, cases_grad_norm, cases_init_sync,
-    cases_instruments, cases_overlap,
-    cases_quantize, cases_reliability, cases_training, cases_units, cases_wire,
+    cases_collective_check, cases_exceptions, cases_formats, cases_grad_clip, cases_grad_norm,
+    cases_init_sync, cases_instruments, cases_overlap, cases_quantize, cases_reliability,
+    cases_training, cases_units, cases_wire,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
 SLOW_REGISTRY: dict[str, tuple[int, ...]] = {
