@@ -44,8 +44,6 @@ __all__ = [
     "unregister_backend",
 ]
 
-# The automatic default: the first of these whose entry is fit for it on the work's site.
-DEFAULT_PREFERENCE: tuple[Backend, ...] = (Backend.TE, Backend.PALLAS, Backend.XLA)
 # The reference: runs everywhere with every operation; it runs the slices of a backend without
 # them, and CPU work in a process whose JAX default device is a GPU (kernels.resolve_kernels).
 REFERENCE = Backend.XLA
@@ -82,7 +80,7 @@ _TABLE: dict[Backend, Callable[[], KernelBackend]] = {
     Backend.PALLAS: _pallas,
     Backend.TE: _te,
 }
-_VERSION = [0]  # bumped by every (un)registration: resolutions cached before it are stale
+_version = 0  # bumped by every (un)registration: resolutions cached before it are stale
 
 
 def register_backend(name: str, load: Callable[[], KernelBackend]) -> Backend:
@@ -95,18 +93,27 @@ def register_backend(name: str, load: Callable[[], KernelBackend]) -> Backend:
             f"register_backend({name!r}, load): load must be a function returning the "
             f"KernelBackend (e.g. lambda: MyBackend()), got {type(load).__name__}"
         )
+    global _version
     backend = Backend.register(name)
     _TABLE[backend] = load
-    _VERSION[0] += 1
+    _version += 1
     return backend
 
 
 def unregister_backend(backend: Backend | str) -> None:
     """Remove a backend added by :func:`register_backend` (the built-ins stay)."""
+    global _version
     backend = Backend.parse(backend)
     Backend.unregister(backend)  # refuses the built-ins
     del _TABLE[backend]
-    _VERSION[0] += 1
+    _version += 1
+
+
+# A backend added to the project registers here, after the built-ins: one line,
+# ``MINE = register_backend("mine", _mine)``, with a loader like ``_pallas`` (docs/extending.md).
+
+# The automatic default: the first of these whose entry is fit for it on the work's site.
+DEFAULT_PREFERENCE: tuple[Backend, ...] = (Backend.TE, Backend.PALLAS, Backend.XLA)
 
 
 def registered() -> tuple[Backend, ...]:
@@ -116,7 +123,7 @@ def registered() -> tuple[Backend, ...]:
 
 def registry_version() -> int:
     """Changes whenever a backend is registered or unregistered (a cache key)."""
-    return _VERSION[0]
+    return _version
 
 
 def backend_impl(backend: Backend | str) -> KernelBackend:
