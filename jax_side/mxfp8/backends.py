@@ -87,7 +87,10 @@ def register_backend(name: str, load: Callable[[], KernelBackend]) -> Backend:
     """Add a backend: ``name`` becomes a ``Backend`` (``KernelConfig(backend=name)``,
     ``MXFP8_BACKEND=name``) whose implementation ``load()`` returns on first use, a
     ``KernelBackend`` whose ``name`` is ``name``. Returns the new ``Backend``. It is never an
-    automatic default unless listed in ``DEFAULT_PREFERENCE``."""
+    automatic default unless listed in ``DEFAULT_PREFERENCE``. ``load`` must succeed also where
+    the backend cannot run (``kernel_report`` loads every entry): import what only runs on some
+    machines inside the operations, and say where it cannot run in ``availability``, as ``te``
+    does."""
     if not callable(load):
         raise TypeError(
             f"register_backend({name!r}, load): load must be a function returning the "
