@@ -11,7 +11,8 @@ function that reads the defaults and the environment variables ``MXFP8_BACKEND``
 - ``backend`` (``Backend``): who quantizes. ``xla``: the project's pure-JAX reference, bit-exact
   on every platform. ``pallas``: the project's fused GPU kernel, byte-identical to ``xla``.
   ``te``: Transformer Engine for JAX (GPU machines with the ``[te]`` extra), which also runs its
-  own GEMM.
+  own GEMM. Or a backend registered at run time (``jax_side.mxfp8.backends.register_backend``,
+  which names it here through ``Backend.register``).
 - ``gemm`` (``GemmImpl``): how the ``xla``/``pallas`` backends multiply MXFP8 operands.
   ``dequant_dot``: exact dequantize to fp32 and an fp32 dot at HIGHEST precision (the reference,
   bit-reproducible, the CPU default). ``dequant_bf16_dot``: dequantize to bf16 (exact: an E4M3
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 
 from common.enums import parse_enum
 
@@ -31,6 +33,16 @@ __all__ = ["Backend", "GemmImpl", "KernelConfig", "Platform"]
 
 
 class Backend(enum.Enum):
+    """An MXFP8 backend's name: the built-in members below, or a name registered at run time.
+
+    ``Backend.register("mine")`` makes ``Backend("mine")`` / ``Backend.parse("mine")`` one more
+    ``Backend`` (same type, hashable, compared by identity, pickled by its name), so
+    ``KernelConfig(backend="mine")`` and ``MXFP8_BACKEND=mine`` take it; it is made through
+    ``enum``'s documented ``_missing_`` hook and is not listed by iterating ``Backend`` (the
+    built-ins; ``Backend.known()`` lists both). ``jax_side.mxfp8.backends.register_backend``
+    calls it, with the backend's implementation; tests register and unregister fakes this way.
+    """
+
     XLA = "xla"
     PALLAS = "pallas"
     TE = "te"
@@ -38,8 +50,49 @@ class Backend(enum.Enum):
     @classmethod
     def parse(cls, value: Backend | str) -> Backend:
         return parse_enum(
-            cls, value, what="MXFP8 backend", hint=" (or None for the automatic default)"
+            cls, value, what="MXFP8 backend", aliases=_REGISTERED,
+            hint=" (or None for the automatic default)",
         )
+
+    @classmethod
+    def _missing_(cls, value: object) -> Backend | None:
+        return _REGISTERED.get(value) if isinstance(value, str) else None
+
+    @classmethod
+    def known(cls) -> tuple[Backend, ...]:
+        """The built-in members, then the registered names in registration order."""
+        return (*cls, *_REGISTERED.values())
+
+    @classmethod
+    def register(cls, name: str) -> Backend:
+        """A new ``Backend`` named ``name`` (lower case letters, digits, ``_``; not taken)."""
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise ValueError(
+                f"Backend.register: name {name!r} must be lower case letters, digits and '_', "
+                "starting with a letter, e.g. 'mykernels' (it is what MXFP8_BACKEND= takes)"
+            )
+        if name in [b.value for b in cls.known()]:
+            raise ValueError(
+                f"Backend.register: MXFP8 backend {name!r} exists already; unregister it first "
+                "or pick another name"
+            )
+        member = object.__new__(cls)  # a pseudo-member, as enum.Flag makes its combinations
+        member._name_, member._value_ = name.upper(), name
+        _REGISTERED[name] = member
+        return member
+
+    @classmethod
+    def unregister(cls, backend: Backend) -> None:
+        """Forget a registered name (the built-in members stay)."""
+        if _REGISTERED.get(backend.value) is not backend:
+            raise ValueError(
+                f"Backend.unregister: {backend!r} is not a registered name (registered: "
+                f"{sorted(_REGISTERED)}); the built-in members cannot be removed"
+            )
+        del _REGISTERED[backend.value]
+
+
+_REGISTERED: dict[str, Backend] = {}  # name -> registered Backend, in registration order
 
 
 class Platform(enum.StrEnum):

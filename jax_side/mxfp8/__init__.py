@@ -6,18 +6,26 @@ planes, GEMM roles, ``KernelConfig``) are defined in ``common`` and re-exported 
 
 Which kernels run is decided in one place, ``resolve_kernels`` (module ``kernels``), from a
 ``KernelConfig`` that every public function takes as ``kernels=``; ``kernel_report`` says what
-runs and why. Backends implement one declared interface (``backend_api.KernelBackend``).
+runs and why. Backends implement one declared interface (``backend_api.KernelBackend``) and sit
+in one table (module ``backends``), which ``register_backend`` extends.
 """
 
 from common.formats import BLOCK_SIZE, E4M3_MAX
 from common.gemm_roles import GemmRole
 from common.kernels import GemmImpl, KernelConfig, Platform
-from jax_side.mxfp8.backends import Backend, BackendChoice, TEPath, TEProbe, decide_backend
+from jax_side.mxfp8.backends import (
+    Backend,
+    BackendChoice,
+    decide_backend,
+    register_backend,
+    unregister_backend,
+)
 from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.gemm import matmul
 from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
 from jax_side.mxfp8.quantize import quantize
 from jax_side.mxfp8.slices import cast_slice, partial_block_amax, scales_from_amax
+from jax_side.mxfp8.te_probe import TEPath, TEProbe
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, PlaneData, SliceCast
 
 __all__ = [
@@ -44,6 +52,8 @@ __all__ = [
     "matmul",
     "partial_block_amax",
     "quantize",
+    "register_backend",
     "resolve_kernels",
     "scales_from_amax",
+    "unregister_backend",
 ]

@@ -1,8 +1,10 @@
-"""The declared interface of an MXFP8 kernel backend (DESIGN.md 7): operations and capabilities.
+"""The declared interface of an MXFP8 kernel backend (DESIGN.md 7): operations, capabilities and
+availability.
 
-Every backend (``xla_backend``, ``pallas_backend``, ``te_backend``) defines one
-:class:`KernelBackend` object; ``backends.backend_impl`` maps the ``common.kernels.Backend`` enum
-to it, and ``kernels.resolve_kernels`` decides which backend runs which operation. The public
+Every backend (``xla_backend``, ``pallas_backend``, ``te_backend``, or one registered with
+``backends.register_backend``) defines one :class:`KernelBackend` object; ``backends.backend_impl``
+maps a ``common.kernels.Backend`` to it, and ``kernels.resolve_kernels`` decides which backend runs
+which operation. The public
 functions (``quantize``, ``matmul``, the slice building blocks) validate their input and call
 these operations, so every argument here is already checked: a 2-D (M, K) bf16/fp32 ``x`` with
 M, K multiples of 32, flat slices inside their tensor, scale bytes of the layout's shapes.
@@ -12,6 +14,13 @@ how (compiled, or interpreted: the kernel code evaluated by XLA, slow, for tests
 the slice building blocks of distributed quantization, and whether it runs its own GEMM (then
 ``KernelConfig.gemm`` does not apply). An operation a backend lacks raises
 :class:`UnsupportedOperation` naming the backend, the operation and who has it.
+
+Availability (:class:`Availability`, the answer of ``KernelBackend.availability(site)``) is the
+one question the resolver asks a backend: can it run work on this :class:`Site` (the platform
+of the work, the CUDA GPU if any), how, and whether the automatic default may pick it
+(:class:`Fit`); if not, why, in a sentence, and what to do instead. The default answer reads
+``Capabilities.runs_on``; a backend whose answer depends on more (TE: its own probe) says so
+itself. The resolver never names a backend to decide this (``backends.decide_backend``).
 """
 
 from __future__ import annotations
@@ -27,11 +36,18 @@ from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
 
 __all__ = [
+    "Availability",
+    "BackendUnavailable",
     "Capabilities",
     "Execution",
+    "Fit",
     "KernelBackend",
+    "Site",
     "UnsupportedOperation",
+    "cc_text",
+    "cuda_compute_capability",
     "default_platform",
+    "site_for",
 ]
 
 
@@ -58,6 +74,76 @@ class UnsupportedOperation(ValueError):
     """An operation asked of a backend that does not have it (a capability it lacks)."""
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend asked for where it cannot run (its ``Availability`` says why)."""
+
+
+class Site(NamedTuple):
+    """Where the work runs: what a backend's availability depends on, besides its own probes."""
+
+    platform: Platform  # the device kind the work's tensors live on
+    compute_capability: int | None  # GPU work: the CUDA GPU's, as TE encodes it (9.0 -> 90)
+
+
+class Fit(enum.Enum):
+    """How a backend fits work on a site."""
+
+    DEFAULT = "default"  # it runs, and the automatic default may pick it
+    ON_REQUEST = "on_request"  # it runs when asked for by name (slow, or off the contract path)
+    UNUSABLE = "unusable"  # it cannot run here
+
+
+_EVERYWHERE = "use backend='xla', which runs everywhere"
+
+
+class Availability(NamedTuple):
+    """A backend's answer for a site (module docstring); made by the three constructors below."""
+
+    fit: Fit
+    reason: str  # how it runs there, or why it cannot (a sentence, no advice)
+    fix: str  # what to do instead where it cannot run ("" where it can)
+    path: enum.Enum | None  # which of its paths runs, for a backend with several (TE's TEPath)
+
+    @classmethod
+    def default(cls, reason: str, path: enum.Enum | None = None) -> Availability:
+        return cls(Fit.DEFAULT, reason, "", path)
+
+    @classmethod
+    def on_request(cls, reason: str, path: enum.Enum | None = None) -> Availability:
+        return cls(Fit.ON_REQUEST, reason, "", path)
+
+    @classmethod
+    def unusable(cls, reason: str, fix: str = _EVERYWHERE) -> Availability:
+        return cls(Fit.UNUSABLE, reason, fix, None)
+
+    def require(self, backend: Backend, platform: Platform) -> Availability:
+        """This answer, or ``BackendUnavailable`` naming the backend, the platform and why."""
+        if self.fit is Fit.UNUSABLE:
+            raise BackendUnavailable(
+                f"MXFP8 backend {backend.value!r} was requested for work on {platform.value}, "
+                f"but it cannot run here: {self.reason}. {self.fix}"
+            )
+        return self
+
+
+def cc_text(cc: int | None) -> str:
+    return "no CUDA GPU" if cc is None else f"compute capability {cc // 10}.{cc % 10}"
+
+
+def cuda_compute_capability() -> int | None:
+    """Compute capability of JAX's first device as TE encodes it (9.0 -> 90); None if not GPU."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
+    return int(major) * 10 + int(minor)
+
+
+def site_for(platform: Platform) -> Site:
+    """The site of work on ``platform`` in this process."""
+    return Site(platform, cuda_compute_capability() if platform is Platform.GPU else None)
+
+
 def default_platform() -> Platform:
     """The platform new JAX work lands on: ``jax.default_device`` if set (e.g. ``with
     jax.default_device(jax.devices("cpu")[0])`` on a GPU machine), else JAX's first device."""
@@ -70,7 +156,7 @@ def default_platform() -> Platform:
 
 
 class KernelBackend(abc.ABC):
-    """One MXFP8 kernel backend: its enum member, its capabilities and its operations.
+    """One MXFP8 kernel backend: its name, capabilities, availability and operations.
 
     Shapes and dtypes (DESIGN.md 4): ``quantize`` gives rowwise planes of 1x32 blocks along K
     (data (M, K) e4m3, scales (M, K/32) e8m0) and colwise planes of 32x1 blocks along M (data
@@ -78,26 +164,37 @@ class KernelBackend(abc.ABC):
     take a flat 1-D slice holding elements ``[start, start + n)`` of the row-major (M, K) tensor.
     """
 
-    backend: Backend
+    name: str  # its ``Backend``'s value: a built-in's, or the name it is registered under
     capabilities: Capabilities
+
+    @property
+    def backend(self) -> Backend:
+        return Backend.parse(self.name)
+
+    def availability(self, site: Site) -> Availability:
+        """Whether this backend can run work on ``site``, how, or why not (module docstring).
+        This default reads ``capabilities.runs_on``: compiled there is fit for the automatic
+        default, interpreted only on request, absent unusable."""
+        execution = self.capabilities.execution(site.platform)
+        work = f"work on the {site.platform.name}"
+        if execution is None:
+            where = [p.value for p, _ in self.capabilities.runs_on]
+            return Availability.unusable(f"it runs on {where} only, and this is {work}")
+        if execution is Execution.INTERPRETED:
+            return Availability.on_request(f"interpreted for {work} (slow)")
+        return Availability.default(f"compiled for {work}")
+
+    def facts(self, site: Site, asked: bool) -> dict[str, str]:
+        """What this backend adds to ``kernel_report``: facts it gathered to answer
+        ``availability(site)`` (``asked``: the resolver asked it), placeholders otherwise."""
+        return {}
 
     def unsupported(self, operation: str, instead: str) -> UnsupportedOperation:
         """The error for an operation this backend lacks; ``instead`` says what to use."""
         return UnsupportedOperation(
-            f"MXFP8 backend {self.backend.value!r} has no {operation} ({instead}); its "
+            f"MXFP8 backend {self.name!r} has no {operation} ({instead}); its "
             f"capabilities: {self.capabilities}"
         )
-
-    def check_platform(self, platform: Platform) -> Execution:
-        """How this backend runs on ``platform``; UnsupportedOperation where it cannot."""
-        execution = self.capabilities.execution(platform)
-        if execution is None:
-            where = [p.value for p, _ in self.capabilities.runs_on]
-            raise UnsupportedOperation(
-                f"MXFP8 backend {self.backend.value!r} does not run on {platform.value} (it runs "
-                f"on {where}); use backend='xla', which runs everywhere"
-            )
-        return execution
 
     @abc.abstractmethod
     def quantize(self, x: jax.Array, *, planes: tuple[Plane, ...]) -> MXFP8Tensor:

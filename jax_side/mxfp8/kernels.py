@@ -5,15 +5,17 @@ environment overrides. Each ``None`` field of the frozen ``common.kernels.Kernel
 filled first from its environment variable (``MXFP8_BACKEND``, ``MXFP8_GEMM``), else from the
 default for the platform the work runs on:
 
-- backend: ``xla`` for work on the CPU; on a GPU, TE's kernels where TE reports MXFP8 support on
-  a compute capability 10.x device, else ``pallas`` (``backends.decide_backend``); never TE when
-  a GEMM implementation was chosen (TE runs its own GEMM);
+- backend: the first entry of ``backends.DEFAULT_PREFERENCE`` that says it is fit for the work
+  (``backends.decide_backend``, a table lookup): ``xla`` for work on the CPU; on a GPU, TE's
+  kernels where TE reports MXFP8 support on a compute capability 10.x device, else ``pallas``;
+  never a backend that runs its own GEMM (TE) when a GEMM implementation was chosen;
 - gemm: ``DEVICE_DEFAULTS`` (exact ``dequant_dot`` on the CPU, ``dequant_bf16_dot`` on a GPU).
 
-Explicit fields are kept and validated (a GEMM that needs a GPU is refused on the CPU; TE, which
-needs a CUDA GPU, raises where it cannot run). The result, ``ResolvedKernels``, names what runs
-for every operation -- whole-tensor quantize, the slice building blocks (a backend without them,
-``te``, hands them to ``xla``, the reference its edge blocks are spliced from), and the GEMM --
+Explicit fields are kept and validated (a GEMM that needs a GPU is refused on the CPU; a backend
+that says it cannot run the work -- TE without a CUDA GPU -- raises with its reason). The result,
+``ResolvedKernels``, names what runs for every operation -- whole-tensor quantize, the slice
+building blocks (a backend without them, ``te``, hands them to the reference ``xla``, which its
+edge blocks are spliced from), and the GEMM --
 and is hashable: the jitted linear programs take it as a static argument, and every public
 function (``quantize``, ``matmul``, the slice functions) runs exactly what it names.
 ``kernel_report`` says the same, with the reasons, for logs, notebooks and benchmark records.
@@ -27,10 +29,15 @@ import os
 from typing import NamedTuple
 
 from common.kernels import Backend, GemmImpl, KernelConfig, Platform
-from jax_side.mxfp8 import te_probe
-from jax_side.mxfp8.backend_api import default_platform
-from jax_side.mxfp8.backends import BackendChoice, backend_impl, decide_backend
-from jax_side.mxfp8.te_probe import NO_TE, TEPath, TEProbe
+from jax_side.mxfp8.backend_api import default_platform, site_for
+from jax_side.mxfp8.backends import (
+    REFERENCE,
+    BackendChoice,
+    backend_impl,
+    decide_backend,
+    registered,
+    registry_version,
+)
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -67,12 +74,13 @@ class ResolvedKernels(NamedTuple):
     """What runs, per operation, for work on ``platform``."""
 
     backend: Backend  # whole-tensor quantize
-    gemm: GemmImpl | None  # None iff backend is TE (TE runs its own GEMM)
+    gemm: GemmImpl | None  # None iff the backend runs its own GEMM (TE)
     platform: Platform
     reason: str
     slices: Backend  # partial_block_amax / scales_from_amax / cast_slice
     origin: Origin
-    te_path: TEPath | None = None  # set iff backend is TE
+    path: enum.Enum | None = None  # the backend's path where it has several (TE: te_probe.TEPath)
+    consulted: tuple[Backend, ...] = ()  # the backends whose availability was asked
 
 
 class _Env(NamedTuple):
@@ -104,7 +112,7 @@ def resolve_kernels(
     jax_default = default_platform()
     platform = jax_default if platform is None else Platform.parse(platform)
     env = _Env(os.environ.get(BACKEND_ENV_VAR, ""), os.environ.get(GEMM_ENV_VAR, ""))
-    return _resolve(config, platform, env, jax_default)
+    return _resolve(config, platform, env, jax_default, registry_version())
 
 
 def resolve_call(
@@ -125,35 +133,23 @@ def resolve_call(
     return resolve_kernels(kernels)
 
 
-def _probe_for(requested: Backend | None, platform: Platform) -> TEProbe:
-    """Probe TE only when it can matter: 'te' requested, or the automatic default on a GPU."""
-    if requested is Backend.XLA or (requested is None and platform is Platform.CPU):
-        return NO_TE
-    if requested is Backend.PALLAS:  # where it runs, without importing TE
-        return NO_TE._replace(compute_capability=te_probe.jax_compute_capability())
-    return te_probe.probe()  # imports TE lazily, and only on a GPU
-
-
 def _choose_backend(
-    config: KernelConfig, platform: Platform, env: _Env, te_allowed: bool
+    config: KernelConfig, platform: Platform, env: _Env, gemm_chosen: bool
 ) -> tuple[BackendChoice, Origin]:
+    site = site_for(platform)
     if config.backend is not None:
-        return decide_backend(config.backend, _probe_for(config.backend, platform)), Origin.CONFIG
+        return decide_backend(config.backend, site), Origin.CONFIG
     if env.backend:
-        requested = Backend.parse(env.backend)
-        choice = decide_backend(requested, _probe_for(requested, platform))
+        choice = decide_backend(Backend.parse(env.backend), site)
         reason = f"{BACKEND_ENV_VAR}={env.backend!r}; {choice.reason}"
         return choice._replace(reason=reason), Origin.ENVIRONMENT
-    if platform is Platform.CPU:
-        # Work on CPU tensors (also in a process whose JAX default device is a GPU, e.g. the
-        # parity report with --device cpu on the GPU machine) runs the reference kernels.
-        return BackendChoice(Backend.XLA, "automatic default for work on the CPU"), Origin.AUTOMATIC
-    probe = _probe_for(None, platform)
-    return decide_backend(None, probe, te_allowed=te_allowed), Origin.AUTOMATIC
+    # Work on CPU tensors (also in a process whose JAX default device is a GPU, e.g. the parity
+    # report with --device cpu on the GPU machine) gets the reference: only it is fit there.
+    return decide_backend(None, site, gemm_chosen=gemm_chosen), Origin.AUTOMATIC
 
 
 def _check_device(backend: Backend, platform: Platform, jax_default: Platform) -> None:
-    if platform is Platform.CPU and backend is not Backend.XLA and jax_default is not Platform.CPU:
+    if platform is Platform.CPU and backend is not REFERENCE and jax_default is not Platform.CPU:
         raise ValueError(
             f"backend {backend.value!r} was asked for work on CPU tensors in a process "
             f"whose JAX default device is {jax_default.value!r}: its kernels (and Pallas's "
@@ -162,7 +158,6 @@ def _check_device(backend: Backend, platform: Platform, jax_default: Platform) -
             "it under `with jax.default_device(jax.devices('cpu')[0])`, or put the tensors on "
             "the GPU"
         )
-    backend_impl(backend).check_platform(platform)
 
 
 def _gemm(config: KernelConfig, platform: Platform, env: _Env) -> tuple[GemmImpl, str]:
@@ -182,35 +177,40 @@ def _gemm(config: KernelConfig, platform: Platform, env: _Env) -> tuple[GemmImpl
 
 @functools.lru_cache(maxsize=64)
 def _resolve(
-    config: KernelConfig, platform: Platform, env: _Env, jax_default: Platform
+    config: KernelConfig, platform: Platform, env: _Env, jax_default: Platform, _version: int
 ) -> ResolvedKernels:
+    # _version: backends.registry_version(), so that a (un)registration is never answered from
+    # the cache
     gemm_chosen = config.gemm is not None or bool(env.gemm)
-    choice, origin = _choose_backend(config, platform, env, te_allowed=not gemm_chosen)
+    choice, origin = _choose_backend(config, platform, env, gemm_chosen)
     _check_device(choice.backend, platform, jax_default)
+    name = choice.backend.value
     caps = backend_impl(choice.backend).capabilities
-    reasons = [f"backend {choice.backend.value}: {choice.reason}"]
+    reasons = [f"backend {name}: {choice.reason}"]
     slices = choice.backend
     if not caps.slices:
-        slices = Backend.XLA
+        slices = REFERENCE
         reasons.append(
-            f"slices xla: {choice.backend.value} has no slice building blocks (it quantizes whole "
-            "tensors only); xla is the reference"
+            f"slices {REFERENCE.value}: {name} has no slice building blocks (it quantizes whole "
+            f"tensors only); {REFERENCE.value} is the reference"
         )
     if caps.own_gemm:
-        if config.gemm is not None:  # only reachable with MXFP8_BACKEND=te
+        if config.gemm is not None:
+            given = f"{BACKEND_ENV_VAR}={env.backend!r}" if env.backend else "its backend"
             raise ValueError(
-                f"{BACKEND_ENV_VAR}={env.backend!r} picks the {choice.backend.value} backend, "
-                f"which runs its own GEMM, but the KernelConfig asks for gemm="
-                f"{config.gemm.value!r}; unset {BACKEND_ENV_VAR} or drop the gemm"
+                f"{given} picks the {name} backend, which runs its own GEMM, but the "
+                f"KernelConfig asks for gemm={config.gemm.value!r}; drop the gemm"
+                + (f" or unset {BACKEND_ENV_VAR}" if env.backend else "")
             )
         ignored = f" ({GEMM_ENV_VAR}={env.gemm!r} does not apply)" if env.gemm else ""
-        reasons.append(f"gemm: {choice.backend.value}'s own{ignored}")
+        reasons.append(f"gemm: {name}'s own{ignored}")
         gemm = None
     else:
         gemm, why = _gemm(config, platform, env)
         reasons.append(why)
     return ResolvedKernels(
-        choice.backend, gemm, platform, "; ".join(reasons), slices, origin, choice.te_path
+        choice.backend, gemm, platform, "; ".join(reasons), slices, origin, choice.path,
+        choice.consulted,
     )
 
 
@@ -218,32 +218,29 @@ def kernel_report(
     config: KernelConfig | ResolvedKernels | None = None, platform: Platform | str | None = None
 ) -> dict[str, str]:
     """What ``config`` resolves to for work on ``platform``, and why: exactly what the public
-    functions run with the same ``config`` (for logs, notebooks, benchmark records)."""
+    functions run with the same ``config`` (for logs, notebooks, benchmark records). Each
+    backend of the table adds its own facts (``KernelBackend.facts``: TE its probe, where the
+    resolver asked it)."""
     import jax
 
     resolved = resolve_kernels(config, platform)
     jax_default = default_platform()
     execution = backend_impl(resolved.backend).capabilities.execution(jax_default)
-    probed = resolved.backend is Backend.TE or (
-        resolved.origin is Origin.AUTOMATIC and resolved.platform is Platform.GPU
-    )
-    probe = te_probe.probe() if probed else None
+    site = site_for(resolved.platform)
+    facts: dict[str, str] = {}
+    for backend in registered():
+        facts |= backend_impl(backend).facts(site, asked=backend in resolved.consulted)
     device = jax.devices()[0]
     return {
         "backend": resolved.backend.value,
         "slices": resolved.slices.value,
-        "gemm": "te" if resolved.gemm is None else resolved.gemm.value,
-        "te_path": "" if resolved.te_path is None else resolved.te_path.value,
+        "gemm": resolved.backend.value if resolved.gemm is None else resolved.gemm.value,
+        "path": "" if resolved.path is None else resolved.path.value,
         "execution": "" if execution is None else execution.value,
         "platform": resolved.platform.value,
         "origin": resolved.origin.value,
         "kernels": resolved.reason,
-        "te_importable": "not probed" if probe is None else str(probe.importable),
-        "te_detail": "" if probe is None else probe.detail,
-        "te_mxfp8_supported": "not probed" if probe is None else str(probe.mxfp8_supported),
-        "compute_capability": (
-            "not probed" if probe is None else te_probe.cc_text(probe.compute_capability)
-        ),
+        **facts,
         "jax_platform": device.platform,
         "jax_device": str(device),
     }

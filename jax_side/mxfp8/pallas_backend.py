@@ -26,7 +26,15 @@ from jax import lax
 from common.formats import BLOCK_SIZE, Plane
 from common.kernels import Backend, Platform
 from jax_side.mxfp8 import pallas_impl
-from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend, default_platform
+from jax_side.mxfp8.backend_api import (
+    Availability,
+    Capabilities,
+    Execution,
+    KernelBackend,
+    Site,
+    cc_text,
+    default_platform,
+)
 from jax_side.mxfp8.bands import band, band_values
 from jax_side.mxfp8.gemm_impls import run_gemm
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
@@ -111,12 +119,28 @@ def _cast_slice(flat, rs, cs, shape, start, interpret) -> SliceCast:
 class PallasBackend(KernelBackend):
     """The project's Pallas kernels: compiled on a CUDA GPU, interpreted (slow) on the CPU."""
 
-    backend = Backend.PALLAS
+    name = Backend.PALLAS.value
     capabilities = Capabilities(
         runs_on=((Platform.CPU, Execution.INTERPRETED), (Platform.GPU, Execution.COMPILED)),
         slices=True,
         own_gemm=False,
     )
+
+    def availability(self, site: Site) -> Availability:
+        """Fit for the automatic default on a CUDA GPU only: interpreted on the CPU is slow, and
+        Triton on another GPU is untested here."""
+        if site.platform is Platform.CPU:
+            return Availability.on_request(
+                "interpret mode for work on the CPU: the kernel code evaluated by XLA, slow"
+            )
+        if site.compute_capability is None:
+            return Availability.on_request(
+                "compiled by Pallas for a GPU that is not CUDA (untested here)"
+            )
+        return Availability.default(
+            f"the project's Pallas kernels compiled with Triton on "
+            f"{cc_text(site.compute_capability)}"
+        )
 
     def quantize(self, x, *, planes):
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)

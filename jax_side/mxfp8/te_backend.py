@@ -1,9 +1,10 @@
 """Adapter to Transformer Engine for JAX: the ``te`` backend of ``jax_side.mxfp8``.
 
-Imported only when TE can matter (``te`` requested, or the automatic default on a GPU), and it
+Loaded when TE can matter (``te`` requested, the automatic default, ``kernel_report``), and it
 imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU: TE-JAX does not import
-on a CPU-only machine. Which TE path runs is decided by the one rule ``te_probe.te_choice`` from
-:func:`probe`; every public function here re-derives it, so a caller cannot mix paths.
+on a CPU-only machine. Which TE path runs is decided by the one rule ``te_probe.te_availability``
+from :func:`probe`; the resolver asks it through ``TEBackend.availability`` and every public
+function here re-derives it, so a caller cannot mix paths.
 :data:`BACKEND` is this module behind the declared interface (``backend_api.KernelBackend``):
 TE quantizes whole tensors and runs its own GEMM; it has no slice building blocks.
 
@@ -49,9 +50,16 @@ from jax import lax
 from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.gemm_roles import GemmRole, role_spec
 from common.kernels import Backend, Platform
-from jax_side.mxfp8 import xla_backend, xla_impl
-from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend
-from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe, te_choice
+from jax_side.mxfp8 import te_probe, xla_backend, xla_impl
+from jax_side.mxfp8.backend_api import (
+    Availability,
+    Capabilities,
+    Execution,
+    KernelBackend,
+    Site,
+    cc_text,
+)
+from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe, te_availability
 from jax_side.mxfp8.tensor import MXFP8Tensor
 
 __all__ = [
@@ -90,18 +98,23 @@ class ContractFix(enum.Enum):
 _DEFAULT_FIX = {TEPath.KERNELS: ContractFix.NONE, TEPath.PURE_JAX: ContractFix.SPLICE_EDGE_BLOCKS}
 
 
+def _on_gpu() -> Availability:
+    # te_probe.probe through the module: a test that simulates a GPU replaces it there
+    return te_availability(te_probe.probe()).require(Backend.TE, Platform.GPU)
+
+
 def te_path() -> TEPath:
     """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
-    return te_choice(probe()).path
+    return _on_gpu().path
 
 
 def require_available() -> None:
     """Raise the resolver's clear error where the ``te`` backend cannot run."""
-    te_path()
+    _on_gpu()
 
 
 def describe() -> str:
-    return "Transformer Engine for JAX; " + te_choice(probe()).reason
+    return "Transformer Engine for JAX; " + _on_gpu().reason
 
 
 @contextlib.contextmanager
@@ -284,14 +297,39 @@ def matmul(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole) -> jax.Array:
     return out.astype(jnp.float32)
 
 
+_FACTS = ("te_importable", "te_detail", "te_mxfp8_supported", "compute_capability")
+
+
 class TEBackend(KernelBackend):
     """Transformer Engine for JAX: whole-tensor quantize and its own GEMM, CUDA GPUs only."""
 
-    backend = Backend.TE
+    name = Backend.TE.value
     capabilities = Capabilities(
         runs_on=((Platform.GPU, Execution.COMPILED),), slices=False, own_gemm=True
     )
     _NO_SLICES = "Transformer Engine quantizes whole tensors only; use backend 'xla' or 'pallas'"
+
+    def availability(self, site: Site) -> Availability:
+        """TE's rule (``te_probe.te_availability``) on a GPU; the probe only runs for GPU work."""
+        if site.platform is not Platform.GPU:
+            return Availability.unusable(
+                f"Transformer Engine for JAX runs on CUDA GPUs only, and this work is on the "
+                f"{site.platform.name}", "Use backend='xla' (the default) for CPU work",
+            )
+        return te_availability(te_probe.probe())
+
+    def facts(self, site: Site, asked: bool) -> dict[str, str]:
+        """TE's probe (importable, its detail, its MXFP8 answer, compute capability) where the
+        resolver asked TE about GPU work; "not probed" otherwise (TE is never imported for it)."""
+        if not (asked and site.platform is Platform.GPU):
+            return dict.fromkeys(_FACTS, "not probed") | {"te_detail": ""}
+        found = te_probe.probe()
+        return {
+            "te_importable": str(found.importable),
+            "te_detail": found.detail,
+            "te_mxfp8_supported": str(found.mxfp8_supported),
+            "compute_capability": cc_text(found.compute_capability),
+        }
 
     def quantize(self, x, *, planes):
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)

@@ -1,15 +1,18 @@
 """Facts about Transformer Engine for JAX on this process, and the rule for which TE path runs.
 
-``probe()`` answers what the decision needs (TE importable?, TE's own MXFP8 support answer,
-compute capability) and imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU:
-TE-JAX does not import on a CPU-only machine. ``import_te()`` is the one place TE is imported
-(once); the ``te`` backend (``te_backend``) uses it for its operations.
+``probe()`` answers what the rule needs (TE importable?, TE's own MXFP8 support answer, compute
+capability) and imports ``transformer_engine.jax`` only after JAX has shown a CUDA GPU: TE-JAX
+does not import on a CPU-only machine. ``import_te()`` is the one place TE is imported (once);
+the ``te`` backend (``te_backend``) uses it for its operations.
 
-``te_choice(probe)`` is the one rule for the TE path (DESIGN.md 7): TE's MXFP8 CUDA custom calls
-only where TE itself reports MXFP8 support on a compute capability 10.x device; TE's pure-JAX path
-on every other GPU (on an H200, 9.0, the custom-call quantize returned wrong bytes without raising
-and the GEMM failed in cuBLAS); a clear error where TE cannot run. Both the resolver
-(``backends.decide_backend``) and the ``te`` backend itself use it, so they cannot disagree.
+``te_availability(probe)`` is the one rule for TE on a GPU (DESIGN.md 7), a pure function of the
+probe so that it is tested on CPU with hand-made probes: TE's MXFP8 CUDA custom calls
+(``TEPath.KERNELS``, fit for the automatic default) only where TE itself reports MXFP8 support on
+a compute capability 10.x device; TE's pure-JAX path (``TEPath.PURE_JAX``, only when asked for)
+on every other GPU (on an H200, 9.0, the custom-call quantize returned wrong bytes without
+raising and the GEMM failed in cuBLAS); unusable, with the cause and the fix, where TE cannot run.
+The ``te`` backend answers the resolver with it (``TEBackend.availability``) and runs the path it
+names, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -20,20 +23,16 @@ import importlib.util
 from pathlib import Path
 from typing import NamedTuple
 
-import jax
+from jax_side.mxfp8.backend_api import Availability, cc_text, cuda_compute_capability
 
 __all__ = [
-    "NO_TE",
     "TE_KERNEL_CC_MAJORS",
-    "TEChoice",
     "TEPath",
     "TEProbe",
-    "cc_text",
     "import_te",
     "is_available",
-    "jax_compute_capability",
     "probe",
-    "te_choice",
+    "te_availability",
     "te_kernels_ok",
     "why_no_te_kernels",
 ]
@@ -59,20 +58,6 @@ class TEProbe(NamedTuple):
     compute_capability: int | None  # e.g. 90, 100 (TE's encoding); None: no CUDA GPU in JAX
 
 
-NO_TE = TEProbe(False, "not probed", False, None)
-
-
-class TEChoice(NamedTuple):
-    """The TE path that runs for a probe, and why."""
-
-    path: TEPath
-    reason: str
-
-
-def cc_text(cc: int | None) -> str:
-    return "no CUDA GPU" if cc is None else f"compute capability {cc // 10}.{cc % 10}"
-
-
 def te_kernels_ok(probe: TEProbe) -> bool:
     """True exactly where TE's MXFP8 custom calls may run (see the module docstring)."""
     return (
@@ -94,29 +79,29 @@ def why_no_te_kernels(probe: TEProbe) -> str:
     return f"TE reports MXFP8 unsupported on {cc_text(probe.compute_capability)}{detail}"
 
 
-def te_choice(probe: TEProbe) -> TEChoice:
-    """The TE path for ``probe``; RuntimeError naming the cause where TE cannot run."""
+def te_availability(probe: TEProbe) -> Availability:
+    """TE on a GPU for ``probe``: its path and why, or why it cannot run (module docstring)."""
     if not probe.importable:
-        raise RuntimeError(
-            "MXFP8 backend 'te' was requested but Transformer Engine for JAX "
-            f"(transformer_engine.jax) is not importable here ({probe.detail}). Install it on a "
-            "GPU machine with `pip install .[te]` (see docs/te_backend.md), or use backend='xla' "
-            "(the default), the project's bit-exact pure-JAX path"
+        return Availability.unusable(
+            "Transformer Engine for JAX (transformer_engine.jax) is not importable here "
+            f"({probe.detail})",
+            "Install it on a GPU machine with `pip install .[te]` (see docs/te_backend.md), or "
+            "use backend='xla' (the default), the project's bit-exact pure-JAX path",
         )
     if probe.compute_capability is None:
-        raise RuntimeError(
-            "MXFP8 backend 'te' was requested but JAX sees no CUDA GPU; TE-JAX runs on NVIDIA "
-            "GPUs only. Use backend='xla' (the default) on this platform"
+        return Availability.unusable(
+            "JAX sees no CUDA GPU, and TE-JAX runs on NVIDIA GPUs only",
+            "Use backend='xla' (the default) on this platform",
         )
     if te_kernels_ok(probe):
-        return TEChoice(
-            TEPath.KERNELS,
+        return Availability.default(
             f"TE reports MXFP8 support on {cc_text(probe.compute_capability)}: TE kernels",
+            TEPath.KERNELS,
         )
-    return TEChoice(
-        TEPath.PURE_JAX,
+    return Availability.on_request(
         why_no_te_kernels(probe)
         + ": TE's pure-JAX quantizer and GEMM, custom calls off for those calls",
+        TEPath.PURE_JAX,
     )
 
 
@@ -131,19 +116,10 @@ def is_available() -> bool:
     return any((Path(p) / "jax" / "__init__.py").is_file() for p in spec.submodule_search_locations)
 
 
-def jax_compute_capability() -> int | None:
-    """Compute capability of JAX's first device as TE encodes it (9.0 -> 90); None if not GPU."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
-    return int(major) * 10 + int(minor)
-
-
 @functools.lru_cache(maxsize=1)
 def probe() -> TEProbe:
-    """TE facts for :func:`te_choice`. Imports TE only when JAX shows a CUDA GPU."""
-    cc = jax_compute_capability()
+    """TE facts for :func:`te_availability`. Imports TE only when JAX shows a CUDA GPU."""
+    cc = cuda_compute_capability()
     if not is_available():
         return TEProbe(False, "transformer_engine.jax is not installed", False, cc)
     if cc is None:

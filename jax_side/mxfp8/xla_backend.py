@@ -24,7 +24,7 @@ from jax import lax
 from common.formats import BLOCK_SIZE, Plane
 from common.kernels import Backend, Platform
 from jax_side.mxfp8 import xla_impl
-from jax_side.mxfp8.backend_api import Capabilities, Execution, KernelBackend
+from jax_side.mxfp8.backend_api import Availability, Capabilities, Execution, KernelBackend, Site
 from jax_side.mxfp8.bands import Band, band, band_values
 from jax_side.mxfp8.gemm_impls import run_gemm
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
@@ -116,12 +116,18 @@ def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
 class XlaBackend(KernelBackend):
     """The reference backend: every operation, compiled by XLA on every platform."""
 
-    backend = Backend.XLA
+    name = Backend.XLA.value
     capabilities = Capabilities(
         runs_on=((Platform.CPU, Execution.COMPILED), (Platform.GPU, Execution.COMPILED)),
         slices=True,
         own_gemm=False,
     )
+
+    def availability(self, site: Site) -> Availability:
+        return Availability.default(
+            f"the project's pure-JAX reference, compiled by XLA for work on the "
+            f"{site.platform.name}"
+        )
 
     def quantize(self, x, *, planes):
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)

@@ -231,7 +231,7 @@ def test_dlpack_support_reports_every_one_byte_float_in_both_directions():
 
 
 def test_jax_work_on_names_the_jax_twin_of_a_torch_device():
-    from jax_side.mxfp8.backends import default_platform
+    from jax_side.mxfp8.backend_api import default_platform
 
     cpu = bridge.jax_device("cpu")
     assert cpu.platform == "cpu"

@@ -1,5 +1,6 @@
 """Spawned gloo worlds shared by the torch_side tests: one spawn per world size per session,
-started ahead (worlds_ahead.py)."""
+started ahead (worlds_ahead.py), running the cases the collected tests read (one selected test
+spawns its world for its own case: seconds, not the whole registry)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,18 @@ SLOW_REGISTRY: dict[str, tuple[int, ...]] = {
 }
 
 
+# (world size, slow) -> the cases the collected tests read, where every check_case call of the
+# session resolved statically; a world missing here runs all of its registered cases.
+_SELECTED: dict[tuple[int, bool], set[str]] = {}
+
+
 def _names(world_size: int, slow: bool) -> list[str]:
+    """The cases a spawn of ``world_size`` runs: those the collected tests read (selecting one
+    test spawns its world for its own case only), else every registered one."""
     registry = SLOW_REGISTRY if slow else REGISTRY
-    return [n for n, sizes in registry.items() if world_size in sizes]
+    chosen = _SELECTED.get((world_size, slow))
+    return [n for n, sizes in registry.items()
+            if world_size in sizes and (chosen is None or n in chosen)]
 
 
 def _plan(needed: set[tuple[int, bool]]) -> list[tuple[int, list[str]]]:
@@ -112,22 +122,31 @@ def spawned(request):
 
 
 def _worlds_needed(items) -> set[tuple[int, bool]]:
-    """(world size, slow) of every case the collected tests read (where it resolves statically)."""
-    needed = set()
+    """(world size, slow) of every case the collected tests read (where it resolves statically);
+    records the cases themselves in ``_SELECTED`` when every call resolved."""
+    selected: dict[tuple[int, bool], set[str]] = {}
+    complete = True
     for item in items:
         fn = getattr(item, "function", None)
         if fn is None or "spawned" not in getattr(item, "fixturenames", ()):
             continue
         params = getattr(getattr(item, "callspec", None), "params", {})
-        for args in _check_case_calls(fn):
+        calls = _check_case_calls(fn)
+        complete &= bool(calls)
+        for args in calls:
             try:
                 module, case, world_size = (_value(a, params, item.module.__dict__)
                                             for a in args[1:])
             except (KeyError, AttributeError):
+                complete = False
                 continue
             name = f"{module.__name__}:{case.__name__}"
-            needed.add((world_size, world_size in SLOW_REGISTRY.get(name, ())))
-    return needed
+            key = (world_size, world_size in SLOW_REGISTRY.get(name, ()))
+            selected.setdefault(key, set()).add(name)
+    _SELECTED.clear()
+    if complete:
+        _SELECTED.update(selected)
+    return set(selected)
 
 
 @functools.cache

@@ -1,12 +1,15 @@
-"""Every kernel backend available here, through its declared interface
-(``jax_side.mxfp8.backend_api.KernelBackend``), against the numpy oracle (``tests/oracle``).
+"""Every kernel backend of the table that can run here, through the public resolver
+(``resolve_kernels``, ``kernel_report``) and the public functions, against the numpy oracle
+(``tests/oracle``).
 
-Parametrized over ``common.kernels.Backend``: ``xla`` and ``pallas`` (interpret mode on a CPU)
-always, ``te`` where TE-JAX is importable (GPU machines with the ``[te]`` extra; skipped
-elsewhere). Each operation a backend has must give the oracle's bytes on every shape and input
-here (NaN, +-Inf, +-0 and subnormals included); each capability it lacks must raise
-``UnsupportedOperation`` naming the backend and the operation; and ``Capabilities`` must agree
-with where the backend runs.
+Parametrized over ``backends.registered()``: ``xla`` and ``pallas`` (interpret mode on a CPU)
+always, ``te`` where it says it can run (GPU machines with the ``[te]`` extra; skipped elsewhere
+with its reason). Each backend must resolve to itself and be reported as itself; every public
+operation its kernels run must give the oracle's bytes on every shape and input here (NaN,
++-Inf, +-0 and subnormals included), the slice building blocks of a backend without them running
+on the reference; and its declared interface (``KernelBackend``: ``Capabilities``,
+``availability``) must agree with where it runs. ``test_backend_registration.py`` runs the same
+public path on a backend registered from the tests.
 """
 
 from __future__ import annotations
@@ -18,16 +21,20 @@ import pytest
 
 from common.formats import ALL_PLANES, Plane
 from common.gemm_roles import GemmRole
-from common.kernels import Backend, GemmImpl, Platform
-from jax_side.mxfp8 import te_probe
+from common.kernels import Backend, GemmImpl, KernelConfig, Platform
+from jax_side import mxfp8
 from jax_side.mxfp8.backend_api import (
+    BackendUnavailable,
     Capabilities,
     Execution,
+    Fit,
     KernelBackend,
     UnsupportedOperation,
     default_platform,
+    site_for,
 )
-from jax_side.mxfp8.backends import backend_impl
+from jax_side.mxfp8.backends import REFERENCE, backend_impl, registered
+from jax_side.mxfp8.kernels import ResolvedKernels
 from tests.jax_side.mxfp8.corner_cases import special_mix
 from tests.oracle import mxfp8_ref as oracle
 
@@ -39,16 +46,15 @@ F32, BF16 = np.float32, ml_dtypes.bfloat16
 CASES = [((32, 64), F32), ((64, 96), BF16)]
 
 
-def _param(backend: Backend):
-    if backend is Backend.TE and not te_probe.probe().importable:
-        why = f"TE-JAX not importable here: {te_probe.probe().detail}"
-        return pytest.param(backend, id=backend.value, marks=pytest.mark.skip(reason=why))
-    return pytest.param(backend, id=backend.value)
-
-
-@pytest.fixture(params=[_param(b) for b in Backend])
-def impl(request) -> KernelBackend:
-    return backend_impl(request.param)
+@pytest.fixture(params=registered(), ids=lambda b: b.value)
+def kernels(request, monkeypatch) -> ResolvedKernels:
+    """What the public resolver gives for ``KernelConfig(backend)`` here (skipped, with the
+    backend's own reason, where it cannot run)."""
+    monkeypatch.delenv("MXFP8_GEMM", raising=False)
+    try:
+        return mxfp8.resolve_kernels(KernelConfig(request.param))
+    except BackendUnavailable as e:
+        pytest.skip(str(e))
 
 
 def u8(a) -> np.ndarray:
@@ -60,25 +66,38 @@ def _case_id(case) -> str:
     return f"{m}x{k}-{np.dtype(dtype).name}"
 
 
-def test_every_backend_implements_the_declared_interface(impl):
-    assert isinstance(impl, KernelBackend)
+def test_every_backend_resolves_to_itself_and_is_reported_as_itself(kernels):
+    backend = kernels.backend
+    impl = backend_impl(backend)  # the table's entry: its declared interface
+    assert isinstance(impl, KernelBackend) and impl.backend is backend
     assert isinstance(impl.capabilities, Capabilities)
-    assert backend_impl(impl.backend.value) is impl  # one object per backend, by enum or name
-    runs_on = dict(impl.capabilities.runs_on)
-    assert runs_on and all(isinstance(p, Platform) for p in runs_on)
-    assert all(isinstance(e, Execution) for e in runs_on.values())
+    caps = impl.capabilities
+    report = mxfp8.kernel_report(KernelConfig(backend))
+    assert report["backend"] == backend.value and report["origin"] == "config"
+    assert report["kernels"] == kernels.reason
+    assert report["kernels"].startswith(f"backend {backend.value}: requested explicitly; ")
+    assert kernels.slices is (backend if caps.slices else REFERENCE)
+    assert report["slices"] == kernels.slices.value
+    assert (kernels.gemm is None) == caps.own_gemm
+    assert report["gemm"] == (backend.value if caps.own_gemm else kernels.gemm.value)
+    assert report["execution"] == caps.execution(default_platform()).value
+    if not caps.slices:  # what it lacks, it refuses by name (the resolver routes around it)
+        _assert_slices_refused(impl, (32, 32), (0, jnp.zeros((64,), jnp.float32)))
+    if caps.own_gemm:
+        with pytest.raises(UnsupportedOperation, match="runs its own GEMM"):
+            impl.matmul(None, None, GemmRole.FORWARD, GemmImpl.DEQUANT_DOT)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_quantize_is_the_oracle_byte_for_byte(impl, case):
+def test_quantize_is_the_oracle_byte_for_byte(kernels, case):
     shape, dtype = case
     x = special_mix(shape, dtype, seed=shape[0] + shape[1])
     want = oracle.quantize(x)
-    got = impl.quantize(jnp.asarray(x), planes=ALL_PLANES)
+    got = mxfp8.quantize(jnp.asarray(x), kernels=kernels)
     for field in FIELDS:
         np.testing.assert_array_equal(u8(getattr(got, field)), want[field], err_msg=field)
     if case == CASES[0]:
-        row_only = impl.quantize(jnp.asarray(x), planes=(Plane.ROWWISE,))
+        row_only = mxfp8.quantize(jnp.asarray(x), planes=Plane.ROWWISE, kernels=kernels)
         assert row_only.colwise_data is None and row_only.colwise_scale is None
         np.testing.assert_array_equal(u8(row_only.rowwise_data), want["rowwise_data"])
 
@@ -89,24 +108,25 @@ def _slices_of(x: np.ndarray, cuts: list[int]):
     return [(s, jnp.asarray(flat[s:e])) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def test_slice_operations_rebuild_the_oracle_bytes(impl):
+def test_slice_operations_rebuild_the_oracle_bytes(kernels):
     """Partial amax per slice, MAX-merge, scales, cast per slice: the distributed recipe
     (DESIGN.md 5) in one process, cut mid-block and mid-row inside a 32-row band (one cut: every
-    slice length compiles its own programs)."""
+    slice length compiles its own programs). They run on ``kernels.slices``: the backend's own,
+    or the reference's where it has none."""
     shape, dtype = CASES[1]
     m, k = shape
     x = special_mix(shape, dtype, seed=7)
     parts = _slices_of(x, [k * 40 + 5])  # row 40, column 5: inside the second band
-    if not impl.capabilities.slices:
-        _assert_slices_refused(impl, shape, parts[0])
-        return
     want = oracle.quantize(x)
-    amax = [impl.partial_block_amax(p, shape, s, ALL_PLANES) for s, p in parts]
-    rs = impl.scales_from_amax(jnp.max(jnp.stack([a.rowwise for a in amax]), axis=0))
-    cs = impl.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), axis=0))
+    amax = [mxfp8.partial_block_amax(p, shape, s, kernels=kernels) for s, p in parts]
+    rs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.rowwise for a in amax]), axis=0),
+                                kernels=kernels)
+    cs = mxfp8.scales_from_amax(jnp.max(jnp.stack([a.colwise for a in amax]), axis=0),
+                                kernels=kernels)
     np.testing.assert_array_equal(u8(rs), want["rowwise_scale"])
     np.testing.assert_array_equal(u8(cs), want["colwise_scale"])
-    casts = [impl.cast_slice(p, shape, s, u8(rs), u8(cs)) for s, p in parts]
+    scales = {Plane.ROWWISE: rs, Plane.COLWISE: cs}
+    casts = [mxfp8.cast_slice(p, shape, s, scales=scales, kernels=kernels) for s, p in parts]
     for plane in ("rowwise", "colwise"):
         data = np.concatenate([u8(getattr(c, plane)) for c in casts]).reshape(m, k)
         np.testing.assert_array_equal(data, want[f"{plane}_data"], err_msg=plane)
@@ -120,58 +140,55 @@ def _assert_slices_refused(impl, shape, part) -> None:
         "cast_slice": lambda: impl.cast_slice(flat, shape, start, None, None),
     }
     for name, call in calls.items():
-        with pytest.raises(UnsupportedOperation, match=f"{impl.backend.value!r} has no {name}"):
+        with pytest.raises(UnsupportedOperation, match=f"{impl.name!r} has no {name}"):
             call()
 
 
-def test_scales_from_amax_at_every_threshold_is_the_oracle(impl):
-    if not impl.capabilities.slices:
-        pytest.skip("no slice operations (checked to raise above)")
+def test_scales_from_amax_at_every_threshold_is_the_oracle(kernels):
     rng = np.random.default_rng(1)
     amax = np.concatenate([
         np.abs(rng.standard_normal(256)).astype(np.float32) * np.exp2(rng.integers(-140, 127, 256)),
         np.array([0.0, 448.0, 464.0, np.inf, 2.0**-149, np.finfo(np.float32).max], np.float32),
     ]).astype(np.float32)
-    got = impl.scales_from_amax(jnp.asarray(amax))
+    got = mxfp8.scales_from_amax(jnp.asarray(amax), kernels=kernels)
     np.testing.assert_array_equal(u8(got), oracle.scale_bytes(amax))
 
 
-def test_matmul_is_the_product_of_the_oracle_dequantized_operands(impl):
+def test_matmul_is_the_product_of_the_oracle_dequantized_operands(kernels):
     """Forward role: y = a @ b.T on the dequantized planes, to fp32-accumulation level (the GEMM
-    sums exact fp32 products; only the order of the sum differs from float64)."""
+    sums exact fp32 products; only the order of the sum differs from float64). Every GEMM
+    implementation of a backend without its own GEMM; the backend's own GEMM otherwise."""
     shape, dtype = CASES[1]  # the shape quantized above: no new compilation
     rng = np.random.default_rng(3)
     a, b = (rng.standard_normal((2, *shape)) * np.exp2(rng.integers(-8, 8, (2, shape[0], 1))))
-    qa, qb = (impl.quantize(jnp.asarray(v.astype(dtype)), planes=ALL_PLANES)
-              for v in (a, b))
+    qa, qb = (mxfp8.quantize(jnp.asarray(v.astype(dtype)), kernels=kernels) for v in (a, b))
     deq = [oracle.dequantize(u8(t.rowwise_data), np.repeat(u8(t.rowwise_scale), 32, axis=1))
            for t in (qa, qb)]
     want = deq[0].astype(np.float64) @ deq[1].astype(np.float64).T
-    if impl.capabilities.own_gemm:
-        with pytest.raises(UnsupportedOperation, match="runs its own GEMM"):
-            impl.matmul(qa, qb, GemmRole.FORWARD, GemmImpl.DEQUANT_DOT)
-        gemms = [None]
+    if kernels.gemm is None:
+        configs = [kernels]
     else:
-        gemms = [GemmImpl.DEQUANT_DOT, GemmImpl.DEQUANT_BF16_DOT]
-    for gemm in gemms:
-        got = np.asarray(impl.matmul(qa, qb, GemmRole.FORWARD, gemm), np.float64)
+        configs = [KernelConfig(kernels.backend, g)
+                   for g in (GemmImpl.DEQUANT_DOT, GemmImpl.DEQUANT_BF16_DOT)]
+    for config in configs:
+        got = np.asarray(mxfp8.matmul(qa, qb, GemmRole.FORWARD, kernels=config), np.float64)
         assert got.shape == (shape[0], shape[0])
         rel = np.abs(got - want).max() / np.abs(want).max()
-        assert rel < 1e-5, (gemm, rel)
+        assert rel < 1e-5, (config, rel)
 
 
-def test_capabilities_say_where_the_backend_runs(impl):
-    here = default_platform()
+def test_availability_says_where_the_backend_runs(kernels):
+    impl = backend_impl(kernels.backend)
     for platform in Platform:
-        execution = impl.capabilities.execution(platform)
-        if execution is None:
-            with pytest.raises(UnsupportedOperation, match=f"does not run on {platform.value}"):
-                impl.check_platform(platform)
-        else:
-            assert impl.check_platform(platform) is execution
-    # the backend just ran on this platform in the tests above, so it must claim to
+        found = impl.availability(site_for(platform))
+        assert isinstance(found.reason, str) and found.reason
+        if impl.capabilities.execution(platform) is None:
+            assert found.fit is Fit.UNUSABLE and found.fix
+    # it just resolved for work here, so it must say it runs here
+    here = default_platform()
+    assert impl.availability(site_for(here)).fit is not Fit.UNUSABLE
     assert impl.capabilities.execution(here) is not None
-    if impl.backend is Backend.PALLAS:
+    if kernels.backend is Backend.PALLAS:
         from jax_side.mxfp8.pallas_backend import interpret_mode
 
         interpreted = impl.capabilities.execution(here) is Execution.INTERPRETED
@@ -187,5 +204,6 @@ def test_te_refuses_what_it_lacks_even_where_te_is_not_installed():
     with pytest.raises(UnsupportedOperation, match="'te' has no GEMM implementation "
                                                    "'dequant_dot' .*runs its own GEMM"):
         te.matmul(None, None, GemmRole.FORWARD, GemmImpl.DEQUANT_DOT)
-    with pytest.raises(UnsupportedOperation, match="'te' does not run on cpu.*backend='xla'"):
-        te.check_platform(Platform.CPU)
+    assert te.availability(site_for(Platform.CPU)).fit is Fit.UNUSABLE
+    with pytest.raises(BackendUnavailable, match="'te' was requested for work on cpu.*'xla'"):
+        mxfp8.resolve_kernels(KernelConfig("te"), "cpu")

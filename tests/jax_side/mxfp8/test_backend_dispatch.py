@@ -1,11 +1,13 @@
-"""Backend dispatch (DESIGN.md 7): which MXFP8 backend runs, and why, as a pure decision.
+"""Backend dispatch (DESIGN.md 7): which MXFP8 backend runs, and why, as a table lookup.
 
-``decide_backend(requested, TEProbe)`` is tested on CPU with hand-made probes, so the rules hold
-for GPUs this CI never sees: TE's kernels only where TE reports MXFP8 support on a 10.x device;
-TE's pure-JAX path when ``te`` is asked for anywhere else on a GPU; a clear error where TE cannot
-run; and an automatic default that never routes MXFP8 to an unsupported TE kernel. The one
-resolver around it (``resolve_kernels``: environment, platform, GEMM) is tested in
-``test_resolver.py``.
+``decide_backend(requested, site)`` asks the entries of the backend table
+(``KernelBackend.availability``); it is run here on simulated machines (``machines``: a platform
+and a hand-made ``TEProbe``), so the rules hold for GPUs this CI never sees: TE's kernels only
+where TE reports MXFP8 support on a 10.x device; TE's pure-JAX path when ``te`` is asked for
+anywhere else on a GPU; a clear error where TE cannot run; and an automatic default that never
+routes MXFP8 to an unsupported TE kernel. The one resolver around it (``resolve_kernels``:
+environment, platform, GEMM) is tested in ``test_resolver.py``; a backend added from the tests
+in ``test_backend_registration.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.kernels import Platform
 from jax_side.mxfp8 import (
     Backend,
     BackendChoice,
@@ -25,64 +28,104 @@ from jax_side.mxfp8 import (
     resolve_kernels,
     te_backend,
 )
-from jax_side.mxfp8.backends import TEPath, TEProbe, decide_backend
+from jax_side.mxfp8.backend_api import BackendUnavailable, Fit
+from jax_side.mxfp8.backends import DEFAULT_PREFERENCE, backend_impl
 from jax_side.mxfp8.kernels import BACKEND_ENV_VAR as ENV_VAR
+from jax_side.mxfp8.te_probe import TEPath, TEProbe, te_availability
+from tests.jax_side.mxfp8.machines import (
+    B200,
+    CPU_ONLY,
+    H200,
+    IMPORT_BROKEN,
+    NOT_INSTALLED,
+    RTX5090,
+    decide,
+    site,
+    te_probe_says,
+)
 
-H200 = TEProbe(True, "Device compute capability 9.9 or higher required for MXFP8 execution.",
-               False, 90)
-B200 = TEProbe(True, "", True, 100)
-RTX5090 = TEProbe(True, "", True, 120)  # TE reports support from 9.9 on; 12.x is unverified
-NOT_INSTALLED = TEProbe(False, "transformer_engine.jax is not installed", False, 90)
-CPU_ONLY = TEProbe(False, "not imported: JAX sees no CUDA GPU (TE-JAX needs one)", False, None)
-IMPORT_BROKEN = TEProbe(False, "import failed: OSError: libcuda.so.1", False, 100)
-
-# (name, requested, probe, expected backend, expected TE path, words the reason must contain)
+CPU = Platform.CPU
+# (name, requested, (probe, platform), expected backend, expected TE path, words in the reason)
 DECISIONS = [
     # on a GPU without TE's MXFP8 kernels the default is the project's Pallas kernels
-    ("auto_h200", None, H200, Backend.PALLAS, None, ["unsupported", "9.0", "9.9 or higher",
-                                                     "Pallas", "Triton"]),
-    ("auto_b200", None, B200, Backend.TE, TEPath.KERNELS, ["support", "10.0", "kernels"]),
-    ("auto_sm120", None, RTX5090, Backend.PALLAS, None, ["12.0", "not 10.x"]),
-    ("auto_not_installed", None, NOT_INSTALLED, Backend.PALLAS, None, ["not importable"]),
-    ("auto_cpu", None, CPU_ONLY, Backend.XLA, None, ["not importable"]),
-    ("pallas_h200", "pallas", H200, Backend.PALLAS, None, ["explicitly", "Triton", "9.0"]),
-    ("pallas_cpu", "pallas", CPU_ONLY, Backend.PALLAS, None, ["explicitly", "interpret mode"]),
-    ("te_h200", "te", H200, Backend.TE, TEPath.PURE_JAX, ["unsupported", "pure-JAX", "off"]),
-    ("te_b200", Backend.TE, B200, Backend.TE, TEPath.KERNELS, ["kernels"]),
-    ("te_sm120", "TE", RTX5090, Backend.TE, TEPath.PURE_JAX, ["not 10.x", "pure-JAX"]),
-    ("xla_b200", "xla", B200, Backend.XLA, None, ["explicitly"]),
-    ("xla_cpu", Backend.XLA, CPU_ONLY, Backend.XLA, None, ["explicitly"]),
+    ("auto_h200", None, (H200,), Backend.PALLAS, None, ["unsupported", "9.0", "9.9 or higher",
+                                                        "Pallas", "Triton"]),
+    ("auto_b200", None, (B200,), Backend.TE, TEPath.KERNELS, ["support", "10.0", "kernels"]),
+    ("auto_sm120", None, (RTX5090,), Backend.PALLAS, None, ["12.0", "not 10.x"]),
+    ("auto_not_installed", None, (NOT_INSTALLED,), Backend.PALLAS, None, ["not importable"]),
+    ("auto_gpu_no_cuda", None, (CPU_ONLY,), Backend.XLA, None, ["not importable", "not CUDA"]),
+    ("auto_cpu", None, (CPU_ONLY, CPU), Backend.XLA, None, ["work on the CPU", "CUDA GPUs only",
+                                                            "interpret mode"]),
+    ("auto_cpu_work_on_b200", None, (B200, CPU), Backend.XLA, None, ["work on the CPU"]),
+    ("pallas_h200", "pallas", (H200,), Backend.PALLAS, None, ["explicitly", "Triton", "9.0"]),
+    ("pallas_cpu", "pallas", (CPU_ONLY, CPU), Backend.PALLAS, None, ["explicitly",
+                                                                     "interpret mode"]),
+    ("te_h200", "te", (H200,), Backend.TE, TEPath.PURE_JAX, ["unsupported", "pure-JAX", "off"]),
+    ("te_b200", Backend.TE, (B200,), Backend.TE, TEPath.KERNELS, ["kernels"]),
+    ("te_sm120", "TE", (RTX5090,), Backend.TE, TEPath.PURE_JAX, ["not 10.x", "pure-JAX"]),
+    ("xla_b200", "xla", (B200,), Backend.XLA, None, ["explicitly"]),
+    ("xla_cpu", Backend.XLA, (CPU_ONLY, CPU), Backend.XLA, None, ["explicitly"]),
 ]
 
 
 @pytest.mark.parametrize(
-    "requested, probe, backend, path, words",
+    "requested, machine, backend, path, words",
     [d[1:] for d in DECISIONS],
     ids=[d[0] for d in DECISIONS],
 )
-def test_decision_table(requested, probe, backend, path, words):
-    choice = decide_backend(requested, probe)
+def test_decision_table(requested, machine, backend, path, words):
+    choice = decide(requested, *machine)
     assert isinstance(choice, BackendChoice)
-    assert (choice.backend, choice.te_path) == (backend, path)
+    assert (choice.backend, choice.path) == (backend, path)
     for word in words:
         assert word in choice.reason, (word, choice.reason)
+
+
+def test_the_automatic_default_is_the_first_fit_entry_of_the_preference():
+    """What each entry answers decides, in DEFAULT_PREFERENCE order; the reason says why each
+    earlier entry was passed over, and only the entries up to the chosen one are asked."""
+    assert DEFAULT_PREFERENCE[-1] is Backend.XLA  # the reference ends it: fit everywhere
+    for probe, platform in [(H200, Platform.GPU), (B200, Platform.GPU), (B200, CPU)]:
+        choice = decide(None, probe, platform)
+        assert choice.consulted == DEFAULT_PREFERENCE[: len(choice.consulted)]
+        assert choice.backend is choice.consulted[-1]
+        with te_probe_says(probe):
+            fits = [backend_impl(b).availability(site(probe, platform)).fit
+                    for b in choice.consulted]
+        assert fits[-1] is Fit.DEFAULT and Fit.DEFAULT not in fits[:-1]
+        for passed in choice.consulted[:-1]:
+            assert f"{passed.value} " in choice.reason
+
+
+def test_a_chosen_gemm_passes_over_a_backend_with_its_own_gemm():
+    choice = decide(None, B200, gemm_chosen=True)
+    assert choice.backend is Backend.PALLAS
+    assert "te not used: a GEMM implementation was chosen, and te runs its own GEMM" in (
+        choice.reason
+    )
 
 
 @pytest.mark.parametrize("probe", [NOT_INSTALLED, CPU_ONLY, IMPORT_BROKEN], ids=str)
 def test_te_request_without_importable_te_is_a_clear_error(probe):
     with pytest.raises(RuntimeError, match=r"'te' was requested.*pip install \.\[te\].*'xla'"):
-        decide_backend("te", probe)
+        decide("te", probe)
 
 
 def test_te_request_without_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="no CUDA GPU.*backend='xla'"):
-        decide_backend("te", TEProbe(True, "", False, None))
+        decide("te", TEProbe(True, "", False, None))
+
+
+def test_te_request_for_cpu_work_names_the_backend_the_platform_and_why():
+    with pytest.raises(BackendUnavailable, match=r"'te' was requested for work on cpu, but it "
+                                                 r"cannot run here: .*CUDA GPUs only.*'xla'"):
+        decide("te", B200, CPU)
 
 
 def test_unknown_backend_names_the_choices():
     match = r"unknown MXFP8 backend 'cuda'.*\['xla', 'pallas', 'te'\]"
     with pytest.raises(ValueError, match=match):
-        decide_backend("cuda", B200)
+        decide("cuda", B200)
 
 
 @given(
@@ -91,12 +134,12 @@ def test_unknown_backend_names_the_choices():
     cc=st.one_of(st.none(), st.sampled_from([70, 80, 86, 89, 90, 99, 100, 103, 110, 120, 121])),
 )
 def test_automatic_default_never_picks_an_unsupported_te_kernel(importable, supported, cc):
-    choice = decide_backend(None, TEProbe(importable, "", supported, cc))
+    choice = decide(None, TEProbe(importable, "", supported, cc))
     if choice.backend is Backend.TE:
-        assert choice.te_path is TEPath.KERNELS
+        assert choice.path is TEPath.KERNELS
         assert importable and supported and cc is not None and cc // 10 == 10
     else:
-        assert choice.te_path is None
+        assert choice.path is None
     assert choice.reason.startswith("automatic default")
 
 
@@ -105,12 +148,13 @@ def test_automatic_default_never_picks_an_unsupported_te_kernel(importable, supp
 def test_te_path_is_kernels_only_where_te_reports_support_on_10x(importable, supported, cc):
     probe = TEProbe(importable, "", supported, cc)
     try:
-        choice = decide_backend("te", probe)
+        choice = decide("te", probe)
     except RuntimeError:
         assert not importable or cc is None
         return
     assert choice.backend is Backend.TE
-    assert (choice.te_path is TEPath.KERNELS) == (supported and cc // 10 == 10)
+    assert (choice.path is TEPath.KERNELS) == (supported and cc // 10 == 10)
+    assert te_availability(probe).path is choice.path  # the one rule, as the adapter runs it
 
 
 # ---- the same rules on this process, through the public entry points
@@ -124,7 +168,7 @@ cpu_only = pytest.mark.skipif(
 def test_this_cpu_process_defaults_to_xla_without_importing_te(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     resolved = resolve_kernels(None)
-    assert resolved.backend is Backend.XLA and resolved.te_path is None
+    assert resolved.backend is Backend.XLA and resolved.path is None
     assert "transformer_engine" not in sys.modules
     assert te_backend.probe().importable is False
 

@@ -94,15 +94,11 @@ def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
     """On the GPU machine, CPU tensors (the parity report's --device cpu) must not get the GPU's
     automatic backend: compiled Pallas on CPU arrays failed there ("Only interpret mode is
     supported on CPU backend"). Simulated here: the default device and the probe say H200."""
-    from common.kernels import Platform
-    from jax_side.mxfp8 import kernels
     from jax_side.mxfp8.te_probe import TEProbe
+    from tests.jax_side.mxfp8.machines import simulated_gpu
 
     h200 = TEProbe(False, "not installed", False, 90)
-    monkeypatch.setattr(kernels, "_probe_for", lambda requested, platform: h200)
-    monkeypatch.setattr(kernels, "default_platform", lambda: Platform.GPU)
-    kernels._resolve.cache_clear()
-    try:
+    with simulated_gpu(h200):
         assert resolve_kernels(None, "gpu").backend.value == "pallas"
         cpu = resolve_kernels(None, "cpu")
         assert cpu.backend.value == "xla" and "work on the CPU" in cpu.reason
@@ -111,5 +107,3 @@ def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
         monkeypatch.setenv("MXFP8_BACKEND", "pallas")
         with pytest.raises(ValueError, match="default device is 'gpu'"):
             resolve_kernels(None, "cpu")
-    finally:
-        kernels._resolve.cache_clear()

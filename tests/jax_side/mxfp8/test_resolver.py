@@ -2,13 +2,14 @@
 
 Every public function resolves its ``kernels`` (or the ``backend=`` / ``impl=`` shorthand) through
 it, so what runs is what ``kernel_report`` names; the automatic defaults and the environment are
-read there and nowhere else. GPUs are simulated with hand-made TE probes and a patched default
-platform, so the rules hold on this CPU-only CI.
+read there and nowhere else. GPUs are simulated (``machines.simulated_gpu``: hand-made TE probes,
+a GPU default platform), so the rules hold on this CPU-only CI.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import pathlib
 
 import jax
@@ -17,28 +18,21 @@ import pytest
 
 from common.kernels import Backend, GemmImpl, KernelConfig, Platform
 from jax_side import mxfp8
-from jax_side.mxfp8 import kernels
 from jax_side.mxfp8.kernels import BACKEND_ENV_VAR, GEMM_ENV_VAR, Origin, resolve_call
 from jax_side.mxfp8.te_probe import TEPath, TEProbe
+from tests.jax_side.mxfp8.machines import B200, H200, simulated_gpu
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-B200 = TEProbe(True, "", True, 100)
-H200 = TEProbe(True, "Device compute capability 9.9 or higher required", False, 90)
 
 
 @pytest.fixture
 def on_gpu(monkeypatch):
-    """Simulate a process whose JAX default device is a GPU, with the TE probe given."""
+    """``on_gpu(probe)``: from then on in the test, a process whose JAX default device is a
+    GPU, with the TE probe given."""
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     monkeypatch.delenv(GEMM_ENV_VAR, raising=False)
-
-    def simulate(probe: TEProbe) -> None:
-        monkeypatch.setattr(kernels, "_probe_for", lambda requested, platform: probe)
-        monkeypatch.setattr(kernels, "default_platform", lambda: Platform.GPU)
-        kernels._resolve.cache_clear()
-
-    yield simulate
-    kernels._resolve.cache_clear()
+    with contextlib.ExitStack() as stack:
+        yield lambda probe: stack.enter_context(simulated_gpu(probe))
 
 
 def _dot_input_dtypes(fn, *args) -> list[str]:
@@ -72,10 +66,10 @@ def test_a_chosen_gemm_keeps_the_automatic_default_off_te(on_gpu):
     # Before, the automatic TE choice dropped KernelConfig(gemm=...) without a word.
     on_gpu(B200)
     auto = mxfp8.resolve_kernels(None)
-    assert (auto.backend, auto.gemm, auto.te_path) == (Backend.TE, None, TEPath.KERNELS)
+    assert (auto.backend, auto.gemm, auto.path) == (Backend.TE, None, TEPath.KERNELS)
     chosen = mxfp8.resolve_kernels(KernelConfig(gemm="dequant_dot"))
     assert (chosen.backend, chosen.gemm) == (Backend.PALLAS, GemmImpl.DEQUANT_DOT)
-    assert "TE runs its own GEMM" in chosen.reason
+    assert "te runs its own GEMM" in chosen.reason
 
 
 def test_te_quantizes_whole_tensors_and_its_slices_run_on_xla(on_gpu):
@@ -92,7 +86,8 @@ def test_te_kernels_are_never_picked_below_compute_capability_10(on_gpu):
     auto = mxfp8.resolve_kernels(None)
     assert auto.backend is Backend.PALLAS and auto.origin is Origin.AUTOMATIC
     explicit = mxfp8.resolve_kernels(KernelConfig("te"))
-    assert explicit.te_path is TEPath.PURE_JAX and "unsupported" in explicit.reason
+    assert explicit.path is TEPath.PURE_JAX and "unsupported" in explicit.reason
+    assert mxfp8.kernel_report(KernelConfig("te"))["path"] == "pure_jax"
 
 
 def test_environment_gemm_does_not_apply_to_te_and_says_so(on_gpu, monkeypatch):

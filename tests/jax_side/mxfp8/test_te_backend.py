@@ -18,8 +18,10 @@ import pytest
 
 from jax_side import mxfp8
 from jax_side.mxfp8 import GemmImpl, GemmRole, MXFP8Tensor, Plane, te_backend
-from jax_side.mxfp8.backends import Backend, TEPath, decide_backend
+from jax_side.mxfp8.backend_api import site_for
+from jax_side.mxfp8.backends import Backend, decide_backend
 from jax_side.mxfp8.te_backend import ContractFix
+from jax_side.mxfp8.te_probe import TEPath
 
 # Warnings that TE-JAX's own modules raise while tracing are TE's business, not this contract's.
 pytestmark = [
@@ -150,13 +152,13 @@ def te_path():
 @pytest.mark.gpu
 def test_probe_and_dispatch_on_this_gpu(te_path):
     probe = te_backend.probe()
-    choice = decide_backend(Backend.TE, probe)
-    assert choice.te_path is te_path
+    choice = decide_backend(Backend.TE, site_for(mxfp8.Platform.GPU))
+    assert choice.path is te_path
     kernels = probe.mxfp8_supported and probe.compute_capability // 10 == 10
     assert te_path is (TEPath.KERNELS if kernels else TEPath.PURE_JAX)
     auto = mxfp8.resolve_kernels(None, "gpu")
     assert auto.backend is (Backend.TE if kernels else Backend.PALLAS), auto.reason
-    assert auto.te_path is (TEPath.KERNELS if kernels else None)
+    assert auto.path is (TEPath.KERNELS if kernels else None)
 
 
 SHAPES = [(BF16, (256, 512)), (F32, (128, 96)), (BF16, (4096, 1024))]
