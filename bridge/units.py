@@ -399,7 +399,7 @@ def _grad_layout(call: _Call, x_shape, x_dtype: torch.dtype) -> U.GradLayout:
     key = (call.spec, x_shape, x_dtype)
     if key not in cache:
         cache[key] = U.grad_layout(
-            x_shape, _jax_name(x_dtype),
+            [(x_shape, _jax_name(x_dtype))],
             [tuple(p.param.shape) for p in call.layout.params],
             [_jax_name(p.param.dtype) for p in call.layout.params],
             [tuple(lin.weight.shape) for _, lin in call.layout.linears], call.spec.dw_dtypes,
@@ -422,7 +422,7 @@ def _unpack(raw: torch.Tensor, ctx) -> tuple[list[torch.Tensor | None], list[tor
     each gradient group's flat buffer): views of the one packed array."""
     call = ctx.call
     layout = _grad_layout(call, ctx.x_shape, ctx.x_dtype)
-    segs = [layout.dx, *layout.params, *layout.mxfp8]
+    segs = [*layout.dxs, *layout.params, *layout.mxfp8]
     needs = ctx.needs_input_grad[1:2] + ctx.needs_input_grad[2 + call.n_aux:]
     out = [None if seg is None or not need else _view(raw, seg)
            for seg, need in zip(segs, needs, strict=True)]
