@@ -24,8 +24,9 @@ nothing is written on the module. The map holds the binding weakly too, since a 
 to its module (through FSDP's sources, the span, the cached layouts) and a mapping that held it
 strongly would keep the module alive for ever. Whoever binds keeps the binding alive: FSDP's
 unit (``bind_*`` returns the binding for it to hold) and the forward ``set_compute`` installs.
-A binding nobody holds lasts one call (``run_unit`` on a bare module: its layout is found again
-at the next call).
+FSDP holds each unit member's too, so the GPT's head (``run_unit`` on the root) finds its layout
+once. A binding nobody holds lasts one call (``run_unit`` on a module outside FSDP and
+``set_compute``: its layout is found again at each call, ~25 us for the GPT's head on CPU).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge.unit_bindings import bind_param, bind_span, bind_weight, forget
+from bridge.unit_bindings import bind_param, bind_span, bind_weight, forget, hold_binding
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
@@ -299,12 +299,16 @@ def install_plane_hooks(units: list[FSDPUnit]) -> list:
     and each owning module's unit binding (``bridge.unit_bindings``): a ``WeightPlanes`` or
     ``ParamShare`` per parameter, what ``bridge.units`` reads a unit program's weights from,
     and for a unit of several modules its ``UnitSpan``: ``bridge.units`` runs them as one
-    program. Each unit keeps the bindings it made alive (``FSDPUnit.bindings``)."""
+    program. Each unit keeps its members' bindings and those it filled alive
+    (``FSDPUnit.bindings``)."""
     for unit in units:  # unit programs made before read no FSDP sources
         forget(m for member in unit.modules for m in member.modules())
     handles = []
     for unit in units:
-        held = bind_span(unit.modules) if len(unit.modules) > 1 else []
+        # each member's too: what a unit program found for it (the root's: the GPT's head)
+        # is kept between steps
+        held = (bind_span(unit.modules) if len(unit.modules) > 1
+                else [hold_binding(unit.modules[0])])
         for g in unit.groups:
             placeholder = g.codec.param_storage is ParamStorage.PLACEHOLDER
             for i, e in enumerate(g.entries):
