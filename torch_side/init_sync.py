@@ -31,22 +31,18 @@ import enum
 import torch
 import torch.distributed as dist
 
-from common.enums import parse_enum
+from common.enums import Parseable
 from torch_side.collectives import Collective, Phase
 from torch_side.param_group import ParamGroup
 
 __all__ = ["InitSync", "initial_values"]
 
 
-class InitSync(enum.Enum):
+class InitSync(Parseable, enum.Enum, what="init_sync mode"):
     """How ``fully_shard`` makes every rank start from the same module values."""
 
     BROADCAST = "broadcast"  # rank 0's values replace every rank's
     VERIFY = "verify"  # refuse, naming the first differing parameter, if a rank differs
-
-    @classmethod
-    def parse(cls, value: InitSync | str) -> InitSync:
-        return parse_enum(cls, value, what="init_sync mode")
 
 
 def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
