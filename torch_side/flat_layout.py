@@ -159,9 +159,6 @@ class FlatLayout:
                 out.append(OwnedPiece(i, a - s.start, a - lo, b - a))
         return out
 
-    def owned_slice(self, rank: int, slot_index: int) -> OwnedPiece | None:
-        return next((p for p in self.owned(rank) if p.slot_index == slot_index), None)
-
 
 def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:
     """Raise :class:`LayoutError` unless: slots are aligned and disjoint, inside the padded
