@@ -166,3 +166,18 @@ def test_every_walkthrough_of_the_extending_guide_names_the_test_that_performs_i
                 if not re.search(r"`tests/[\w/]+/test_\w+\.py`", s)]
     assert not untested, f"walkthroughs naming no test file: {untested}"
 
+
+def test_test_files_sit_in_the_folder_of_the_package_they_test():
+    """README, "Layout": one tests folder per source package, project-wide checks at the top."""
+    top = {"test_architecture.py", "test_code_size.py", "test_compile_once.py",
+           "test_doc_references.py"}
+    misplaced = []
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = p.relative_to(ROOT / "tests")
+        if len(rel.parts) == 1:
+            ok = rel.name in top
+        else:
+            ok = (ROOT / Path(*rel.parts[:-1])).is_dir()
+        if not ok:
+            misplaced.append(str(rel))
+    assert not misplaced, f"test files outside a folder that mirrors a package: {misplaced}"
