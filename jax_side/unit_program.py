@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import ALL_PLANES, Plane
+from common.formats import ALL_PLANES, Plane, round_up
 from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
 from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.kernels import ResolvedKernels
@@ -164,7 +164,7 @@ def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes
         size = jnp.dtype(dtype).itemsize
         for d in shape:
             size *= d
-        cursor += -(-size // _ALIGN) * _ALIGN
+        cursor += round_up(size, _ALIGN)
         return start, tuple(shape), jnp.dtype(dtype).name
 
     grouped = _grouped(groups)

@@ -456,8 +456,3 @@ class FSDPUnit:
             m.__dict__.pop(SPAN_PENDING, None)
         self.state, self._pending = TrainingState.IDLE, 0
         self.experts.reset()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
