@@ -49,7 +49,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import ALL_PLANES, BLOCK_SIZE, MXFP8_BLOCKS, Plane, ScaleBlocks, parse_planes
+from common.formats import (
+    ALL_PLANES,
+    MXFP8_BLOCKS,
+    Plane,
+    ScaleBlocks,
+    block_padded,
+    parse_planes,
+)
 from common.gemm_roles import GemmRole
 from common.kernels import GemmImpl, KernelConfig
 from common.modes import LinearMode
@@ -169,7 +176,7 @@ def _packed(out: BackwardOut) -> BackwardOut:
 
 def padded_tokens(tokens: int) -> int:
     """Token count after zero-padding: the next multiple of 32, and at least 32."""
-    return max(BLOCK_SIZE, -(-tokens // BLOCK_SIZE) * BLOCK_SIZE)
+    return block_padded(tokens)
 
 
 def pad_tokens(x2d: jax.Array) -> jax.Array:

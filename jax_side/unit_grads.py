@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from common.formats import round_up
+
 __all__ = ["ALIGN", "GradGroup", "GradLayout", "Segment", "grad_layout", "pack_grads"]
 
 ALIGN = 16  # byte alignment of every segment of the packed gradients
@@ -64,7 +66,7 @@ def grad_layout(inputs: Sequence[tuple[tuple[int, ...], object]], param_shapes, 
         size = jnp.dtype(dtype).itemsize
         for d in shape:
             size *= d
-        cursor += -(-size // ALIGN) * ALIGN
+        cursor += round_up(size, ALIGN)
         return start, tuple(shape), jnp.dtype(dtype).name
 
     grouped = _grouped(groups)

@@ -1,9 +1,12 @@
-"""The only place that moves bytes: collectives over a process group, with a wire log.
+"""The only place that calls ``torch.distributed``'s collectives (``tests/test_architecture.py``
+holds every other library and application file to it): FSDP's through a :class:`Communicator`,
+with a wire log, and the few outside any FSDP model through the functions at the end.
 
-Every collective goes through a :class:`Communicator`, which records what it sent
-(:class:`WireRecord`: operation, phase, group label, dtype, element count, bytes per rank) so
-tests can assert what goes over the wire -- e.g. that a forward all-gather of an MXFP8 group moves
-1 byte per element and no scales. torch 2.13 renamed ``all_gather_into_tensor`` /
+Every FSDP collective -- the gathers, reductions and refreshes of a step, and the wrap-time
+broadcast of ``torch_side.init_sync`` -- goes through a :class:`Communicator`, which records what
+it sent (:class:`WireRecord`: operation, phase, group label, dtype, element count, bytes per rank)
+so tests can assert what goes over the wire -- e.g. that a forward all-gather of an MXFP8 group
+moves 1 byte per element and no scales. torch 2.13 renamed ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; both spellings are
 supported so the same code runs on the GPU machine's torch 2.11.
 
@@ -59,7 +62,8 @@ from torch_side.collective_check import (
     mismatch_message,
 )
 
-__all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord"]
+__all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord", "all_gather_objects",
+           "all_reduce_on", "barrier", "broadcast_object", "gather_objects"]
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -70,6 +74,7 @@ class Collective(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE_SUM = "all_reduce_sum"
     ALL_REDUCE_MAX = "all_reduce_max"
+    BROADCAST = "broadcast"
 
 
 class Phase(enum.Enum):
@@ -100,6 +105,7 @@ _VERB = {
     Collective.REDUCE_SCATTER: "reduce-scatter",
     Collective.ALL_REDUCE_SUM: "all-reduce (sum)",
     Collective.ALL_REDUCE_MAX: "all-reduce (max)",
+    Collective.BROADCAST: "broadcast",
 }
 
 # Communicators built so far per process group (None: the default group), in construction order;
@@ -114,6 +120,7 @@ _STREAM_OF = {  # which communication stream (and trace track) each collective r
     Collective.REDUCE_SCATTER: "reduce",
     Collective.ALL_REDUCE_SUM: "reduce",
     Collective.ALL_REDUCE_MAX: "reduce",
+    Collective.BROADCAST: "all-gather",  # (synchronous only: the trace track of its kind)
 }
 
 
@@ -422,3 +429,66 @@ class Communicator:
             return dist.all_reduce(t, op=red, group=self.group, async_op=async_)
 
         return self._issue(op, phase, label, t, call, async_op, (t,))
+
+    def broadcast(self, t: torch.Tensor, phase: Phase, label: str) -> None:
+        """In place, synchronous: every rank's t <- that of rank 0 of this communicator's group
+        (the wire log counts its bytes as sent by rank 0)."""
+        op = Collective.BROADCAST
+        self._before(op, phase, label, t)
+        self._log(op, phase, label, t, t.numel() * t.element_size() if self.rank == 0 else 0)
+
+        def call(async_):
+            if self.world_size == 1:
+                return None
+            pg = dist.group.WORLD if self.group is None else self.group
+            return dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg, async_op=async_)
+
+        self._issue(op, phase, label, t, call, False, (t,))
+
+
+# ------------------------------------------------------ collectives outside any FSDP model
+# Control values, not FSDP's bytes: a checkpoint's agreement and digests (torch_side.
+# sharded_files, whose callers pass a process group, not a model), a stand-alone
+# distributed_mxfp8_quantize, an application's metrics. On a process group (None: the default
+# one), synchronous, on the current stream, in no wire log; a failure gets a note naming the call.
+
+
+def _on_group(what: str, group, call):
+    try:
+        return call()
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        e.add_note(f"rank {rank}: this failed in {what}, a collective on the "
+                   f"{'default process group' if group is None else f'process group {group}'}")
+        raise
+
+
+def all_reduce_on(t: torch.Tensor, op: Collective, what: str, group=None) -> None:
+    """In place over ``group``; op is ALL_REDUCE_SUM or ALL_REDUCE_MAX."""
+    red = dist.ReduceOp.SUM if op is Collective.ALL_REDUCE_SUM else dist.ReduceOp.MAX
+    _on_group(what, group, lambda: dist.all_reduce(t, op=red, group=group))
+
+
+def all_gather_objects(obj, what: str, group=None) -> list:
+    """Every rank's picklable ``obj`` (between our own ranks only), in group rank order."""
+    out: list = [None] * dist.get_world_size(group)
+    _on_group(what, group, lambda: dist.all_gather_object(out, obj, group=group))
+    return out
+
+
+def gather_objects(obj, what: str, dst: int = 0, group=None) -> list | None:
+    """Every rank's picklable ``obj`` on global rank ``dst`` (None on the others)."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    _on_group(what, group, lambda: dist.gather_object(obj, out, dst=dst, group=group))
+    return out
+
+
+def broadcast_object(obj, what: str, src: int = 0, group=None):
+    """Global rank ``src``'s picklable ``obj``, on every rank."""
+    box = [obj]
+    _on_group(what, group, lambda: dist.broadcast_object_list(box, src=src, group=group))
+    return box[0]
+
+
+def barrier(what: str, group=None) -> None:
+    _on_group(what, group, lambda: dist.barrier(group=group))

@@ -22,13 +22,6 @@ class ExecutionOrder:
     def freeze(self) -> None:
         self.frozen = True
 
-    def neighbour(self, unit, step: int):
-        """The unit ``step`` places after ``unit`` in forward order (None: unknown or none)."""
-        if not self.frozen or unit not in self._order:
-            return None
-        i = self._order.index(unit) + step
-        return self._order[i] if 0 <= i < len(self._order) else None
-
     def ahead(self, unit, depth: int, direction: int) -> list:
         """The next ``depth`` units after ``unit`` in forward order (direction +1) or before
         it (-1: backward order), nearest first; empty until the order is frozen."""

@@ -458,8 +458,3 @@ class FSDPUnit:
         drop_span_run(self.modules[0])  # an aborted forward's span program run (bridge.units)
         self.state, self._pending = TrainingState.IDLE, 0
         self.experts.reset()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []

@@ -69,13 +69,11 @@ __all__ = [
     "EDGE_AMAX",
     "TESTED_TE_VERSION",
     "dequantize",
-    "describe",
     "edge_blocks",
     "is_available",
     "matmul",
     "probe",
     "quantize",
-    "require_available",
     "te_path",
 ]
 
@@ -106,15 +104,6 @@ def _on_gpu() -> Availability:
 def te_path() -> TEPath:
     """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
     return _on_gpu().path
-
-
-def require_available() -> None:
-    """Raise the resolver's clear error where the ``te`` backend cannot run."""
-    _on_gpu()
-
-
-def describe() -> str:
-    return "Transformer Engine for JAX; " + _on_gpu().reason
 
 
 @contextlib.contextmanager
