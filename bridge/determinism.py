@@ -35,6 +35,7 @@ __all__ = [
     "DeterminismReport",
     "make_deterministic",
     "merge_xla_flags",
+    "xla_deterministic_ops",
 ]
 
 XLA_DETERMINISTIC_FLAGS: tuple[str, ...] = (
@@ -102,3 +103,21 @@ def make_deterministic() -> DeterminismReport:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return DeterminismReport(os.environ["XLA_FLAGS"], overridden, True)
+
+
+def xla_deterministic_ops() -> bool:
+    """Whether this process's ``XLA_FLAGS`` turn on ``--xla_gpu_deterministic_ops`` (set by
+    :func:`make_deterministic` or by the user; XLA reads the flags once, at backend start, and
+    a later change takes no effect, so the environment is the flag's record here).
+
+    ``bridge.units`` asks it: on XLA:GPU with deterministic ops, a unit program of several
+    blocks (``jax_side.unit_program.SpanFn``) fails to execute its backward (jax 0.11.2 on an
+    H200: ``IndexError: absl::container_internal::raw_hash_map<>::at`` at the first backward,
+    BENCHMARKS.md "Reliability round 3"), so there the span's blocks run their own programs --
+    the same bits, since a span has the bits of one program per block."""
+    value = None
+    for part in os.environ.get("XLA_FLAGS", "").split():
+        name, _, v = part.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            value = v.lower() in ("", "true", "1")
+    return bool(value)

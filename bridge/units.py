@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from bridge.determinism import xla_deterministic_ops
 from bridge.unit_bindings import UnitBinding, hold_binding
 from bridge.unit_op import run_op
 from common.modes import Compute
@@ -56,6 +57,7 @@ __all__ = [
     "register_unit",
     "run_unit",
     "set_compute",
+    "span_programs_run_on",
     "unit_modules",
     "unregister_unit",
 ]
@@ -136,7 +138,8 @@ class UnitForward:
                 f"the number of differentiable tensors its forward takes"
             )
         span = self.binding.span
-        if span is None or not all(_one_to_one(m) for m in span.members):
+        if span is None or not all(_one_to_one(m) for m in span.members) or not (
+                span_programs_run_on(inputs[0].device)):
             return run_op(module, entry.fn_for(module), inputs, (), self.recompute,
                           binding=self.binding)
         if span.members[0] is not module:
@@ -149,6 +152,14 @@ class UnitForward:
 
     def __repr__(self) -> str:
         return f"UnitForward({type(self.module).__name__}, recompute={self.recompute})"
+
+
+def span_programs_run_on(device: torch.device) -> bool:
+    """Whether the blocks of an FSDP unit of several run as one program per direction on
+    ``device`` (else each block runs its own: the same bits). Not on CUDA when XLA runs with
+    deterministic ops (``bridge.determinism.xla_deterministic_ops``: XLA:GPU fails to execute
+    the span's backward there)."""
+    return not (device.type == "cuda" and xla_deterministic_ops())
 
 
 def _one_to_one(module: nn.Module) -> bool:

@@ -149,6 +149,36 @@ def test_one_program_per_unit_and_direction_and_one_gather_per_unit(
     assert units == ["<root>", "h_0+h_1+h_2+h_3"]
 
 
+@pytest.mark.parametrize(("flags", "cuda_spans"), [
+    ("", True), ("--xla_gpu_autotune_level=0", True),
+    ("--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0", False),
+    ("--xla_gpu_deterministic_ops", False), ("--xla_gpu_deterministic_ops=false", True),
+])
+def test_span_programs_are_off_on_cuda_under_xla_deterministic_ops(monkeypatch, flags,
+                                                                   cuda_spans):
+    """XLA:GPU fails to execute a span's backward with --xla_gpu_deterministic_ops (jax 0.11.2,
+    H200: IndexError raw_hash_map::at; BENCHMARKS.md): there the blocks run their own programs."""
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert BU.span_programs_run_on(torch.device("cuda")) is cuda_spans
+    assert BU.span_programs_run_on(torch.device("cpu"))
+
+
+def test_a_unit_whose_span_program_is_off_runs_one_program_per_block_same_bytes(
+        single_rank_world, monkeypatch):
+    """Where span programs are off (CUDA under deterministic ops), a unit of four blocks runs
+    each block's program inside the one FSDP unit: one gather per unit, the bytes of one unit
+    per block."""
+    want = _train(_model(1))
+    monkeypatch.setattr(BU, "span_programs_run_on", lambda device: False)
+    calls = _count_calls(monkeypatch, ("unit_forward", "unit_backward"))
+    model = _model(4)
+    assert [u.name for u in model.units] == ["<root>", "h_0+h_1+h_2+h_3"]
+    got = _train(model)
+    assert calls == {("unit_forward", "GPTBlockFn"): 8, ("unit_backward", "GPTBlockFn"): 8,
+                     ("unit_forward", "GPTHeadFn"): 2, ("unit_backward", "GPTHeadFn"): 2}, calls
+    _assert_same(got, want)
+
+
 def test_every_block_of_a_unit_returns_its_own_output(single_rank_world):
     # a model reading h_1 .. h_4 trains to the same bytes with 2 or 3 blocks per unit (units
     # (h_0, h_1, h_2) and (h_3,)) as with one, and evaluates to the training forward's bytes
