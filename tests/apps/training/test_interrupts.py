@@ -144,5 +144,14 @@ def test_a_preemption_sigterm_to_torchrun_releases_the_lock(tmp_path, cache):
     status, err = _interrupt(proc, signal.SIGTERM)
     assert status != 0
     assert "interrupted by SIGTERM" in err, err[-3000:]
-    assert _left(save) == ["latest"]
+    if "forcefully exiting via" in err:
+        # torchrun waits 30 s for its workers, then SIGKILLs them (as a scheduler does after
+        # its grace period): on a loaded machine the unwinding may not finish in time; the
+        # lock of the killed worker is then taken over by the resume, as after any SIGKILL
+        left = _left(save)
+        done = _resume(save, cache)
+        if "writer.lock" in left:
+            assert "taken over from run" in done.stderr, done.stderr[-3000:]
+        return
+    assert _left(save) == ["latest"], err[-3000:]
     _resume(save, cache)
