@@ -9,6 +9,7 @@ the stream number ``to_torch`` hands to ``jax.Array.__dlpack__``.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import jax
 import torch
@@ -37,14 +38,14 @@ def start_jax_backend() -> list:
     return jax.devices()
 
 
-def device_ctx(device: torch.device):
+def device_ctx(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Make ``device`` current, so Torch's "current stream" in ``__dlpack__`` is that device's."""
     if device.type != "cuda" or torch.cuda.current_device() == device.index:
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 
 
-def torch_stream_for(dl_device) -> int | None:
+def torch_stream_for(dl_device: tuple[int, int]) -> int | None:
     """The DLPack ``stream`` argument naming Torch's current stream of a DLPack device (None off
     CUDA): the stream a producer must order its buffer before."""
     kind, index = dl_device
@@ -73,7 +74,7 @@ def jax_device(device: torch.device | str) -> jax.Device:
     return gpus[index]
 
 
-def jax_work_on(device: torch.device | str):
+def jax_work_on(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
     """Context manager: new JAX work (and the kernels ``resolve_kernels`` picks) goes to the JAX
     twin of Torch ``device``. Needed for Flax/JAX code on CPU tensors in a GPU process."""
     return jax.default_device(jax_device(device))

@@ -112,7 +112,7 @@ def later_block_output(block: nn.Module, span: tuple[nn.Module, ...],
     return run.take(i, x)
 
 
-def _misuse(span, i: int, how: str) -> RuntimeError:
+def _misuse(span: SpanRun | Sequence[nn.Module], i: int, how: str) -> RuntimeError:
     names = span.names if isinstance(span, SpanRun) else tuple(type(m).__name__ for m in span)
     return RuntimeError(
         f"unit compute: this {names[i]} is block {i} of an FSDP unit of {len(names)} blocks, "

@@ -53,9 +53,10 @@ from __future__ import annotations
 
 import types
 import weakref
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
+import jax
 import torch
 from torch import nn
 
@@ -68,8 +69,10 @@ from bridge.unit_spans import SpanRun, later_block_output
 from bridge.unit_targets import SPAN_PENDING, SPECS_CACHE, UNIT_SPAN, GradTarget
 from common import trace
 from common.formats import Plane
+from common.kernels import KernelConfig
 from common.modes import Compute, LinearMode
 from jax_side import unit_program as U
+from jax_side.linear import FlatPlane
 from jax_side.models.gpt_math import GPTBlockFn, GPTHeadFn
 
 __all__ = [
@@ -96,6 +99,12 @@ def registered_fn(module: nn.Module) -> Callable | None:
         if cls in _REGISTRY:
             return _REGISTRY[cls](module)
     return None
+
+
+def _registered(module: nn.Module) -> Callable:
+    fn = registered_fn(module)
+    assert fn is not None, type(module)  # called on registered blocks only
+    return fn
 
 
 def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -134,14 +143,14 @@ def _block_forward(block: nn.Module, x: torch.Tensor, recompute: bool) -> torch.
     them, whose outputs the unit's blocks then return, each its own (``bridge.unit_spans``)."""
     span = _span_of(block)
     if span is None:
-        return run_unit(block, registered_fn(block), x, recompute=recompute)
+        return run_unit(block, _registered(block), x, recompute=recompute)
     if span[0] is not block:
         return later_block_output(block, span, x)
     prev = block.__dict__.get(SPAN_PENDING)
     if prev is not None:
         prev.check_previous()  # the previous forward skipped one of them (FSDP drops the
         # record of a forward an exception aborted: FSDPUnit.abort)
-    fn = U.SpanFn(tuple(registered_fn(m) for m in span))
+    fn = U.SpanFn(tuple(_registered(m) for m in span))
     run_ = SpanRun(span, torch.is_grad_enabled())
     outs = _run(block, fn, x, (), recompute, span=span, span_run=weakref.ref(run_))
     for m in span:
@@ -168,7 +177,7 @@ class _Layout(NamedTuple):
     grad_layouts: dict  # (spec, x shape, x dtype) -> U.GradLayout, filled on first use
 
 
-def _walk(module: nn.Module, parts: Sequence[str] | None):
+def _walk(module: nn.Module, parts: Sequence[str] | None) -> Iterator[tuple[str, nn.Module]]:
     if parts is None:
         yield from module.named_modules()
         return
@@ -178,14 +187,15 @@ def _walk(module: nn.Module, parts: Sequence[str] | None):
             yield (f"{part}.{name}" if name else part), m
 
 
-def _walk_span(span: tuple[nn.Module, ...]):
+def _walk_span(span: tuple[nn.Module, ...]) -> Iterator[tuple[str, nn.Module]]:
     """A span's modules, named ``<i>.<name>`` by their place in it (``jax_side``'s ``SpanFn``)."""
     for i, member in enumerate(span):
         for name, m in member.named_modules():
             yield (f"{i}.{name}" if name else str(i)), m
 
 
-def _find_layout(module: nn.Module, parts: Sequence[str] | None, span=None) -> _Layout:
+def _find_layout(module: nn.Module, parts: Sequence[str] | None,
+                 span: tuple[nn.Module, ...] | None = None) -> _Layout:
     params, linears, hp_linears = [], [], []
     for mname, mod in (_walk(module, parts) if span is None else _walk_span(span)):
         mx = isinstance(mod, MXFP8Linear)
@@ -209,7 +219,7 @@ def _find_layout(module: nn.Module, parts: Sequence[str] | None, span=None) -> _
     return _Layout(tuple(params), tuple(linears), tuple(hp_linears), {})
 
 
-def _layout(module: nn.Module, parts) -> _Layout:
+def _layout(module: nn.Module, parts: Sequence[str] | None) -> _Layout:
     cache = module.__dict__.setdefault("_unit_layouts", {})
     key = None if parts is None else tuple(parts)
     if key not in cache:
@@ -217,14 +227,14 @@ def _layout(module: nn.Module, parts) -> _Layout:
     return cache[key]
 
 
-def _param_input(p: _Param):
+def _param_input(p: _Param) -> U.FlatTensor | jax.Array:
     source = getattr(p.owner, "fsdp_sources", {}).get(p.local)
     if source is not None:
         return to_flat_tensor(source.shared_tensor())
     return _share(p.param)
 
 
-def _plane_input(lin: MXFP8Linear, plane: Plane):
+def _plane_input(lin: MXFP8Linear, plane: Plane) -> FlatPlane | jax.Array | None:
     """The weight's plane shared from FSDP, or (rowwise only) the weight itself to quantize."""
     source = getattr(lin, "fsdp_sources", {}).get("weight")
     if source is not None:
@@ -243,7 +253,10 @@ class _Call(NamedTuple):
     span_run: weakref.ref | None = None  # a span's call: its ``SpanRun`` (checked at backward)
 
 
-def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device, span=None):
+def _layout_and_spec(
+    module: nn.Module, fn: Callable, parts: Sequence[str] | None, device: torch.device,
+    span: tuple[nn.Module, ...] | None = None,
+) -> tuple[_Layout, U.UnitSpec, tuple[tuple[object, int], ...]]:
     """The unit's layout, program spec and gradient sinks, made once per (parts, function,
     device) and cached on the module: the per-call path only looks them up (a unit call is on
     the host-bound path). ``torch_side`` drops the cache when it (re)installs FSDP sources
@@ -257,7 +270,8 @@ def _layout_and_spec(module: nn.Module, fn, parts, device: torch.device, span=No
     return cache[key]
 
 
-def _spec(fn, layout: _Layout, device: torch.device, kernels, groups=()) -> U.UnitSpec:
+def _spec(fn: Callable, layout: _Layout, device: torch.device, kernels: KernelConfig | None,
+          groups: tuple[U.GradGroup, ...] = ()) -> U.UnitSpec:
     return U.UnitSpec(
         fn,
         tuple(p.name for p in layout.params),
@@ -294,7 +308,7 @@ def _grad_groups(layout: _Layout) -> tuple[tuple[U.GradGroup, ...], tuple[tuple[
     return groups, tuple((sink, len(slots)) for sink, _, _, slots in by_sink.values())
 
 
-def _kernels(layout: _Layout, module: nn.Module):
+def _kernels(layout: _Layout, module: nn.Module) -> KernelConfig | None:
     configs = {lin.kernels for _, lin in layout.linears}
     if len(configs) > 1:
         raise ValueError(
@@ -304,7 +318,9 @@ def _kernels(layout: _Layout, module: nn.Module):
     return next(iter(configs), None)
 
 
-def _jax_inputs(call: _Call, x: torch.Tensor, aux: Sequence[torch.Tensor]):
+def _jax_inputs(
+    call: _Call, x: torch.Tensor, aux: Sequence[torch.Tensor]
+) -> tuple[U.Params, U.Rows, jax.Array, tuple[jax.Array, ...]]:
     params = tuple(_param_input(p) for p in call.layout.params)
     rows = tuple(_plane_input(lin, Plane.ROWWISE) for _, lin in call.layout.linears)
     return params, rows, _share(x), tuple(to_jax(_aux32(a)) for a in aux)
@@ -323,7 +339,8 @@ class _UnitFn(torch.autograd.Function):
     (``set_materialize_grads(False)``) and picks the program that takes no cotangent for it."""
 
     @staticmethod
-    def forward(ctx, call: _Call, x, *rest):
+    def forward(ctx: Any, call: _Call, x: torch.Tensor,
+                *rest: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         aux = rest[: call.n_aux]
         params, rows, xj, auxj = _jax_inputs(call, x, aux)
         ctx.set_materialize_grads(False)
@@ -376,7 +393,7 @@ class _UnitFn(torch.autograd.Function):
         return (None, grads[0], *([None] * call.n_aux), *grads[1:])
 
 
-def _results(out, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _results(out: U.Out, device: torch.device) -> tuple[torch.Tensor, ...]:
     """A program's output (one array, or a span's tuple of them) as Torch tensors."""
     return tuple(_result(o, device) for o in (out if isinstance(out, tuple) else (out,)))
 
@@ -394,7 +411,7 @@ def _cotangents(ctx, douts):
     return (*(None if d is None else _share(d) for d in douts[:-1]), _share(last))
 
 
-def _grad_layout(call: _Call, x_shape, x_dtype: torch.dtype) -> U.GradLayout:
+def _grad_layout(call: _Call, x_shape: tuple[int, ...], x_dtype: torch.dtype) -> U.GradLayout:
     cache = call.layout.grad_layouts
     key = (call.spec, x_shape, x_dtype)
     if key not in cache:
@@ -408,7 +425,7 @@ def _grad_layout(call: _Call, x_shape, x_dtype: torch.dtype) -> U.GradLayout:
     return cache[key]
 
 
-def _view(raw: torch.Tensor, seg) -> torch.Tensor:
+def _view(raw: torch.Tensor, seg: tuple[int, tuple[int, ...], str]) -> torch.Tensor:
     start, shape, dtype = seg
     t = torch_dtype_for(dtype)
     n = t.itemsize
@@ -417,7 +434,9 @@ def _view(raw: torch.Tensor, seg) -> torch.Tensor:
     return raw[start:start + n].view(t).view(shape)
 
 
-def _unpack(raw: torch.Tensor, ctx) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+def _unpack(
+    raw: torch.Tensor, ctx: Any
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """(dx, each parameter's gradient, each MXFP8 weight's dW -- None for those in a group --;
     each gradient group's flat buffer): views of the one packed array."""
     call = ctx.call
@@ -455,7 +474,9 @@ def _run(module, fn, x, aux, recompute, *, parts=None, span=None, span_run=None)
     return _UnitFn.apply(call, x, *aux, *tensors)
 
 
-def _evaluate(call: _Call, x: torch.Tensor, aux):
+def _evaluate(
+    call: _Call, x: torch.Tensor, aux: Sequence[torch.Tensor]
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The forward without gradients: the very program the forward with gradients runs
     (``unit_forward``, its residuals dropped at once; ``unit_apply`` when recomputing). A
     forward-only program is another XLA program, which may round bf16 intermediates elsewhere

@@ -13,7 +13,8 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def parse_enum(
-    cls: type[E], value: object, *, what: str, aliases: Mapping[str, E] | None = None, hint=""
+    cls: type[E], value: object, *, what: str, aliases: Mapping[str, E] | None = None,
+    hint: str = "",
 ) -> E:
     """``cls`` member for ``value``: a member, a value string (case-insensitive), an alias, or a
     member of another enum whose ``.value`` is one of ours. ValueError naming ``what`` otherwise."""

@@ -47,34 +47,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from common.formats import ALL_PLANES, Plane
 from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
 from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.kernels import ResolvedKernels
 
-__all__ = [
-    "FlatTensor",
-    "Forwarded",
-    "GradGroup",
-    "GradLayout",
-    "Saved",
-    "SpanFn",
-    "UnitSpec",
-    "grad_layout",
-    "unit_apply",
-    "unit_backward",
-    "unit_forward",
-    "unit_recompute_backward",
-]
+__all__ = ["FlatTensor", "Forwarded", "GradGroup", "GradLayout", "Saved", "SpanFn", "UnitSpec",
+           "grad_layout", "unit_apply", "unit_backward", "unit_forward", "unit_recompute_backward"]
 
 _ALIGN = 16  # byte alignment of every segment of the packed gradients (Torch views need it)
+
+# The programs' pytree arguments and results (module docstring: "Weights"; Out: a jax.Array, or
+# a SpanFn's tuple of them, and the cotangents alike), and gradient segment shapes:
+Params: TypeAlias = Sequence[Any]
+Rows: TypeAlias = Sequence[Any]
+Cols: TypeAlias = Sequence[Any]
+Out: TypeAlias = Any
+_Shape: TypeAlias = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +127,7 @@ class SpanFn:
 
     fns: tuple[Callable, ...]
 
-    def block(self, i: int, params, linear, x):
+    def block(self, i: int, params: dict[str, Any], linear: Callable, x: jax.Array) -> Out:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
         pre = f"{i}."
         own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
@@ -149,16 +146,17 @@ class GradLayout(NamedTuple):
     groups: tuple[tuple[int, tuple[int, ...], str], ...] = ()
 
 
-def _grouped(groups) -> frozenset[int]:
+def _grouped(groups: tuple[GradGroup, ...]) -> frozenset[int]:
     return frozenset(i for g in groups for i, _ in g.slots)
 
 
-def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes,
-                groups: tuple[GradGroup, ...] = ()) -> GradLayout:
+def grad_layout(x_shape: _Shape, x_dtype: DTypeLike, param_shapes: Sequence[_Shape],
+                param_dtypes: Sequence[DTypeLike], w_shapes: Sequence[_Shape],
+                w_dtypes: Sequence[DTypeLike], groups: tuple[GradGroup, ...] = ()) -> GradLayout:
     """The packed layout for these shapes and dtypes (the Torch side cuts its views from it)."""
     cursor = 0
 
-    def seg(shape, dtype):
+    def seg(shape: _Shape, dtype: DTypeLike) -> tuple[int, _Shape, str]:
         nonlocal cursor
         start = cursor
         size = jnp.dtype(dtype).itemsize
@@ -178,7 +176,7 @@ def grad_layout(x_shape, x_dtype, param_shapes, param_dtypes, w_shapes, w_dtypes
     return GradLayout(dx, params, mx, cursor, flat)
 
 
-def _flat_group(group: GradGroup, grads) -> jax.Array:
+def _flat_group(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:
     """The group's flat buffer: each gradient cast and placed at its start, zeros between."""
     dt = jnp.dtype(group.dtype)
     parts, cursor = [], 0
@@ -195,7 +193,7 @@ def _flat_group(group: GradGroup, grads) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def _pack(arrays) -> jax.Array:
+def _pack(arrays: Iterable[jax.Array]) -> jax.Array:
     parts = []
     for a in arrays:
         raw = lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
@@ -206,7 +204,7 @@ def _pack(arrays) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def _pack_grads(dx, grads, groups: tuple[GradGroup, ...]) -> jax.Array:
+def _pack_grads(dx: jax.Array, grads: list, groups: tuple[GradGroup, ...]) -> jax.Array:
     """dx, the gradients not in a group, then each group's flat buffer (``grad_layout``)."""
     grouped = _grouped(groups)
     alone = [g for i, g in enumerate(grads) if i not in grouped]
@@ -219,7 +217,7 @@ def _pack_grads(dx, grads, groups: tuple[GradGroup, ...]) -> jax.Array:
 class _BackwardScope:
     """The colwise planes and dW dtypes of one ``unit_backward`` trace, and the dW it collects."""
 
-    def __init__(self, cols, dw_dtypes):
+    def __init__(self, cols: Cols, dw_dtypes: tuple[str, ...]) -> None:
         self.cols, self.dw_dtypes = cols, dw_dtypes
         self.dw: list = [None] * len(cols)
 
@@ -239,7 +237,7 @@ def _scope() -> _BackwardScope:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _unit_linear(x2d, w_row, index: int, kernels: ResolvedKernels):
+def _unit_linear(x2d: jax.Array, w_row: Any, index: int, kernels: ResolvedKernels) -> jax.Array:
     return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
 
 
@@ -275,17 +273,17 @@ def _weights(rows, kernels):
     return row_planes, tuple(own_cols)
 
 
-def _values(params) -> tuple:
+def _values(params: Params) -> tuple:
     return tuple(p.array() if isinstance(p, FlatTensor) else p for p in params)
 
 
-def _bound(spec: UnitSpec, row_planes, aux, stage: int | None = None):
+def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = None) -> Callable:
     """``f(param values, x) -> out`` with the linears filled in: the unit function over all
     of ``spec.params``, or block ``stage`` of a ``SpanFn`` over its own (``_stage``)."""
     index = {name: i for i, name in enumerate(spec.mxfp8)}
     hp_lin = set(spec.hp_linears)
     names = spec.params if stage is None else tuple(spec.params[i] for i in _stage(spec, stage))
-    fn = spec.fn if stage is None else functools.partial(spec.fn.block, stage)
+    fn = spec.fn if stage is None else functools.partial(cast(SpanFn, spec.fn).block, stage)
 
     def f(values, x):
         params = dict(zip(names, values, strict=True))
@@ -314,7 +312,8 @@ def _stage(spec: UnitSpec, k: int) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(spec.params) if n.startswith(f"{k}."))
 
 
-def _linearize(spec: UnitSpec, row_planes, aux, values, x, *, vjp: bool = True):
+def _linearize(spec: UnitSpec, row_planes: Rows, aux: tuple, values: tuple, x: jax.Array, *,
+               vjp: bool = True) -> tuple[Out, Any, tuple]:
     """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` (None
     with ``vjp=False``). For a ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and
     its input), out the tuple of the blocks' outputs, of which all but the last are passed on
@@ -344,7 +343,7 @@ def _boundary(h: jax.Array) -> jax.Array:
     return lax.optimization_barrier(h)
 
 
-def _pullback(spec: UnitSpec, vjp, dout):
+def _pullback(spec: UnitSpec, vjp: Any, dout: Out) -> tuple[tuple, jax.Array]:
     """(gradient of each of ``spec.params``, dx). For a ``SpanFn``, ``dout`` holds a cotangent
     or None per block output (the last one present): block k's rule takes block k+1's dx plus
     block k's own cotangent, where one came, as autograd sums them for units of one block.
@@ -369,7 +368,7 @@ def _pullback(spec: UnitSpec, vjp, dout):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_apply(params, rows, x, aux, *, spec: UnitSpec):
+def unit_apply(params: Params, rows: Rows, x: jax.Array, aux: tuple, *, spec: UnitSpec) -> Out:
     """The unit's output alone (no residuals kept)."""
     row_planes, _ = _weights(rows, spec.kernels)
     return _linearize(spec, row_planes, aux, _values(params), x, vjp=False)[0]
@@ -387,13 +386,14 @@ class Forwarded:
     def __init__(self, positions: tuple[tuple[int, int], ...]):
         self.positions = positions
 
-    def kept(self, params, rows, x, aux, out=None) -> tuple:
+    def kept(self, params: Params, rows: Rows, x: jax.Array, aux: tuple, out: Out = None) -> tuple:
         """The source leaves the backward needs back, in ``positions`` order (``out``: the
         forward's output, needed where a span passes outputs on)."""
         flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(flat[i] for _, i in self.positions)
 
-    def kept_without_params(self, params, rows, x, aux, out=None) -> tuple:
+    def kept_without_params(self, params: Params, rows: Rows, x: jax.Array, aux: tuple,
+                            out: Out = None) -> tuple:
         """``kept``, with None where a leaf comes from ``params``: a caller that can give the
         same parameter values again at backward (FSDP gathers them again) does not hold the
         forward's parameter buffers until then; ``with_params`` fills them in."""
@@ -401,7 +401,7 @@ class Forwarded:
         flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(None if i < n else flat[i] for _, i in self.positions)
 
-    def with_params(self, kept: tuple, params) -> tuple:
+    def with_params(self, kept: tuple, params: Params) -> tuple:
         """``kept_without_params``'s result completed from ``params`` (the same values)."""
         flat = jax.tree.leaves(params)
         return tuple(flat[i] if k is None else k
@@ -441,7 +441,7 @@ def _strip_inputs(vjp, sources, passed):
     return jax.tree.unflatten(tree, leaves), Forwarded(tuple(positions))
 
 
-def _restore_inputs(saved: Saved, kept):
+def _restore_inputs(saved: Saved, kept: tuple) -> Any:
     leaves, tree = jax.tree.flatten(saved.vjp)
     for (k, _), value in zip(saved.forwarded.positions, kept, strict=True):
         leaves[k] = value
@@ -449,7 +449,8 @@ def _restore_inputs(saved: Saved, kept):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
+def unit_forward(params: Params, rows: Rows, x: jax.Array, aux: tuple, *,
+                 spec: UnitSpec) -> tuple[Out, Saved]:
     """(out, ``Saved``): the forward and its linearization (module docstring)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
     out, vjp, passed = _linearize(spec, row_planes, aux, _values(params), x)
@@ -457,7 +458,7 @@ def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
     return out, Saved(vjp, own_cols, forwarded)
 
 
-def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
+def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec) -> jax.Array:
     cols = tuple(c if c is not None else o for c, o in zip(cols, own_cols, strict=True))
     missing = [spec.mxfp8[i] for i, c in enumerate(cols) if c is None]
     if missing:
@@ -481,7 +482,7 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
+def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *, spec: UnitSpec) -> jax.Array:
     """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs (and
     outputs) it forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for
     a ``SpanFn``: one per block output, None where none came, ``_pullback``); ``cols``: the
@@ -490,7 +491,8 @@ def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_recompute_backward(params, rows, x, aux, dout, cols, *, spec: UnitSpec):
+def unit_recompute_backward(params: Params, rows: Rows, x: jax.Array, aux: tuple, dout: Out,
+                            cols: Cols, *, spec: UnitSpec) -> jax.Array:
     """Recompute the forward, then the backward, in one program (activation recompute)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
     _, vjp, _ = _linearize(spec, row_planes, aux, _values(params), x)

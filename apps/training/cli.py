@@ -24,11 +24,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from apps.training.job import RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, from_args, option, positive
 from apps.training.output_path import unwritable_reason
+
+if TYPE_CHECKING:  # imported where used: it starts torch
+    from apps.training.loop import TrainResult
+
+Runs = list[tuple[str, TrainJob, RunOptions]]  # (label, job, options) of each training
 
 __all__ = ["Launch", "build_parser", "main", "parse_args"]
 
@@ -165,7 +170,7 @@ def result_path(metrics: str | None, suffix: str) -> str | None:
     return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))
 
 
-def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
+def _runs(args: argparse.Namespace) -> Runs:
     """(label, job, RunOptions) of every training this command runs (no torch imported: a
     refused combination answers at once)."""
     job = from_args(TrainJob, args)
@@ -178,7 +183,7 @@ def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
     return runs
 
 
-def _check_text_corpus(args) -> None:
+def _check_text_corpus(args: argparse.Namespace) -> None:
     """A text corpus too small for --seq-len (or a missing path) is refused before any rank
     starts; the ranks check again (``Corpus.check_fits``), this only makes the error early and
     plain. The standard library is megabytes: not read here."""
@@ -206,7 +211,7 @@ class Stopped(NamedTuple):
     status: int = 1
 
 
-def _rank_entry(runs):
+def _rank_entry(runs: Runs) -> list[TrainResult] | Stopped:
     """What every rank runs: the trainings in order, then the results (rank 0's matter), or
     ``Stopped`` when one diverged (every rank stops at the same step: the values are global),
     a checkpoint was refused (every rank raises the same error; exit status 2), or a signal
@@ -231,14 +236,14 @@ def _rank_entry(runs):
         return results
 
 
-def _after_interrupt(opts) -> str:
+def _after_interrupt(opts: RunOptions) -> str:
     if not opts.save_dir:
         return "nothing was saved (no --save-dir)"
     return (f"the last complete checkpoint in {opts.save_dir} stays ('latest' names it) and its "
             f"lock is released: the same command with --resume {opts.save_dir} continues")
 
 
-def _torchrun_main(args, runs) -> list:
+def _torchrun_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Stopped:
     import torch
     import torch.distributed as dist
 
@@ -266,7 +271,7 @@ def _torchrun_main(args, runs) -> list:
     return results if int(os.environ["RANK"]) == 0 else []
 
 
-def _local_main(args, runs):
+def _local_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Stopped:
     """Spawn ``--nproc`` local ranks; what rank 0 returned, or ``Stopped`` when this launcher
     was sent SIGTERM or SIGINT (it stops its ranks, which unwind: torch_side.launch)."""
     from apps.training.interrupts import Interrupted
@@ -287,7 +292,8 @@ def _local_main(args, runs):
                        f"{_after_interrupt(runs[0][2])}", status)
 
 
-def _print_summary(args, runs, results, wall: float) -> None:
+def _print_summary(args: argparse.Namespace, runs: Runs, results: list[TrainResult],
+                   wall: float) -> None:
     first = results[0]
     job = first.job
     print(f"\nGPT {args.config!r} ({job.resolved_activations.value} activations), data "

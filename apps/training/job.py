@@ -113,7 +113,7 @@ class Recompute(enum.Enum):
     BLOCK = "block"  # every block's forward is recomputed in backward
 
 
-def _positive_int(owner: str, name: str, value) -> None:
+def _positive_int(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name}={value!r}: expected an integer >= 1")
 

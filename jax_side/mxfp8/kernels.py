@@ -129,7 +129,8 @@ def resolve_call(
                 f"{what}: pass either kernels=KernelConfig(...) or the shorthand backend=/impl=, "
                 f"not both (got kernels={kernels!r}, backend={backend!r}, impl={gemm!r})"
             )
-        kernels = KernelConfig(backend, gemm)
+        kernels = KernelConfig(None if backend is None else Backend.parse(backend),
+                               None if gemm is None else GemmImpl.parse(gemm))
     return resolve_kernels(kernels)
 
 
