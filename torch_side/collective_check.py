@@ -137,7 +137,8 @@ def mismatch_message(rows: torch.Tensor, rank: int, group_name: str) -> str | No
     if bool((rows == rows[0]).all()):
         return None
     decoded = [Descriptor.decode(r) for r in rows]
-    lines, ranks_of = [], {}
+    lines: list[str] = []
+    ranks_of: dict[str, list[int]] = {}
     for r, d in enumerate(decoded):
         key = d.describe() if d is not None else "something else (not an FSDP descriptor)"
         ranks_of.setdefault(key, []).append(r)

@@ -46,6 +46,8 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,8 @@ from torch_side.collective_check import (
 )
 
 __all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord"]
+
+T = TypeVar("T")
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -125,18 +129,18 @@ RELEASE_WAIT_S = 2.0
 _FIRST_SLEEP_S, _MAX_SLEEP_S = 1e-5, 1e-3  # the wait sleeps (backing off), never spins
 
 
-def _counts(tensors) -> tuple[int, ...]:
+def _counts(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
     """TensorImpl, storage and Python references of each tensor, now (flattened). (Torch
     drops a C++ holder's last extra reference before the Python one it kept for it, which
     needs the GIL: a wait that looked at the C++ counts only could return in between.)"""
-    out = []
+    out: list[int] = []
     for t in tensors:
         out += (t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata),
                 sys.getrefcount(t))
     return tuple(out)
 
 
-def _await_release(tensors, limit: tuple[int, ...]) -> bool:
+def _await_release(tensors: Sequence[torch.Tensor], limit: tuple[int, ...]) -> bool:
     """Wait until every reference count of ``tensors`` is at most ``limit`` (``_counts``);
     whether they got there within ``RELEASE_WAIT_S``.
 
@@ -160,7 +164,10 @@ def _await_release(tensors, limit: tuple[int, ...]) -> bool:
     return True
 
 
-def _release_or_warn(tensors, limit: tuple[int, ...], what: tuple) -> None:
+_What = tuple["Collective", "Phase", str]  # which collective: (op, phase, label)
+
+
+def _release_or_warn(tensors: Sequence[torch.Tensor], limit: tuple[int, ...], what: _What) -> None:
     """``_await_release``, and a warning naming the collective when it gave up."""
     if _await_release(tensors, limit):
         return
@@ -181,12 +188,14 @@ class Handle:
     the collective surfaces there with the communicator's note. gloo: the wait also lets go of
     the work and returns once gloo's thread has (``_await_release``)."""
 
-    def __init__(self, comm: Communicator, what: tuple, work=None, event=None,
-                 held=((), ())):
+    def __init__(self, comm: Communicator, what: _What, work: dist.Work | None = None,
+                 event: torch.cuda.Event | None = None,
+                 held: tuple[Sequence[torch.Tensor], tuple[int, ...]] = ((), ())):
         self._comm, self._what, self._work, self._event = comm, what, work, event
         self._held = held  # gloo: (tensors, the references its work added to each at issue)
         self.done = False
-        self.on_wait = None  # called once the wait returns (the trace's end of the interval)
+        # called once the wait returns (the trace's end of the interval)
+        self.on_wait: Callable[[], None] | None = None
 
     def wait(self) -> None:
         if self.done:
@@ -202,7 +211,8 @@ class Handle:
                 raise
             tensors, added = self._held
             limit = tuple(c - a for c, a in zip(_counts(tensors), added, strict=True))
-            self._work = self._held = None  # (the work is alive until here: its references too)
+            # (the work is alive until here: its references too)
+            self._work, self._held = None, ((), ())
             _release_or_warn(tensors, limit, self._what)
         if self.on_wait is not None:
             self.on_wait()
@@ -227,7 +237,8 @@ class Communicator:
         _ORDINALS[group] = self.ordinal + 1
         self.seq = 0  # collectives issued so far (the check compares it across ranks)
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-        self._anchor = None  # (recorder, CUDA event, host us): GPU times on the trace clock
+        # (recorder, CUDA event, host us): GPU times on the trace clock
+        self._anchor: tuple[trace.Recorder, torch.cuda.Event, float] | None = None
 
     def _agree(self, device: torch.device) -> None:
         """Once, before the first collective: the switch is on if any rank asked for it."""
@@ -235,7 +246,8 @@ class Communicator:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.check, self._agreed = bool(flag.item()), True
 
-    def _log(self, op, phase, label, t: torch.Tensor, bytes_sent: int) -> None:
+    def _log(self, op: Collective, phase: Phase, label: str, t: torch.Tensor,
+             bytes_sent: int) -> None:
         self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), bytes_sent))
 
     def _before(self, op: Collective, phase: Phase, label: str, t: torch.Tensor) -> None:
@@ -277,7 +289,8 @@ class Communicator:
             "get an error naming what each rank was about to run."
         )
 
-    def _run(self, op: Collective, phase: Phase, label: str, call, checking: bool = False):
+    def _run(self, op: Collective, phase: Phase, label: str, call: Callable[[], T],
+             checking: bool = False) -> T:
         """call(), adding a note that names the collective (and the switch) to its failure."""
         try:
             return call()
@@ -292,7 +305,9 @@ class Communicator:
             s = self._streams[(kind, device)] = torch.cuda.Stream(device)
         return s
 
-    def _issue(self, op, phase, label, t: torch.Tensor, call, async_op: bool, tensors=()):
+    def _issue(self, op: Collective, phase: Phase, label: str, t: torch.Tensor,
+               call: Callable[[bool], Any], async_op: bool,
+               tensors: Sequence[torch.Tensor] = ()) -> Handle | None:
         """Run call(async_op) on the right stream (module note); a Handle when async_op.
         tensors: those the collective reads or writes (gloo holds them: ``_await_release``)."""
         kind = _STREAM_OF[op]
@@ -300,7 +315,7 @@ class Communicator:
         before = _counts(tensors) if gloo else ()
         what = (op, phase, label)
         rec = trace.active()
-        args = None if rec is None else {
+        args: dict[str, Any] = {} if rec is None else {
             "phase": phase.value, "bytes": t.numel() * t.element_size()}
         if not async_op or (self.world_size == 1 and not (t.is_cuda and _STREAMS_AT_WORLD_1)):
             if rec is None:  # (the hot path: no trace names or arguments built)
@@ -336,7 +351,8 @@ class Communicator:
             timing()
         return Handle(self, what, event=event)
 
-    def _cuda_timing(self, rec, stream, track: str, name: str, args: dict):
+    def _cuda_timing(self, rec: trace.Recorder | None, stream: torch.cuda.Stream, track: str,
+                     name: str, args: dict) -> Callable[[], None] | None:
         """With a recorder: a start event on ``stream`` now, and a function of the end event
         that records the interval on the trace clock when the trace is read (CUDA events)."""
         if rec is None:

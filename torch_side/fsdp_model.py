@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ from torch_side.unit_builder import ModuleSpec, UnitConfig, build_units, install
 __all__ = ["FSDPModel", "fully_shard"]
 
 
-def _check_group(group, what: str) -> None:
+def _check_group(group: dist.ProcessGroup | None, what: str) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             f"fully_shard: torch.distributed is not initialised; call "
@@ -80,14 +81,14 @@ class FSDPModel(nn.Module):
         self,
         module: nn.Module,
         unit_modules: ModuleSpec,
-        group,
-        strategy: ShardingStrategy,
+        group: dist.ProcessGroup | None,
+        strategy: ShardingStrategy | str,
         policy: MixedPrecisionPolicy,
         expert_modules: ModuleSpec,
-        expert_group,
+        expert_group: dist.ProcessGroup | None,
         grad_check: GradCheck,
         kernels: KernelConfig | None,
-        init_sync: InitSync,
+        init_sync: InitSync | str,
         check_collectives: bool | None = None,
         overlap: Overlap | None = None,
     ):
@@ -131,7 +132,7 @@ class FSDPModel(nn.Module):
                 mark(e.param, e.name)
         self._planes_handles = install_plane_hooks(self.units)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -181,7 +182,10 @@ class FSDPModel(nn.Module):
         sd.load_full_state_dict(self.param_groups, state)
         self.state.weights_changed()
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+    def state_dict(
+        self, *args: object, destination: dict[str, Any] | None = None, prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
         """COLLECTIVE (call on every rank): the wrapped module's ``state_dict()`` with every
         parameter replaced by its full fp32 main weight (``full_state_dict``); buffers as
         they are. Keys are the wrapped module's own (no ``module.`` prefix), so it loads into an
@@ -190,16 +194,20 @@ class FSDPModel(nn.Module):
             raise TypeError("FSDPModel.state_dict: pass destination/prefix/keep_vars by keyword")
         full = self.full_state_dict()
         local = self.module.state_dict(keep_vars=keep_vars)
-        out = collections.OrderedDict() if destination is None else destination
+        if destination is not None:
+            for key, value in local.items():
+                destination[prefix + key] = full.get(key, value)
+            return destination
+        out: collections.OrderedDict[str, Any] = collections.OrderedDict()
         for key, value in local.items():
             out[prefix + key] = full.get(key, value)
-        if destination is None and not prefix and hasattr(local, "_metadata"):
-            out._metadata = local._metadata
+        if not prefix and hasattr(local, "_metadata"):
+            out._metadata = local._metadata  # type: ignore[attr-defined]  # as nn.Module sets it
         return out
 
     def load_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
-    ):
+    ) -> tuple[list[str], list[str]]:
         """COLLECTIVE: load what ``state_dict()`` returns (the wrapped module's names). Parameters
         go through ``load_full_state_dict`` (shapes checked, planes requantized); buffers are
         copied. strict: missing or unexpected keys raise, naming them; with ``strict=False``

@@ -45,7 +45,8 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -214,7 +215,7 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(procs) -> None:
+def _terminate(procs: Sequence[BaseProcess]) -> None:
     """SIGTERM to every rank still running, SIGKILL to those still running ``_GRACE_S`` later
     (a rank that unwinds on SIGTERM, as mxfp8-train's do, gets that long to clean up)."""
     procs = [p for p in procs if p.pid is not None]  # a failed start left the rest unstarted
@@ -229,7 +230,8 @@ def _terminate(procs) -> None:
             p.join()
 
 
-def _watch(procs, out: Path, world_size: int, timeout: float | None) -> None:
+def _watch(procs: Sequence[BaseProcess], out: Path, world_size: int,
+           timeout: float | None) -> None:
     start = time.monotonic()
     while True:
         for r, p in enumerate(procs):

@@ -118,13 +118,13 @@ def _plane_bytes(unit, which: str) -> int:
     total = 0
     for g in unit.groups:
         plane = g.forward_plane if which == "forward" else g.backward_plane
-        total += g.layout.padded_numel * g.buckets[plane].local.element_size()
+        total += g.layout.padded_numel * g.model[plane].element_size()
     return total
 
 
 def _grad_bytes(unit) -> int:
-    return sum(g.layout.padded_numel * g.grads.comm_dtype.itemsize
-               for g in unit.groups if g.grads is not None)
+    return sum(g.layout.padded_numel * g.grad_slot(0).dtype.itemsize
+               for g in unit.groups if g.takes_grads)
 
 
 def _bounds(model, overlap: Overlap) -> tuple[int, int]:
