@@ -30,7 +30,8 @@ reading the output, and keep the input unchanged until then. Where they run:
 
 A synchronous collective runs on the current stream, and so does every collective at world size
 1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
-BENCHMARKS.md, "Overlap"); ``MXFP8_FSDP_COMM_STREAMS=1`` sends world-size-1 copies through the
+BENCHMARKS.md, "Overlap"); ``streams_at_world_1`` (``Overlap.streams_at_world_1``; the
+applications' ``MXFP8_FSDP_COMM_STREAMS=1``) sends world-size-1 copies through the
 communication streams anyway, so that one GPU tests the stream ordering
 (``tests/torch_side/test_nccl.py``). With a ``common.trace`` recorder
 active, each collective is recorded from issue to completion on the track of its stream (GPU
@@ -42,7 +43,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import os
 import sys
 import time
 import warnings
@@ -109,9 +109,6 @@ _VERB = {
 # Communicators built so far per process group (None: the default group), in construction order;
 # the same on every rank because building one is collective (the switch is all-reduced).
 _ORDINALS: dict[object, int] = {}
-
-
-_STREAMS_AT_WORLD_1 = os.environ.get("MXFP8_FSDP_COMM_STREAMS", "0") == "1"  # module note
 
 _STREAM_OF = {  # which communication stream (and trace track) each collective runs on
     Collective.ALL_GATHER: "all-gather",
@@ -223,15 +220,18 @@ class Communicator:
     ``WIRE_LOG_LIMIT`` collectives; cleared by the caller). ``check``: run the
     collective-consistency check before each collective (module note). The ranks agree on it
     before the first collective (one rank asking turns it on for all), on that collective's
-    device, so building a communicator moves nothing."""
+    device, so building a communicator moves nothing. ``streams_at_world_1``: CUDA copies at
+    world size 1 go through the communication streams too (module note)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False):
+    def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False,
+                 streams_at_world_1: bool = False):
         self.group = group
         self.name = name
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.records: collections.deque[WireRecord] = collections.deque(maxlen=WIRE_LOG_LIMIT)
         self.check = bool(check)
+        self.streams_at_world_1 = bool(streams_at_world_1)
         self._agreed = self.world_size == 1
         self.ordinal = _ORDINALS.get(group, 0)
         _ORDINALS[group] = self.ordinal + 1
@@ -285,7 +285,8 @@ class Communicator:
             )
         return head + (
             "If the ranks issued different collectives (an FSDP unit that ran on some ranks "
-            f"only), rerun with {CHECK_ENV}=1 (or fully_shard(..., check_collectives=True)) to "
+            f"only), rerun with fully_shard(..., check_collectives=True) ({CHECK_ENV}=1 for "
+            f"mxfp8-train and the parity report) to "
             "get an error naming what each rank was about to run."
         )
 
@@ -317,7 +318,8 @@ class Communicator:
         rec = trace.active()
         args: dict[str, Any] = {} if rec is None else {
             "phase": phase.value, "bytes": t.numel() * t.element_size()}
-        if not async_op or (self.world_size == 1 and not (t.is_cuda and _STREAMS_AT_WORLD_1)):
+        if not async_op or (self.world_size == 1
+                            and not (t.is_cuda and self.streams_at_world_1)):
             if rec is None:  # (the hot path: no trace names or arguments built)
                 self._run(op, phase, label, lambda: call(False))
             else:

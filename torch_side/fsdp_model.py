@@ -43,7 +43,6 @@ from common.kernels import KernelConfig
 from torch_side import state_dict as sd
 from torch_side.batched_refresh import refresh_groups
 from torch_side.bucket_allocator import BucketAllocator
-from torch_side.collective_check import check_requested
 from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
@@ -89,7 +88,7 @@ class FSDPModel(nn.Module):
         grad_check: GradCheck,
         kernels: KernelConfig | None,
         init_sync: InitSync | str,
-        check_collectives: bool | None = None,
+        check_collectives: bool = False,
         overlap: Overlap | None = None,
     ):
         super().__init__()
@@ -106,15 +105,17 @@ class FSDPModel(nn.Module):
         self.grad_check = GradCheck(grad_check)
         self.init_sync = InitSync.parse(init_sync)
         self.allocator = BucketAllocator()
-        check = check_requested(check_collectives)  # the argument, else the environment
-        self.comms = {"dp": Communicator(group, "dp", check)}
-        if expert_modules:
-            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp", check)
         if overlap is not None and not isinstance(overlap, Overlap):
             raise TypeError(
                 f"fully_shard: overlap must be a torch_side.Overlap (or None for the default), "
                 f"got {overlap!r}"
             )
+        overlap = Overlap() if overlap is None else overlap
+        streams = overlap.streams_at_world_1
+        self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), streams)}
+        if expert_modules:
+            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp",
+                                                   bool(check_collectives), streams)
         self.state = FSDPState(overlap)
         cfg = UnitConfig(
             policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels
@@ -274,7 +275,7 @@ def fully_shard(
     grad_check: GradCheck = GradCheck.OFF,
     kernels: KernelConfig | None = None,
     init_sync: InitSync | str = InitSync.BROADCAST,
-    check_collectives: bool | None = None,
+    check_collectives: bool = False,
     overlap: Overlap | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
@@ -290,8 +291,9 @@ def fully_shard(
     quantization after each step; None: the device default). The layers' GEMMs use the kernels the
     model's ``MXFP8Linear`` layers were built with. check_collectives: before each FSDP
     collective, check that every rank is about to run the same one, and raise naming each rank's
-    unit if not (a debug switch with a cost per collective; None: the environment variable
-    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``). overlap: how far
+    unit if not (a debug switch with a cost per collective; the applications set it from the
+    environment variable ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``).
+    overlap: how far
     all-gathers run ahead of the compute and whether gradient reductions are asynchronous
     (``torch_side.Overlap``; None: one unit ahead, asynchronous reductions).
     """

@@ -51,6 +51,9 @@ class Overlap:
     prefetch: int = 1
     async_reduce: bool = True
     reductions_in_flight: int = 1
+    # CUDA copies at world size 1 through the communication streams too (torch_side.collectives;
+    # the applications' MXFP8_FSDP_COMM_STREAMS=1): how one GPU tests the stream ordering
+    streams_at_world_1: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("prefetch", 0), ("reductions_in_flight", 1)):
@@ -60,8 +63,9 @@ class Overlap:
                     f"Overlap: {name} must be an int >= {low}, got {v!r} (prefetch: units "
                     f"gathered ahead, 0 for none; reductions_in_flight: at least 1)"
                 )
-        if not isinstance(self.async_reduce, bool):
-            raise ValueError(f"Overlap: async_reduce must be a bool, got {self.async_reduce!r}")
+        for name in ("async_reduce", "streams_at_world_1"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Overlap: {name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def none(cls) -> Overlap:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
 import os
 import sys
@@ -197,9 +196,10 @@ def _check_text_corpus(args: argparse.Namespace) -> None:
 def _check_jax_cache() -> None:
     """An unsafe compilation cache directory is refused before any rank starts
     (``jax_side.compile_cache``: it holds executables every rank loads and runs)."""
+    from apps import environment
     from jax_side.compile_cache import prepare_cache_dir
 
-    prepare_cache_dir()
+    prepare_cache_dir(environment.jax_cache_dir())
 
 
 class Stopped(NamedTuple):
@@ -216,13 +216,15 @@ def _rank_entry(runs: Runs) -> list[TrainResult] | Stopped:
     ``Stopped`` when one diverged (every rank stops at the same step: the values are global),
     a checkpoint was refused (every rank raises the same error; exit status 2), or a signal
     interrupted it."""
+    from apps import environment
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
     from torch_side.sharded_files import CheckpointError
 
     with unwinding():  # SIGTERM / SIGINT: the lock released, a save in progress abandoned
-        enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
+        # a second launch starts warm (MXFP8_JAX_CACHE=off disables it)
+        enable_compilation_cache(environment.jax_cache_dir())
         results = []
         for label, job, opts in runs:
             try:
@@ -244,24 +246,16 @@ def _after_interrupt(opts: RunOptions) -> str:
 
 
 def _torchrun_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Stopped:
-    import torch
+    from torch_side.launch import LaunchDevice, RankSetup, bootstrap_rank
+
+    # torchrun's variables say where this rank runs; the bootstrap is the local launcher's
+    local, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = (visible.split(",")[local] if visible else str(local)) if args.device == "cuda" else None
+    threads = max(1, (os.cpu_count() or 1) // world)
+    bootstrap_rank(RankSetup(LaunchDevice(args.device), gpu, threads), args.collective_timeout)
     import torch.distributed as dist
 
-    if args.device == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        chosen = visible.split(",")[local] if visible else str(local)
-        os.environ["CUDA_VISIBLE_DEVICES"] = chosen  # before CUDA starts: this rank's GPU only
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        torch.cuda.set_device(0)
-    else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if args.device == "cuda" else {}
-    dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=args.collective_timeout), **kwargs
-    )
     try:
         results = _rank_entry(runs)
     finally:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from apps import environment
 from apps.training import checkpoint as ckpt
 from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
 from apps.training.instruments import StepInstruments
@@ -109,8 +110,9 @@ class _Model:
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
         unit = job.compute is Compute.UNIT
+        kernels = environment.kernels(job.kernels)  # MXFP8_BACKEND / MXFP8_GEMM fill its Nones
         model = TorchGPT(
-            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,
+            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=kernels,
             activations=job.resolved_activations, compute=job.compute,
             recompute=unit and job.recompute is Recompute.BLOCK,  # inside the backward program
         )
@@ -120,8 +122,8 @@ class _Model:
                 block.forward = _checkpointed(block.forward)  # type: ignore[method-assign,assignment]
         self.fsdp = fully_shard(
             model, unit_modules=model.block_units(job.blocks_per_unit), strategy=job.strategy,
-            policy=job.policy(),
-            kernels=job.kernels, overlap=overlap,
+            policy=job.policy(), kernels=kernels, overlap=overlap,
+            check_collectives=environment.check_collectives(),
         )
         self.opt = FSDPOptimizer(
             self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,

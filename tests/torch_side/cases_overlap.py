@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 
@@ -60,6 +61,7 @@ def _model(ctx, overlap: Overlap, compute: str = "unit", recompute: bool = False
     if recompute and not unit:  # per-linear compute: Torch's activation checkpointing
         for block in net.blocks:
             block.forward = _checkpointed(block.forward)
+    overlap = dataclasses.replace(overlap, streams_at_world_1=ctx.comm_streams)
     return fully_shard(net, unit_modules=(Block,), strategy=ShardingStrategy.OPTIM_GRADS_PARAMS,
                        overlap=overlap)
 
