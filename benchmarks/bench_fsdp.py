@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -34,6 +33,7 @@ from bridge import MXFP8Linear
 from tests.torch_side import cases_quantize, cases_training, cases_wire
 from tests.torch_side.multiprocess import run_cases
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
+from torch_side.collectives import Collective, all_reduce_on
 
 _CFG_ENV = "BENCH_FSDP_CONFIG"
 
@@ -95,7 +95,8 @@ def case_step_time(ctx) -> None:
         for check, (model, _, times) in runs.items():
             sent = sum(r.bytes_sent for r in model.wire_log())
             med = torch.tensor([statistics.median(times)], device=ctx.device)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+            # the slowest rank sets the step time
+            all_reduce_on(med, Collective.ALL_REDUCE_MAX, "the benchmark's step time")
             rows.append(
                 {
                     "world_size": ctx.world_size,

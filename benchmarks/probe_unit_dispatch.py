@@ -5,7 +5,7 @@ For one block's ``unit_forward`` and ``unit_backward`` (and the head's) this pri
 leaves in and out, the host time of one call as the step makes it (``jax.jit`` with the
 ``UnitSpec`` static argument), of the ahead-of-time compiled program (``.lower().compile()``),
 and of the same program over a flat list of leaves; then the host time of the Torch-side pieces
-of ``bridge.units`` around it (``to_torch`` of the result, the shares of the inputs). With
+of ``bridge.unit_op`` around it (``to_torch`` of the result, the shares of the inputs). With
 ``--pyprofile N`` a cProfile of N warm steps follows (top functions by own time).
 
     python3 -m benchmarks.probe_unit_dispatch --config gpt2-124m --batch-size 8 --seq-len 1024
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 def _rank(args) -> None:
     import torch
 
-    import bridge.units as BU
+    import bridge.unit_op as BU
     from benchmarks import bench_train_step as B
     from common.model_config import PRESETS
 
@@ -152,7 +152,7 @@ def _replay(name, block, fn, a, static, args, sync) -> None:
     import jax
     import torch
 
-    import bridge.units as BU
+    import bridge.unit_op as BU
 
     leaves_in, treedef = jax.tree.flatten(a)
     leaves_out = jax.tree.leaves(fn(*a, **static))

@@ -3,18 +3,20 @@ nor jax (numpy and ml_dtypes only).
 
 - ``formats``: block size, E4M3/E8M0 constants, ``Plane``, ``WeightFormat`` with its one table of
   facts (``FORMATS``: per format its ``ScaleBlocks``, which every layer asks) and
-  ``register_format`` for formats of one's own, scale shapes, the MXFP8 shape rule, and the
-  ``mxfp8_params()`` protocol by which a module declares its block-scaled parameters;
+  ``register_format`` for formats of one's own, scale shapes, the MXFP8 shape rule, the
+  ``mxfp8_params()`` protocol by which a module declares its block-scaled parameters, and
+  ``round_up`` / ``block_padded`` (sizes rounded up to a multiple, to whole blocks);
 - ``gemm_roles``: ``GemmRole`` and the table of which plane each GEMM operand reads;
 - ``modes``: ``LinearMode`` (how a linear layer multiplies), ``Activations`` (the GPT twins'
   activation dtype), ``Compute`` (one JAX op per linear or one program per FSDP unit),
   ``GatherMode`` (MXFP8 or bf16 weight all-gathers);
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
 - ``model_config``: ``GPTConfig`` and its presets, shared by the Torch and Flax twins;
-- ``enums``: ``parse_enum``, the one way user input becomes an enum member.
+- ``enums``: ``parse_enum``, the one way user input becomes an enum member, and ``Parseable``,
+  the mixin that gives an enum its ``parse`` from it.
 """
 
-from common.enums import parse_enum
+from common.enums import Parseable, parse_enum
 from common.formats import (
     BLOCK_SIZE,
     E4M3_MAX,
@@ -28,11 +30,13 @@ from common.formats import (
     RegisteredFormat,
     ScaleBlocks,
     WeightFormat,
+    block_padded,
     block_scaled_params,
     check_mxfp8_shape,
     format_spec,
     parse_format,
     register_format,
+    round_up,
     scale_shape,
 )
 from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
@@ -60,11 +64,13 @@ __all__ = [
     "GemmRole",
     "KernelConfig",
     "LinearMode",
+    "Parseable",
     "Plane",
     "RegisteredFormat",
     "RoleSpec",
     "ScaleBlocks",
     "WeightFormat",
+    "block_padded",
     "block_scaled_params",
     "check_mxfp8_shape",
     "format_spec",
@@ -72,5 +78,6 @@ __all__ = [
     "parse_format",
     "register_format",
     "role_spec",
+    "round_up",
     "scale_shape",
 ]

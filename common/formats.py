@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from common.enums import parse_enum
+from common.enums import Parseable
 
 __all__ = [
     "BLOCK_SIZE",
@@ -52,6 +52,7 @@ __all__ = [
     "ScaleBlocks",
     "BlockScaledParams",
     "WeightFormat",
+    "block_padded",
     "block_scaled_params",
     "block_shape_problem",
     "check_mxfp8_shape",
@@ -59,6 +60,7 @@ __all__ = [
     "parse_format",
     "parse_planes",
     "register_format",
+    "round_up",
     "scale_shape",
 ]
 
@@ -69,15 +71,11 @@ E8M0_NAN = 0xFF
 E8M0_INF = 0xFE
 
 
-class Plane(enum.Enum):
+class Plane(Parseable, enum.Enum, what="MXFP8 plane", aliases={"columnwise": "colwise"}):
     """Which quantized copy of a tensor: blocks along K (rowwise) or along M (columnwise)."""
 
     ROWWISE = "rowwise"
     COLWISE = "colwise"
-
-    @classmethod
-    def parse(cls, plane: Plane | str) -> Plane:
-        return parse_enum(cls, plane, what="MXFP8 plane", aliases={"columnwise": cls.COLWISE})
 
 
 ALL_PLANES = (Plane.ROWWISE, Plane.COLWISE)
@@ -119,7 +117,7 @@ def parse_planes(planes: Plane | str | Iterable[Plane | str], what: str) -> tupl
     return tuple(p for p in Plane if p in asked)
 
 
-class WeightFormat(enum.Enum):
+class WeightFormat(Parseable, enum.Enum, what="weight format"):
     """Format of the model weights that forward and backward read."""
 
     FP32 = "fp32"
@@ -127,10 +125,6 @@ class WeightFormat(enum.Enum):
     MXFP8_E4M3 = "mxfp8_e4m3"
     NVFP4 = "nvfp4"  # described in FORMATS; not implemented by any layer yet
     # formats of one's own: common.formats.register_format (a RegisteredFormat key)
-
-    @classmethod
-    def parse(cls, value: WeightFormat | str) -> WeightFormat:
-        return parse_enum(cls, value, what="weight format")
 
 
 _FORMAT_VALUE = re.compile(r"[a-z0-9_]+")  # a format's value names groups (param_group)
@@ -332,8 +326,15 @@ def scale_shape(
     return blocks.scale_shape((m, k), plane)
 
 
-def _round_up(d: int) -> int:
-    return max(BLOCK_SIZE, -(-d // BLOCK_SIZE) * BLOCK_SIZE)
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` (> 0) that is >= ``n`` (an int >= 0)."""
+    return -(-n // multiple) * multiple
+
+
+def block_padded(n: int, block: int = BLOCK_SIZE) -> int:
+    """``n`` rounded up to whole blocks, at least one: the size a dimension is padded to (tokens,
+    ``jax_side.linear.padded_tokens``) or that an error suggests for a weight's dimension."""
+    return max(block, round_up(n, block))
 
 
 def block_shape_problem(shape: Sequence[int], block: int = BLOCK_SIZE) -> str | None:
@@ -369,7 +370,7 @@ def check_mxfp8_shape(shape: Iterable[int], what: str) -> tuple[int, int]:
     if block_shape_problem(dims) is not None:
         raise ValueError(
             f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
-            f"{dims}; pad to {_round_up(m), _round_up(k)} or keep this tensor in a non-MXFP8 "
-            f"format"
+            f"{dims}; pad to {block_padded(m), block_padded(k)} or keep this tensor in a "
+            f"non-MXFP8 format"
         )
     return (m, k)

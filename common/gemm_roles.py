@@ -15,20 +15,16 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
-from common.enums import parse_enum
+from common.enums import Parseable
 from common.formats import Plane
 
 __all__ = ["ROLES", "GemmRole", "RoleSpec", "role_spec"]
 
 
-class GemmRole(enum.Enum):
+class GemmRole(Parseable, enum.Enum, what="matmul role"):
     FORWARD = "forward"
     DGRAD = "dgrad"
     WGRAD = "wgrad"
-
-    @classmethod
-    def parse(cls, value: GemmRole | str) -> GemmRole:
-        return parse_enum(cls, value, what="matmul role")
 
 
 class RoleSpec(NamedTuple):

@@ -27,12 +27,16 @@ import dataclasses
 import enum
 import re
 
-from common.enums import parse_enum
+from common.enums import Parseable
 
 __all__ = ["Backend", "GemmImpl", "KernelConfig", "Platform"]
 
 
-class Backend(enum.Enum):
+_REGISTERED: dict[str, Backend] = {}  # name -> registered Backend, in registration order
+
+
+class Backend(Parseable, enum.Enum, what="MXFP8 backend", aliases=_REGISTERED,
+              hint=" (or None for the automatic default)"):
     """An MXFP8 backend's name: the built-in members below, or a name registered at run time.
 
     ``Backend.register("mine")`` makes ``Backend("mine")`` / ``Backend.parse("mine")`` one more
@@ -46,13 +50,6 @@ class Backend(enum.Enum):
     XLA = "xla"
     PALLAS = "pallas"
     TE = "te"
-
-    @classmethod
-    def parse(cls, value: Backend | str) -> Backend:
-        return parse_enum(
-            cls, value, what="MXFP8 backend", aliases=_REGISTERED,
-            hint=" (or None for the automatic default)",
-        )
 
     @classmethod
     def _missing_(cls, value: object) -> Backend | None:
@@ -92,29 +89,19 @@ class Backend(enum.Enum):
         del _REGISTERED[backend.value]
 
 
-_REGISTERED: dict[str, Backend] = {}  # name -> registered Backend, in registration order
-
-
-class Platform(enum.StrEnum):
+class Platform(Parseable, enum.StrEnum, what="platform",
+               hint=" (or None for JAX's default device)"):
     """Where the work runs: the device kind its tensors live on. A ``StrEnum``, so it equals
     its value (``Platform.CPU == "cpu"``), as the plain strings it replaces did."""
 
     CPU = "cpu"
     GPU = "gpu"
 
-    @classmethod
-    def parse(cls, value: Platform | str) -> Platform:
-        return parse_enum(cls, value, what="platform", hint=" (or None for JAX's default device)")
 
-
-class GemmImpl(enum.Enum):
+class GemmImpl(Parseable, enum.Enum, what="matmul impl", hint=" (or None for the default)"):
     DEQUANT_DOT = "dequant_dot"
     DEQUANT_BF16_DOT = "dequant_bf16_dot"
     SCALED_MATMUL = "scaled_matmul"
-
-    @classmethod
-    def parse(cls, value: GemmImpl | str) -> GemmImpl:
-        return parse_enum(cls, value, what="matmul impl", hint=" (or None for the default)")
 
 
 @dataclasses.dataclass(frozen=True)

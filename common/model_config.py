@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.formats import BLOCK_SIZE
+from common.formats import BLOCK_SIZE, block_padded
 
 __all__ = ["GPT2_124M", "GPT2_350M", "PRESETS", "SMALL", "TINY", "GPTConfig"]
 
@@ -41,7 +41,7 @@ class GPTConfig:
                 raise ValueError(
                     f"GPTConfig.{name}={value}: linear weights built from it must have dims that "
                     f"are positive multiples of {BLOCK_SIZE} (MXFP8 blocks, DESIGN.md 4); use "
-                    f"{max(BLOCK_SIZE, -(-value // BLOCK_SIZE) * BLOCK_SIZE)}"
+                    f"{block_padded(value)}"
                 )
         if self.n_head <= 0 or self.d_model % self.n_head:
             raise ValueError(

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import enum
 
-from common.enums import parse_enum
+from common.enums import Parseable
 
 __all__ = ["Activations", "Compute", "GatherMode", "LinearMode"]
 
 
-class LinearMode(enum.Enum):
+class LinearMode(Parseable, enum.Enum, what="linear mode"):
     """MXFP8: quantized GEMMs on block-scaled weight planes (the real op): x and dy quantized to
     MXFP8, the weight MXFP8 or the planes FSDP hands over in its group's format, which they carry
     (``jax_side.linear.FlatPlane``). HIGH_PRECISION: the same graph with plain dots and no
@@ -29,34 +29,22 @@ class LinearMode(enum.Enum):
     MXFP8 = "mxfp8"
     HIGH_PRECISION = "high_precision"
 
-    @classmethod
-    def parse(cls, value: LinearMode | str) -> LinearMode:
-        return parse_enum(cls, value, what="linear mode")
 
-
-class Activations(enum.Enum):
+class Activations(Parseable, enum.Enum, what="activations"):
     """Activation dtype and attention kernel of the GPT twins (Torch and Flax alike)."""
 
     FP32 = "fp32"  # fp32 everywhere, attention written out: the exact twin the parity tests use
     BF16 = "bf16"  # training speed: bf16 activations, fused attention, fp32 norm and loss math
 
-    @classmethod
-    def parse(cls, value: Activations | str) -> Activations:
-        return parse_enum(cls, value, what="activations")
 
-
-class Compute(enum.Enum):
+class Compute(Parseable, enum.Enum, what="compute granularity"):
     """How a Torch model's registered blocks enter JAX (``bridge.units``)."""
 
     OP = "op"  # one Torch autograd op per linear layer (MXFP8Linear anywhere)
     UNIT = "unit"  # one jitted JAX program per block (FSDP unit) forward, one per backward
 
-    @classmethod
-    def parse(cls, value: Compute | str) -> Compute:
-        return parse_enum(cls, value, what="compute granularity")
 
-
-class GatherMode(enum.Enum):
+class GatherMode(Parseable, enum.Enum, what="weight gather mode"):
     """How FSDP all-gathers block-scaled (MXFP8) weights (``MixedPrecisionPolicy.gather``).
 
     MXFP8: the planes themselves (of the weights' block-scaled format: MXFP8 or one registered),
@@ -69,7 +57,3 @@ class GatherMode(enum.Enum):
 
     MXFP8 = "mxfp8"
     BF16 = "bf16"
-
-    @classmethod
-    def parse(cls, value: GatherMode | str) -> GatherMode:
-        return parse_enum(cls, value, what="weight gather mode")

@@ -52,11 +52,11 @@ from jax.typing import DTypeLike
 
 from common.formats import (
     ALL_PLANES,
-    BLOCK_SIZE,
     MXFP8_BLOCKS,
     Plane,
     PlaneData,
     ScaleBlocks,
+    block_padded,
     parse_planes,
 )
 from common.gemm_roles import GemmRole
@@ -175,7 +175,7 @@ def _packed(out: BackwardOut) -> BackwardOut:
 
 def padded_tokens(tokens: int) -> int:
     """Token count after zero-padding: the next multiple of 32, and at least 32."""
-    return max(BLOCK_SIZE, -(-tokens // BLOCK_SIZE) * BLOCK_SIZE)
+    return block_padded(tokens)
 
 
 def pad_tokens(x2d: jax.Array) -> jax.Array:

@@ -16,19 +16,18 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from common.formats import BLOCK_SIZE, Plane
+from common.formats import Plane, block_padded
 from common.kernels import KernelConfig
 from jax_side.mxfp8 import GemmRole, matmul, quantize
 
 __all__ = ["mxfp8_linear_reference"]
 
-_BS = BLOCK_SIZE
 _EXACT = KernelConfig.reference()  # xla quantize, fp32 dequantize + dot
 
 
 def _pad(a: jax.Array) -> jax.Array:
     t = a.shape[0]
-    target = max(_BS, ((t + _BS - 1) // _BS) * _BS)
+    target = block_padded(t)
     return jnp.concatenate([a, jnp.zeros((target - t, a.shape[1]), a.dtype)], axis=0)
 
 

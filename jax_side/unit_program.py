@@ -1,7 +1,9 @@
 """Unit programs: a whole block's forward as one jitted JAX program and its backward as one.
 
 A **unit function** ``fn(params, linear, x, *aux) -> out`` (e.g. ``gpt_math.GPTBlockFn``) is the
-block's math with its linears left open: ``linear(name, h)`` is filled in here with
+block's math with its linears left open. A block of several differentiable inputs takes them all
+before ``aux`` (the programs' ``x`` is then a tuple of them: ``fn(params, linear, *x, *aux)``),
+and one of several outputs returns a tuple. ``linear(name, h)`` is filled in here with
 
 - the MXFP8 linear (``jax_side.linear``: the same jitted forward / backward pieces, hence the same
   bytes, as the per-linear op and the Flax twin) for each name in ``UnitSpec.mxfp8``, reading
@@ -16,11 +18,10 @@ The programs:
   needs, each MXFP8 linear's colwise x plane, and, for weights quantized here, their colwise
   planes) stays on the JAX side until the backward;
 - ``unit_backward(saved, kept, dout, cols, spec=)`` -> the gradients packed into one uint8 array
-  (``GradLayout``): dx, then each high-precision parameter's gradient, then each MXFP8 weight's
-  dW (in ``spec.dw_dtypes``), so they cross back to Torch once. Gradients named in
-  ``spec.grad_groups`` come instead laid out as the caller's flat buffers (``GradGroup``: an
-  FSDP group's grad bucket, cast to its dtype, zeros in the padding), one segment per group, so
-  the caller adds one segment per group instead of one gradient per parameter;
+  (``jax_side.unit_grads``): dx (one per input), then each high-precision parameter's
+  gradient, then each MXFP8 weight's dW (in ``spec.dw_dtypes``), so they cross back to Torch
+  once; gradients named in ``spec.grad_groups`` come laid out as the caller's flat buffers
+  (``GradGroup``: an FSDP group's grad bucket). ``dout``: a cotangent for each output;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
   (``spec`` says nothing is kept): the forward runs again inside the backward program;
 - ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (the forward of a recomputing
@@ -35,11 +36,18 @@ quantizes as ``bf16(weight)`` (both planes, as the Flax twin does without planes
 its colwise plane, gathered only for the backward (FSDP's phase rule), or None when the forward
 quantized it. A parameter is an array or a ``FlatTensor`` (a slice of a shared buffer).
 
-How the colwise planes reach the backward: each MXFP8 linear is a ``jax.custom_vjp`` whose
-residual is its x colwise plane only; its backward rule runs when ``unit_backward`` applies the
-saved linearization -- i.e. while ``unit_backward`` is traced -- and takes the weight's colwise
-plane (and returns dW) through ``_BackwardScope``, a trace-time table that ``unit_backward`` opens
-around that call. A rule running outside such a scope is an internal error and says so.
+How the colwise planes reach the backward, and the weight gradients leave it: each MXFP8 linear
+is a ``jax.custom_vjp`` whose residual is its x colwise plane only; its backward rule runs when
+``unit_backward`` applies the saved linearization -- i.e. while ``unit_backward`` is traced -- and
+reads the weight's colwise plane from ``_BackwardScope``, a read-only trace-time table that
+``unit_backward`` opens around that call (the plane exists only then: FSDP gathers it for the
+backward). dW leaves through autodiff, explicitly: each linear also takes a **gradient carrier**,
+zeros of the weight's shape in dW's dtype that the forward does not read (XLA drops them), and
+its rule returns dW as the carrier's cotangent. So dW is an output of ``jax.vjp`` like any other
+gradient -- summed by autodiff where a layer is called twice, and correct where the rule runs in
+an inner trace (a unit function under ``jax.checkpoint``, whose rules run while its backward is
+re-traced: ``tests/jax_side/test_unit_program.py``). A rule running outside such a scope is an
+internal error and says so.
 """
 
 from __future__ import annotations
@@ -47,32 +55,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.typing import DTypeLike
 
 from common.formats import ALL_PLANES, Plane
 from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
 from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.kernels import ResolvedKernels
+from jax_side.unit_grads import GradGroup, GradLayout, grad_layout, pack_grads
 
-__all__ = ["FlatTensor", "Forwarded", "GradGroup", "GradLayout", "Saved", "SpanFn", "UnitSpec",
-           "grad_layout", "unit_apply", "unit_backward", "unit_forward", "unit_recompute_backward"]
-
-_ALIGN = 16  # byte alignment of every segment of the packed gradients (Torch views need it)
+__all__ = [
+    "FlatTensor",
+    "Forwarded",
+    "GradGroup",
+    "GradLayout",
+    "Saved",
+    "SpanFn",
+    "UnitSpec",
+    "grad_layout",
+    "unit_apply",
+    "unit_backward",
+    "unit_forward",
+    "unit_recompute_backward",
+]
 
 # The programs' pytree arguments and results (module docstring: "Weights"; Out: a jax.Array, or
-# a SpanFn's tuple of them, and the cotangents alike), and gradient segment shapes:
-Params: TypeAlias = Sequence[Any]
-Rows: TypeAlias = Sequence[Any]
-Cols: TypeAlias = Sequence[Any]
+# a tuple of them: several outputs, or a SpanFn's; the cotangents alike):
+Params: TypeAlias = Sequence[Any]  # each a jax.Array or a FlatTensor
+Rows: TypeAlias = Sequence[Any]  # each a FlatPlane, an MXFP8Tensor, or a high-precision jax.Array
+Cols: TypeAlias = Sequence[Any]  # each a FlatPlane, an MXFP8Tensor, or None
 Out: TypeAlias = Any
-_Shape: TypeAlias = tuple[int, ...]
-
 
 @dataclasses.dataclass(frozen=True)
 class FlatTensor:
@@ -93,21 +109,10 @@ class FlatTensor:
 jax.tree_util.register_dataclass(FlatTensor, data_fields=["data"], meta_fields=["offset", "shape"])
 
 
-class GradGroup(NamedTuple):
-    """Gradients laid out in one flat buffer of the caller's (an FSDP group's grad bucket):
-    ``numel`` elements of ``dtype``, gradient ``i`` (an index into the parameters, then the
-    MXFP8 weights) cast to ``dtype`` at element ``start`` for each ``(i, start)`` of ``slots``,
-    zeros elsewhere."""
-
-    numel: int
-    dtype: str
-    slots: tuple[tuple[int, int], ...]
-
-
 class UnitSpec(NamedTuple):
     """The static part of a unit program (hashable: equal blocks share compiled programs)."""
 
-    fn: Callable  # fn(params, linear, x, *aux) -> out (module docstring)
+    fn: Callable | SpanFn  # fn(params, linear, x, *aux) -> out, or several x and outs
     params: tuple[str, ...]  # high-precision parameter names, the order of ``params`` arguments
     mxfp8: tuple[str, ...]  # MXFP8 linear names, the order of ``rows`` / ``cols``
     hp_linears: tuple[str, ...]  # high-precision linear names (weights among ``params``)
@@ -134,92 +139,14 @@ class SpanFn:
         return self.fns[i](own, lambda name, h: linear(pre + name, h), x)
 
 
-class GradLayout(NamedTuple):
-    """Where each gradient sits in ``unit_backward``'s packed uint8 result: (byte offset, shape,
-    dtype name) for dx, each parameter, each MXFP8 weight (None for one placed in a group), then
-    each ``GradGroup``'s flat buffer."""
-
-    dx: tuple[int, tuple[int, ...], str]
-    params: tuple[tuple[int, tuple[int, ...], str] | None, ...]
-    mxfp8: tuple[tuple[int, tuple[int, ...], str] | None, ...]
-    nbytes: int
-    groups: tuple[tuple[int, tuple[int, ...], str], ...] = ()
-
-
-def _grouped(groups: tuple[GradGroup, ...]) -> frozenset[int]:
-    return frozenset(i for g in groups for i, _ in g.slots)
-
-
-def grad_layout(x_shape: _Shape, x_dtype: DTypeLike, param_shapes: Sequence[_Shape],
-                param_dtypes: Sequence[DTypeLike], w_shapes: Sequence[_Shape],
-                w_dtypes: Sequence[DTypeLike], groups: tuple[GradGroup, ...] = ()) -> GradLayout:
-    """The packed layout for these shapes and dtypes (the Torch side cuts its views from it)."""
-    cursor = 0
-
-    def seg(shape: _Shape, dtype: DTypeLike) -> tuple[int, _Shape, str]:
-        nonlocal cursor
-        start = cursor
-        size = jnp.dtype(dtype).itemsize
-        for d in shape:
-            size *= d
-        cursor += -(-size // _ALIGN) * _ALIGN
-        return start, tuple(shape), jnp.dtype(dtype).name
-
-    grouped = _grouped(groups)
-    n = len(param_shapes)
-    dx = seg(x_shape, x_dtype)
-    params = tuple(None if i in grouped else seg(s, d)
-                   for i, (s, d) in enumerate(zip(param_shapes, param_dtypes, strict=True)))
-    mx = tuple(None if n + j in grouped else seg(s, d)
-               for j, (s, d) in enumerate(zip(w_shapes, w_dtypes, strict=True)))
-    flat = tuple(seg((g.numel,), g.dtype) for g in groups)
-    return GradLayout(dx, params, mx, cursor, flat)
-
-
-def _flat_group(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:
-    """The group's flat buffer: each gradient cast and placed at its start, zeros between."""
-    dt = jnp.dtype(group.dtype)
-    parts, cursor = [], 0
-    for i, start in sorted(group.slots, key=lambda s: s[1]):
-        g = grads[i].reshape(-1).astype(dt)
-        if start < cursor or start + g.shape[0] > group.numel:
-            raise ValueError(f"GradGroup: gradient {i} at {start} overlaps or overflows {group}")
-        if start > cursor:
-            parts.append(jnp.zeros((start - cursor,), dt))
-        parts.append(g)
-        cursor = start + g.shape[0]
-    if cursor < group.numel:
-        parts.append(jnp.zeros((group.numel - cursor,), dt))
-    return jnp.concatenate(parts)
-
-
-def _pack(arrays: Iterable[jax.Array]) -> jax.Array:
-    parts = []
-    for a in arrays:
-        raw = lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
-        pad = -raw.shape[0] % _ALIGN
-        parts.append(raw)
-        if pad:
-            parts.append(jnp.zeros((pad,), jnp.uint8))
-    return jnp.concatenate(parts)
-
-
-def _pack_grads(dx: jax.Array, grads: list, groups: tuple[GradGroup, ...]) -> jax.Array:
-    """dx, the gradients not in a group, then each group's flat buffer (``grad_layout``)."""
-    grouped = _grouped(groups)
-    alone = [g for i, g in enumerate(grads) if i not in grouped]
-    return _pack([dx, *alone, *(_flat_group(g, grads) for g in groups)])
-
-
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
 
 
 class _BackwardScope:
-    """The colwise planes and dW dtypes of one ``unit_backward`` trace, and the dW it collects."""
+    """The colwise planes of one ``unit_backward`` trace (read by the rules, never written)."""
 
-    def __init__(self, cols: Cols, dw_dtypes: tuple[str, ...]) -> None:
-        self.cols, self.dw_dtypes = cols, dw_dtypes
-        self.dw: list = [None] * len(cols)
+    def __init__(self, cols: Cols) -> None:
+        self.cols = cols
 
 
 _SCOPES = threading.local()
@@ -236,24 +163,24 @@ def _scope() -> _BackwardScope:
     return stack[-1]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _unit_linear(x2d: jax.Array, w_row: Any, index: int, kernels: ResolvedKernels) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _unit_linear(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                 kernels: ResolvedKernels) -> jax.Array:
+    """y = x2d @ w^T (the forward reads ``w_row``); ``carrier``: zeros of dW's shape and dtype,
+    whose cotangent is dW (module docstring)."""
     return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
 
 
-def _unit_linear_fwd(x2d, w_row, index, kernels):
+def _unit_linear_fwd(x2d, w_row, carrier, index, kernels):
     out = forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=True, kernels=kernels)
-    return out.y, (out.x_colwise, jnp.zeros((), x2d.dtype))
+    return out.y, (out.x_colwise, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
 
 
 def _unit_linear_bwd(index, kernels, res, dy):
-    x_colwise, x_dtype = res
-    scope = _scope()
-    out = backward(dy, scope.cols[index], x_colwise, dx_dtype=x_dtype.dtype,
-                   dw_dtype=jnp.dtype(scope.dw_dtypes[index]), kernels=kernels)
-    prev = scope.dw[index]
-    scope.dw[index] = out.dw if prev is None else prev + out.dw  # a layer called twice
-    return out.dx, None
+    x_colwise, x_dtype, dw_dtype = res
+    out = backward(dy, _scope().cols[index], x_colwise, dx_dtype=x_dtype.dtype,
+                   dw_dtype=dw_dtype.dtype, kernels=kernels)
+    return out.dx, None, out.dw
 
 
 _unit_linear.defvjp(_unit_linear_fwd, _unit_linear_bwd)
@@ -277,22 +204,37 @@ def _values(params: Params) -> tuple:
     return tuple(p.array() if isinstance(p, FlatTensor) else p for p in params)
 
 
+def _carriers(spec: UnitSpec, row_planes: Rows, linears: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """Gradient carriers of the MXFP8 linears ``linears`` (indices into ``spec.mxfp8``): zeros of
+    each weight's shape in its dW dtype, whose cotangents are the dW (``_unit_linear``)."""
+    return tuple(jnp.zeros(row_planes[i].shape, jnp.dtype(spec.dw_dtypes[i])) for i in linears)
+
+
+def _call(fn, params, linear, x, aux):
+    """``fn(params, linear, *inputs, *aux)``: ``x`` is the one input, or a tuple of them."""
+    return fn(params, linear, *x, *aux) if isinstance(x, tuple) else fn(params, linear, x, *aux)
+
+
 def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = None) -> Callable:
-    """``f(param values, x) -> out`` with the linears filled in: the unit function over all
-    of ``spec.params``, or block ``stage`` of a ``SpanFn`` over its own (``_stage``)."""
+    """``f((param values, carriers), x) -> out`` with the linears filled in: the unit function
+    over all of ``spec.params`` and ``spec.mxfp8``, or block ``stage`` of a ``SpanFn`` over its
+    own (``_stage``)."""
     index = {name: i for i, name in enumerate(spec.mxfp8)}
     hp_lin = set(spec.hp_linears)
     names = spec.params if stage is None else tuple(spec.params[i] for i in _stage(spec, stage))
+    own = {i: k for k, i in enumerate(_linears_of(spec, stage))}  # spec.mxfp8 -> carrier
     fn = spec.fn if stage is None else functools.partial(cast(SpanFn, spec.fn).block, stage)
 
-    def f(values, x):
+    def f(weights, x):
+        values, carriers = weights
         params = dict(zip(names, values, strict=True))
 
         def linear(name, h):
             lead = h.shape[:-1]
             h2 = h.reshape(-1, h.shape[-1])
             if name in index:
-                y2 = _unit_linear(h2, row_planes[index[name]], index[name], spec.kernels)
+                i = index[name]
+                y2 = _unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
             elif name in hp_lin:
                 y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
             else:
@@ -302,7 +244,7 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                 )
             return y2.reshape(*lead, y2.shape[-1])
 
-        return fn(params, linear, x, *aux)
+        return _call(fn, params, linear, x, aux)
 
     return f
 
@@ -312,18 +254,27 @@ def _stage(spec: UnitSpec, k: int) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(spec.params) if n.startswith(f"{k}."))
 
 
-def _linearize(spec: UnitSpec, row_planes: Rows, aux: tuple, values: tuple, x: jax.Array, *,
+def _linears_of(spec: UnitSpec, k: int | None) -> tuple[int, ...]:
+    """Indices into ``spec.mxfp8`` of block ``k`` of a ``SpanFn`` (all of them for None)."""
+    return tuple(i for i, n in enumerate(spec.mxfp8) if k is None or n.startswith(f"{k}."))
+
+
+def _linearize(spec: UnitSpec, row_planes: Rows, aux: tuple, values: tuple, x: Out, *,
                vjp: bool = True) -> tuple[Out, Any, tuple]:
-    """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` (None
-    with ``vjp=False``). For a ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and
-    its input), out the tuple of the blocks' outputs, of which all but the last are passed on
-    to the next block through ``_boundary``."""
+    """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` of the
+    parameters, the gradient carriers and the input(s) (None with ``vjp=False``). For a
+    ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and carriers and its input),
+    out the tuple of the blocks' outputs, of which all but the last are passed on to the next
+    block through ``_boundary``."""
     if not isinstance(spec.fn, SpanFn):
         f = _bound(spec, row_planes, aux)
-        return (*jax.vjp(f, values, x), ()) if vjp else (f(values, x), None, ())
+        weights = (values, _carriers(spec, row_planes, _linears_of(spec, None)))
+        return (*jax.vjp(f, weights, x), ()) if vjp else (f(weights, x), None, ())
     outs, vjps = [], []
     for k in range(len(spec.fn.fns)):
-        f, own = _bound(spec, row_planes, aux, k), tuple(values[i] for i in _stage(spec, k))
+        f = _bound(spec, row_planes, aux, k)
+        own = (tuple(values[i] for i in _stage(spec, k)),
+               _carriers(spec, row_planes, _linears_of(spec, k)))
         if vjp:
             x, vjp_k = jax.vjp(f, own, x)
             vjps.append(vjp_k)
@@ -343,32 +294,37 @@ def _boundary(h: jax.Array) -> jax.Array:
     return lax.optimization_barrier(h)
 
 
-def _pullback(spec: UnitSpec, vjp: Any, dout: Out) -> tuple[tuple, jax.Array]:
-    """(gradient of each of ``spec.params``, dx). For a ``SpanFn``, ``dout`` holds a cotangent
-    or None per block output (the last one present): block k's rule takes block k+1's dx plus
-    block k's own cotangent, where one came, as autograd sums them for units of one block.
-    Which are None is part of jit's cache key: a missing one costs nothing."""
+def _pullback(spec: UnitSpec, vjp: Any, dout: Out) -> tuple[tuple, tuple, Out]:
+    """(gradient of each of ``spec.params``, dW of each of ``spec.mxfp8``, dx). For a
+    ``SpanFn``, ``dout`` holds a cotangent or None per block output (the last one present):
+    block k's rule takes block k+1's dx plus block k's own cotangent, where one came, as
+    autograd sums them for units of one block. Which are None is part of jit's cache key: a
+    missing one costs nothing."""
     if not isinstance(spec.fn, SpanFn):
-        return vjp(dout)
+        (d_params, dws), dx = vjp(dout)
+        return d_params, dws, dx
     if len(dout) != len(vjp) or dout[-1] is None:
         raise ValueError(f"unit_backward: a span of {len(vjp)} blocks takes a cotangent or "
                          f"None per output, the last one present; got {dout}")
-    d_params: list = [None] * len(spec.params)
+    grads: list = [None] * len(spec.params)
+    dw: list = [None] * len(spec.mxfp8)
     ct = dout[-1]
     for k in reversed(range(len(vjp))):
         if k < len(vjp) - 1:
             ct = _boundary(ct if dout[k] is None else ct + dout[k])
-        d_own, ct = vjp[k](ct)
+        (d_own, dw_own), ct = vjp[k](ct)
         for i, g in zip(_stage(spec, k), d_own, strict=True):
-            d_params[i] = g
-    return tuple(d_params), ct
+            grads[i] = g
+        for i, g in zip(_linears_of(spec, k), dw_own, strict=True):
+            dw[i] = g
+    return tuple(grads), tuple(dw), ct
 
 
 # ------------------------------------------------------------------------------- the programs
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_apply(params: Params, rows: Rows, x: jax.Array, aux: tuple, *, spec: UnitSpec) -> Out:
+def unit_apply(params: Params, rows: Rows, x: Out, aux: tuple, *, spec: UnitSpec) -> Out:
     """The unit's output alone (no residuals kept)."""
     row_planes, _ = _weights(rows, spec.kernels)
     return _linearize(spec, row_planes, aux, _values(params), x, vjp=False)[0]
@@ -386,13 +342,13 @@ class Forwarded:
     def __init__(self, positions: tuple[tuple[int, int], ...]):
         self.positions = positions
 
-    def kept(self, params: Params, rows: Rows, x: jax.Array, aux: tuple, out: Out = None) -> tuple:
+    def kept(self, params: Params, rows: Rows, x: Out, aux: tuple, out: Out = None) -> tuple:
         """The source leaves the backward needs back, in ``positions`` order (``out``: the
         forward's output, needed where a span passes outputs on)."""
         flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(flat[i] for _, i in self.positions)
 
-    def kept_without_params(self, params: Params, rows: Rows, x: jax.Array, aux: tuple,
+    def kept_without_params(self, params: Params, rows: Rows, x: Out, aux: tuple,
                             out: Out = None) -> tuple:
         """``kept``, with None where a leaf comes from ``params``: a caller that can give the
         same parameter values again at backward (FSDP gathers them again) does not hold the
@@ -449,7 +405,7 @@ def _restore_inputs(saved: Saved, kept: tuple) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_forward(params: Params, rows: Rows, x: jax.Array, aux: tuple, *,
+def unit_forward(params: Params, rows: Rows, x: Out, aux: tuple, *,
                  spec: UnitSpec) -> tuple[Out, Saved]:
     """(out, ``Saved``): the forward and its linearization (module docstring)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
@@ -466,23 +422,21 @@ def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec)
             f"unit_backward: no colwise plane for the MXFP8 linears {missing}: pass each "
             f"weight's colwise plane (or quantize it in the forward by passing the weight)"
         )
-    scope = _BackwardScope(cols, spec.dw_dtypes)
     stack = _SCOPES.__dict__.setdefault("stack", [])
-    stack.append(scope)
+    stack.append(_BackwardScope(cols))
     try:
         # Library backward rules (jax.nn.dot_product_attention's) mix bf16 and fp32 internally;
         # under jax_numpy_dtype_promotion="strict" (the tests) they need the standard rules.
         with jax.numpy_dtype_promotion("standard"):
-            d_params, dx = _pullback(spec, vjp, dout)
+            d_params, dws, dx = _pullback(spec, vjp, dout)
     finally:
         stack.pop()
-    dws = [jnp.zeros(c.shape, jnp.dtype(dt)) if dw is None else dw
-           for dw, c, dt in zip(scope.dw, cols, spec.dw_dtypes, strict=True)]
-    return _pack_grads(dx, [*d_params, *dws], spec.grad_groups)
+    return pack_grads(dx, [*d_params, *dws], spec.grad_groups)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *, spec: UnitSpec) -> jax.Array:
+def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *,
+                  spec: UnitSpec) -> jax.Array:
     """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs (and
     outputs) it forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for
     a ``SpanFn``: one per block output, None where none came, ``_pullback``); ``cols``: the
@@ -491,7 +445,7 @@ def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *, spec: Uni
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_recompute_backward(params: Params, rows: Rows, x: jax.Array, aux: tuple, dout: Out,
+def unit_recompute_backward(params: Params, rows: Rows, x: Out, aux: tuple, dout: Out,
                             cols: Cols, *, spec: UnitSpec) -> jax.Array:
     """Recompute the forward, then the backward, in one program (activation recompute)."""
     row_planes, own_cols = _weights(rows, spec.kernels)

@@ -327,6 +327,105 @@ def test_backends_reach_their_modules_without_a_circle():
         assert "jax_side.mxfp8.kernels" not in GRAPH[module]
 
 
+# ``torch.distributed``'s collectives, in every spelling (async, object, coalesced, point to point).
+COLLECTIVE_NAMES = frozenset({
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced",
+    "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "broadcast_object_list",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "send_object_list",
+    "recv_object_list", "batch_isend_irecv", "gather", "gather_object", "scatter",
+    "scatter_object_list", "all_to_all", "all_to_all_single", "reduce",
+})
+# The one file that calls them (its module note), and where else they may be called, with why.
+COLLECTIVES_HOME = "torch_side/collectives.py"
+COLLECTIVE_EXCEPTIONS: dict[str, str] = {}
+# What the rule reads: the library, the applications, the benchmarks and the GPU scripts. Not
+# the tests: they check the wire against raw collectives of their own.
+COLLECTIVE_SCOPE = (*PROJECT, "benchmarks", "scripts")
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _collective_uses(tree: ast.AST) -> list[str]:
+    """Where a file names a ``torch.distributed`` collective: an attribute of the module under
+    any alias (``dist.all_reduce``, ``torch.distributed.barrier``, ``c10d.broadcast``), a
+    ``getattr`` of it by a literal name, or an import of the function itself."""
+    aliases: dict[str, str] = {}  # local name -> the torch.distributed module it is bound to
+    uses: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full.startswith("torch.distributed") and a.name in COLLECTIVE_NAMES:
+                    uses.append(f"{node.lineno}: from {node.module} import {a.name}")
+                aliases[a.asname or a.name] = full
+
+    def distributed(node: ast.AST) -> bool:
+        name = _dotted(node)
+        if name is None:
+            return False
+        head, _, rest = name.partition(".")
+        full = aliases.get(head, head) + (f".{rest}" if rest else "")
+        return full == "torch.distributed" or full.startswith("torch.distributed.")
+
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in COLLECTIVE_NAMES
+                and distributed(node.value)):
+            uses.append(f"{node.lineno}: {_dotted(node)}")
+        elif (isinstance(node, ast.Call) and _dotted(node.func) == "getattr"
+              and len(node.args) >= 2 and distributed(node.args[0])
+              and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in COLLECTIVE_NAMES):
+            uses.append(f"{node.lineno}: getattr(..., {node.args[1].value!r})")
+    return sorted(set(uses), key=lambda u: int(u.split(":")[0]))
+
+
+def test_only_collectives_py_calls_torch_distributed_collectives():
+    """``torch_side/collectives.py`` is the only place that moves bytes (its module note): FSDP's
+    collectives through a ``Communicator`` (wire log, collective check), the others (checkpoint
+    agreement, a stand-alone quantize, applications' metrics) through its functions on a process
+    group. Creating process groups and asking ranks and sizes are not collectives."""
+    found = {}
+    for top in COLLECTIVE_SCOPE:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if uses := _collective_uses(ast.parse(path.read_text(), rel)):
+                found[rel] = uses
+    assert found.keys() >= {COLLECTIVES_HOME}, "the rule no longer sees collectives.py's calls"
+    allowed = {COLLECTIVES_HOME, *COLLECTIVE_EXCEPTIONS}
+    bad = {f: u for f, u in found.items() if f not in allowed}
+    assert not bad, (
+        "call torch.distributed's collectives through torch_side.collectives (a Communicator, or "
+        "its functions on a process group), or list the file in COLLECTIVE_EXCEPTIONS with why:\n"
+        + "\n".join(f"{f}:{u}" for f, us in sorted(bad.items()) for u in us)
+    )
+
+
+def test_the_collective_rule_sees_every_spelling():
+    code = (
+        "import torch\nimport torch.distributed as dist\nimport torch.distributed\n"
+        "from torch import distributed as d2\nfrom torch.distributed import broadcast\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "dist.all_reduce(t)\ntorch.distributed.barrier()\nd2.gather_object(o, out)\n"
+        "c10d.all_to_all(a, b)\nf = getattr(dist, 'all_gather_single', None)\n"
+        "dist.get_rank(); dist.init_process_group('gloo'); dist.new_group([0])\n"
+        "x.all_reduce(t); dist.fsdp.fully_shard(m)\n"
+    )
+    assert [u.split(": ", 1)[1] for u in _collective_uses(ast.parse(code))] == [
+        "from torch.distributed import broadcast", "dist.all_reduce", "torch.distributed.barrier",
+        "d2.gather_object", "c10d.all_to_all", "getattr(..., 'all_gather_single')",
+    ]
+
+
 # (import statement, modules that must NOT be loaded afterwards, modules that must be)
 IMPORTS = [
     ("import common", ("torch", "jax", "flax"), ()),

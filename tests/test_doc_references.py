@@ -138,3 +138,46 @@ def test_every_dotted_reference_names_real_code():
 ])
 def test_the_resolver_tells_real_from_stale(ref, ok):
     assert resolves(ref) is ok
+
+
+# A path in backquotes in the README or the docs (`tests/bridge/test_dlpack.py`, `scripts/gpu/`).
+PATH_REF = re.compile(
+    r"`((?:common|jax_side|bridge|torch_side|apps|benchmarks|tests|scripts|docs|notebooks)"
+    r"/[\w./-]*)`"
+)
+
+
+def _doc_pages() -> list[Path]:
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_path_in_the_docs_exists():
+    missing = [f"{p.name}: {m.group(1)}" for p in _doc_pages()
+               for m in PATH_REF.finditer(p.read_text()) if not (ROOT / m.group(1)).exists()]
+    assert not missing, "paths in the docs that name nothing:\n" + "\n".join(missing)
+
+
+def test_every_walkthrough_of_the_extending_guide_names_the_test_that_performs_it():
+    """docs/extending.md: each section ("A weight format", ...) names a test file, and it exists
+    (the previous test); the page's opening says what that test does."""
+    sections = re.split(r"^## ", (ROOT / "docs" / "extending.md").read_text(), flags=re.M)[1:]
+    assert len(sections) >= 6
+    untested = [s.splitlines()[0] for s in sections
+                if not re.search(r"`tests/[\w/]+/test_\w+\.py`", s)]
+    assert not untested, f"walkthroughs naming no test file: {untested}"
+
+
+def test_test_files_sit_in_the_folder_of_the_package_they_test():
+    """README, "Layout": one tests folder per source package, project-wide checks at the top."""
+    top = {"test_architecture.py", "test_code_size.py", "test_compile_once.py",
+           "test_doc_references.py", "test_types.py"}
+    misplaced = []
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = p.relative_to(ROOT / "tests")
+        if len(rel.parts) == 1:
+            ok = rel.name in top
+        else:
+            ok = (ROOT / Path(*rel.parts[:-1])).is_dir()
+        if not ok:
+            misplaced.append(str(rel))
+    assert not misplaced, f"test files outside a folder that mirrors a package: {misplaced}"

@@ -1,9 +1,12 @@
-"""The only place that moves bytes: collectives over a process group, with a wire log.
+"""The only place that calls ``torch.distributed``'s collectives (``tests/test_architecture.py``
+holds every other library and application file to it): FSDP's through a :class:`Communicator`,
+with a wire log, and the few outside any FSDP model through the functions at the end.
 
-Every collective goes through a :class:`Communicator`, which records what it sent
-(:class:`WireRecord`: operation, phase, group label, dtype, element count, bytes per rank) so
-tests can assert what goes over the wire -- e.g. that a forward all-gather of an MXFP8 group moves
-1 byte per element and no scales. torch 2.13 renamed ``all_gather_into_tensor`` /
+Every FSDP collective -- the gathers, reductions and refreshes of a step, and the wrap-time
+broadcast of ``torch_side.init_sync`` -- goes through a :class:`Communicator`, which records what
+it sent (:class:`WireRecord`: operation, phase, group label, dtype, element count, bytes per rank)
+so tests can assert what goes over the wire -- e.g. that a forward all-gather of an MXFP8 group
+moves 1 byte per element and no scales. torch 2.13 renamed ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` to ``all_gather_single`` / ``reduce_scatter_single``; both spellings are
 supported so the same code runs on the GPU machine's torch 2.11.
 
@@ -30,12 +33,10 @@ reading the output, and keep the input unchanged until then. Where they run:
 
 A synchronous collective runs on the current stream, and so does every collective at world size
 1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
-BENCHMARKS.md, "Overlap"); ``streams_at_world_1`` (``Overlap.streams_at_world_1``; the
-applications' ``MXFP8_FSDP_COMM_STREAMS=1``) sends world-size-1 copies through the
-communication streams anyway, so that one GPU tests the stream ordering
-(``tests/torch_side/test_nccl.py``). With a ``common.trace`` recorder
-active, each collective is recorded from issue to completion on the track of its stream (GPU
-times through CUDA events; on the CPU, gloo's completion callback).
+BENCHMARKS.md, "Overlap"); ``Overlap.streams_at_world_1`` sends world-size-1 copies through the
+communication streams anyway, so that one GPU tests the stream ordering (test_nccl.py). With a
+``common.trace`` recorder active, each collective is recorded from issue to completion on the
+track of its stream (GPU times through CUDA events; on the CPU, gloo's completion callback).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,11 @@ from torch_side.collective_check import (
     mismatch_message,
 )
 
-__all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord"]
-
+__all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord", "all_gather_objects",
+           "all_reduce_on", "barrier", "broadcast_object", "gather_objects"]
 T = TypeVar("T")
+Group: TypeAlias = "dist.ProcessGroup | None"  # a process group; None: the default one
+_What: TypeAlias = "tuple[Collective, Phase, str]"  # which collective: (op, phase, label)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,6 +77,7 @@ class Collective(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE_SUM = "all_reduce_sum"
     ALL_REDUCE_MAX = "all_reduce_max"
+    BROADCAST = "broadcast"
 
 
 class Phase(enum.Enum):
@@ -104,6 +108,7 @@ _VERB = {
     Collective.REDUCE_SCATTER: "reduce-scatter",
     Collective.ALL_REDUCE_SUM: "all-reduce (sum)",
     Collective.ALL_REDUCE_MAX: "all-reduce (max)",
+    Collective.BROADCAST: "broadcast",
 }
 
 # Communicators built so far per process group (None: the default group), in construction order;
@@ -115,6 +120,7 @@ _STREAM_OF = {  # which communication stream (and trace track) each collective r
     Collective.REDUCE_SCATTER: "reduce",
     Collective.ALL_REDUCE_SUM: "reduce",
     Collective.ALL_REDUCE_MAX: "reduce",
+    Collective.BROADCAST: "all-gather",  # (synchronous only: the trace track of its kind)
 }
 
 
@@ -161,9 +167,6 @@ def _await_release(tensors: Sequence[torch.Tensor], limit: tuple[int, ...]) -> b
     return True
 
 
-_What = tuple["Collective", "Phase", str]  # which collective: (op, phase, label)
-
-
 def _release_or_warn(tensors: Sequence[torch.Tensor], limit: tuple[int, ...], what: _What) -> None:
     """``_await_release``, and a warning naming the collective when it gave up."""
     if _await_release(tensors, limit):
@@ -191,8 +194,7 @@ class Handle:
         self._comm, self._what, self._work, self._event = comm, what, work, event
         self._held = held  # gloo: (tensors, the references its work added to each at issue)
         self.done = False
-        # called once the wait returns (the trace's end of the interval)
-        self.on_wait: Callable[[], None] | None = None
+        self.on_wait: Callable[[], None] | None = None  # called once the wait returns (trace)
 
     def wait(self) -> None:
         if self.done:
@@ -208,8 +210,7 @@ class Handle:
                 raise
             tensors, added = self._held
             limit = tuple(c - a for c, a in zip(_counts(tensors), added, strict=True))
-            # (the work is alive until here: its references too)
-            self._work, self._held = None, ((), ())
+            self._work, self._held = None, ((), ())  # (the work lived until here: its references)
             _release_or_warn(tensors, limit, self._what)
         if self.on_wait is not None:
             self.on_wait()
@@ -220,8 +221,7 @@ class Communicator:
     ``WIRE_LOG_LIMIT`` collectives; cleared by the caller). ``check``: run the
     collective-consistency check before each collective (module note). The ranks agree on it
     before the first collective (one rank asking turns it on for all), on that collective's
-    device, so building a communicator moves nothing. ``streams_at_world_1``: CUDA copies at
-    world size 1 go through the communication streams too (module note)."""
+    device, so building a communicator moves nothing; ``streams_at_world_1``: module note."""
 
     def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False,
                  streams_at_world_1: bool = False):
@@ -237,8 +237,7 @@ class Communicator:
         _ORDINALS[group] = self.ordinal + 1
         self.seq = 0  # collectives issued so far (the check compares it across ranks)
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-        # (recorder, CUDA event, host us): GPU times on the trace clock
-        self._anchor: tuple[trace.Recorder, torch.cuda.Event, float] | None = None
+        self._anchor: tuple[trace.Recorder, torch.cuda.Event, float] | None = None  # GPU clock
 
     def _agree(self, device: torch.device) -> None:
         """Once, before the first collective: the switch is on if any rank asked for it."""
@@ -246,9 +245,8 @@ class Communicator:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.check, self._agreed = bool(flag.item()), True
 
-    def _log(self, op: Collective, phase: Phase, label: str, t: torch.Tensor,
-             bytes_sent: int) -> None:
-        self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), bytes_sent))
+    def _log(self, op: Collective, phase: Phase, label: str, t: torch.Tensor, sent: int) -> None:
+        self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), sent))
 
     def _before(self, op: Collective, phase: Phase, label: str, t: torch.Tensor) -> None:
         """Count the collective and, with the check on, compare it across ranks first."""
@@ -285,8 +283,7 @@ class Communicator:
             )
         return head + (
             "If the ranks issued different collectives (an FSDP unit that ran on some ranks "
-            f"only), rerun with fully_shard(..., check_collectives=True) ({CHECK_ENV}=1 for "
-            f"mxfp8-train and the parity report) to "
+            f"only), rerun with check_collectives=True ({CHECK_ENV}=1 for mxfp8-train) to "
             "get an error naming what each rank was about to run."
         )
 
@@ -306,9 +303,8 @@ class Communicator:
             s = self._streams[(kind, device)] = torch.cuda.Stream(device)
         return s
 
-    def _issue(self, op: Collective, phase: Phase, label: str, t: torch.Tensor,
-               call: Callable[[bool], Any], async_op: bool,
-               tensors: Sequence[torch.Tensor] = ()) -> Handle | None:
+    def _issue(self, op: Collective, phase: Phase, label: str, t: torch.Tensor, call: Callable,
+               async_op: bool, tensors: Sequence[torch.Tensor] = ()) -> Handle | None:
         """Run call(async_op) on the right stream (module note); a Handle when async_op.
         tensors: those the collective reads or writes (gloo holds them: ``_await_release``)."""
         kind = _STREAM_OF[op]
@@ -318,8 +314,7 @@ class Communicator:
         rec = trace.active()
         args: dict[str, Any] = {} if rec is None else {
             "phase": phase.value, "bytes": t.numel() * t.element_size()}
-        if not async_op or (self.world_size == 1
-                            and not (t.is_cuda and self.streams_at_world_1)):
+        if not async_op or (self.world_size == 1 and not (t.is_cuda and self.streams_at_world_1)):
             if rec is None:  # (the hot path: no trace names or arguments built)
                 self._run(op, phase, label, lambda: call(False))
             else:
@@ -440,3 +435,66 @@ class Communicator:
             return dist.all_reduce(t, op=red, group=self.group, async_op=async_)
 
         return self._issue(op, phase, label, t, call, async_op, (t,))
+
+    def broadcast(self, t: torch.Tensor, phase: Phase, label: str) -> None:
+        """In place, synchronous: every rank's t <- that of rank 0 of this communicator's group
+        (the wire log counts its bytes as sent by rank 0)."""
+        op = Collective.BROADCAST
+        self._before(op, phase, label, t)
+        self._log(op, phase, label, t, t.numel() * t.element_size() if self.rank == 0 else 0)
+
+        def call(async_):
+            if self.world_size == 1:
+                return None
+            pg = dist.group.WORLD if self.group is None else self.group
+            return dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg, async_op=async_)
+
+        self._issue(op, phase, label, t, call, False, (t,))
+
+
+# ------------------------------------------------------ collectives outside any FSDP model
+# Control values, not FSDP's bytes: a checkpoint's agreement and digests (torch_side.
+# sharded_files, whose callers pass a process group, not a model), a stand-alone
+# distributed_mxfp8_quantize, an application's metrics. On a process group (None: the default
+# one), synchronous, on the current stream, in no wire log; a failure gets a note naming the call.
+
+
+def _on_group(what: str, group: Group, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        e.add_note(f"rank {rank}: this failed in {what}, a collective on the "
+                   f"{'default process group' if group is None else f'process group {group}'}")
+        raise
+
+
+def all_reduce_on(t: torch.Tensor, op: Collective, what: str, group: Group = None) -> None:
+    """In place over ``group``; op is ALL_REDUCE_SUM or ALL_REDUCE_MAX."""
+    red = dist.ReduceOp.SUM if op is Collective.ALL_REDUCE_SUM else dist.ReduceOp.MAX
+    _on_group(what, group, lambda: dist.all_reduce(t, op=red, group=group))
+
+
+def all_gather_objects(obj: object, what: str, group: Group = None) -> list:
+    """Every rank's picklable ``obj`` (between our own ranks only), in group rank order."""
+    out: list = [None] * dist.get_world_size(group)
+    _on_group(what, group, lambda: dist.all_gather_object(out, obj, group=group))
+    return out
+
+
+def gather_objects(obj: object, what: str, dst: int = 0, group: Group = None) -> list | None:
+    """Every rank's picklable ``obj`` on global rank ``dst`` (None on the others)."""
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    _on_group(what, group, lambda: dist.gather_object(obj, out, dst=dst, group=group))
+    return out
+
+
+def broadcast_object(obj: T, what: str, src: int = 0, group: Group = None) -> T:
+    """Global rank ``src``'s picklable ``obj``, on every rank."""
+    box = [obj]
+    _on_group(what, group, lambda: dist.broadcast_object_list(box, src=src, group=group))
+    return box[0]
+
+
+def barrier(what: str, group: Group = None) -> None:
+    _on_group(what, group, lambda: dist.barrier(group=group))

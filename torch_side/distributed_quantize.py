@@ -39,6 +39,7 @@ from bridge.mxfp8_slices import (
 from bridge.shared import SharedBuffer
 from common.formats import check_mxfp8_shape
 from common.kernels import KernelConfig
+from torch_side.collectives import Collective, all_reduce_on
 
 __all__ = [
     "BatchImages",
@@ -102,7 +103,8 @@ def distributed_mxfp8_quantize(
 
     def all_reduce_max(packed: torch.Tensor) -> None:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_on(packed, Collective.ALL_REDUCE_MAX,
+                          "distributed_mxfp8_quantize's amax all-reduce", group)
 
     device = next((s.device for s in main_shards if s is not None), None) or _group_device(group)
     owned = [s for s in main_shards if s is not None and s.numel()]

@@ -26,13 +26,6 @@ class ExecutionOrder(Generic[U]):
     def freeze(self) -> None:
         self.frozen = True
 
-    def neighbour(self, unit: U, step: int) -> U | None:
-        """The unit ``step`` places after ``unit`` in forward order (None: unknown or none)."""
-        if not self.frozen or unit not in self._order:
-            return None
-        i = self._order.index(unit) + step
-        return self._order[i] if 0 <= i < len(self._order) else None
-
     def ahead(self, unit: U, depth: int, direction: int) -> list[U]:
         """The next ``depth`` units after ``unit`` in forward order (direction +1) or before
         it (-1: backward order), nearest first; empty until the order is frozen."""

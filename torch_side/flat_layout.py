@@ -33,6 +33,8 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from common.formats import round_up
+
 __all__ = [
     "ALIGN_ELEMENTS",
     "PADDING_WARN_MIN_ELEMENTS",
@@ -128,10 +130,10 @@ class FlatLayout:
         unit = math.lcm(ALIGN_ELEMENTS, *[r for r in rows if r > 0])
         slots, cursor = [], 0
         for name, shape in zip(names, dims, strict=True):
-            start = -(-cursor // unit) * unit
+            start = round_up(cursor, unit)
             slots.append(ParamSlot(name, shape, start, math.prod(shape)))
             cursor = start + math.prod(shape)
-        shard = max(1, -(-cursor // (world_size * unit))) * unit
+        shard = max(unit, round_up(cursor, world_size * unit) // world_size)  # >= 1 unit
         return cls(tuple(slots), unit, shard, world_size)
 
     @property
@@ -164,9 +166,6 @@ class FlatLayout:
             if a < b:
                 out.append(OwnedPiece(i, a - s.start, a - lo, b - a))
         return out
-
-    def owned_slice(self, rank: int, slot_index: int) -> OwnedPiece | None:
-        return next((p for p in self.owned(rank) if p.slot_index == slot_index), None)
 
 
 def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:

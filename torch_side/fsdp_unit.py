@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bridge.shared import SharedPlane, SharedTensor
-from bridge.unit_targets import SPAN_PENDING, GradTarget
+from bridge.unit_bindings import GradTarget, UnitBinding, drop_span_run
 from common import trace
 from common.formats import Plane
 from torch_side.collectives import Phase
@@ -131,7 +131,7 @@ class WeightPlanes:
 
 
 class GroupGradSink:
-    """Where a unit program hands one group's gradients (``bridge.unit_targets.GradTarget``):
+    """Where a unit program hands one group's gradients (``bridge.unit_bindings.GradSink``):
     laid out as the group's grad bucket, added in one go (``GradReducer.stage_flat``) and
     counted as that many staged gradients -- what the per-parameter hooks do one at a time."""
 
@@ -293,6 +293,9 @@ class FSDPUnit:
         # the trace interval of this unit's forward or backward
         self._span: trace.Pending | None = None
         self._sinks: dict[str, GroupGradSink] = {}  # grad_sink(), per group label
+        # what unit_builder.install_plane_hooks bound for unit programs: the unit keeps them
+        # alive (bridge.unit_bindings holds them weakly)
+        self.bindings: tuple[UnitBinding, ...] = ()
         self._grad_params = sum(1 for g in groups if g.key.requires_grad for _ in g.entries)
         # Gradients of expert parameters may not arrive on every rank: reduce when backward
         # leaves the unit (or at the end), never when the count of gradients completes. A host
@@ -450,12 +453,6 @@ class FSDPUnit:
             g.reshard()
             for e in g.entries:
                 e.param.grad = None
-        for m in self.modules:  # an aborted forward's unit program call (bridge.units)
-            m.__dict__.pop(SPAN_PENDING, None)
+        drop_span_run(self.modules[0])  # an aborted forward's span program run (bridge.units)
         self.state, self._pending = TrainingState.IDLE, 0
         self.experts.reset()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []

@@ -20,8 +20,8 @@ Megatron-FSDP broadcasts its parameters at wrap time:
 Cost: one collective per group (two with VERIFY), moving one fp32 copy of the group; a rank holds
 that copy (two with VERIFY) next to the module's values while it is wrapped. Module buffers are
 not FSDP's (it neither shards nor replicates them): they stay what each rank built.
-The collectives run once, at wrap time, directly on ``torch.distributed`` (``Communicator`` has no
-broadcast); they are not in the wire log.
+The collectives run once, at wrap time, through the group's ``Communicator`` (phase ``STATE``,
+label ``<group>/init``), so they are in the wire log and under the collective check.
 """
 
 from __future__ import annotations
@@ -31,25 +31,18 @@ import enum
 import torch
 import torch.distributed as dist
 
-from common.enums import parse_enum
+from common.enums import Parseable
+from torch_side.collectives import Collective, Phase
 from torch_side.param_group import ParamGroup
 
 __all__ = ["InitSync", "initial_values"]
 
 
-class InitSync(enum.Enum):
+class InitSync(Parseable, enum.Enum, what="init_sync mode"):
     """How ``fully_shard`` makes every rank start from the same module values."""
 
     BROADCAST = "broadcast"  # rank 0's values replace every rank's
     VERIFY = "verify"  # refuse, naming the first differing parameter, if a rank differs
-
-    @classmethod
-    def parse(cls, value: InitSync | str) -> InitSync:
-        return parse_enum(cls, value, what="init_sync mode")
-
-
-def _process_group(group: ParamGroup) -> dist.ProcessGroup:
-    return group.comm.group if group.comm.group is not None else dist.group.WORLD
 
 
 def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
@@ -60,16 +53,15 @@ def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
     comm, slots = group.comm, group.slots
     if comm.world_size == 1:
         return values
-    pg = _process_group(group)
     flat = torch.zeros(group.layout.padded_numel, dtype=torch.float32, device=group.device)
     if comm.rank == 0 or mode is InitSync.VERIFY:
         for v, s in zip(values, slots, strict=True):
             flat[s.start : s.end].copy_(v.reshape(-1))
     mine = flat.clone() if mode is InitSync.VERIFY else None
-    dist.broadcast(flat, src=dist.get_global_rank(pg, 0), group=pg)
+    comm.broadcast(flat, Phase.STATE, f"{group.label}/init")
     if mine is None:
         return [flat[s.start : s.end].view(s.shape) for s in slots]
-    _verify(group, pg, mine, flat)
+    _verify(group, mine, flat)
     return values
 
 
@@ -82,16 +74,17 @@ def _first_difference(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor
     return len(group.slots)
 
 
-def _verify(group: ParamGroup, pg: dist.ProcessGroup, mine: torch.Tensor,
-            rank0: torch.Tensor) -> None:
+def _verify(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> None:
     comm, slots = group.comm, group.slots
     firsts = torch.zeros(comm.world_size, dtype=torch.int64, device=group.device)
     firsts[comm.rank] = _first_difference(group, mine, rank0)
-    dist.all_reduce(firsts, group=pg)  # SUM of one entry per rank: every rank's first difference
+    # SUM of one entry per rank: every rank's first difference
+    comm.all_reduce(firsts, Collective.ALL_REDUCE_SUM, Phase.STATE, f"{group.label}/init")
     firsts = firsts.tolist()
     first = min(firsts)
     if first == len(slots):
         return
+    pg = dist.group.WORLD if comm.group is None else comm.group
     ranks = [dist.get_global_rank(pg, r) for r in range(comm.world_size)]
     at = [ranks[r] for r, f in enumerate(firsts) if f == first]
     elsewhere = [ranks[r] for r, f in enumerate(firsts) if first < f < len(slots)]

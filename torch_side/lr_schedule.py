@@ -24,21 +24,17 @@ import enum
 import math
 from typing import Any
 
-from common.enums import parse_enum
+from common.enums import Parseable
 
 __all__ = ["LRSchedule", "LRScheduler", "ScheduleConfig"]
 
 
-class LRSchedule(enum.Enum):
+class LRSchedule(Parseable, enum.Enum, what="learning-rate schedule"):
     """The decay after warmup (``--lr-schedule``)."""
 
     CONSTANT = "constant"
     COSINE = "cosine"
     LINEAR = "linear"
-
-    @classmethod
-    def parse(cls, value: LRSchedule | str) -> LRSchedule:
-        return parse_enum(cls, value, what="learning-rate schedule")
 
 
 def _check_int(name: str, value: object, low: int) -> None:

@@ -21,7 +21,8 @@ surface** only:
 - facts, fixed at construction: ``label``, ``key``, ``format``, ``device``, ``codec``, ``comm``
   (the DP communicator), ``kernels``, ``facts`` (``StrategyFacts``), ``planes``,
   ``forward_plane``, ``backward_plane``, ``blocks``, ``layout`` (the ``FlatLayout``, a frozen
-  value) and ``slots`` (its parameters, in layout order), ``entries`` (the module parameters);
+  value; its ``layout_stats``) and ``slots`` (its parameters, in layout order), ``entries`` (the
+  module parameters);
 - the ``GroupBuffers`` tensors themselves (never rebound, read-only to callers): ``main`` (the
   optimizer's parameter, updated in place), ``model``, ``scales``, ``scale_buffers``,
   ``scale_offsets``;
@@ -151,7 +152,7 @@ class ParamGroup(GroupWeights, GroupGrads):
             [e.name for e in entries], [e.shape for e in entries], comm.world_size
         )
         self.slots: tuple[ParamSlot, ...] = self.layout.slots
-        check_layout(self.layout, label)
+        self.layout_stats = check_layout(self.layout, label)
         grad_dtype = policy.main_grad_dtype if key.requires_grad else None
         self._buffers = b = GroupBuffers(
             label, self.layout, self.facts, codec, comm, grad_dtype, self.device, kernels

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from torch_side import safe_files, step_dirs
+from torch_side.collectives import Collective, all_gather_objects, all_reduce_on
 from torch_side.safe_files import CheckpointError, open_regular, parse_json, write_new
 from torch_side.step_dirs import META, rank_files, recover
 
@@ -152,11 +153,10 @@ def agree(problem: str | None, *, group: dist.ProcessGroup | None = None) -> Non
     device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.get_backend(group) == "nccl") else torch.device("cpu")
     flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, group=group)
+    all_reduce_on(flag, Collective.ALL_REDUCE_SUM, "a checkpoint's agreement", group)
     if not int(flag):
         return
-    problems: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
+    problems = all_gather_objects(problem, "a checkpoint's agreement (the refusals)", group)
     raise CheckpointError("; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p))
 
 
@@ -258,8 +258,8 @@ def write_step(
         except OSError as e:
             problem = f"cannot write into {staging}: {e}"
         agree(problem, group=group)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine, group=group)  # our own ranks' digests (str, int)
+        # our own ranks' digests (str, int)
+        gathered = all_gather_objects(mine, "a checkpoint's file digests", group)
         meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step,
                 "world_size": world, "byteorder": sys.byteorder,
                 "files": {k: v for d in gathered for k, v in sorted(d.items())}, **fields}

@@ -5,22 +5,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from common.enums import parse_enum
+from common.enums import Parseable
 
 __all__ = ["STRATEGY_FACTS", "ShardingStrategy", "StrategyFacts"]
 
 
-class ShardingStrategy(enum.Enum):
+class ShardingStrategy(Parseable, enum.Enum, what="sharding strategy"):
     """Megatron-FSDP's ``data_parallel_sharding_strategy`` values."""
 
     NO_SHARD = "no_shard"  # DDP: everything replicated, gradients all-reduced
     OPTIM = "optim"  # ZeRO-1: main weights / optimizer state sharded
     OPTIM_GRADS = "optim_grads"  # ZeRO-2: + main gradients sharded (reduce-scatter)
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3: + model weights sharded (all-gather)
-
-    @classmethod
-    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        return parse_enum(cls, value, what="sharding strategy")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge.unit_targets import SPAN_PENDING, SPECS_CACHE, UNIT_SPAN
+from bridge.unit_bindings import bind_param, bind_span, bind_weight, forget, hold_binding
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
 from torch_side.collectives import Communicator
@@ -304,28 +304,28 @@ def build_units(
 
 def install_plane_hooks(units: list[FSDPUnit]) -> list:
     """Forward pre-hooks injecting ``weight_planes`` into layers whose weight is a placeholder,
-    and each owning module's ``fsdp_sources`` ({parameter name: ``WeightPlanes`` or
-    ``ParamShare``}): what ``bridge.units`` reads a unit program's weights from; each member of
-    a unit of several modules gets the unit's modules (``UNIT_SPAN``): ``bridge.units`` runs them
-    as one program."""
+    and each owning module's unit binding (``bridge.unit_bindings``): a ``WeightPlanes`` or
+    ``ParamShare`` per parameter, what ``bridge.units`` reads a unit program's weights from,
+    and for a unit of several modules its ``UnitSpan``: ``bridge.units`` runs them as one
+    program. Each unit keeps its members' bindings and those it filled alive
+    (``FSDPUnit.bindings``)."""
+    for unit in units:  # unit programs made before read no FSDP sources
+        forget(m for member in unit.modules for m in member.modules())
     handles = []
     for unit in units:
-        for member in unit.modules:
-            for m in member.modules():  # unit programs made before read no FSDP sources
-                m.__dict__.pop(SPECS_CACHE, None)
-                m.__dict__.pop(UNIT_SPAN, None)
-                m.__dict__.pop(SPAN_PENDING, None)
-            if len(unit.modules) > 1:  # one unit program for them all (bridge.units)
-                member.__dict__[UNIT_SPAN] = unit.modules
+        # each member's too: what a unit program found for it (the root's: the GPT's head)
+        # is kept between steps
+        held = (bind_span(unit.modules) if len(unit.modules) > 1
+                else [hold_binding(unit.modules[0])])
         for g in unit.groups:
             placeholder = g.codec.param_storage is ParamStorage.PLACEHOLDER
             for i, e in enumerate(g.entries):
                 local = e.name.rsplit(".", 1)[-1]
-                sources = e.module.__dict__.setdefault("fsdp_sources", {})
                 if not placeholder:
-                    sources[local] = ParamShare(unit, g, i)
+                    held.append(bind_param(e.module, local, ParamShare(unit, g, i)))
                     continue
-                planes = sources[local] = WeightPlanes(unit, g, i)
+                planes = WeightPlanes(unit, g, i)
+                held.append(bind_weight(e.module, local, planes))
 
                 def inject(module, args, kwargs, planes=planes):
                     kwargs = dict(kwargs)
@@ -333,4 +333,5 @@ def install_plane_hooks(units: list[FSDPUnit]) -> list:
                     return args, kwargs
 
                 handles.append(e.module.register_forward_pre_hook(inject, with_kwargs=True))
+        unit.bindings = tuple(held)
     return handles

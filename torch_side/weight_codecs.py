@@ -47,7 +47,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from common.formats import FormatKey, FormatSpec, Plane, ScaleBlocks, WeightFormat, format_spec
+from common.formats import (
+    FormatKey,
+    FormatSpec,
+    Plane,
+    ScaleBlocks,
+    WeightFormat,
+    format_spec,
+    round_up,
+)
 from common.kernels import KernelConfig
 from common.modes import GatherMode
 from torch_side.collectives import Collective, Communicator, Phase
@@ -201,7 +209,7 @@ class BlockScaledCodec(WeightCodec):
         dims = [_2d(s) for s in shapes]
         for s in dims:
             offsets.append(total)
-            total += -(-b.scale_numel(s) // 256) * 256  # aligned
+            total += round_up(b.scale_numel(s), 256)  # aligned
         buffers = {p: torch.zeros(total, dtype=torch.uint8, device=device) for p in self.planes}
         views = {
             p: [buffers[p][o:o + b.scale_numel(s)].view(b.scale_shape(s, p))

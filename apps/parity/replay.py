@@ -58,6 +58,7 @@ from apps.parity.replay_state import (
 )
 from bridge import jax_work_on
 from common.modes import LinearMode
+from torch_side.collectives import Collective, all_reduce_on
 
 __all__ = ["FlaxState", "ReplayReport", "StepResult", "replay", "replay_on_rank"]
 
@@ -157,7 +158,7 @@ def _torch_step(side: TorchSide, tokens: torch.Tensor, targets: torch.Tensor,
     loss = fsdp(tokens, targets)
     loss.backward()
     total = loss.detach().clone()
-    dist.all_reduce(total)
+    all_reduce_on(total, Collective.ALL_REDUCE_SUM, "the replayed step's loss")
     grads = fsdp.full_grads()
     opt.step()
     main = fsdp.full_state_dict()

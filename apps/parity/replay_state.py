@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from apps.parity.flax_adamw import AdamWConfig, Sqrt
 from apps.parity.flax_run import init_flax_params
@@ -40,6 +39,7 @@ from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, LinearMode
 from jax_side.models import flat_params
 from torch_side import FSDPModel, FSDPOptimizer, ShardingStrategy
+from torch_side.collectives import gather_objects
 from torch_side.models import TorchGPT
 from torch_side.sharded_files import META, CheckpointError, ShardedReader, read_json
 from torch_side.sharded_state import OptimScalarKey, key_text, load_parts, parse_key
@@ -280,8 +280,7 @@ def full_moments(opt: FSDPOptimizer) -> dict[str, dict[str, np.ndarray]] | None:
                 chunk = (np.zeros(p.numel, np.float32) if value is None else
                          value[p.shard_offset:p.shard_offset + p.numel].detach().cpu().numpy())
                 pieces.append((s, slot.name, tuple(slot.shape), p.param_offset, chunk.copy()))
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(pieces, gathered, dst=0)
+    gathered = gather_objects(pieces, "the optimizer moments' gather")
     if gathered is None:
         return None
     out: dict[str, dict[str, np.ndarray]] = {s: {} for s in MOMENTS}

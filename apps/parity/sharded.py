@@ -38,6 +38,7 @@ from common.modes import LinearMode
 from jax_side.linear import quantize_weight
 from jax_side.models import flat_params, nested_params
 from jax_side.mxfp8 import MXFP8Tensor
+from torch_side.collectives import barrier
 from torch_side.launch import run_local_ranks
 from torch_side.models import TorchGPT
 
@@ -159,7 +160,8 @@ def _rank_report_on(
                 cfg, seed, batch, torch_run, gathered, master, dist.get_world_size(), mode,
                 kernels,
             )
-        dist.barrier()  # all ranks leave the gathered state together, after rank 0's JAX reads
+        # all ranks leave the gathered state together, after rank 0's JAX reads
+        barrier("the sharded parity report")
     return report
 
 

@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from apps.training.data import DataPosition
 from apps.training.writer_lock import WriterLock
+from torch_side.collectives import broadcast_object
 from torch_side.fsdp_model import FSDPModel
 from torch_side.lr_schedule import LRScheduler
 from torch_side.optimizer import FSDPOptimizer
@@ -284,9 +285,8 @@ class CheckpointSaver:
                     lock.release()
                 problem = str(e)
         agree(problem)
-        box = [run_id]
-        dist.broadcast_object_list(box, src=0)  # rank 0's id (a str between our own ranks)
-        return cls(save_dir, box[0], lock)
+        # rank 0's id (a str between our own ranks)
+        return cls(save_dir, broadcast_object(run_id, "the checkpoint's run id"), lock)
 
     def __enter__(self) -> CheckpointSaver:
         return self

@@ -43,6 +43,7 @@ from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
 from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
+from torch_side.collectives import Collective, all_reduce_on
 from torch_side.lr_schedule import LRScheduler
 from torch_side.models.gpt import TorchGPT
 from torch_side.precompile import precompile  # (the module's name is the function's: import it)
@@ -167,7 +168,7 @@ def heldout_loss(m: _Model, job: TrainJob) -> float:
             weight = 1.0 if i < len(ids) else 0.0
             total[0] += weight * m.fsdp(tokens, targets).double()
             total[1] += weight
-    dist.all_reduce(total)
+    all_reduce_on(total, Collective.ALL_REDUCE_SUM, "the held-out loss's all-reduce")
     return float(total[0] / total[1])
 
 
@@ -205,7 +206,7 @@ def _forward_backward(m: _Model, job: TrainJob, position: DataPosition) -> tuple
         total += loss.detach()
     tokens_per_rank = job.micro_batches * job.batch_size * job.seq_len
     m.opt.divide_grads(tokens_per_rank)
-    dist.all_reduce(total)
+    all_reduce_on(total, Collective.ALL_REDUCE_SUM, "the step loss's all-reduce")
     return float(total) / (tokens_per_rank * world), float(m.opt.grad_norm())
 
 
@@ -232,7 +233,7 @@ def _largest_weight(m: _Model, job: TrainJob) -> float:
     local = max((float(g.main.abs().max()) for g in m.fsdp.param_groups if g.main.numel()),
                 default=0.0)
     largest = torch.tensor([local], dtype=torch.float64, device=job.device)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    all_reduce_on(largest, Collective.ALL_REDUCE_MAX, "the largest weight's all-reduce")
     return float(largest)
 
 

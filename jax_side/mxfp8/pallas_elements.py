@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.enums import parse_enum
+from common.enums import Parseable
 from common.formats import E4M3_MAX
 from jax_side.mxfp8.e8m0 import e8m0_thresholds, fp32_reciprocal_of_max
 
@@ -80,7 +80,7 @@ _RECIP = np.float32(fp32_reciprocal_of_max())
 _E4M3_MAX_BITS = np.int32(np.float32(E4M3_MAX).view(np.int32))  # 448 = 1.75 * 2**8
 
 
-class ElementPath(enum.Enum):
+class ElementPath(Parseable, enum.Enum, what="e4m3_cast element path", hint=" (or None)"):
     """How the kernels turn x and its scale byte into e4m3 bytes (module docstring)."""
 
     FLOAT = "float"  # FTZ-proof; v -> e4m3 by lax convert (Triton: tt.fp_to_fp rtne)
@@ -91,10 +91,6 @@ class ElementPath(enum.Enum):
     def ftz_proof(self) -> bool:
         """Exact also where fp32 subnormals are flushed (the Pallas interpreter, XLA:CPU)."""
         return self is not ElementPath.NATIVE
-
-    @classmethod
-    def parse(cls, value: ElementPath | str) -> ElementPath:
-        return parse_enum(cls, value, what="e4m3_cast element path", hint=" (or None)")
 
 
 FTZ_PROOF_PATHS = tuple(p for p in ElementPath if p.ftz_proof)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from common.formats import BLOCK_SIZE, check_mxfp8_shape
+from common.formats import BLOCK_SIZE, check_mxfp8_shape, round_up
 from jax_side.mxfp8.pallas_elements import (
     COMPILED_DEFAULT,
     FTZ_PROOF_PATHS,
@@ -224,7 +224,7 @@ def _scales_from_amax(amax: jax.Array, interpret: bool) -> jax.Array:
     if n == 0:
         return jnp.zeros(amax.shape, jnp.float8_e8m0fnu)
     block = min(_SCALE_BLOCK, 1 << (n - 1).bit_length())  # power of two >= n, capped
-    padded = -(-n // block) * block
+    padded = round_up(n, block)
     flat = jnp.pad(amax.reshape(-1), (0, padded - n))  # (padded,) zeros after the n values
     spec = pl.BlockSpec((block,), lambda i: (i,))
     out = pl.pallas_call(

@@ -70,13 +70,11 @@ __all__ = [
     "EDGE_AMAX",
     "TESTED_TE_VERSION",
     "dequantize",
-    "describe",
     "edge_blocks",
     "is_available",
     "matmul",
     "probe",
     "quantize",
-    "require_available",
     "te_path",
 ]
 
@@ -109,15 +107,6 @@ def te_path() -> TEPath:
     path = _on_gpu().path
     assert isinstance(path, TEPath), path  # te_availability names a TEPath when usable
     return path
-
-
-def require_available() -> None:
-    """Raise the resolver's clear error where the ``te`` backend cannot run."""
-    _on_gpu()
-
-
-def describe() -> str:
-    return "Transformer Engine for JAX; " + _on_gpu().reason
 
 
 @contextlib.contextmanager

@@ -5,13 +5,16 @@
 - within a stated bound of the per-linear op path (they differ where LayerNorm, attention, GELU
   and the loss run in JAX instead of Torch);
 - activation recompute inside the backward program gives the same bits as keeping residuals;
-- a user-registered block type; an evaluation forward; the errors.
+- a user-registered block type; an evaluation forward; the binding that keeps what a unit
+  found (and does not keep the model alive); the errors.
 FSDP strategies, world sizes and micro-batches: tests/torch_side/cases_units.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from bridge import MXFP8Linear, count_crossings, resolve_for
+from bridge.unit_bindings import binding_of
 from bridge.units import register_unit, run_unit, set_compute
 from common.model_config import TINY
 from common.modes import Activations, Compute
@@ -122,6 +126,21 @@ def test_switching_compute_back_to_op_restores_the_torch_forward():
     model.set_compute("op")
     assert model.compute is Compute.OP and "forward" not in model.h_0.__dict__
     assert torch.equal(model(tokens, targets), op_loss)
+
+
+def test_what_a_unit_found_is_bound_beside_the_module_and_dies_with_it():
+    # one typed binding per block (bridge.unit_bindings), nothing written on the module but its
+    # forward; the map holds the binding weakly, so the model and its binding go together
+    model = TorchGPT(TINY, seed=1, compute="unit")
+    model(*_batch(4)).backward()
+    binding = binding_of(model.h_0)
+    assert binding is not None and binding.programs and binding.span is None
+    assert set(model.h_0.__dict__) - set(nn.Module().__dict__) == {
+        "forward", "activations"}  # the UnitForward set_compute installed, the block's own
+    refs = weakref.ref(model), weakref.ref(binding)
+    del model, binding
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 def test_one_crossing_back_per_unit_and_direction():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -12,12 +14,15 @@ from common import (
     GPTConfig,
     KernelConfig,
     LinearMode,
+    Parseable,
     Plane,
     WeightFormat,
+    block_padded,
     check_mxfp8_shape,
     format_spec,
     parse_enum,
     role_spec,
+    round_up,
     scale_shape,
 )
 from common.formats import (
@@ -29,8 +34,10 @@ from common.formats import (
     parse_format,
     register_format,
 )
-from common.kernels import Backend, GemmImpl
+from common.kernels import Backend, GemmImpl, Platform
 from common.model_config import GPT2_124M, GPT2_350M, PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_weight_format_has_one_row_and_planes_follow_block_scaling():
@@ -125,6 +132,30 @@ def test_one_enum_parser_one_error_format():
     with pytest.raises(ValueError, match=r"unknown linear mode 'fp32': expected one of"):
         LinearMode.parse("fp32")
     assert Plane.parse("columnwise") is Plane.COLWISE
+
+
+def test_every_enum_parse_is_the_one_parser():
+    """``Parseable`` gives each enum its ``parse`` (no class writes the wrapper again), and what
+    its class keywords say reaches the error."""
+    own = []
+    for top in ("common", "jax_side", "bridge", "torch_side", "apps"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            own += [f"{path.relative_to(ROOT)}: {n.name}"
+                    for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)
+                    and any(isinstance(f, ast.FunctionDef) and f.name == "parse" for f in n.body)]
+    assert own == ["common/enums.py: Parseable"], "use common.enums.Parseable"
+    assert issubclass(Platform, Parseable) and "parse" not in vars(Platform)
+    with pytest.raises(ValueError, match=r"^unknown platform 'tpu': expected one of \['cpu', "
+                       r"'gpu'\] \(or None for JAX's default device\)$"):
+        Platform.parse("tpu")
+    with pytest.raises(ValueError, match=r"of \['rowwise', 'colwise', 'columnwise'\]$"):
+        Plane.parse("diagonal")
+
+
+def test_sizes_round_up_to_a_multiple_and_to_whole_blocks():
+    assert [round_up(n, 32) for n in (0, 1, 32, 33)] == [0, 32, 32, 64]
+    assert [block_padded(n) for n in (0, 1, 32, 33)] == [32, 32, 32, 64]
+    assert block_padded(17, block=16) == 32
 
 
 def test_gpt_presets_validate_and_count_parameters():

@@ -1,7 +1,11 @@
 """``jax_side.unit_program`` on its own (no Torch): residuals that are inputs are not returned,
-the packed gradient layout, and the kept-residual backward equals the recompute backward."""
+the packed gradient layout, the kept-residual backward equals the recompute backward, and the
+weight gradients leave through autodiff, so a unit function under ``jax.checkpoint`` gives the
+same bytes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -71,10 +75,45 @@ def test_the_kept_backward_equals_the_recompute_backward(given):
     packed = U.unit_backward(saved, kept, dout, cols, spec=spec)
     redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec)
     assert np.array_equal(np.asarray(packed), np.asarray(redo))
-    layout = U.grad_layout(x.shape, x.dtype, [p.shape for p in params], ["float32"] * 4,
+    layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
                            list(LINEARS.values()), spec.dw_dtypes)
     assert packed.shape == (layout.nbytes,)
     assert np.array_equal(np.asarray(out), np.asarray(U.unit_apply(params, rows, x, (), spec=spec)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpointed:
+    """A unit function whose body runs under ``jax.checkpoint``: its backward recomputes the
+    forward, and the linears' backward rules run while that recompute is traced (an inner
+    trace), not in ``unit_backward``'s own."""
+
+    fn: object
+
+    def __call__(self, params, linear, x):
+        return jax.checkpoint(lambda p, h: self.fn(p, linear, h))(params, x)
+
+
+def test_weight_gradients_leave_through_autodiff_also_under_jax_checkpoint():
+    # dW is the cotangent of each linear's gradient carrier (unit_program's docstring): under
+    # remat the rules run in an inner trace, and the gradients still come out, the same bytes
+    spec, params, weights, x = _inputs()
+    planes = [quantize_weight(w) for w in weights]
+    rows = tuple(p.only(Plane.ROWWISE) for p in planes)
+    cols = tuple(p.only(Plane.COLWISE) for p in planes)
+    dout = (0.5 * jax.random.normal(jax.random.key(3), x.shape)).astype(x.dtype)
+    packed = []
+    for s in (spec, spec._replace(fn=_Checkpointed(spec.fn))):
+        out, saved = U.unit_forward(params, rows, x, (), spec=s)
+        kept = saved.forwarded.kept(params, rows, x, ())
+        packed.append((np.asarray(out), np.asarray(U.unit_backward(saved, kept, dout, cols,
+                                                                   spec=s))))
+    (plain_out, plain), (remat_out, remat) = packed
+    assert plain_out.tobytes() == remat_out.tobytes()
+    assert plain.tobytes() == remat.tobytes()
+    layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
+                           list(LINEARS.values()), spec.dw_dtypes)
+    dw = [_cut(remat, seg) for seg in layout.mxfp8]
+    assert all(d.any() for d in dw), "every linear's dW arrived (none is the zeros stand-in)"
 
 
 def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
@@ -98,8 +137,8 @@ def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
 
     plain, packed = run(spec), run(grouped)
     shapes = ([p.shape for p in params], ["float32"] * 4, list(LINEARS.values()), spec.dw_dtypes)
-    lp = U.grad_layout(x.shape, x.dtype, *shapes)
-    lg = U.grad_layout(x.shape, x.dtype, *shapes, groups=(group,))
+    lp = U.grad_layout([(x.shape, x.dtype)], *shapes)
+    lg = U.grad_layout([(x.shape, x.dtype)], *shapes, groups=(group,))
 
     def cut(raw, seg):
         start, shape, dtype = seg
@@ -113,7 +152,7 @@ def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
         want[start:start + g.size] = g
     assert lg.params[0] is None and lg.params[1] is None and lg.mxfp8[1] is None
     assert np.array_equal(cut(packed, lg.groups[0]).view(np.uint16), want.view(np.uint16))
-    for a, b in ((lp.dx, lg.dx), (lp.params[2], lg.params[2]), (lp.mxfp8[0], lg.mxfp8[0])):
+    for a, b in ((lp.dxs[0], lg.dxs[0]), (lp.params[2], lg.params[2]), (lp.mxfp8[0], lg.mxfp8[0])):
         assert np.array_equal(cut(plain, a), cut(packed, b))
 
 
@@ -160,9 +199,9 @@ def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_bloc
     h2, s2 = _program(U.unit_forward, params, rows[1], h1, (), spec=spec)
     g2 = _program(U.unit_backward, s2, s2.forwarded.kept(params, rows[1], h1, ()), d2, cols[1],
                  spec=spec)
-    one = U.grad_layout(x.shape, x.dtype, [p.shape for p in params], ["float32"] * 4,
+    one = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
                         list(LINEARS.values()), spec.dw_dtypes)
-    dh1 = jnp.asarray(_cut(g2, one.dx).view(x.dtype).reshape(x.shape))
+    dh1 = jnp.asarray(_cut(g2, one.dxs[0]).view(x.dtype).reshape(x.shape))
     g1 = _program(U.unit_backward, s1, s1.forwarded.kept(params, rows[0], x, ()),
                  dh1 + d1 if own_cotangent else dh1, cols[0], spec=spec)
 
@@ -175,9 +214,9 @@ def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_bloc
                 spec=span)
     assert [np.asarray(o).tobytes() for o in outs] == [np.asarray(h1).tobytes(),
                                                        np.asarray(h2).tobytes()]
-    two = U.grad_layout(x.shape, x.dtype, [p.shape for p in both], ["float32"] * 8,
+    two = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in both], ["float32"] * 8,
                         list(LINEARS.values()) * 2, span.dw_dtypes)
-    assert np.array_equal(_cut(g, two.dx), _cut(g1, one.dx))
+    assert np.array_equal(_cut(g, two.dxs[0]), _cut(g1, one.dxs[0]))
     want = [(g1, seg) for seg in one.params] + [(g2, seg) for seg in one.params]
     want += [(g1, seg) for seg in one.mxfp8] + [(g2, seg) for seg in one.mxfp8]
     for k, (seg, (raw, own)) in enumerate(zip((*two.params, *two.mxfp8), want, strict=True)):

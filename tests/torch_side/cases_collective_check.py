@@ -193,8 +193,8 @@ def case_failed_collective_names_the_switch(ctx):
     if ctx.rank == 0:
         notes = _failure_notes(off, "blocks.3/fp32/dp/grad")
         assert "rank 0: this failed in the FSDP all-reduce (sum) of 'blocks.3/fp32/dp/grad' " \
-            "(grad_reduce)" in notes and "rerun with fully_shard(..., check_collectives=True) " \
-            f"({CHECK_ENV}=1 for mxfp8-train" in notes, notes
+            "(grad_reduce)" in notes and "rerun with check_collectives=True " \
+            f"({CHECK_ENV}=1 for mxfp8-train)" in notes, notes
         notes = _failure_notes(on, "blocks.3/fp32/dp/grad")
         assert "rank 0: this failed in check_collectives' descriptor all-gather before the " \
             "FSDP all-reduce (sum) of 'blocks.3/fp32/dp/grad'" in notes, notes

@@ -24,6 +24,7 @@ from tests.torch_side.cases_reliability import (
 )
 from tests.torch_side.toy_models import Block, ExpertMLP, MoEBlock, make_batch, make_net, mse
 from torch_side import FSDPOptimizer, fully_shard
+from torch_side.collectives import Collective
 
 
 def _assert_planes_equal(got, want) -> None:
@@ -47,6 +48,10 @@ def case_ranks_that_initialise_differently_start_from_rank0(ctx):
     mixed = fully_shard(
         make_net(ctx.rank, device=ctx.device), unit_modules=(Block,), strategy=ZERO3
     )
+    # one broadcast per group, in the wire log (torch_side.collectives is the only caller)
+    sent = [(r.label, r.bytes_sent) for r in mixed.wire_log() if r.op is Collective.BROADCAST]
+    assert sent == [(f"{g.label}/init", 4 * g.layout.padded_numel * (ctx.rank == 0))
+                    for g in mixed.param_groups], sent
     same = _wrap(ctx)  # seed 0 on every rank: what the mixed model must be
     state = mixed.full_state_dict()
     for name, p in init.named_parameters():

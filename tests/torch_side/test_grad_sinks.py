@@ -61,8 +61,9 @@ def test_unit_gradients_reach_the_grad_buckets_in_one_add_per_group_same_bytes(
     got = _main_grads(sinks)
     staged = dict(calls)
     calls.clear()
-    monkeypatch.setattr(WeightPlanes, "grad_target", None)  # the per-parameter hook path
-    monkeypatch.setattr(ParamShare, "grad_target", None)
+    # sources that name no target: the per-parameter hook path
+    monkeypatch.setattr(WeightPlanes, "grad_target", lambda self: None)
+    monkeypatch.setattr(ParamShare, "grad_target", lambda self: None)
     hooks = _model()
     for step in range(2):
         hooks(*_batch(step)).backward()

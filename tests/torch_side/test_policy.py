@@ -78,20 +78,6 @@ def test_bucket_allocator_counts_and_refuses_double_allocation():
     )
 
 
-def test_fsdp_is_driven_by_the_format_table_and_refuses_unimplemented_formats():
-    from torch_side.weight_codecs import ParamStorage, codec_for
-
-    mx = codec_for(WeightFormat.MXFP8_E4M3)
-    assert mx.buffer_dtype == torch.uint8 and mx.source_dtype == torch.bfloat16
-    assert [p.value for p in mx.planes] == ["rowwise", "colwise"]
-    assert mx.param_storage is ParamStorage.PLACEHOLDER
-    bf = codec_for(WeightFormat.BF16)
-    assert bf.buffer_dtype == torch.bfloat16 and [p.value for p in bf.planes] == ["rowwise"]
-    assert bf.param_storage is ParamStorage.BUFFER_VIEW
-    with pytest.raises(ValueError, match=r"'nvfp4' \(block-scaled, 16-element blocks.*supported"):
-        codec_for(WeightFormat.NVFP4)
-
-
 def test_the_gather_mode_is_an_explicit_policy_field():
     from torch_side import GatherMode
 

@@ -1,0 +1,121 @@
+"""How a unit program's backward hands its gradients back: one packed uint8 array.
+
+``unit_program.unit_backward`` returns dx (one segment per differentiable input), each
+high-precision parameter's gradient and each MXFP8 weight's dW in one uint8 array, so they
+cross to Torch once; ``grad_layout`` says where each sits (``GradLayout``), and the Torch side
+cuts its views from it. Gradients named in a ``GradGroup`` come instead laid out as the
+caller's flat buffer (an FSDP group's grad bucket: cast to its dtype, zeros in the padding), one
+segment per group, so the caller adds one segment per group instead of one gradient per
+parameter. Every segment starts at a multiple of ``ALIGN`` bytes (Torch views need it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import DTypeLike
+
+from common.formats import round_up
+
+__all__ = ["ALIGN", "GradGroup", "GradLayout", "Segment", "grad_layout", "pack_grads"]
+
+ALIGN = 16  # byte alignment of every segment of the packed gradients
+
+Segment = tuple[int, tuple[int, ...], str]  # (byte offset, shape, dtype name)
+
+
+class GradGroup(NamedTuple):
+    """Gradients laid out in one flat buffer of the caller's (an FSDP group's grad bucket):
+    ``numel`` elements of ``dtype``, gradient ``i`` (an index into the parameters, then the
+    MXFP8 weights) cast to ``dtype`` at element ``start`` for each ``(i, start)`` of ``slots``,
+    zeros elsewhere."""
+
+    numel: int
+    dtype: str
+    slots: tuple[tuple[int, int], ...]
+
+
+class GradLayout(NamedTuple):
+    """Where each gradient sits in ``unit_backward``'s packed uint8 result: a ``Segment`` for
+    the gradient of each differentiable input, each parameter, each MXFP8 weight (None for one
+    placed in a group), then each ``GradGroup``'s flat buffer."""
+
+    dxs: tuple[Segment, ...]
+    params: tuple[Segment | None, ...]
+    mxfp8: tuple[Segment | None, ...]
+    nbytes: int
+    groups: tuple[Segment, ...] = ()
+
+
+def _grouped(groups: tuple[GradGroup, ...]) -> frozenset[int]:
+    return frozenset(i for g in groups for i, _ in g.slots)
+
+
+def grad_layout(inputs: Sequence[tuple[tuple[int, ...], DTypeLike]],
+                param_shapes: Sequence[tuple[int, ...]], param_dtypes: Sequence[DTypeLike],
+                w_shapes: Sequence[tuple[int, ...]], w_dtypes: Sequence[DTypeLike],
+                groups: tuple[GradGroup, ...] = ()) -> GradLayout:
+    """The packed layout for these shapes and dtypes; ``inputs``: (shape, dtype) of each
+    differentiable input, in the order the unit function takes them."""
+    cursor = 0
+
+    def seg(shape: tuple[int, ...], dtype: DTypeLike) -> Segment:
+        nonlocal cursor
+        start = cursor
+        size = jnp.dtype(dtype).itemsize
+        for d in shape:
+            size *= d
+        cursor += round_up(size, ALIGN)
+        return start, tuple(shape), jnp.dtype(dtype).name
+
+    grouped = _grouped(groups)
+    n = len(param_shapes)
+    dxs = tuple(seg(s, d) for s, d in inputs)
+    params = tuple(None if i in grouped else seg(s, d)
+                   for i, (s, d) in enumerate(zip(param_shapes, param_dtypes, strict=True)))
+    mx = tuple(None if n + j in grouped else seg(s, d)
+               for j, (s, d) in enumerate(zip(w_shapes, w_dtypes, strict=True)))
+    flat = tuple(seg((g.numel,), g.dtype) for g in groups)
+    return GradLayout(dxs, params, mx, cursor, flat)
+
+
+def _flat_group(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:
+    """The group's flat buffer: each gradient cast and placed at its start, zeros between."""
+    dt = jnp.dtype(group.dtype)
+    parts, cursor = [], 0
+    for i, start in sorted(group.slots, key=lambda s: s[1]):
+        g = grads[i].reshape(-1).astype(dt)
+        if start < cursor or start + g.shape[0] > group.numel:
+            raise ValueError(f"GradGroup: gradient {i} at {start} overlaps or overflows {group}")
+        if start > cursor:
+            parts.append(jnp.zeros((start - cursor,), dt))
+        parts.append(g)
+        cursor = start + g.shape[0]
+    if cursor < group.numel:
+        parts.append(jnp.zeros((group.numel - cursor,), dt))
+    return jnp.concatenate(parts)
+
+
+def _pack(arrays: Iterable[jax.Array]) -> jax.Array:
+    parts = []
+    for a in arrays:
+        raw = lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+        pad = -raw.shape[0] % ALIGN
+        parts.append(raw)
+        if pad:
+            parts.append(jnp.zeros((pad,), jnp.uint8))
+    return jnp.concatenate(parts)
+
+
+def pack_grads(dx: jax.Array | tuple[jax.Array, ...], grads: Sequence[jax.Array],
+               groups: tuple[GradGroup, ...]) -> jax.Array:
+    """The packed array of ``grad_layout``: dx (an array, or a tuple of one per input), the
+    gradients not in a group, then each group's flat buffer."""
+    grouped = _grouped(groups)
+    alone = [g for i, g in enumerate(grads) if i not in grouped]
+    dxs = dx if isinstance(dx, tuple) else (dx,)
+    return _pack([*dxs, *alone, *(_flat_group(g, grads) for g in groups)])
