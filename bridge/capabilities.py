@@ -80,7 +80,9 @@ def _probe_jax_to_torch(spec: DtypeSpec) -> str | None:
 def dlpack_support() -> DlpackSupport:
     """Detect (once; on first use, not at import, so importing never starts a JAX backend)."""
     start_jax_backend()
-    t2j, j2t, notes = {}, {}, {}
+    t2j: dict[torch.dtype, Fp8Transport] = {}
+    j2t: dict[torch.dtype, Fp8Transport] = {}
+    notes: dict[str, str] = {}
     for spec in BYTE_FLOATS:
         for table, probe, direction in (
             (t2j, _probe_torch_to_jax, "torch->jax"),
@@ -93,7 +95,9 @@ def dlpack_support() -> DlpackSupport:
     return DlpackSupport(t2j, j2t, notes)
 
 
-def transport_for(spec: DtypeSpec, requested, direction: str) -> Fp8Transport | None:
+def transport_for(
+    spec: DtypeSpec, requested: Fp8Transport | str | None, direction: str
+) -> Fp8Transport | None:
     """How ``spec`` crosses in ``direction`` ("torch_to_jax" / "jax_to_torch"): None for a dtype
     that is not a 1-byte float, else ``requested`` if given, else what ``dlpack_support()``
     found."""

@@ -57,7 +57,10 @@ class _DLDataTypeStruct(ctypes.Structure):
     _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
 
 
-def _dtype_struct(capsule) -> _DLDataTypeStruct:
+# A DLPack capsule is a PyCapsule (``types.CapsuleType`` from Python 3.13): typed ``object``.
+
+
+def _dtype_struct(capsule: object) -> _DLDataTypeStruct:
     name = _get_name(capsule)
     if name not in _DLTENSOR_OFFSET:
         raise ValueError(
@@ -70,13 +73,13 @@ def _dtype_struct(capsule) -> _DLDataTypeStruct:
     return _DLDataTypeStruct.from_address(addr)
 
 
-def read_dtype(capsule) -> DLDataType:
+def read_dtype(capsule: object) -> DLDataType:
     """The ``DLDataType`` recorded in an unconsumed DLPack capsule."""
     s = _dtype_struct(capsule)
     return DLDataType(int(s.code), int(s.bits), int(s.lanes))
 
 
-def relabel(capsule, code: DLDataTypeCode) -> None:
+def relabel(capsule: object, code: DLDataTypeCode) -> None:
     """Rewrite the dtype code of an unconsumed capsule holding 8-bit, 1-lane elements.
 
     Raises ``ValueError`` if the capsule's elements are not 8-bit scalars: relabeling is only

@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import jax
 
@@ -81,7 +82,7 @@ class CompileAhead:
         self._t0: float | None = None
         self._report: AheadReport | None = None
 
-    def call(self, fn: Callable, *args, **static):
+    def call(self, fn: Callable[..., Any], *args: Any, **static: Any) -> Any:
         """Submit ``fn(*args, **static)``'s program (once per distinct program); return its
         abstract result (a pytree of ``jax.ShapeDtypeStruct``). ``fn`` must be jitted (have
         ``lower``); ``static`` are its static keyword arguments."""
@@ -131,7 +132,7 @@ class CompileAhead:
         self._report = AheadReport(len(self._futures), self._calls, 0.0, 0.0, self.workers)
 
 
-def _compile(fn, spec, static, device) -> float:
+def _compile(fn: Any, spec: tuple, static: dict[str, Any], device: jax.Device | None) -> float:
     t0 = time.perf_counter()
     ctx = jax.default_device(device) if device is not None else contextlib.nullcontext()
     with ctx:
@@ -178,7 +179,7 @@ def active() -> CompileAhead | None:
     return _POOL.get()
 
 
-def run_in(ahead: CompileAhead | None, fn: Callable, *args, **static):
+def run_in(ahead: CompileAhead | None, fn: Callable[..., Any], *args: Any, **static: Any) -> Any:
     """``fn(*args, **static)``, or, for a block, its program submitted to that block and its
     abstract result returned (the backward of an op whose forward ran in the block)."""
     if ahead is None:
@@ -186,7 +187,7 @@ def run_in(ahead: CompileAhead | None, fn: Callable, *args, **static):
     return ahead.call(fn, *args, **static)
 
 
-def run_or_compile(fn: Callable, *args, **static):
+def run_or_compile(fn: Callable[..., Any], *args: Any, **static: Any) -> Any:
     """``run_in(active(), fn, *args, **static)``: the calling code's block, if any."""
     return run_in(active(), fn, *args, **static)
 

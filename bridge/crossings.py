@@ -10,6 +10,9 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from enum import Enum
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["CrossingStats", "Direction", "count_crossings", "counted"]
 
@@ -58,7 +61,7 @@ def count_crossings() -> Iterator[CrossingStats]:
         _COUNTING.remove(stats)
 
 
-def counted(direction: Direction, fn: Callable, *args):
+def counted(direction: Direction, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``; inside ``count_crossings()`` also its call and host time, under
     ``direction`` (outside, nothing but the call: crossings are on the hot path)."""
     if not _COUNTING:

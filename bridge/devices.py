@@ -9,6 +9,8 @@ the stream number ``to_torch`` hands to ``jax.Array.__dlpack__``.
 from __future__ import annotations
 
 import contextlib
+import os
+from typing import Any
 
 import jax
 import torch
@@ -19,7 +21,8 @@ _JAX_STARTED = False
 
 
 def start_jax_backend() -> list:
-    """Start JAX's backend (once) without moving Torch's current CUDA device; JAX's devices.
+    """Start JAX's backend (once) without moving Torch's current CUDA device, and without its
+    GPU memory preallocation (``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless set); JAX's devices.
 
     Seen on a 2-GPU H200 host (torch 2.11, jax 0.11.2): starting JAX's GPU backend left the CUDA
     runtime's current device at the last GPU it set up, so afterwards ``device="cuda"`` meant
@@ -29,6 +32,9 @@ def start_jax_backend() -> list:
     """
     global _JAX_STARTED
     if not _JAX_STARTED:
+        # JAX reads it (no API sets it) when it creates its GPU client, so only before that:
+        # JAX must not preallocate most of a GPU Torch shares (ownership rule 5, bridge/dlpack.py)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         prev = torch.cuda.current_device() if torch.cuda.is_available() else None
         jax.devices()
         if prev is not None and torch.cuda.current_device() != prev:
@@ -37,14 +43,14 @@ def start_jax_backend() -> list:
     return jax.devices()
 
 
-def device_ctx(device: torch.device):
+def device_ctx(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Make ``device`` current, so Torch's "current stream" in ``__dlpack__`` is that device's."""
     if device.type != "cuda" or torch.cuda.current_device() == device.index:
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 
 
-def torch_stream_for(dl_device) -> int | None:
+def torch_stream_for(dl_device: tuple[int, int]) -> int | None:
     """The DLPack ``stream`` argument naming Torch's current stream of a DLPack device (None off
     CUDA): the stream a producer must order its buffer before."""
     kind, index = dl_device
@@ -56,6 +62,7 @@ def torch_stream_for(dl_device) -> int | None:
 
 def jax_device(device: torch.device | str) -> jax.Device:
     """The JAX device that holds what ``to_jax`` imports from Torch tensors on ``device``."""
+    start_jax_backend()
     device = torch.device(device)
     if device.type == "cpu":
         return jax.devices("cpu")[0]
@@ -73,7 +80,7 @@ def jax_device(device: torch.device | str) -> jax.Device:
     return gpus[index]
 
 
-def jax_work_on(device: torch.device | str):
+def jax_work_on(device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
     """Context manager: new JAX work (and the kernels ``resolve_kernels`` picks) goes to the JAX
     twin of Torch ``device``. Needed for Flax/JAX code on CPU tensors in a GPU process."""
     return jax.default_device(jax_device(device))

@@ -33,8 +33,10 @@ Names: the *Torch buffer* is the storage behind a ``torch.Tensor``; the *JAX vie
    JAX. Buffers that Torch writes (FSDP buckets) are created by Torch and lent to JAX, not the
    reverse.
 5. GPU memory. JAX must not preallocate most of the GPU in a process where Torch allocates too:
-   importing ``bridge`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the caller set it
-   (it only takes effect if JAX's GPU backend has not started yet, so import ``bridge`` early).
+   ``start_jax_backend`` (``bridge.devices``), through which the bridge starts JAX before its
+   first transfer, sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the caller set it (it only
+   takes effect if JAX's GPU backend has not started yet: a process that runs JAX before the
+   bridge calls ``start_jax_backend`` first, or sets the variable, as the launchers do).
 
 Where the work is done: ``bridge.torch_to_jax`` and ``bridge.jax_to_torch`` (checks and transfer;
 the CUDA fast path of ``to_jax``, through JAX internals, in ``bridge.jax_fastpath``),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.typing import DTypeLike
 
 from bridge.capsule import DLDataTypeCode
 
@@ -30,7 +31,8 @@ class DtypeSpec(NamedTuple):
     needs_x64: bool
 
 
-def _spec(td, jd, code=None, x64=False) -> DtypeSpec:
+def _spec(td: torch.dtype, jd: DTypeLike, code: DLDataTypeCode | None = None,
+          x64: bool = False) -> DtypeSpec:
     return DtypeSpec(td, np.dtype(jd), code, x64)
 
 
@@ -58,7 +60,7 @@ def jax_dtype_for(dtype: torch.dtype) -> np.dtype:
     return spec_for_torch(dtype).jax
 
 
-def torch_dtype_for(dtype) -> torch.dtype:
+def torch_dtype_for(dtype: DTypeLike) -> torch.dtype:
     """The Torch dtype a JAX dtype maps to (the same table)."""
     return spec_for_jax(dtype).torch
 
@@ -86,7 +88,7 @@ def spec_for_torch(dtype: torch.dtype) -> DtypeSpec:
         ) from None
 
 
-def spec_for_jax(dtype) -> DtypeSpec:
+def spec_for_jax(dtype: DTypeLike) -> DtypeSpec:
     try:
         return _BY_JAX[np.dtype(dtype)]
     except KeyError:

@@ -83,6 +83,7 @@ def resolve_internals() -> Internals | str:
                      ("jax._src.xla_bridge.get_backend", get_backend)):
         if not callable(fn):
             return f"{name} is missing in jax {jax.__version__}"
+    assert get_backend is not None and import_capsule is not None  # both callable: checked above
     return Internals(get_backend, import_capsule, int(jaxlib_extension_version) >= 467)
 
 
@@ -159,7 +160,7 @@ def import_cuda(t: torch.Tensor, code: DLDataTypeCode | None) -> jax.Array | Non
     return a
 
 
-def _is_view_of(a, t: torch.Tensor) -> bool:
+def _is_view_of(a: object, t: torch.Tensor) -> bool:
     if not isinstance(a, jax.Array) or tuple(a.shape) != tuple(t.shape):
         return False
     return t.numel() == 0 or a.unsafe_buffer_pointer() == t.data_ptr()

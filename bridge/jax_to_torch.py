@@ -23,7 +23,7 @@ def describe_array(a: jax.Array) -> str:
     return f"jax.Array(shape={a.shape}, dtype={a.dtype}, sharding={a.sharding})"
 
 
-def _check_jax_input(a, what: str) -> DtypeSpec:
+def _check_jax_input(a: object, what: str) -> DtypeSpec:
     if isinstance(a, jax.core.Tracer):
         raise TypeError(
             f"{what}: got a JAX tracer ({a.aval}); DLPack needs a concrete array, so call it "
@@ -43,7 +43,7 @@ def _check_jax_input(a, what: str) -> DtypeSpec:
     return spec
 
 
-def export_array(a, copy: bool, transport: Fp8Transport | str | None) -> torch.Tensor:
+def export_array(a: jax.Array, copy: bool, transport: Fp8Transport | str | None) -> torch.Tensor:
     """``to_torch(a, copy=copy, transport=transport)`` without the crossing count."""
     spec = _check_jax_input(a, "to_torch")
     start_jax_backend()

@@ -36,6 +36,7 @@ after the JAX reads (ownership note in ``bridge/dlpack.py``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import torch
@@ -52,7 +53,7 @@ from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import linear as L
 from jax_side.linear import FlatPlane
-from jax_side.mxfp8 import ResolvedKernels, resolve_kernels
+from jax_side.mxfp8 import MXFP8Tensor, ResolvedKernels, resolve_kernels
 
 __all__ = ["LinearMode", "MXFP8Linear", "mxfp8_linear", "resolve_for"]
 
@@ -60,14 +61,16 @@ _MXFP8_DTYPES = (torch.float32, torch.bfloat16)
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def _share(t: torch.Tensor):
+def _share(t: torch.Tensor) -> jax.Array:
     """JAX view of an activation; one Torch-side copy if it cannot be aliased as it is."""
     t = t.detach()
     aligned = t.data_ptr() % required_alignment(t.device.type) == 0
     return to_jax(t, copy=not (t.is_contiguous() and aligned))
 
 
-def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane):
+def _weight_plane(
+    planes: MXFP8WeightPlanes, weight: torch.Tensor | _PlaneShape, plane: Plane
+) -> FlatPlane | MXFP8Tensor:
     """Call the provider for one plane and share it with JAX (validated, zero-copy): from its
     already-shared buffers (``shared``), else by crossing its (data, scale) tensors."""
     shared = getattr(planes, "shared", None)
@@ -91,8 +94,9 @@ def _weight_plane(planes: MXFP8WeightPlanes, weight: torch.Tensor, plane: Plane)
             f"the weight is on {weight.device}; JAX runs each op on its Torch tensors' device"
         )
     if blocks != MXFP8_BLOCKS:  # another block format: read by jax_side.block_scaled
-        flat = (_share(t.contiguous().view(torch.uint8).reshape(-1)) for t in (data, scale))
-        return FlatPlane(*flat, 0, 0, shape, plane, blocks)
+        flat_data, flat_scale = (_share(t.contiguous().view(torch.uint8).reshape(-1))
+                                 for t in (data, scale))
+        return FlatPlane(flat_data, flat_scale, 0, 0, shape, plane, blocks)
     # weights are quantized as bf16(master)
     return planes_to_jax(shape, torch.bfloat16, {plane: (data, scale)})
 
@@ -102,7 +106,8 @@ def resolve_for(kernels: KernelConfig | None, device: torch.device) -> ResolvedK
     return resolve_kernels(kernels, "gpu" if device.type == "cuda" else "cpu")
 
 
-def _check_args(x, weight, planes, mode: LinearMode, out_dtype) -> None:
+def _check_args(x: torch.Tensor, weight: torch.Tensor, planes: MXFP8WeightPlanes | None,
+                mode: LinearMode, out_dtype: torch.dtype | None) -> None:
     allowed = _MXFP8_DTYPES if mode is LinearMode.MXFP8 else _HP_DTYPES
     if mode is LinearMode.MXFP8:
         check_mxfp8_shape(weight.shape, "mxfp8_linear weight (N, K) (or use HIGH_PRECISION mode)")
@@ -216,7 +221,8 @@ class _MXFP8LinearFn(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
-def _unpack(packed, ctx, dy, need_dx: bool, need_dw: bool):
+def _unpack(packed: jax.Array | None, ctx: Any, dy: torch.Tensor, need_dx: bool,
+            need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dx (lead..., K) and dW (N, K): views of the one uint8 array backward returned."""
     if packed is None:
         return None, None
@@ -234,7 +240,7 @@ def _unpack(packed, ctx, dy, need_dx: bool, need_dw: bool):
     return dx, dw
 
 
-def _result(a, device: torch.device) -> torch.Tensor:
+def _result(a: jax.Array | jax.ShapeDtypeStruct, device: torch.device) -> torch.Tensor:
     """A JAX result as a Torch tensor; inside ``compile_ahead()`` (an abstract result, the
     program was compiled, not run) zeros of its shape and dtype on ``device``."""
     if isinstance(a, jax.ShapeDtypeStruct):
@@ -245,7 +251,7 @@ def _result(a, device: torch.device) -> torch.Tensor:
 class _PlaneShape:
     """What ``_weight_plane`` needs of the weight in backward, without keeping the weight."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx: Any) -> None:
         self.shape = ctx.w_shape
         self.dtype = ctx.w_dtype
         self.device = ctx.w_device
@@ -286,7 +292,7 @@ class MXFP8Linear(torch.nn.Module):
         *,
         bias: bool = True,
         mode: LinearMode | str = LinearMode.MXFP8,
-        device=None,
+        device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         kernels: KernelConfig | None = None,
     ):

@@ -31,13 +31,14 @@ rowwise then columnwise scales (the packed amax's layout).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from jax.typing import DTypeLike
 
 from bridge.dlpack import to_jax, to_torch
 from bridge.dtypes import jax_dtype_for
@@ -80,7 +81,7 @@ class SliceBytes(NamedTuple):
     colwise_scale: torch.Tensor  # (M/32, K) E8M0 bytes
 
 
-def _flat(buf, p: Piece, source):
+def _flat(buf: jax.Array, p: Piece, source: DTypeLike) -> jax.Array:
     return lax.slice(buf, (p.offset,), (p.offset + p.numel,)).astype(source)
 
 
@@ -126,7 +127,9 @@ class ScaleLayout(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales"))
-def _scales_and_cast_images(buf, packed_amax, pieces, backend, source, scales: ScaleLayout):
+def _scales_and_cast_images(buf: jax.Array, packed_amax: jax.Array, pieces: tuple[Piece, ...],
+                            backend: Backend | None, source: DTypeLike,
+                            scales: ScaleLayout) -> jax.Array:
     """``_scales_and_cast`` with its bytes laid out as the caller's buffers are: the rowwise and
     columnwise shard images (each ``len(buf)`` bytes, piece i at ``pieces[i].offset``, zeros
     between pieces), then the rowwise and columnwise scale buffers (``scales``)."""
@@ -188,7 +191,7 @@ def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, 
     return jnp.concatenate(out)
 
 
-def _static_pieces(pieces) -> tuple[tuple[Piece, ...], ...]:
+def _static_pieces(pieces: Iterable[Iterable[Piece]]) -> tuple[tuple[Piece, ...], ...]:
     return tuple(tuple(Piece(*p) for p in ps) for ps in pieces)
 
 

@@ -26,12 +26,13 @@ not an ``MXFP8Tensor`` (``to_jax_mxfp8`` refuses them); JAX reads them as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.typing import DTypeLike
 
 from bridge.capabilities import Fp8Transport
 from bridge.dlpack import to_jax, to_torch
@@ -85,7 +86,7 @@ def check_plane(
 ) -> None:
     """Raise a clear error unless (data, scale) is a valid ``plane`` of a logical ``shape`` in
     the format of ``blocks``."""
-    want_data, want_scale = blocks.data_shape(tuple(shape)), blocks.scale_shape(shape, plane)
+    want_data, want_scale = blocks.data_shape(shape), blocks.scale_shape(shape, plane)
     for what, t, want, dtypes in (
         ("data", data, want_data, _DATA_DTYPES),
         ("scale", scale, want_scale, _SCALE_DTYPES),
@@ -111,14 +112,15 @@ def _name(blocks: ScaleBlocks) -> str:
     return "MXFP8" if blocks == MXFP8_BLOCKS else f"block-scaled ({blocks.block_size}-element)"
 
 
-def _check_shape(shape, blocks: ScaleBlocks) -> tuple[int, int]:
+def _check_shape(shape: Sequence[int], blocks: ScaleBlocks) -> tuple[int, int]:
     if blocks == MXFP8_BLOCKS:
         return check_mxfp8_shape(shape, "TorchMXFP8Tensor")
-    shape = tuple(int(d) for d in shape)
-    problem = blocks.shape_problem(shape)
+    dims = tuple(int(d) for d in shape)
+    problem = blocks.shape_problem(dims)
     if problem is not None:
         raise ValueError(f"TorchMXFP8Tensor of blocks {blocks}: {problem}")
-    return shape
+    m, k = dims  # shape_problem refuses anything but 2-D
+    return (m, k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +185,8 @@ def planes_to_jax(
     transport: Fp8Transport | str | None = None,
 ) -> MXFP8Tensor:
     """Zero-copy ``MXFP8Tensor`` over Torch planes ({Plane: (data, scale)}), validated."""
-    return to_jax_mxfp8(TorchMXFP8Tensor(planes, shape, dtype), transport=transport)
+    pairs = {p: PlaneData(*pair) for p, pair in planes.items()}
+    return to_jax_mxfp8(TorchMXFP8Tensor(pairs, shape, dtype), transport=transport)
 
 
 def to_jax_mxfp8(
@@ -198,7 +201,7 @@ def to_jax_mxfp8(
             f"jax_side.linear.FlatPlane (jax_side.block_scaled), not as an MXFP8Tensor"
         )
     planes = {
-        p: (
+        p: PlaneData(
             to_jax(_as_native(data, torch.float8_e4m3fn), transport=transport),
             to_jax(_as_native(scale, torch.float8_e8m0fnu), transport=transport),
         )
@@ -207,7 +210,7 @@ def to_jax_mxfp8(
     return MXFP8Tensor(planes, tt.shape, _HP_DTYPES[tt.dtype])
 
 
-def _torch_hp_dtype(dtype) -> torch.dtype:
+def _torch_hp_dtype(dtype: DTypeLike) -> torch.dtype:
     for td, nd in _HP_DTYPES.items():
         if np.dtype(dtype) == nd:
             return td
@@ -224,6 +227,7 @@ def to_torch_mxfp8(
     if not isinstance(t, MXFP8Tensor):
         raise TypeError(f"to_torch_mxfp8: expected an MXFP8Tensor, got {type(t).__name__}")
     planes = {
-        p: tuple(to_torch(a, transport=transport) for a in pair) for p, pair in t.planes.items()
+        p: PlaneData(*(to_torch(a, transport=transport) for a in pair))
+        for p, pair in t.planes.items()
     }
     return TorchMXFP8Tensor(planes, shape=t.shape, dtype=_torch_hp_dtype(t.dtype))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import torch
 
 from bridge.dlpack import to_jax
@@ -56,7 +57,7 @@ class SharedBuffer:
         # whether anyone else holds it.
         self.import_refs = 0
 
-    def jax(self):
+    def jax(self) -> jax.Array:
         if self._jax is None:
             t = self.tensor
             before = t._use_count()

@@ -50,7 +50,7 @@ def _check_shareable(t: torch.Tensor) -> None:
         )
 
 
-def _check_torch_input(t, what: str) -> DtypeSpec:
+def _check_torch_input(t: object, what: str) -> DtypeSpec:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if not supported_device(t.device.type):
@@ -62,11 +62,11 @@ def _check_torch_input(t, what: str) -> DtypeSpec:
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
     """Same memory, row-major strides (Torch lets size-1 dims carry any stride)."""
-    strides, acc = [], 1
+    rev, acc = [], 1
     for d in reversed(t.shape):
-        strides.append(acc)
+        rev.append(acc)
         acc *= max(d, 1)
-    strides = tuple(reversed(strides))
+    strides = tuple(reversed(rev))
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
@@ -78,10 +78,10 @@ class TorchExport:
     def __init__(self, t: torch.Tensor, code: DLDataTypeCode | None = None):
         self._t, self._code = t, code
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> tuple[int, int]:
         return self._t.__dlpack_device__()
 
-    def __dlpack__(self, *, stream=None, **_unused):
+    def __dlpack__(self, *, stream: int | None = None, **_unused: object) -> object:
         with device_ctx(self._t.device):
             capsule = self._t.__dlpack__(stream=stream)  # legacy capsule: fixed struct layout
         if self._code is not None:
@@ -96,7 +96,7 @@ def public_import(t: torch.Tensor, code: DLDataTypeCode | None) -> jax.Array:
         return jax.dlpack.from_dlpack(src, copy=False)
 
 
-def import_tensor(t, copy: bool, transport: Fp8Transport | str | None) -> jax.Array:
+def import_tensor(t: torch.Tensor, copy: bool, transport: Fp8Transport | str | None) -> jax.Array:
     """``to_jax(t, copy=copy, transport=transport)`` without the crossing count."""
     spec = _check_torch_input(t, "to_jax")
     start_jax_backend()

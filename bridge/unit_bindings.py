@@ -32,6 +32,7 @@ once. A binding nobody holds lasts one call (``run_unit`` on a module outside FS
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -171,7 +172,7 @@ def bind_span(modules: tuple[nn.Module, ...]) -> list[UnitBinding]:
     return bindings
 
 
-def forget(modules) -> None:
+def forget(modules: Iterable[nn.Module]) -> None:
     """Drop what FSDP bound to ``modules`` and what the bridge found for them (FSDP, before it
     binds a model's modules again)."""
     for m in modules:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
+import jax
 import torch
 from torch import nn
 
@@ -39,6 +40,7 @@ from common.formats import Plane
 from common.kernels import KernelConfig
 from common.modes import LinearMode
 from jax_side import unit_program as U
+from jax_side.linear import FlatPlane
 
 __all__ = ["Prepared", "UnitLayout", "UnitLinear", "UnitParam", "jax_name", "prepared"]
 
@@ -51,7 +53,7 @@ class UnitParam(NamedTuple):
     param: nn.Parameter
     source: ParamSource | None
 
-    def jax_input(self):
+    def jax_input(self) -> U.FlatTensor | jax.Array:
         if self.source is not None:
             return to_flat_tensor(self.source.shared_tensor())
         return _share(self.param)
@@ -64,7 +66,7 @@ class UnitLinear(NamedTuple):
     weight: nn.Parameter
     source: WeightSource | None
 
-    def plane(self, plane: Plane):
+    def plane(self, plane: Plane) -> FlatPlane | jax.Array | None:
         """The weight's plane shared from FSDP, or (rowwise only) the weight itself to
         quantize; None (colwise without FSDP): the program quantized it in the forward."""
         if self.source is not None:
@@ -108,7 +110,9 @@ def _walk_span(span: UnitSpan) -> Iterator[tuple[str, nn.Module]]:
             yield (f"{i}.{name}" if name else str(i)), m
 
 
-def _weight_source(mname: str, lin: MXFP8Linear, binding: UnitBinding | None):
+def _weight_source(
+    mname: str, lin: MXFP8Linear, binding: UnitBinding | None
+) -> WeightSource | None:
     if binding is None:
         return None
     if "weight" in binding.params:
@@ -152,8 +156,9 @@ def _find_layout(module: nn.Module, walk: Iterator[tuple[str, nn.Module]], what:
                       next(iter(configs), None), {})
 
 
-def prepared(binding: UnitBinding, module: nn.Module, fn: Callable, parts: Sequence[str] | None,
-             device: torch.device, span: UnitSpan | None = None) -> Prepared:
+def prepared(binding: UnitBinding, module: nn.Module, fn: Callable | U.SpanFn,
+             parts: Sequence[str] | None, device: torch.device,
+             span: UnitSpan | None = None) -> Prepared:
     """The unit's layout, program spec and gradient sinks, made once per (parts, function,
     device, span or not) and kept in ``binding`` (a span's: in its first block's)."""
     key = (None if parts is None else tuple(parts), fn, device, span is not None)
@@ -181,7 +186,8 @@ def _grad_groups(layout: UnitLayout) -> tuple[tuple[U.GradGroup, ...],
                                              tuple[tuple[GradSink, int], ...]]:
     """Gradients whose FSDP source names a target (``GradTarget``), grouped by sink: the
     program lays each group out as the sink's flat buffer (``U.GradGroup``)."""
-    sources = [(p.source, p.param) for p in layout.params]
+    sources: list[tuple[ParamSource | WeightSource | None, nn.Parameter]] = [
+        (p.source, p.param) for p in layout.params]
     sources += [(lin.source, lin.weight) for lin in layout.linears]
     by_sink: dict[int, list] = {}  # (FSDP refuses tied parameters: no slot is targeted twice)
     for i, (source, param) in enumerate(sources):

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
+import jax
 import torch
 from torch import nn
 
@@ -58,7 +59,9 @@ class _Call(NamedTuple):
     span_run: weakref.ref[SpanRun] | None = None  # a span's call: its run (checked at backward)
 
 
-def _jax_inputs(call: _Call, inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor]):
+def _jax_inputs(
+    call: _Call, inputs: Sequence[torch.Tensor], aux: Sequence[torch.Tensor]
+) -> tuple[U.Params, U.Rows, U.Out, tuple[jax.Array, ...]]:
     """(params, rows, x, aux) as the programs take them; x: the one input, or a tuple."""
     layout = call.found.layout
     params = tuple(p.jax_input() for p in layout.params)
@@ -73,7 +76,10 @@ def _aux32(a: torch.Tensor) -> torch.Tensor:
     return a.to(torch.int32) if a.dtype == torch.int64 else a
 
 
-def _returned(outs: tuple[torch.Tensor, ...], several: bool):
+Returned: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]  # one output, or several (a span's)
+
+
+def _returned(outs: tuple[torch.Tensor, ...], several: bool) -> Returned:
     return outs if several else outs[0]
 
 
@@ -83,7 +89,7 @@ class _UnitFn(torch.autograd.Function):
     (module docstring). Arguments: the call, its inputs, its aux tensors, its parameters."""
 
     @staticmethod
-    def forward(ctx, call: _Call, *tensors):
+    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Returned:
         inputs, aux = tensors[:call.n_inputs], tensors[call.n_inputs:call.n_inputs + call.n_aux]
         spec = call.found.spec
         params, rows, xj, auxj = _jax_inputs(call, inputs, aux)
@@ -140,7 +146,7 @@ class _UnitFn(torch.autograd.Function):
         return (None, *dxs, *([None] * call.n_aux), *grads)
 
 
-def _results(out, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _results(out: U.Out, device: torch.device) -> tuple[torch.Tensor, ...]:
     """A program's output (one array, or a tuple of them) as Torch tensors."""
     return tuple(_result(o, device) for o in (out if isinstance(out, tuple) else (out,)))
 
@@ -159,7 +165,7 @@ def _cotangents(ctx, douts):
     return (*(None if d is None else _share(d) for d in douts[:-1]), _share(zeros[-1]))
 
 
-def _grad_layout(ctx) -> U.GradLayout:
+def _grad_layout(ctx: Any) -> U.GradLayout:
     found: Prepared = ctx.call.found
     cache = found.layout.grad_layouts
     key = (found.spec, ctx.x_meta)
@@ -175,7 +181,7 @@ def _grad_layout(ctx) -> U.GradLayout:
     return cache[key]
 
 
-def _view(raw: torch.Tensor, seg) -> torch.Tensor:
+def _view(raw: torch.Tensor, seg: tuple[int, tuple[int, ...], str]) -> torch.Tensor:
     start, shape, dtype = seg
     t = torch_dtype_for(dtype)
     n = t.itemsize
@@ -184,7 +190,9 @@ def _view(raw: torch.Tensor, seg) -> torch.Tensor:
     return raw[start:start + n].view(t).view(shape)
 
 
-def _unpack(raw: torch.Tensor, ctx):
+def _unpack(raw: torch.Tensor, ctx: Any) -> tuple[list[torch.Tensor | None],
+                                                  list[torch.Tensor | None],
+                                                  list[torch.Tensor]]:
     """(each input's gradient; each parameter's gradient, then each MXFP8 weight's dW -- None
     for those in a group or not needed --; each gradient group's flat buffer): views of the one
     packed array."""
@@ -200,10 +208,10 @@ def _unpack(raw: torch.Tensor, ctx):
     return dxs, grads, [_view(raw, seg) for seg in layout.groups]
 
 
-def run_op(module: nn.Module, fn: Callable, inputs: Sequence[torch.Tensor],
+def run_op(module: nn.Module, fn: Callable | U.SpanFn, inputs: Sequence[torch.Tensor],
            aux: Sequence[torch.Tensor], recompute: bool, *, parts: Sequence[str] | None = None,
            binding: UnitBinding | None = None, span: UnitSpan | None = None,
-           span_run: SpanRun | None = None):
+           span_run: SpanRun | None = None) -> Returned:
     """``fn`` over ``module``'s parameters (those of ``parts``, or of ``span``'s blocks) as one
     program per direction (module docstring). ``binding``: the module's, where the caller holds
     it (else the one FSDP holds, or a fresh one for this call)."""
@@ -221,7 +229,8 @@ def run_op(module: nn.Module, fn: Callable, inputs: Sequence[torch.Tensor],
     return _UnitFn.apply(call, *inputs, *aux, *tensors)
 
 
-def _evaluate(call: _Call, inputs, aux):
+def _evaluate(call: _Call, inputs: Sequence[torch.Tensor],
+              aux: Sequence[torch.Tensor]) -> Returned:
     """The forward without gradients: the very program the forward with gradients runs
     (``unit_forward``, its residuals dropped at once; ``unit_apply`` when recomputing). A
     forward-only program is another XLA program, which may round bf16 intermediates elsewhere

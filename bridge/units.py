@@ -125,7 +125,7 @@ class UnitForward:
         self.module, self.recompute = module, recompute
         self.binding: UnitBinding = hold_binding(module)
 
-    def __call__(self, *inputs: torch.Tensor):
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         module, entry = self.module, block_type(self.module)
         if entry is None:
             raise RuntimeError(f"unit compute: {type(module).__name__} is no longer registered "
@@ -144,7 +144,7 @@ class UnitForward:
                           binding=self.binding)
         if span.members[0] is not module:
             return span.output_of(module, inputs[0])
-        fn = U.SpanFn(tuple(block_type(m).fn_for(m) for m in span.members))
+        fn = U.SpanFn(tuple(_registered(m).fn_for(m) for m in span.members))
         run_ = span.begin(torch.is_grad_enabled())
         outs = run_op(module, fn, inputs, (), self.recompute, binding=self.binding, span=span,
                       span_run=run_)
@@ -160,6 +160,12 @@ def span_programs_run_on(device: torch.device) -> bool:
     deterministic ops (``bridge.determinism.xla_deterministic_ops``: XLA:GPU fails to execute
     the span's backward there)."""
     return not (device.type == "cuda" and xla_deterministic_ops())
+
+
+def _registered(module: nn.Module) -> BlockType:
+    entry = block_type(module)
+    assert entry is not None, type(module)  # every member passed _one_to_one
+    return entry
 
 
 def _one_to_one(module: nn.Module) -> bool:
@@ -184,7 +190,7 @@ def set_compute(model: nn.Module, compute: Compute | str, *, recompute: bool = F
 def run_unit(
     module: nn.Module, fn: Callable, x: torch.Tensor, *aux: torch.Tensor,
     parts: Sequence[str] | None = None, recompute: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``fn(params, linear, x, *aux)`` over ``module``'s parameters (or those of its submodules
     ``parts``) as one JAX program per direction (``bridge.unit_op``). x: the activations
     (contiguous where possible: one Torch-side copy otherwise), or a tuple of several inputs;

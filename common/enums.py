@@ -17,7 +17,8 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def parse_enum(
-    cls: type[E], value: object, *, what: str, aliases: Mapping[str, Any] | None = None, hint=""
+    cls: type[E], value: object, *, what: str, aliases: Mapping[str, Any] | None = None,
+    hint: str = "",
 ) -> E:
     """``cls`` member for ``value``: a member, a value string (case-insensitive), an alias (a
     lower-case name mapped to a member or to a member's value), or a member of another enum whose
@@ -46,7 +47,7 @@ class Parseable:
     _parse_keywords: dict[str, Any]
 
     def __init_subclass__(cls, *, what: str | None = None, hint: str = "",
-                          aliases: Mapping[str, Any] | None = None, **kwargs) -> None:
+                          aliases: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if what is not None:
             cls._parse_keywords = {"what": what, "hint": hint, "aliases": aliases}

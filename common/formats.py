@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from common.enums import Parseable
@@ -93,9 +93,9 @@ class PlaneFields:
     """Read-only conveniences of the tensor classes that hold ``planes: {Plane: PlaneData}``:
     ``rowwise_data`` ... ``colwise_scale``, None when the plane is absent."""
 
-    planes: dict[Plane, PlaneData]
+    planes: Mapping[Plane, PlaneData]
 
-    def _field(self, plane: Plane, i: int):
+    def _field(self, plane: Plane, i: int) -> Any:
         got = self.planes.get(plane)
         return None if got is None else got[i]
 
@@ -290,7 +290,7 @@ class BlockScaledParams(Protocol):
     def mxfp8_params(self) -> tuple[str, ...]: ...
 
 
-def block_scaled_params(module) -> tuple[str, ...]:
+def block_scaled_params(module: object) -> tuple[str, ...]:
     """The parameter names ``module`` declares block-scaled (``BlockScaledParams``), validated."""
     if not isinstance(module, BlockScaledParams):
         return ()
@@ -322,7 +322,8 @@ def scale_shape(
     """Compact scale shape of one plane of a logical (M, K) tensor in the format of ``blocks``
     (``ScaleBlocks.scale_shape``); MXFP8 by default (DESIGN.md 4): rowwise (M, K/32),
     columnwise (M/32, K)."""
-    return blocks.scale_shape(tuple(shape), plane)
+    m, k = shape
+    return blocks.scale_shape((m, k), plane)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -336,7 +337,7 @@ def block_padded(n: int, block: int = BLOCK_SIZE) -> int:
     return max(block, round_up(n, block))
 
 
-def block_shape_problem(shape, block: int = BLOCK_SIZE) -> str | None:
+def block_shape_problem(shape: Sequence[int], block: int = BLOCK_SIZE) -> str | None:
     """Why ``shape`` cannot be block-scaled with ``block``-element blocks, or None if it can.
 
     The one block-shape rule (DESIGN.md 4): 2-D (M, K) with M and K *positive* multiples of the
@@ -353,23 +354,23 @@ def block_shape_problem(shape, block: int = BLOCK_SIZE) -> str | None:
     return None
 
 
-def check_mxfp8_shape(shape, what: str) -> tuple[int, int]:
+def check_mxfp8_shape(shape: Iterable[int], what: str) -> tuple[int, int]:
     """(M, K) of a valid MXFP8 tensor shape, else a ValueError naming ``what`` and the fix.
 
     Every layer (JAX and Torch tensor classes, quantize, the linear op, distributed quantize)
     checks MXFP8 shapes through this function, so they all accept and refuse the same shapes.
     """
-    shape = tuple(int(d) for d in shape)
-    if len(shape) != 2:
+    dims = tuple(int(d) for d in shape)
+    if len(dims) != 2:
         raise ValueError(
-            f"{what}: MXFP8 needs a 2-D (M, K) tensor, got shape {shape} ({len(shape)}-D); "
+            f"{what}: MXFP8 needs a 2-D (M, K) tensor, got shape {dims} ({len(dims)}-D); "
             f"reshape to 2-D first (e.g. x.reshape(-1, x.shape[-1]))"
         )
-    if block_shape_problem(shape) is not None:
-        m, k = shape
+    m, k = dims
+    if block_shape_problem(dims) is not None:
         raise ValueError(
             f"{what}: MXFP8 needs M % 32 == 0 and K % 32 == 0 (non-empty), got shape (M, K) = "
-            f"{shape}; pad to {block_padded(m), block_padded(k)} or keep this tensor in a "
+            f"{dims}; pad to {block_padded(m), block_padded(k)} or keep this tensor in a "
             f"non-MXFP8 format"
         )
-    return shape
+    return (m, k)

@@ -5,8 +5,8 @@ A frozen, hashable value that the user hands to the linear op, the Torch and Fla
 static argument, so one process can run two configurations side by side (e.g. a test comparing a
 fast GEMM with the exact one). ``None`` fields mean "the default for the device the work runs on",
 resolved and reported by ``jax_side.mxfp8.kernels.resolve_kernels`` (DESIGN.md 7), the one
-function that reads the defaults and the environment variables ``MXFP8_BACKEND`` and
-``MXFP8_GEMM`` (which override only such ``None`` fields).
+function that reads the defaults. The applications fill such ``None`` fields from the environment
+variables ``MXFP8_BACKEND`` and ``MXFP8_GEMM`` first (``apps.environment.kernels``).
 
 - ``backend`` (``Backend``): who quantizes. ``xla``: the project's pure-JAX reference, bit-exact
   on every platform. ``pallas``: the project's fused GPU kernel, byte-identical to ``xla``.

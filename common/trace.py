@@ -26,7 +26,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 __all__ = ["Pending", "Recorder", "active", "begin", "counter", "recording", "span"]
 
@@ -46,7 +47,8 @@ class Recorder:
         self._events: list[dict] = []
         self._tracks: dict[str, int] = {}
         self._lock = threading.Lock()  # completion callbacks run on communication threads
-        self._deferred: list = []  # callables that record an event once its times are known
+        # callables that record an event once its times are known
+        self._deferred: list[Callable[[], None]] = []
 
     def now_us(self) -> float:
         return (time.perf_counter_ns() - self._t0) / 1000.0
@@ -62,11 +64,13 @@ class Recorder:
         with self._lock:
             self._events.append(event)
 
-    def complete(self, track: str, name: str, start_us: float, end_us: float, args: dict):
+    def complete(
+        self, track: str, name: str, start_us: float, end_us: float, args: dict
+    ) -> None:
         self.add({"ph": "X", "name": name, "cat": track, "pid": self.pid, "tid": self._tid(track),
                   "ts": start_us, "dur": max(end_us - start_us, 0.0), "args": args})
 
-    def defer(self, resolve) -> None:
+    def defer(self, resolve: Callable[[], None]) -> None:
         """``resolve()`` records an event whose times are known only later (GPU times through
         CUDA events); run when the events are read."""
         with self._lock:
@@ -116,12 +120,12 @@ class Pending:
         self._rec, self._track, self._name, self._args = rec, track, name, args
         self._start = rec.now_us()
 
-    def end(self, ts_us: float | None = None, **more) -> None:
+    def end(self, ts_us: float | None = None, **more: Any) -> None:
         end = self._rec.now_us() if ts_us is None else ts_us
         self._rec.complete(self._track, self._name, self._start, end, {**self._args, **more})
 
 
-def begin(track: str, name: str, **args) -> Pending | None:
+def begin(track: str, name: str, **args: Any) -> Pending | None:
     """An interval that ends later (None when nothing records)."""
     rec = _active
     return None if rec is None else Pending(rec, track, name, args)
@@ -133,10 +137,10 @@ class _Span:
     def __init__(self, pending: Pending):
         self._pending = pending
 
-    def __enter__(self):
+    def __enter__(self) -> _Span:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self._pending.end()
         return False
 
@@ -144,7 +148,7 @@ class _Span:
 _NULL = contextlib.nullcontext()
 
 
-def span(track: str, name: str, **args):
+def span(track: str, name: str, **args: Any) -> contextlib.AbstractContextManager[Any]:
     """A context manager recording the block as one complete event (a no-op when inactive)."""
     rec = _active
     return _NULL if rec is None else _Span(Pending(rec, track, name, args))

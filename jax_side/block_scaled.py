@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from common.formats import Plane, ScaleBlocks
 from common.gemm_roles import ROLES, GemmRole
@@ -49,7 +50,7 @@ def check_readable(blocks: ScaleBlocks) -> None:
         )
 
 
-def _bitcast(a: jax.Array, dtype) -> jax.Array:
+def _bitcast(a: jax.Array, dtype: DTypeLike) -> jax.Array:
     return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
 
 

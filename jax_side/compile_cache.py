@@ -1,10 +1,12 @@
 """JAX's persistent compilation cache in the user's cache directory, so a second launch starts
 warm (the first step of a GPT-2 124M run spends most of its time compiling the linear programs).
 
-``enable_compilation_cache()`` points JAX at ``$MXFP8_JAX_CACHE``, else
-``$XDG_CACHE_HOME/mxfp8-fsdp/jax`` (default ``~/.cache/mxfp8-fsdp/jax``), and caches every
-program that took at least ``min_compile_s`` to compile. ``MXFP8_JAX_CACHE=off`` disables it.
-Call it before the first compilation (the training command and the benchmarks do).
+``enable_compilation_cache(path)`` points JAX at ``path`` (None: no cache) and caches every
+program that took at least ``min_compile_s`` to compile. Call it before the first compilation
+(the training command and the benchmarks do). The training command takes the directory from
+``$MXFP8_JAX_CACHE``, else ``$XDG_CACHE_HOME/mxfp8-fsdp/jax`` (default
+``~/.cache/mxfp8-fsdp/jax``); ``MXFP8_JAX_CACHE=off`` disables it (``apps.environment``: the
+library reads no environment).
 
 The cache holds executables that every later process loads and runs, so whoever can write to the
 directory can run code in those processes: it is created ``0700``, and an existing one that
@@ -18,10 +20,10 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "UnsafeCacheDir", "check_private", "default_cache_dir",
-           "enable_compilation_cache", "prepare_cache_dir"]
+__all__ = ["ENV_VAR", "UnsafeCacheDir", "check_private", "enable_compilation_cache",
+           "prepare_cache_dir"]
 
-ENV_VAR = "MXFP8_JAX_CACHE"
+ENV_VAR = "MXFP8_JAX_CACHE"  # the training command's name for the directory (messages)
 
 
 class UnsafeCacheDir(PermissionError):
@@ -45,24 +47,14 @@ def check_private(where: Path) -> None:
             f"or {ENV_VAR}=<a private directory>), or run without the cache ({ENV_VAR}=off)")
 
 
-def default_cache_dir() -> Path | None:
-    """Where the cache goes (None when ``MXFP8_JAX_CACHE=off``)."""
-    env = os.environ.get(ENV_VAR, "")
-    if env.lower() == "off":
+def prepare_cache_dir(path: str | os.PathLike | None) -> Path | None:
+    """The cache directory ``enable_compilation_cache(path)`` would use, created ``0700`` if
+    missing and checked (``check_private``), without touching JAX; None when ``path`` is None
+    (no cache) or not creatable. A launcher calls it to refuse an unsafe directory before any
+    rank starts."""
+    if path is None:
         return None
-    if env:
-        return Path(env)
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "mxfp8-fsdp" / "jax"
-
-
-def prepare_cache_dir(path: str | os.PathLike | None = None) -> Path | None:
-    """The cache directory ``enable_compilation_cache`` would use, created ``0700`` if missing
-    and checked (``check_private``), without touching JAX; None when disabled or not creatable.
-    A launcher calls it to refuse an unsafe directory before any rank starts."""
-    where = Path(path) if path is not None else default_cache_dir()
-    if where is None:
-        return None
+    where = Path(path)
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         where.mkdir(mode=0o700, exist_ok=True)  # the mode applies when it is created here
@@ -73,9 +65,9 @@ def prepare_cache_dir(path: str | os.PathLike | None = None) -> Path | None:
 
 
 def enable_compilation_cache(
-    path: str | os.PathLike | None = None, *, min_compile_s: float = 0.2
+    path: str | os.PathLike | None, *, min_compile_s: float = 0.2
 ) -> Path | None:
-    """Turn on JAX's persistent compilation cache at ``path`` (default: ``default_cache_dir``).
+    """Turn on JAX's persistent compilation cache at ``path`` (None: leave it off).
     Returns the directory used, or None if disabled or not creatable (a warning is not raised:
     the cache is an optimisation; the caller may report the None). A directory it creates is
     ``0700``; an existing one that is not private raises ``UnsafeCacheDir`` (module note)."""

@@ -48,11 +48,13 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from common.formats import (
     ALL_PLANES,
     MXFP8_BLOCKS,
     Plane,
+    PlaneData,
     ScaleBlocks,
     block_padded,
     parse_planes,
@@ -129,7 +131,8 @@ class FlatPlane:
             )
         data, scale = self._cut()
         data, scale = _bitcast(data, jnp.float8_e4m3fn), _bitcast(scale, jnp.float8_e8m0fnu)
-        return MXFP8Tensor({self.plane: (data, scale)}, self.shape, jnp.dtype(jnp.bfloat16))
+        return MXFP8Tensor({self.plane: PlaneData(data, scale)}, self.shape,
+                           jnp.dtype(jnp.bfloat16))
 
     def dequantized(self) -> jax.Array:
         """fp32 (N, K) of the plane, in any block format ``jax_side.block_scaled`` reads."""
@@ -144,12 +147,8 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _bitcast(a: jax.Array, dtype) -> jax.Array:
+def _bitcast(a: jax.Array, dtype: DTypeLike) -> jax.Array:
     return a if a.dtype == dtype else lax.bitcast_convert_type(a, dtype)
-
-
-def _as_tensor(w: MXFP8Tensor | FlatPlane | None) -> MXFP8Tensor | None:
-    return w.tensor() if isinstance(w, FlatPlane) else w
 
 
 _MXFP8_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -189,16 +188,21 @@ def _kernels(kernels: ResolvedKernels | KernelConfig | None) -> ResolvedKernels:
     return resolve_kernels(kernels)  # a ResolvedKernels passes through unchanged
 
 
-def _gemm(a, b, role, kernels: ResolvedKernels, out_dtype=jnp.float32):
+def _gemm(a: MXFP8Tensor, b: MXFP8Tensor | FlatPlane, role: GemmRole, kernels: ResolvedKernels,
+          out_dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``a`` (a quantized activation or gradient) times ``b``: an ``MXFP8Tensor``, or a weight's
     ``FlatPlane``, which its blocks say how to read (``FlatPlane.is_mxfp8``)."""
-    if isinstance(b, FlatPlane) and not b.is_mxfp8:
-        return block_scaled.matmul(a, b.dequantized(), role, kernels.gemm).astype(out_dtype)
-    return matmul(a, _as_tensor(b), role, out_dtype=out_dtype, kernels=kernels)
+    if isinstance(b, FlatPlane):
+        if not b.is_mxfp8:
+            return block_scaled.matmul(a, b.dequantized(), role, kernels.gemm).astype(out_dtype)
+        b = b.tensor()
+    return matmul(a, b, role, out_dtype=out_dtype, kernels=kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("planes", "kernels"))
-def quantize_weight_program(w, *, planes: tuple[Plane, ...], kernels: ResolvedKernels):
+def quantize_weight_program(
+    w: jax.Array, *, planes: tuple[Plane, ...], kernels: ResolvedKernels
+) -> MXFP8Tensor:
     """The jitted program behind ``quantize_weight`` (resolved kernels only)."""
     return quantize(w.astype(jnp.bfloat16), planes=planes, kernels=kernels)
 
@@ -216,7 +220,7 @@ def quantize_weight(
 
 
 @functools.partial(jax.jit, static_argnames=("kernels",))
-def _quantize_activation(x, *, kernels: ResolvedKernels):
+def _quantize_activation(x: jax.Array, *, kernels: ResolvedKernels) -> MXFP8Tensor:
     return quantize(pad_tokens(x), planes=ALL_PLANES, kernels=kernels)
 
 
@@ -232,7 +236,7 @@ def forward(
     x2d: jax.Array,
     w_rowwise: MXFP8Tensor | FlatPlane,
     *,
-    out_dtype,
+    out_dtype: DTypeLike,
     keep_x_colwise: bool,
     kernels: ResolvedKernels,
 ) -> ForwardOut:
@@ -250,8 +254,8 @@ def backward(
     w_colwise: MXFP8Tensor | FlatPlane | None,
     x_colwise: MXFP8Tensor | None,
     *,
-    dx_dtype,
-    dw_dtype,
+    dx_dtype: DTypeLike,
+    dw_dtype: DTypeLike,
     kernels: ResolvedKernels,
     packed: bool = False,
 ) -> BackwardOut:
@@ -266,19 +270,20 @@ def backward(
     planes = tuple(p for p, need in ((Plane.ROWWISE, need_dx), (Plane.COLWISE, need_dw)) if need)
     dyq = quantize(pad_tokens(dy2d), planes=planes, kernels=kernels)
     dx = dw = None
-    if need_dx:
+    if w_colwise is not None:
         dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels)[: dy2d.shape[0]].astype(dx_dtype)
-    if need_dw:
+    if x_colwise is not None:
         dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels).astype(dw_dtype)
     out = BackwardOut(dx, dw)
     return _packed(out) if packed else out
 
 
-def _acc_dtype(*dtypes):
+def _acc_dtype(*dtypes: DTypeLike) -> DTypeLike:
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
 
 
-def _dot(a, b, contract_a: int, contract_b: int, acc, kernels: ResolvedKernels | None = None):
+def _dot(a: jax.Array, b: jax.Array, contract_a: int, contract_b: int, acc: DTypeLike,
+         kernels: ResolvedKernels | None = None) -> jax.Array:
     dims = (((contract_a,), (contract_b,)), ((), ()))
     tensor_cores = (
         kernels is not None
@@ -298,7 +303,8 @@ def _dot(a, b, contract_a: int, contract_b: int, acc, kernels: ResolvedKernels |
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "kernels"))
 def hp_forward(
-    x2d: jax.Array, w: jax.Array, *, out_dtype, kernels: ResolvedKernels | None = None
+    x2d: jax.Array, w: jax.Array, *, out_dtype: DTypeLike,
+    kernels: ResolvedKernels | None = None,
 ) -> jax.Array:
     """y = x W^T without quantization. x2d (T, K), w (N, K) -> (T, N) out_dtype."""
     return _dot(x2d, w, 1, 1, _acc_dtype(x2d.dtype, w.dtype), kernels).astype(out_dtype)
@@ -306,7 +312,8 @@ def hp_forward(
 
 @functools.partial(jax.jit, static_argnames=("need_dx", "need_dw", "kernels", "packed"))
 def hp_backward(
-    dy2d, x2d, w, *, need_dx: bool, need_dw: bool, kernels: ResolvedKernels | None = None,
+    dy2d: jax.Array, x2d: jax.Array, w: jax.Array, *, need_dx: bool, need_dw: bool,
+    kernels: ResolvedKernels | None = None,
     packed: bool = False,
 ) -> BackwardOut:
     """dx = dy W (T, K) in x's dtype, dW = dy^T x (N, K) in w's dtype, without quantization
@@ -329,7 +336,7 @@ class LinearFn(Protocol):
     ) -> jax.Array: ...
 
 
-def _check_dtypes(what: str, allowed: tuple, **arrays) -> None:
+def _check_dtypes(what: str, allowed: tuple[DTypeLike, ...], **arrays: jax.Array) -> None:
     """Refuse dtypes outside ``allowed`` before JAX converts anything: a float64 numpy array
     would be narrowed to fp32 silently when x64 is off (then rounded again to bf16 or E4M3)."""
     for name, a in arrays.items():

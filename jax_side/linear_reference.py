@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from common.formats import Plane, block_padded
 from common.kernels import KernelConfig
@@ -56,7 +57,9 @@ def _bwd(out_dtype, residuals, dy):
 _linear2d.defvjp(_fwd, _bwd)
 
 
-def mxfp8_linear_reference(x: jax.Array, w: jax.Array, *, out_dtype=None) -> jax.Array:
+def mxfp8_linear_reference(
+    x: jax.Array, w: jax.Array, *, out_dtype: DTypeLike | None = None
+) -> jax.Array:
     """y = x W^T with MXFP8 GEMMs. x (..., K) bf16/fp32, w (N, K) high precision -> (..., N).
 
     Differentiable with ``jax.grad`` / ``jax.vjp``: dgrad uses dy rowwise and W colwise, wgrad dy

@@ -11,12 +11,13 @@ parameter. Every segment starts at a multiple of ``ALIGN`` bytes (Torch views ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
 from common.formats import round_up
 
@@ -50,17 +51,19 @@ class GradLayout(NamedTuple):
     groups: tuple[Segment, ...] = ()
 
 
-def _grouped(groups) -> frozenset[int]:
+def _grouped(groups: tuple[GradGroup, ...]) -> frozenset[int]:
     return frozenset(i for g in groups for i, _ in g.slots)
 
 
-def grad_layout(inputs: Sequence[tuple[tuple[int, ...], object]], param_shapes, param_dtypes,
-                w_shapes, w_dtypes, groups: tuple[GradGroup, ...] = ()) -> GradLayout:
+def grad_layout(inputs: Sequence[tuple[tuple[int, ...], DTypeLike]],
+                param_shapes: Sequence[tuple[int, ...]], param_dtypes: Sequence[DTypeLike],
+                w_shapes: Sequence[tuple[int, ...]], w_dtypes: Sequence[DTypeLike],
+                groups: tuple[GradGroup, ...] = ()) -> GradLayout:
     """The packed layout for these shapes and dtypes; ``inputs``: (shape, dtype) of each
     differentiable input, in the order the unit function takes them."""
     cursor = 0
 
-    def seg(shape, dtype) -> Segment:
+    def seg(shape: tuple[int, ...], dtype: DTypeLike) -> Segment:
         nonlocal cursor
         start = cursor
         size = jnp.dtype(dtype).itemsize
@@ -80,7 +83,7 @@ def grad_layout(inputs: Sequence[tuple[tuple[int, ...], object]], param_shapes, 
     return GradLayout(dxs, params, mx, cursor, flat)
 
 
-def _flat_group(group: GradGroup, grads) -> jax.Array:
+def _flat_group(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:
     """The group's flat buffer: each gradient cast and placed at its start, zeros between."""
     dt = jnp.dtype(group.dtype)
     parts, cursor = [], 0
@@ -97,7 +100,7 @@ def _flat_group(group: GradGroup, grads) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def _pack(arrays) -> jax.Array:
+def _pack(arrays: Iterable[jax.Array]) -> jax.Array:
     parts = []
     for a in arrays:
         raw = lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
@@ -108,7 +111,8 @@ def _pack(arrays) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def pack_grads(dx, grads, groups: tuple[GradGroup, ...]) -> jax.Array:
+def pack_grads(dx: jax.Array | tuple[jax.Array, ...], grads: Sequence[jax.Array],
+               groups: tuple[GradGroup, ...]) -> jax.Array:
     """The packed array of ``grad_layout``: dx (an array, or a tuple of one per input), the
     gradients not in a group, then each group's flat buffer."""
     grouped = _grouped(groups)

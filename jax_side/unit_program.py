@@ -55,8 +55,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +83,13 @@ __all__ = [
     "unit_recompute_backward",
 ]
 
+# The programs' pytree arguments and results (module docstring: "Weights"; Out: a jax.Array, or
+# a tuple of them: several outputs, or a SpanFn's; the cotangents alike):
+Params: TypeAlias = Sequence[Any]  # each a jax.Array or a FlatTensor
+Rows: TypeAlias = Sequence[Any]  # each a FlatPlane, an MXFP8Tensor, or a high-precision jax.Array
+Cols: TypeAlias = Sequence[Any]  # each a FlatPlane, an MXFP8Tensor, or None
+Out: TypeAlias = Any
+
 @dataclasses.dataclass(frozen=True)
 class FlatTensor:
     """A parameter inside a flat shared buffer: ``data[offset : offset + prod(shape)]``, reshaped
@@ -105,7 +112,7 @@ jax.tree_util.register_dataclass(FlatTensor, data_fields=["data"], meta_fields=[
 class UnitSpec(NamedTuple):
     """The static part of a unit program (hashable: equal blocks share compiled programs)."""
 
-    fn: Callable  # fn(params, linear, x, *aux) -> out, or several x and outs (module docstring)
+    fn: Callable | SpanFn  # fn(params, linear, x, *aux) -> out, or several x and outs
     params: tuple[str, ...]  # high-precision parameter names, the order of ``params`` arguments
     mxfp8: tuple[str, ...]  # MXFP8 linear names, the order of ``rows`` / ``cols``
     hp_linears: tuple[str, ...]  # high-precision linear names (weights among ``params``)
@@ -125,7 +132,7 @@ class SpanFn:
 
     fns: tuple[Callable, ...]
 
-    def block(self, i: int, params, linear, x):
+    def block(self, i: int, params: dict[str, Any], linear: Callable, x: jax.Array) -> Out:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
         pre = f"{i}."
         own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
@@ -138,7 +145,7 @@ class SpanFn:
 class _BackwardScope:
     """The colwise planes of one ``unit_backward`` trace (read by the rules, never written)."""
 
-    def __init__(self, cols):
+    def __init__(self, cols: Cols) -> None:
         self.cols = cols
 
 
@@ -157,7 +164,8 @@ def _scope() -> _BackwardScope:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _unit_linear(x2d, w_row, carrier, index: int, kernels: ResolvedKernels):
+def _unit_linear(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                 kernels: ResolvedKernels) -> jax.Array:
     """y = x2d @ w^T (the forward reads ``w_row``); ``carrier``: zeros of dW's shape and dtype,
     whose cotangent is dW (module docstring)."""
     return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
@@ -192,11 +200,11 @@ def _weights(rows, kernels):
     return row_planes, tuple(own_cols)
 
 
-def _values(params) -> tuple:
+def _values(params: Params) -> tuple:
     return tuple(p.array() if isinstance(p, FlatTensor) else p for p in params)
 
 
-def _carriers(spec: UnitSpec, row_planes, linears: tuple[int, ...]) -> tuple[jax.Array, ...]:
+def _carriers(spec: UnitSpec, row_planes: Rows, linears: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """Gradient carriers of the MXFP8 linears ``linears`` (indices into ``spec.mxfp8``): zeros of
     each weight's shape in its dW dtype, whose cotangents are the dW (``_unit_linear``)."""
     return tuple(jnp.zeros(row_planes[i].shape, jnp.dtype(spec.dw_dtypes[i])) for i in linears)
@@ -207,7 +215,7 @@ def _call(fn, params, linear, x, aux):
     return fn(params, linear, *x, *aux) if isinstance(x, tuple) else fn(params, linear, x, *aux)
 
 
-def _bound(spec: UnitSpec, row_planes, aux, stage: int | None = None):
+def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = None) -> Callable:
     """``f((param values, carriers), x) -> out`` with the linears filled in: the unit function
     over all of ``spec.params`` and ``spec.mxfp8``, or block ``stage`` of a ``SpanFn`` over its
     own (``_stage``)."""
@@ -215,7 +223,7 @@ def _bound(spec: UnitSpec, row_planes, aux, stage: int | None = None):
     hp_lin = set(spec.hp_linears)
     names = spec.params if stage is None else tuple(spec.params[i] for i in _stage(spec, stage))
     own = {i: k for k, i in enumerate(_linears_of(spec, stage))}  # spec.mxfp8 -> carrier
-    fn = spec.fn if stage is None else functools.partial(spec.fn.block, stage)
+    fn = spec.fn if stage is None else functools.partial(cast(SpanFn, spec.fn).block, stage)
 
     def f(weights, x):
         values, carriers = weights
@@ -251,7 +259,8 @@ def _linears_of(spec: UnitSpec, k: int | None) -> tuple[int, ...]:
     return tuple(i for i, n in enumerate(spec.mxfp8) if k is None or n.startswith(f"{k}."))
 
 
-def _linearize(spec: UnitSpec, row_planes, aux, values, x, *, vjp: bool = True):
+def _linearize(spec: UnitSpec, row_planes: Rows, aux: tuple, values: tuple, x: Out, *,
+               vjp: bool = True) -> tuple[Out, Any, tuple]:
     """(out, linearization, outputs passed on): the unit function and its ``jax.vjp`` of the
     parameters, the gradient carriers and the input(s) (None with ``vjp=False``). For a
     ``SpanFn``: one ``jax.vjp`` per block (of its own parameters and carriers and its input),
@@ -285,7 +294,7 @@ def _boundary(h: jax.Array) -> jax.Array:
     return lax.optimization_barrier(h)
 
 
-def _pullback(spec: UnitSpec, vjp, dout):
+def _pullback(spec: UnitSpec, vjp: Any, dout: Out) -> tuple[tuple, tuple, Out]:
     """(gradient of each of ``spec.params``, dW of each of ``spec.mxfp8``, dx). For a
     ``SpanFn``, ``dout`` holds a cotangent or None per block output (the last one present):
     block k's rule takes block k+1's dx plus block k's own cotangent, where one came, as
@@ -297,25 +306,25 @@ def _pullback(spec: UnitSpec, vjp, dout):
     if len(dout) != len(vjp) or dout[-1] is None:
         raise ValueError(f"unit_backward: a span of {len(vjp)} blocks takes a cotangent or "
                          f"None per output, the last one present; got {dout}")
-    d_params: list = [None] * len(spec.params)
-    dws: list = [None] * len(spec.mxfp8)
+    grads: list = [None] * len(spec.params)
+    dw: list = [None] * len(spec.mxfp8)
     ct = dout[-1]
     for k in reversed(range(len(vjp))):
         if k < len(vjp) - 1:
             ct = _boundary(ct if dout[k] is None else ct + dout[k])
         (d_own, dw_own), ct = vjp[k](ct)
         for i, g in zip(_stage(spec, k), d_own, strict=True):
-            d_params[i] = g
+            grads[i] = g
         for i, g in zip(_linears_of(spec, k), dw_own, strict=True):
-            dws[i] = g
-    return tuple(d_params), tuple(dws), ct
+            dw[i] = g
+    return tuple(grads), tuple(dw), ct
 
 
 # ------------------------------------------------------------------------------- the programs
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_apply(params, rows, x, aux, *, spec: UnitSpec):
+def unit_apply(params: Params, rows: Rows, x: Out, aux: tuple, *, spec: UnitSpec) -> Out:
     """The unit's output alone (no residuals kept)."""
     row_planes, _ = _weights(rows, spec.kernels)
     return _linearize(spec, row_planes, aux, _values(params), x, vjp=False)[0]
@@ -333,13 +342,14 @@ class Forwarded:
     def __init__(self, positions: tuple[tuple[int, int], ...]):
         self.positions = positions
 
-    def kept(self, params, rows, x, aux, out=None) -> tuple:
+    def kept(self, params: Params, rows: Rows, x: Out, aux: tuple, out: Out = None) -> tuple:
         """The source leaves the backward needs back, in ``positions`` order (``out``: the
         forward's output, needed where a span passes outputs on)."""
         flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(flat[i] for _, i in self.positions)
 
-    def kept_without_params(self, params, rows, x, aux, out=None) -> tuple:
+    def kept_without_params(self, params: Params, rows: Rows, x: Out, aux: tuple,
+                            out: Out = None) -> tuple:
         """``kept``, with None where a leaf comes from ``params``: a caller that can give the
         same parameter values again at backward (FSDP gathers them again) does not hold the
         forward's parameter buffers until then; ``with_params`` fills them in."""
@@ -347,7 +357,7 @@ class Forwarded:
         flat = jax.tree.leaves((params, rows, x, aux, out))
         return tuple(None if i < n else flat[i] for _, i in self.positions)
 
-    def with_params(self, kept: tuple, params) -> tuple:
+    def with_params(self, kept: tuple, params: Params) -> tuple:
         """``kept_without_params``'s result completed from ``params`` (the same values)."""
         flat = jax.tree.leaves(params)
         return tuple(flat[i] if k is None else k
@@ -387,7 +397,7 @@ def _strip_inputs(vjp, sources, passed):
     return jax.tree.unflatten(tree, leaves), Forwarded(tuple(positions))
 
 
-def _restore_inputs(saved: Saved, kept):
+def _restore_inputs(saved: Saved, kept: tuple) -> Any:
     leaves, tree = jax.tree.flatten(saved.vjp)
     for (k, _), value in zip(saved.forwarded.positions, kept, strict=True):
         leaves[k] = value
@@ -395,7 +405,8 @@ def _restore_inputs(saved: Saved, kept):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
+def unit_forward(params: Params, rows: Rows, x: Out, aux: tuple, *,
+                 spec: UnitSpec) -> tuple[Out, Saved]:
     """(out, ``Saved``): the forward and its linearization (module docstring)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
     out, vjp, passed = _linearize(spec, row_planes, aux, _values(params), x)
@@ -403,7 +414,7 @@ def unit_forward(params, rows, x, aux, *, spec: UnitSpec):
     return out, Saved(vjp, own_cols, forwarded)
 
 
-def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
+def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec) -> jax.Array:
     cols = tuple(c if c is not None else o for c, o in zip(cols, own_cols, strict=True))
     missing = [spec.mxfp8[i] for i, c in enumerate(cols) if c is None]
     if missing:
@@ -424,7 +435,8 @@ def _gradients(vjp, own_cols, dout, cols, spec: UnitSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
+def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *,
+                  spec: UnitSpec) -> jax.Array:
     """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs (and
     outputs) it forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for
     a ``SpanFn``: one per block output, None where none came, ``_pullback``); ``cols``: the
@@ -433,7 +445,8 @@ def unit_backward(saved: Saved, kept, dout, cols, *, spec: UnitSpec):
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def unit_recompute_backward(params, rows, x, aux, dout, cols, *, spec: UnitSpec):
+def unit_recompute_backward(params: Params, rows: Rows, x: Out, aux: tuple, dout: Out,
+                            cols: Cols, *, spec: UnitSpec) -> jax.Array:
     """Recompute the forward, then the backward, in one program (activation recompute)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
     _, vjp, _ = _linearize(spec, row_planes, aux, _values(params), x)

@@ -180,6 +180,97 @@ def test_no_import_circle_between_packages():
     assert _cycles(graph) == []
 
 
+# The environment is read in ``apps`` only (issue 31, item 5): the library takes every switch as
+# an argument or a dataclass field, which ``apps.environment`` fills from the documented
+# variables. The exceptions are variables that JAX, XLA, CUDA, cuBLAS or NCCL read from the
+# environment themselves, with no API to set them, each set inside a function (never at import):
+_JAX_ALLOC = ("JAX reads it, and no API sets it, when it creates its GPU client: without it JAX "
+              "preallocates most of a GPU that Torch shares (DESIGN.md 6)")
+ENVIRONMENT_ALLOWED: dict[str, dict[str, str]] = {
+    "bridge.devices": {"XLA_PYTHON_CLIENT_PREALLOCATE": _JAX_ALLOC + "; start_jax_backend"},
+    "bridge.determinism": {
+        "XLA_FLAGS": "XLA takes its deterministic-kernel flags from the environment only, read "
+                     "when JAX's backend starts; make_deterministic merges them in and "
+                     "xla_deterministic_ops reads them back (bridge.units asks it)",
+        "CUBLAS_WORKSPACE_CONFIG": "cuBLAS reads its deterministic workspace from the "
+                                   "environment only",
+    },
+    "torch_side.launch": {  # the per-rank bootstrap, before the rank imports JAX or starts CUDA
+        "XLA_FLAGS": "one simulated XLA host device per rank: XLA reads the flag when JAX starts",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": _JAX_ALLOC,
+        "CUDA_VISIBLE_DEVICES": "the rank's one GPU: CUDA reads it when it starts",
+        "NCCL_NVLS_ENABLE": "NCCL reads it when it creates a communicator",
+        "JAX_PLATFORMS": "JAX reads it when imported: a CPU rank's JAX stays on the CPU",
+    },
+}
+_ENV_FUNCTIONS = {"getenv", "putenv", "unsetenv"}
+
+
+def _environment_uses(tree: ast.AST) -> list[tuple[int, str | None, bool]]:
+    """(line, variable name or None when not a literal, at module level) of every read or write
+    of the process environment: ``os.environ`` (any use), ``os.getenv`` / ``putenv`` /
+    ``unsetenv``, and those names imported from ``os``."""
+    parent: dict[ast.AST, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parent[child] = node
+
+    def in_function(node: ast.AST) -> bool:
+        while node in parent:
+            node = parent[node]
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                return True
+        return False
+
+    def literal(node: ast.AST | None) -> str | None:
+        is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        return node.value if is_text else None
+
+    out: list[tuple[int, str | None, bool]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in {"environ", *_ENV_FUNCTIONS} for a in node.names):
+            out.append((node.lineno, None, not in_function(node)))
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id == "os" and node.attr in {"environ", *_ENV_FUNCTIONS}):
+            continue
+        up = parent.get(node)
+        name = None
+        if node.attr in _ENV_FUNCTIONS and isinstance(up, ast.Call) and up.args:
+            name = literal(up.args[0])  # os.getenv("X")
+        elif isinstance(up, ast.Subscript):
+            name = literal(up.slice)  # os.environ["X"]
+        elif isinstance(up, ast.Attribute) and isinstance(parent.get(up), ast.Call):
+            call = parent[up]
+            name = literal(call.args[0]) if call.args else None  # os.environ.get("X", ...)
+        out.append((node.lineno, name, not in_function(node)))
+    return out
+
+
+def test_the_library_reads_no_environment_but_what_a_framework_requires():
+    bad = []
+    for module, path in MODULES.items():
+        if module.split(".")[0] == "apps":
+            continue
+        allowed = ENVIRONMENT_ALLOWED.get(module, {})
+        for line, name, at_import in _environment_uses(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if name is None or name not in allowed:
+                bad.append(f"{where}: {name or 'the environment'} (make it an argument that "
+                           f"apps.environment fills)")
+            elif at_import:
+                bad.append(f"{where}: {name} at import (set it inside the function that needs it)")
+    assert not bad, "environment reads or writes in the library:\n" + "\n".join(bad)
+
+
+def test_every_allowed_environment_variable_is_used():
+    used = {module: {n for _, n, _ in _environment_uses(ast.parse(MODULES[module].read_text()))}
+            for module in ENVIRONMENT_ALLOWED}
+    stale = [f"{m}: {n}" for m, names in ENVIRONMENT_ALLOWED.items() for n in names
+             if n not in used[m]]
+    assert not stale, f"allowed but no longer used (drop them): {stale}"
+
+
 def _uses_private_jax(path: pathlib.Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

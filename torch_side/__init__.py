@@ -20,6 +20,7 @@ The names are loaded on first use (PEP 562), so ``import torch_side.strategy`` o
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 # name -> module that defines it (the one place each public name comes from)
 _EXPORTS: dict[str, str] = {
@@ -57,7 +58,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # any of _EXPORTS, loaded on first use
     try:
         module = _EXPORTS[name]
     except KeyError:

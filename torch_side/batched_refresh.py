@@ -38,32 +38,28 @@ from collections.abc import Sequence
 from torch_side.collectives import Phase
 from torch_side.distributed_quantize import BatchImages
 from torch_side.param_group import ParamGroup
+from torch_side.weight_codecs import BlockScaledCodec
 
 __all__ = ["refresh_groups"]
-
-
-def _batch_key(g: ParamGroup):
-    """Groups with equal keys are quantized together; None: the group refreshes alone."""
-    b = g.buffers
-    key = b.codec.batch_key()
-    return None if key is None else (key, id(b.comm), b.device, b.kernels)
 
 
 def _batches(groups: Sequence[ParamGroup]) -> dict[int, list[int]]:
     """{index of a batch's first group: indices of its groups}, for batches of two or more."""
     by_key: dict[object, list[int]] = {}
     for i, g in enumerate(groups):
-        key = _batch_key(g)
+        key = g.refresh_key()
         if key is not None:
             by_key.setdefault(key, []).append(i)
     return {members[0]: members for members in by_key.values() if len(members) > 1}
 
 
 def _quantize(groups: list[ParamGroup], phase: Phase) -> BatchImages:
-    first = groups[0].buffers
-    ctxs = [g.buffers.codec_context() for g in groups]
-    label = f"*/{first.codec.format.value}/{first.comm.name}/amax"  # "*": every unit's group
-    return first.codec.quantize_batch(ctxs, phase, label)
+    first = groups[0]
+    codec = first.codec
+    assert isinstance(codec, BlockScaledCodec), codec  # only these give a refresh_key
+    ctxs = [g.codec_context() for g in groups]
+    label = f"*/{codec.format.value}/{first.comm.name}/amax"  # "*": every unit's group
+    return codec.quantize_batch(ctxs, phase, label)
 
 
 def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:
@@ -77,7 +73,7 @@ def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:
         # The scale buffers and replicated planes are rewritten in place; their JAX shares stay
         # valid (bridge/shared.py, "Reuse across in-place rewrites"). Locally quantized planes
         # (BF16GatherCodec) would be stale.
-        g.quantized.drop()
+        g.drop_quantized()
     batches = _batches(groups)
     pending: dict[int, tuple[BatchImages, int]] = {}  # group index -> (its batch's bytes, slot)
     for i, g in enumerate(groups):
@@ -85,7 +81,7 @@ def refresh_groups(groups: Sequence[ParamGroup], phase: Phase) -> None:
             made = _quantize([groups[j] for j in batches[i]], phase)
             pending.update({j: (made, k) for k, j in enumerate(batches[i])})
         if i not in pending:
-            g.buffers.refresh(phase)
+            g.refresh(phase)
             continue
         made, k = pending.pop(i)
-        g.buffers.refresh_from(made.images[k], made.amax[k], phase)
+        g.refresh_from(made.images[k], made.amax[k], phase)

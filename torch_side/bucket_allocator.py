@@ -92,7 +92,7 @@ class BucketAllocator:
         self.made = 0  # allocations that asked Torch for new memory
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Pooled | None:
-        candidates = self._idle.get((numel, dtype, device), ())
+        candidates = self._idle.get((numel, dtype, device), [])
         for i, p in enumerate(candidates):
             if _sole_owner(p):
                 return candidates.pop(i)

@@ -20,10 +20,10 @@ naming what each rank was about to do. The cost is one small blocking all-gather
 a host synchronisation) per collective: a debug switch, off by default (docs/fsdp.md, "Checking
 that ranks issue the same collectives", has the measured cost).
 
-The switch: ``fully_shard(..., check_collectives=True)`` or the environment variable
-``MXFP8_FSDP_CHECK_COLLECTIVES=1`` (read only in :func:`check_requested`). Every rank must agree:
-``Communicator`` all-reduces the switch before its first collective, so one rank asking turns it
-on for all.
+The switch: ``fully_shard(..., check_collectives=True)``; the applications set it from the
+environment variable ``CHECK_ENV`` (``MXFP8_FSDP_CHECK_COLLECTIVES=1``, read by
+``apps.environment``; the library reads no environment). Every rank must agree: ``Communicator``
+all-reduces the switch before its first collective, so one rank asking turns it on for all.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 
 import torch
 
@@ -40,31 +39,18 @@ __all__ = [
     "DESCRIPTOR_INTS",
     "CollectiveMismatchError",
     "Descriptor",
-    "check_requested",
+
     "mismatch_message",
 ]
 
-CHECK_ENV = "MXFP8_FSDP_CHECK_COLLECTIVES"
+CHECK_ENV = "MXFP8_FSDP_CHECK_COLLECTIVES"  # the applications' name for the switch (messages)
+# (apps.environment.CHECK_COLLECTIVES is this name: tests/apps/test_environment.py)
 _MAGIC = 0x4D58_4653_4450_0001  # "MXFSDP" + protocol version 1: a row not written by this code
 _HEADER = 5  # magic, ordinal, seq, numel, hash of the text
 _TEXT_BYTES = 160  # verb, phase, dtype and label, UTF-8 (the label shortened in the middle)
 DESCRIPTOR_INTS = _HEADER + _TEXT_BYTES // 8
 _SEP = "\x1f"
 
-
-def check_requested(argument: bool | None) -> bool:
-    """The switch: ``fully_shard``'s ``check_collectives`` when given, else ``CHECK_ENV``."""
-    if argument is not None:
-        return bool(argument)
-    value = os.environ.get(CHECK_ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(
-        f"{CHECK_ENV}={value!r}: expected 1 (check that every rank issues the same FSDP "
-        f"collectives) or 0 / unset (no check)"
-    )
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -137,7 +123,8 @@ def mismatch_message(rows: torch.Tensor, rank: int, group_name: str) -> str | No
     if bool((rows == rows[0]).all()):
         return None
     decoded = [Descriptor.decode(r) for r in rows]
-    lines, ranks_of = [], {}
+    lines: list[str] = []
+    ranks_of: dict[str, list[int]] = {}
     for r, d in enumerate(decoded):
         key = d.describe() if d is not None else "something else (not an FSDP descriptor)"
         ranks_of.setdefault(key, []).append(r)

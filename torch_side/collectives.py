@@ -33,11 +33,10 @@ reading the output, and keep the input unchanged until then. Where they run:
 
 A synchronous collective runs on the current stream, and so does every collective at world size
 1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
-BENCHMARKS.md, "Overlap"); ``MXFP8_FSDP_COMM_STREAMS=1`` sends world-size-1 copies through the
-communication streams anyway, so that one GPU tests the stream ordering
-(``tests/torch_side/test_nccl.py``). With a ``common.trace`` recorder
-active, each collective is recorded from issue to completion on the track of its stream (GPU
-times through CUDA events; on the CPU, gloo's completion callback).
+BENCHMARKS.md, "Overlap"); ``Overlap.streams_at_world_1`` sends world-size-1 copies through the
+communication streams anyway, so that one GPU tests the stream ordering (test_nccl.py). With a
+``common.trace`` recorder active, each collective is recorded from issue to completion on the
+track of its stream (GPU times through CUDA events; on the CPU, gloo's completion callback).
 """
 
 from __future__ import annotations
@@ -45,10 +44,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import os
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ from torch_side.collective_check import (
 
 __all__ = ["Collective", "Communicator", "Handle", "Phase", "WireRecord", "all_gather_objects",
            "all_reduce_on", "barrier", "broadcast_object", "gather_objects"]
+T = TypeVar("T")
+Group: TypeAlias = "dist.ProcessGroup | None"  # a process group; None: the default one
+_What: TypeAlias = "tuple[Collective, Phase, str]"  # which collective: (op, phase, label)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -112,9 +115,6 @@ _VERB = {
 # the same on every rank because building one is collective (the switch is all-reduced).
 _ORDINALS: dict[object, int] = {}
 
-
-_STREAMS_AT_WORLD_1 = os.environ.get("MXFP8_FSDP_COMM_STREAMS", "0") == "1"  # module note
-
 _STREAM_OF = {  # which communication stream (and trace track) each collective runs on
     Collective.ALL_GATHER: "all-gather",
     Collective.REDUCE_SCATTER: "reduce",
@@ -132,18 +132,18 @@ RELEASE_WAIT_S = 2.0
 _FIRST_SLEEP_S, _MAX_SLEEP_S = 1e-5, 1e-3  # the wait sleeps (backing off), never spins
 
 
-def _counts(tensors) -> tuple[int, ...]:
+def _counts(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
     """TensorImpl, storage and Python references of each tensor, now (flattened). (Torch
     drops a C++ holder's last extra reference before the Python one it kept for it, which
     needs the GIL: a wait that looked at the C++ counts only could return in between.)"""
-    out = []
+    out: list[int] = []
     for t in tensors:
         out += (t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata),
                 sys.getrefcount(t))
     return tuple(out)
 
 
-def _await_release(tensors, limit: tuple[int, ...]) -> bool:
+def _await_release(tensors: Sequence[torch.Tensor], limit: tuple[int, ...]) -> bool:
     """Wait until every reference count of ``tensors`` is at most ``limit`` (``_counts``);
     whether they got there within ``RELEASE_WAIT_S``.
 
@@ -167,7 +167,7 @@ def _await_release(tensors, limit: tuple[int, ...]) -> bool:
     return True
 
 
-def _release_or_warn(tensors, limit: tuple[int, ...], what: tuple) -> None:
+def _release_or_warn(tensors: Sequence[torch.Tensor], limit: tuple[int, ...], what: _What) -> None:
     """``_await_release``, and a warning naming the collective when it gave up."""
     if _await_release(tensors, limit):
         return
@@ -188,12 +188,13 @@ class Handle:
     the collective surfaces there with the communicator's note. gloo: the wait also lets go of
     the work and returns once gloo's thread has (``_await_release``)."""
 
-    def __init__(self, comm: Communicator, what: tuple, work=None, event=None,
-                 held=((), ())):
+    def __init__(self, comm: Communicator, what: _What, work: dist.Work | None = None,
+                 event: torch.cuda.Event | None = None,
+                 held: tuple[Sequence[torch.Tensor], tuple[int, ...]] = ((), ())):
         self._comm, self._what, self._work, self._event = comm, what, work, event
         self._held = held  # gloo: (tensors, the references its work added to each at issue)
         self.done = False
-        self.on_wait = None  # called once the wait returns (the trace's end of the interval)
+        self.on_wait: Callable[[], None] | None = None  # called once the wait returns (trace)
 
     def wait(self) -> None:
         if self.done:
@@ -209,7 +210,7 @@ class Handle:
                 raise
             tensors, added = self._held
             limit = tuple(c - a for c, a in zip(_counts(tensors), added, strict=True))
-            self._work = self._held = None  # (the work is alive until here: its references too)
+            self._work, self._held = None, ((), ())  # (the work lived until here: its references)
             _release_or_warn(tensors, limit, self._what)
         if self.on_wait is not None:
             self.on_wait()
@@ -220,21 +221,23 @@ class Communicator:
     ``WIRE_LOG_LIMIT`` collectives; cleared by the caller). ``check``: run the
     collective-consistency check before each collective (module note). The ranks agree on it
     before the first collective (one rank asking turns it on for all), on that collective's
-    device, so building a communicator moves nothing."""
+    device, so building a communicator moves nothing; ``streams_at_world_1``: module note."""
 
-    def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False):
+    def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False,
+                 streams_at_world_1: bool = False):
         self.group = group
         self.name = name
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.records: collections.deque[WireRecord] = collections.deque(maxlen=WIRE_LOG_LIMIT)
         self.check = bool(check)
+        self.streams_at_world_1 = bool(streams_at_world_1)
         self._agreed = self.world_size == 1
         self.ordinal = _ORDINALS.get(group, 0)
         _ORDINALS[group] = self.ordinal + 1
         self.seq = 0  # collectives issued so far (the check compares it across ranks)
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-        self._anchor = None  # (recorder, CUDA event, host us): GPU times on the trace clock
+        self._anchor: tuple[trace.Recorder, torch.cuda.Event, float] | None = None  # GPU clock
 
     def _agree(self, device: torch.device) -> None:
         """Once, before the first collective: the switch is on if any rank asked for it."""
@@ -242,8 +245,8 @@ class Communicator:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         self.check, self._agreed = bool(flag.item()), True
 
-    def _log(self, op, phase, label, t: torch.Tensor, bytes_sent: int) -> None:
-        self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), bytes_sent))
+    def _log(self, op: Collective, phase: Phase, label: str, t: torch.Tensor, sent: int) -> None:
+        self.records.append(WireRecord(op, phase, label, t.dtype, t.numel(), sent))
 
     def _before(self, op: Collective, phase: Phase, label: str, t: torch.Tensor) -> None:
         """Count the collective and, with the check on, compare it across ranks first."""
@@ -280,11 +283,12 @@ class Communicator:
             )
         return head + (
             "If the ranks issued different collectives (an FSDP unit that ran on some ranks "
-            f"only), rerun with {CHECK_ENV}=1 (or fully_shard(..., check_collectives=True)) to "
+            f"only), rerun with check_collectives=True ({CHECK_ENV}=1 for mxfp8-train) to "
             "get an error naming what each rank was about to run."
         )
 
-    def _run(self, op: Collective, phase: Phase, label: str, call, checking: bool = False):
+    def _run(self, op: Collective, phase: Phase, label: str, call: Callable[[], T],
+             checking: bool = False) -> T:
         """call(), adding a note that names the collective (and the switch) to its failure."""
         try:
             return call()
@@ -299,7 +303,8 @@ class Communicator:
             s = self._streams[(kind, device)] = torch.cuda.Stream(device)
         return s
 
-    def _issue(self, op, phase, label, t: torch.Tensor, call, async_op: bool, tensors=()):
+    def _issue(self, op: Collective, phase: Phase, label: str, t: torch.Tensor, call: Callable,
+               async_op: bool, tensors: Sequence[torch.Tensor] = ()) -> Handle | None:
         """Run call(async_op) on the right stream (module note); a Handle when async_op.
         tensors: those the collective reads or writes (gloo holds them: ``_await_release``)."""
         kind = _STREAM_OF[op]
@@ -307,9 +312,9 @@ class Communicator:
         before = _counts(tensors) if gloo else ()
         what = (op, phase, label)
         rec = trace.active()
-        args = None if rec is None else {
+        args: dict[str, Any] = {} if rec is None else {
             "phase": phase.value, "bytes": t.numel() * t.element_size()}
-        if not async_op or (self.world_size == 1 and not (t.is_cuda and _STREAMS_AT_WORLD_1)):
+        if not async_op or (self.world_size == 1 and not (t.is_cuda and self.streams_at_world_1)):
             if rec is None:  # (the hot path: no trace names or arguments built)
                 self._run(op, phase, label, lambda: call(False))
             else:
@@ -343,7 +348,8 @@ class Communicator:
             timing()
         return Handle(self, what, event=event)
 
-    def _cuda_timing(self, rec, stream, track: str, name: str, args: dict):
+    def _cuda_timing(self, rec: trace.Recorder | None, stream: torch.cuda.Stream, track: str,
+                     name: str, args: dict) -> Callable[[], None] | None:
         """With a recorder: a start event on ``stream`` now, and a function of the end event
         that records the interval on the trace clock when the trace is read (CUDA events)."""
         if rec is None:
@@ -453,7 +459,7 @@ class Communicator:
 # one), synchronous, on the current stream, in no wire log; a failure gets a note naming the call.
 
 
-def _on_group(what: str, group, call):
+def _on_group(what: str, group: Group, call: Callable[[], T]) -> T:
     try:
         return call()
     except RuntimeError as e:
@@ -463,32 +469,32 @@ def _on_group(what: str, group, call):
         raise
 
 
-def all_reduce_on(t: torch.Tensor, op: Collective, what: str, group=None) -> None:
+def all_reduce_on(t: torch.Tensor, op: Collective, what: str, group: Group = None) -> None:
     """In place over ``group``; op is ALL_REDUCE_SUM or ALL_REDUCE_MAX."""
     red = dist.ReduceOp.SUM if op is Collective.ALL_REDUCE_SUM else dist.ReduceOp.MAX
     _on_group(what, group, lambda: dist.all_reduce(t, op=red, group=group))
 
 
-def all_gather_objects(obj, what: str, group=None) -> list:
+def all_gather_objects(obj: object, what: str, group: Group = None) -> list:
     """Every rank's picklable ``obj`` (between our own ranks only), in group rank order."""
     out: list = [None] * dist.get_world_size(group)
     _on_group(what, group, lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
-def gather_objects(obj, what: str, dst: int = 0, group=None) -> list | None:
+def gather_objects(obj: object, what: str, dst: int = 0, group: Group = None) -> list | None:
     """Every rank's picklable ``obj`` on global rank ``dst`` (None on the others)."""
-    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     _on_group(what, group, lambda: dist.gather_object(obj, out, dst=dst, group=group))
     return out
 
 
-def broadcast_object(obj, what: str, src: int = 0, group=None):
+def broadcast_object(obj: T, what: str, src: int = 0, group: Group = None) -> T:
     """Global rank ``src``'s picklable ``obj``, on every rank."""
     box = [obj]
     _on_group(what, group, lambda: dist.broadcast_object_list(box, src=src, group=group))
     return box[0]
 
 
-def barrier(what: str, group=None) -> None:
+def barrier(what: str, group: Group = None) -> None:
     _on_group(what, group, lambda: dist.barrier(group=group))

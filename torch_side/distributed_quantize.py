@@ -59,7 +59,8 @@ __all__ = [
 QuantizedShard = SliceBytes
 
 
-def _check_inputs(main_shards, shapes, start_offsets) -> list[tuple[int, int]]:
+def _check_inputs(main_shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
+                  start_offsets: Sequence[int]) -> list[tuple[int, int]]:
     if not len(main_shards) == len(shapes) == len(start_offsets):
         raise ValueError(
             f"distributed_mxfp8_quantize: got {len(main_shards)} shards, {len(shapes)} shapes and "
@@ -203,7 +204,7 @@ def quantize_batch_into_images(
     return BatchImages(images, amax)
 
 
-def _group_device(group) -> torch.device:
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a rank that owns nothing keeps its amax buffer: NCCL needs it on the current GPU."""
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -7,22 +7,26 @@ forward order is the one whose planes forward (backward) prefetch starts gatheri
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 __all__ = ["ExecutionOrder"]
 
+U = TypeVar("U")  # a unit (``FSDPUnit``)
 
-class ExecutionOrder:
+
+class ExecutionOrder(Generic[U]):
     def __init__(self) -> None:
-        self._order: list = []
+        self._order: list[U] = []
         self.frozen = False
 
-    def record(self, unit) -> None:
+    def record(self, unit: U) -> None:
         if not self.frozen and unit not in self._order:
             self._order.append(unit)
 
     def freeze(self) -> None:
         self.frozen = True
 
-    def ahead(self, unit, depth: int, direction: int) -> list:
+    def ahead(self, unit: U, depth: int, direction: int) -> list[U]:
         """The next ``depth`` units after ``unit`` in forward order (direction +1) or before
         it (-1: backward order), nearest first; empty until the order is frozen."""
         if not self.frozen or unit not in self._order or depth <= 0:

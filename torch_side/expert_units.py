@@ -42,6 +42,7 @@ own would gather on the ranks that called it only).
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import torch.distributed as dist
 
@@ -56,6 +57,12 @@ class Sweep(enum.Enum):
     RECOMPUTE = "recompute"
     BACKWARD = "backward"
     SWEPT = "swept"  # this backward passed every expert unit (the host reduced)
+
+
+class _Named(Protocol):
+    """An expert unit, as the errors name it (``FSDPUnit``)."""
+
+    name: str
 
 
 def _rank() -> int:
@@ -82,7 +89,7 @@ class ExpertUnits:
         self.sweep = sweep
         self._cursor = len(self.units) if sweep is Sweep.BACKWARD else 0
 
-    def reach(self, unit, sweep: Sweep) -> None:
+    def reach(self, unit: _Named, sweep: Sweep) -> None:
         """Expert unit ``unit`` runs in ``sweep``: first pass the units before it in the sweep's
         order that did not run on this rank."""
         if sweep is Sweep.BACKWARD:
@@ -143,7 +150,7 @@ class ExpertUnits:
         self.sweep, self._cursor, self._outer = Sweep.IDLE, 0, (Sweep.IDLE, 0)
 
     # ---- errors ---------------------------------------------------------------------------------
-    def _outside(self, unit, sweep: Sweep) -> str:
+    def _outside(self, unit: _Named, sweep: Sweep) -> str:
         if sweep is Sweep.RECOMPUTE:
             return (
                 f"rank {_rank()}: FSDP expert unit {unit.name!r} ran a recompute forward that is "
@@ -161,7 +168,7 @@ class ExpertUnits:
             f"host). Other ranks may now hang in a collective"
         )
 
-    def _out_of_order(self, unit, sweep: Sweep) -> str:
+    def _out_of_order(self, unit: _Named, sweep: Sweep) -> str:
         names = [u.name for u in self.units]
         order = "reverse module order" if sweep is Sweep.BACKWARD else "module order"
         return (

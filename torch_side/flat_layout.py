@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from common.formats import round_up
@@ -91,6 +92,12 @@ class ParamSlot:
         return self.start + self.numel
 
     @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """(M, K) of a 2-D parameter (block-scaled ones are)."""
+        m, k = self.shape
+        return (m, k)
+
+    @property
     def row_size(self) -> int:
         return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
@@ -114,14 +121,15 @@ class FlatLayout:
     world_size: int
 
     @classmethod
-    def build(cls, names, shapes, world_size: int) -> FlatLayout:
+    def build(cls, names: Sequence[str], shapes: Iterable[Iterable[int]],
+              world_size: int) -> FlatLayout:
         if world_size < 1:
             raise ValueError(f"FlatLayout: world_size must be >= 1, got {world_size}")
-        shapes = [tuple(int(d) for d in s) for s in shapes]
-        rows = [math.prod(s[1:]) if len(s) > 1 else 1 for s in shapes]
+        dims = [tuple(int(d) for d in s) for s in shapes]
+        rows = [math.prod(s[1:]) if len(s) > 1 else 1 for s in dims]
         unit = math.lcm(ALIGN_ELEMENTS, *[r for r in rows if r > 0])
         slots, cursor = [], 0
-        for name, shape in zip(names, shapes, strict=True):
+        for name, shape in zip(names, dims, strict=True):
             start = round_up(cursor, unit)
             slots.append(ParamSlot(name, shape, start, math.prod(shape)))
             cursor = start + math.prod(shape)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,6 @@ from common.kernels import KernelConfig
 from torch_side import state_dict as sd
 from torch_side.batched_refresh import refresh_groups
 from torch_side.bucket_allocator import BucketAllocator
-from torch_side.collective_check import check_requested
 from torch_side.collectives import Communicator, Phase, WireRecord
 from torch_side.fsdp_state import FSDPState
 from torch_side.fsdp_unit import FSDPUnit, GradCheck
@@ -58,7 +58,7 @@ from torch_side.unit_builder import ModuleSpec, UnitConfig, build_units, install
 __all__ = ["FSDPModel", "fully_shard"]
 
 
-def _check_group(group, what: str) -> None:
+def _check_group(group: dist.ProcessGroup | None, what: str) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             f"fully_shard: torch.distributed is not initialised; call "
@@ -80,15 +80,15 @@ class FSDPModel(nn.Module):
         self,
         module: nn.Module,
         unit_modules: ModuleSpec,
-        group,
-        strategy: ShardingStrategy,
+        group: dist.ProcessGroup | None,
+        strategy: ShardingStrategy | str,
         policy: MixedPrecisionPolicy,
         expert_modules: ModuleSpec,
-        expert_group,
+        expert_group: dist.ProcessGroup | None,
         grad_check: GradCheck,
         kernels: KernelConfig | None,
-        init_sync: InitSync,
-        check_collectives: bool | None = None,
+        init_sync: InitSync | str,
+        check_collectives: bool = False,
         overlap: Overlap | None = None,
     ):
         super().__init__()
@@ -105,15 +105,17 @@ class FSDPModel(nn.Module):
         self.grad_check = GradCheck(grad_check)
         self.init_sync = InitSync.parse(init_sync)
         self.allocator = BucketAllocator()
-        check = check_requested(check_collectives)  # the argument, else the environment
-        self.comms = {"dp": Communicator(group, "dp", check)}
-        if expert_modules:
-            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp", check)
         if overlap is not None and not isinstance(overlap, Overlap):
             raise TypeError(
                 f"fully_shard: overlap must be a torch_side.Overlap (or None for the default), "
                 f"got {overlap!r}"
             )
+        overlap = Overlap() if overlap is None else overlap
+        streams = overlap.streams_at_world_1
+        self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), streams)}
+        if expert_modules:
+            self.comms["expert_dp"] = Communicator(expert_group, "expert_dp",
+                                                   bool(check_collectives), streams)
         self.state = FSDPState(overlap)
         cfg = UnitConfig(
             policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels
@@ -131,7 +133,7 @@ class FSDPModel(nn.Module):
                 mark(e.param, e.name)
         self._planes_handles = install_plane_hooks(self.units)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -181,7 +183,10 @@ class FSDPModel(nn.Module):
         sd.load_full_state_dict(self.param_groups, state)
         self.state.weights_changed()
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+    def state_dict(
+        self, *args: object, destination: dict[str, Any] | None = None, prefix: str = "",
+        keep_vars: bool = False,
+    ) -> dict[str, Any]:
         """COLLECTIVE (call on every rank): the wrapped module's ``state_dict()`` with every
         parameter replaced by its full fp32 main weight (``full_state_dict``); buffers as
         they are. Keys are the wrapped module's own (no ``module.`` prefix), so it loads into an
@@ -190,16 +195,20 @@ class FSDPModel(nn.Module):
             raise TypeError("FSDPModel.state_dict: pass destination/prefix/keep_vars by keyword")
         full = self.full_state_dict()
         local = self.module.state_dict(keep_vars=keep_vars)
-        out = collections.OrderedDict() if destination is None else destination
+        if destination is not None:
+            for key, value in local.items():
+                destination[prefix + key] = full.get(key, value)
+            return destination
+        out: collections.OrderedDict[str, Any] = collections.OrderedDict()
         for key, value in local.items():
             out[prefix + key] = full.get(key, value)
-        if destination is None and not prefix and hasattr(local, "_metadata"):
-            out._metadata = local._metadata
+        if not prefix and hasattr(local, "_metadata"):
+            out._metadata = local._metadata  # type: ignore[attr-defined]  # as nn.Module sets it
         return out
 
     def load_state_dict(
         self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False
-    ):
+    ) -> tuple[list[str], list[str]]:
         """COLLECTIVE: load what ``state_dict()`` returns (the wrapped module's names). Parameters
         go through ``load_full_state_dict`` (shapes checked, planes requantized); buffers are
         copied. strict: missing or unexpected keys raise, naming them; with ``strict=False``
@@ -266,7 +275,7 @@ def fully_shard(
     grad_check: GradCheck = GradCheck.OFF,
     kernels: KernelConfig | None = None,
     init_sync: InitSync | str = InitSync.BROADCAST,
-    check_collectives: bool | None = None,
+    check_collectives: bool = False,
     overlap: Overlap | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
@@ -282,8 +291,9 @@ def fully_shard(
     quantization after each step; None: the device default). The layers' GEMMs use the kernels the
     model's ``MXFP8Linear`` layers were built with. check_collectives: before each FSDP
     collective, check that every rank is about to run the same one, and raise naming each rank's
-    unit if not (a debug switch with a cost per collective; None: the environment variable
-    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``). overlap: how far
+    unit if not (a debug switch with a cost per collective; the applications set it from the
+    environment variable ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.collective_check``).
+    overlap: how far
     all-gathers run ahead of the compute and whether gradient reductions are asynchronous
     (``torch_side.Overlap``; None: one unit ahead, asynchronous reductions).
     """

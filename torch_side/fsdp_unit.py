@@ -50,20 +50,22 @@ the forward's activations against new weights.
 "Already unsharded" is tracked per plane of each ``ParamGroup`` (its ``PlaneBucket``s'
 ``PlaneState``); a plane asked for outside these hooks (a recompute of a submodule inside the
 unit, a user reading weights) is gathered lazily by ``WeightPlanes`` with the phase of the moment.
-Gradients are staged and reduced by each group's ``GradReducer`` (``group.grads``).
+Gradients are staged and reduced by each group's ``GradReducer``, through the group's
+``stage_grad`` / ``stage_grads`` / ``reduce_grads`` / ``drop_grads`` (``GroupGrads``).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from bridge.shared import SharedTensor
+from bridge.shared import SharedPlane, SharedTensor
 from bridge.unit_bindings import GradTarget, UnitBinding, drop_span_run
 from common import trace
 from common.formats import Plane
@@ -101,7 +103,7 @@ class WeightPlanes:
 
     def __init__(self, unit: FSDPUnit, group: ParamGroup, index: int):
         self.unit, self.group, self.index = unit, group, index
-        self.shape = tuple(group.layout.slots[index].shape)
+        self.shape = tuple(group.slots[index].shape)
         self.blocks = group.blocks
 
     def rowwise(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +119,7 @@ class WeightPlanes:
         """Where a unit program puts this weight's gradient (its group's grad bucket)."""
         return self.unit.grad_sink(self.group).target(self.index)
 
-    def shared(self, plane: Plane):
+    def shared(self, plane: Plane) -> SharedPlane:
         """The plane inside the group's buffers shared with JAX (``bridge.shared.SharedPlane``):
         the bridge op reads it without a per-layer crossing."""
         if plane is Plane.ROWWISE:
@@ -137,17 +139,14 @@ class GroupGradSink:
         self.unit, self.group = unit, group
 
     def target(self, index: int) -> GradTarget | None:
-        g = self.group
-        if g.grads is None:
-            return None
-        return GradTarget(self, g.layout.padded_numel, g.grads.comm_dtype,
-                          g.layout.slots[index].start)
+        slot = self.group.grad_slot(index)
+        return None if slot is None else GradTarget(self, *slot)
 
     def stage_segment(self, flat: torch.Tensor, n: int) -> None:
         if self.unit.grad_check is GradCheck.FINITE and not torch.isfinite(flat).all():
-            for e, s in zip(self.group.entries, self.group.layout.slots, strict=True):
+            for e, s in zip(self.group.entries, self.group.slots, strict=True):
                 check_finite(e.name, flat[s.start : s.end])
-        self.group.grads.stage_flat(flat)
+        self.group.stage_grads(flat)
         self.unit.count_staged(n)
 
 
@@ -163,14 +162,14 @@ class ParamShare:
         """Where a unit program puts this parameter's gradient (its group's grad bucket)."""
         return self.unit.grad_sink(self.group).target(self.index)
 
-    def shared_tensor(self):
+    def shared_tensor(self) -> SharedTensor:
         phase = Phase.RECOMPUTE if self.unit.fsdp.backward_active else Phase.FORWARD
         if self.unit.state is TrainingState.BACKWARD:
             phase = Phase.BACKWARD
         g = self.group
         _lazy_unshard(self.unit, g, [g.forward_plane], phase)
-        data = g.buckets[g.forward_plane].shared_data()  # the full buffer, shared once
-        s = g.layout.slots[self.index]
+        data = g.shared_full_buffer(g.forward_plane)  # the full buffer, shared once
+        s = g.slots[self.index]
         return SharedTensor(data, s.start, tuple(s.shape))
 
 
@@ -260,7 +259,7 @@ def _check_weights_version(unit: FSDPUnit, version: int) -> None:
         )
 
 
-def _register_post_backward(unit: FSDPUnit, args):
+def _register_post_backward(unit: FSDPUnit, args: tuple) -> tuple | None:
     """Wrap the forward inputs that take gradients in ``_PostBackward`` (None: no such input,
     the unit is reduced in the final callback)."""
     flat, spec = tree_flatten(args)
@@ -291,7 +290,8 @@ class FSDPUnit:
         self.host: FSDPUnit | None = None  # the unit scheduling this expert unit (expert_units)
         self.experts = ExpertUnits(name)  # the expert units this unit hosts (often none)
         self._pending = 0
-        self._span = None  # the trace interval of this unit's forward or backward
+        # the trace interval of this unit's forward or backward
+        self._span: trace.Pending | None = None
         self._sinks: dict[str, GroupGradSink] = {}  # grad_sink(), per group label
         # what unit_builder.install_plane_hooks bound for unit programs: the unit keeps them
         # alive (bridge.unit_bindings holds them weakly)
@@ -359,7 +359,7 @@ class FSDPUnit:
             span.end()
 
     # ---- backward ---------------------------------------------------------------------------
-    def _pre_backward(self, version: int, grad) -> None:
+    def _pre_backward(self, version: int, grad: torch.Tensor) -> None:
         _check_weights_version(self, version)
         self.fsdp.on_pre_backward()
         if self.state is TrainingState.BACKWARD:
@@ -372,14 +372,14 @@ class FSDPUnit:
         _backward_gathers(self)
         self.experts.begin(Sweep.BACKWARD)
 
-    def _make_grad_hook(self, group: ParamGroup, index: int):
+    def _make_grad_hook(self, group: ParamGroup, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             grad, param.grad = param.grad, None  # FSDP owns it now, even if the check raises
             if grad is None:
                 return
             if self.grad_check is GradCheck.FINITE:
                 check_finite(group.entries[index].name, grad)
-            group.grads.stage(index, grad)
+            group.stage_grad(index, grad)
             self.count_staged(1)
 
         return hook
@@ -407,10 +407,9 @@ class FSDPUnit:
         self._end_span()
         async_op = self.fsdp.overlap.async_reduce
         for g in self.groups:
-            if g.grads is not None:
-                g.grads.reduce(async_op)
-                if g.grads.in_flight:
-                    self.fsdp.schedule.track_reduction(g.grads)
+            in_flight = g.reduce_grads(async_op)
+            if in_flight is not None:
+                self.fsdp.schedule.track_reduction(in_flight)
             g.reshard()
         self.state = TrainingState.REDUCED
 
@@ -450,8 +449,7 @@ class FSDPUnit:
         gathers in flight, free the buckets, drop staged gradients, clear gradients the hooks did
         not consume, and go back to IDLE (no collective is issued)."""
         for g in self.groups:
-            if g.grads is not None:
-                g.grads.drop()
+            g.drop_grads()
             g.reshard()
             for e in g.entries:
                 e.param.grad = None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from torch_side.bucket_allocator import BucketAllocator
-from torch_side.collectives import Collective, Communicator, Phase
+from torch_side.collectives import Collective, Communicator, Handle, Phase
 from torch_side.flat_layout import FlatLayout
 
 __all__ = ["GradReducer"]
@@ -58,7 +58,8 @@ class GradReducer:
             comm_dtype, grads_sharded, grad_divisor
         )
         self.comm, self.allocator = comm, allocator
-        self._inflight = None  # (Handle, reduced output) of the reduction in flight
+        # (Handle, reduced output) of the reduction in flight
+        self._inflight: tuple[Handle, torch.Tensor] | None = None
 
     @property
     def in_flight(self) -> bool:

@@ -24,6 +24,8 @@ through the group's ``WeightCodec``, which sees only a ``CodecContext`` of these
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from common.formats import Plane
@@ -32,7 +34,7 @@ from torch_side.collectives import Communicator, Phase
 from torch_side.distributed_quantize import GroupImages
 from torch_side.flat_layout import FlatLayout, OwnedPiece
 from torch_side.strategy import StrategyFacts
-from torch_side.weight_codecs import CodecContext, WeightCodec
+from torch_side.weight_codecs import BlockScaledCodec, CodecContext, WeightCodec
 
 __all__ = ["GroupBuffers"]
 
@@ -69,7 +71,7 @@ class GroupBuffers:
             scales.views, scales.buffers, scales.offsets
         )
         # Set by torch_side.numerics_telemetry: sees each refresh's reduced block amax.
-        self.amax_observer = None
+        self.amax_observer: Callable[[torch.Tensor], None] | None = None
 
     def _local(self, sharded: bool) -> int:
         return self.layout.shard_numel if sharded else self.layout.padded_numel
@@ -80,9 +82,14 @@ class GroupBuffers:
             return self.layout.owned(self.comm.rank)
         return [OwnedPiece(i, 0, s.start, s.numel) for i, s in enumerate(self.layout.slots)]
 
+    def _main_grad(self) -> torch.Tensor:
+        if self.main_grad is None:
+            raise AssertionError(f"group {self.label!r} takes no gradients (no main_grad)")
+        return self.main_grad
+
     def grad_for_optimizer(self) -> torch.Tensor:
         """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
-        g = self.main_grad
+        g = self._main_grad()
         if self.facts.main_weights_sharded and not self.facts.grads_sharded:
             lo, hi = self.layout.shard_range(self.comm.rank)
             g = g[lo:hi]
@@ -123,6 +130,7 @@ class GroupBuffers:
         (``torch_side.batched_refresh``): the codec's copies (and the telemetry's amax slice),
         then the all-gathers where replicated, as ``refresh`` does."""
         targets = self._targets()
+        assert isinstance(self.codec, BlockScaledCodec), self.codec  # batched: block-scaled
         self.codec.write_images(self.codec_context(), images, amax, targets)
         self._publish(targets, phase)
 
@@ -154,10 +162,9 @@ class GroupBuffers:
 
     def full_main_grad(self, phase: Phase = Phase.STATE) -> torch.Tensor:
         """The full padded reduced gradient (all-gathered when sharded), in its policy dtype."""
+        grad = self._main_grad()
         if not self.facts.grads_sharded:
-            return self.main_grad.clone()
-        full = torch.empty(
-            self.layout.padded_numel, dtype=self.main_grad.dtype, device=self.device
-        )
-        self.comm.all_gather(full, self.main_grad, phase, f"{self.label}/main_grad")
+            return grad.clone()
+        full = torch.empty(self.layout.padded_numel, dtype=grad.dtype, device=self.device)
+        self.comm.all_gather(full, grad, phase, f"{self.label}/main_grad")
         return full

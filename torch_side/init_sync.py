@@ -50,7 +50,7 @@ def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
     order): rank 0's of the group's process group (collective over it), fp32 views of one flat
     buffer; the module's own values when the group has one rank."""
     values = [e.param.detach() for e in group.entries]
-    comm, slots = group.comm, group.layout.slots
+    comm, slots = group.comm, group.slots
     if comm.world_size == 1:
         return values
     flat = torch.zeros(group.layout.padded_numel, dtype=torch.float32, device=group.device)
@@ -68,14 +68,14 @@ def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
 def _first_difference(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> int:
     """Index of the first slot whose bits differ from rank 0's (len(slots) if none)."""
     a, b = mine.view(torch.int32), rank0.view(torch.int32)
-    for i, s in enumerate(group.layout.slots):
+    for i, s in enumerate(group.slots):
         if not torch.equal(a[s.start : s.end], b[s.start : s.end]):
             return i
-    return len(group.layout.slots)
+    return len(group.slots)
 
 
 def _verify(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> None:
-    comm, slots = group.comm, group.layout.slots
+    comm, slots = group.comm, group.slots
     firsts = torch.zeros(comm.world_size, dtype=torch.int64, device=group.device)
     firsts[comm.rank] = _first_difference(group, mine, rank0)
     # SUM of one entry per rank: every rank's first difference

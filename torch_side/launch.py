@@ -26,15 +26,20 @@ Failure and hangs are bounded, never silent:
 - a world size the machine cannot hold is refused up front: each CPU rank needs about
   ``rank_memory_bytes`` of RAM (a JAX + Torch process, ~600 MB), checked against MemAvailable.
 
-Per-rank environment (set before the rank imports JAX): one simulated XLA host device, and on CUDA
-``CUDA_VISIBLE_DEVICES=<rank>`` so that Torch's ``cuda:0`` and JAX's only GPU are the same device
-(DESIGN.md 6: each rank's JAX work stays on that rank's device), with JAX preallocation off.
+The per-rank bootstrap, ``bootstrap_rank(RankSetup(...), collective_timeout, ...)``, is the one
+way a rank of this project starts, here and under torchrun (``mxfp8-train``): first the
+environment, before the rank imports JAX or starts CUDA (``rank_environment``: the variables
+JAX, CUDA and NCCL read from the environment only) -- one simulated XLA host device, JAX's
+preallocation off, on CUDA ``CUDA_VISIBLE_DEVICES=<the rank's GPU>`` so that Torch's ``cuda:0``
+and JAX's only GPU are the same device (DESIGN.md 6: each rank's JAX work stays on that rank's
+device) and NVLink multicast off; then Torch's threads and device, and the process group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import enum
 import multiprocessing as mp
@@ -45,7 +50,8 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -55,8 +61,11 @@ __all__ = [
     "LaunchDevice",
     "LaunchError",
     "RankFailed",
+    "RankSetup",
     "RanksStalled",
+    "bootstrap_rank",
     "check_capacity",
+    "rank_environment",
     "run_local_ranks",
 ]
 
@@ -141,55 +150,73 @@ def check_capacity(world_size: int, rank_memory_bytes: int = RANK_MEMORY_BYTES) 
         )
 
 
-def _rank_environment(rank: int, device: str) -> None:
-    """Set before anything imports JAX (it reads JAX_PLATFORMS when imported) or CUDA starts."""
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """Where one rank runs: its device kind, on CUDA the one GPU it sees as ``cuda:0`` (its
+    ``CUDA_VISIBLE_DEVICES`` entry), on the CPU Torch's intra-op threads."""
+
+    device: LaunchDevice
+    gpu: str | None = None
+    threads: int = 1
+
+
+def rank_environment(setup: RankSetup) -> None:
+    """The rank's environment, set before anything imports JAX (it reads JAX_PLATFORMS when
+    imported) or CUDA starts: JAX, CUDA and NCCL read these from the environment only."""
     # one simulated host device per rank; the user's other XLA flags reach the rank unchanged
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if device == LaunchDevice.CUDA.value:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    if setup.device is LaunchDevice.CUDA:
+        if setup.gpu is None:
+            raise ValueError("RankSetup: a CUDA rank needs its gpu (a CUDA_VISIBLE_DEVICES entry)")
+        os.environ["CUDA_VISIBLE_DEVICES"] = setup.gpu
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _rank_start(rank: int, launcher_pid: int, out_dir: str, device: str, job: bytes) -> None:
-    """A rank's first code: die with the launcher, set the rank's environment, then unpickle
-    the job (which may import torch, JAX and the caller's modules: seconds) and run it."""
+def bootstrap_rank(setup: RankSetup, collective_timeout: float, **group: Any) -> None:
+    """A rank's start (module note): ``rank_environment``, Torch's threads (CPU) or device
+    (CUDA: ``cuda:0``), then the process group -- gloo on the CPU, NCCL on the rank's GPU -- with
+    ``collective_timeout`` seconds per collective. ``group``: ``init_process_group``'s
+    ``init_method``, ``rank``, ``world_size`` (none under torchrun: its environment has them)."""
+    rank_environment(setup)
+    import torch
+    import torch.distributed as dist
+
+    cuda = setup.device is LaunchDevice.CUDA
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(setup.threads)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        timeout=datetime.timedelta(seconds=collective_timeout),
+        **({"device_id": torch.device("cuda", 0)} if cuda else {}),
+        **group,
+    )
+
+
+def _rank_start(rank: int, launcher_pid: int, out_dir: str, device: str, world_size: int,
+                port: int, collective_timeout: float, job: bytes) -> None:
+    """A rank's first code: die with the launcher, start the rank (``bootstrap_rank``), then
+    unpickle the job (which may import JAX and the caller's modules: seconds) and run it."""
     _die_with_parent(launcher_pid)
-    _rank_environment(rank, device)
-    try:
-        unpacked = pickle.loads(job)
-    except BaseException:  # noqa: BLE001 -- reported to the launcher, which fails the launch
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        os._exit(1)
-    _rank_main(rank, *unpacked)
-
-
-def _rank_main(rank, world_size, port, device, fn, args, out_dir, collective_timeout):
     out = Path(out_dir)
     try:
-        import torch
-        import torch.distributed as dist
-
-        if device is LaunchDevice.CPU:
-            torch.set_num_threads(1)
-        backend = "nccl" if device is LaunchDevice.CUDA else "gloo"
-        kwargs = {"device_id": torch.device("cuda", 0)} if device is LaunchDevice.CUDA else {}
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-            **kwargs,
-        )
+        kind = LaunchDevice(device)
+        setup = RankSetup(kind, str(rank) if kind is LaunchDevice.CUDA else None)
+        bootstrap_rank(setup, collective_timeout, init_method=f"tcp://127.0.0.1:{port}",
+                       rank=rank, world_size=world_size)
+        fn, args = pickle.loads(job)
         result = fn(*args)
         tmp = out / f"rank{rank}.pkl.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.rename(out / f"rank{rank}.pkl")
+        import torch.distributed as dist
+
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- reported to the launcher, which fails the launch
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
@@ -214,7 +241,7 @@ def _sigterm_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _terminate(procs) -> None:
+def _terminate(procs: Sequence[BaseProcess]) -> None:
     """SIGTERM to every rank still running, SIGKILL to those still running ``_GRACE_S`` later
     (a rank that unwinds on SIGTERM, as mxfp8-train's do, gets that long to clean up)."""
     procs = [p for p in procs if p.pid is not None]  # a failed start left the rest unstarted
@@ -229,7 +256,8 @@ def _terminate(procs) -> None:
             p.join()
 
 
-def _watch(procs, out: Path, world_size: int, timeout: float | None) -> None:
+def _watch(procs: Sequence[BaseProcess], out: Path, world_size: int,
+           timeout: float | None) -> None:
     start = time.monotonic()
     while True:
         for r, p in enumerate(procs):
@@ -285,12 +313,10 @@ def run_local_ranks(
     with _sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="run_local_ranks_") as out_dir:
         # The job as bytes: unpickling the process object then imports this module only, so
         # the rank reaches _die_with_parent before any heavy import (see the module note).
-        job = bytes(ForkingPickler.dumps(
-            (world_size, port, device, fn, args, out_dir, collective_timeout)
-        ))
+        job = bytes(ForkingPickler.dumps((fn, args)))
         procs = [
-            ctx.Process(target=_rank_start, args=(r, os.getpid(), out_dir, device.value, job),
-                        daemon=False)
+            ctx.Process(target=_rank_start, daemon=False, args=(
+                r, os.getpid(), out_dir, device.value, world_size, port, collective_timeout, job))
             for r in range(world_size)
         ]
         try:

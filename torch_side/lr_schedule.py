@@ -37,7 +37,7 @@ class LRSchedule(Parseable, enum.Enum, what="learning-rate schedule"):
     LINEAR = "linear"
 
 
-def _check_int(name: str, value, low: int) -> None:
+def _check_int(name: str, value: object, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"ScheduleConfig.{name}={value!r}: expected an integer >= {low}")
 
@@ -82,6 +82,7 @@ class ScheduleConfig:
             return self.lr * (step + 1) / w
         if self.schedule is LRSchedule.CONSTANT:
             return float(self.lr)
+        assert self.total_steps is not None  # __post_init__ requires it for a decaying schedule
         p = min(1.0, (step - w) / (self.total_steps - w))
         if self.schedule is LRSchedule.COSINE:
             # written from lr down, so that step W (p = 0) takes exactly lr, as warmup's last step
@@ -100,7 +101,7 @@ class LRScheduler:
     after each ``step()`` (the next step's lr). ``optimizer``: a ``torch.optim.Optimizer`` or an
     object with one in ``.optimizer`` (``FSDPOptimizer``)."""
 
-    def __init__(self, optimizer, config: ScheduleConfig, start: int = 0):
+    def __init__(self, optimizer: object, config: ScheduleConfig, start: int = 0):
         if not isinstance(config, ScheduleConfig):
             raise TypeError(f"LRScheduler: config={config!r}, expected a ScheduleConfig")
         inner = getattr(optimizer, "optimizer", optimizer)

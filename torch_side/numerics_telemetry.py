@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.formats import E8M0_BIAS, Plane
+from common.formats import E8M0_BIAS, Plane, ScaleBlocks
 from torch_side.collectives import Collective, Phase
 from torch_side.fsdp_model import FSDPModel
 from torch_side.param_group import ParamGroup
@@ -79,11 +79,17 @@ class _GroupIndex(NamedTuple):
     local_elements: int  # elements this rank counts per plane
 
 
+def _blocks(g: ParamGroup) -> ScaleBlocks:
+    assert g.blocks is not None, g.label  # the telemetry counts block-scaled groups only
+    return g.blocks
+
+
 def _group_index(g: ParamGroup) -> _GroupIndex:
     amax: dict[Plane, list[torch.Tensor]] = {p: [] for p in _PLANES}
     scale_idx, offset = [], 0
-    for slot, start in zip(g.layout.slots, g.scale_offsets, strict=True):
-        n = g.blocks.scale_numel(slot.shape)  # blocks per plane (both planes: M*K/block)
+    blocks = _blocks(g)
+    for slot, start in zip(g.slots, g.scale_offsets, strict=True):
+        n = blocks.scale_numel(slot.matrix_shape)  # blocks per plane (both planes: M*K/block)
         for k, p in enumerate(_PLANES):
             amax[p].append(torch.arange(offset + k * n, offset + (k + 1) * n))
         scale_idx.append(torch.arange(start, start + n))
@@ -176,7 +182,7 @@ class NumericsTelemetry:
         self.model = model
         self.groups = [g for g in model.param_groups if g.scale_buffers]
         others = {g.label: g.blocks for g in self.groups
-                  if (g.blocks.element_dtype, g.blocks.scale_dtype) != _COUNTED}
+                  if (_blocks(g).element_dtype, _blocks(g).scale_dtype) != _COUNTED}
         if others:
             raise ValueError(
                 f"NumericsTelemetry counts {_COUNTED[0]} elements with {_COUNTED[1]} scales; "
@@ -211,11 +217,11 @@ class NumericsTelemetry:
         self._prev = self._scale_bytes() if self._rows else None
         self._headroom: dict[str, torch.Tensor] = {}  # label -> (2, 5), latest observed refresh
         for g in self.groups:
-            g.buffers.amax_observer = functools.partial(self._observe, g)
+            g.observe_amax(functools.partial(self._observe, g))
 
     def close(self) -> None:
         for g in self.groups:
-            g.buffers.amax_observer = None
+            g.observe_amax(None)
 
     def _scale_bytes(self) -> torch.Tensor:
         return torch.cat([g.scale_buffers[p] for g, p in self._rows])
@@ -230,7 +236,7 @@ class NumericsTelemetry:
         amax = packed.index_select(0, idx.amax).view(2, -1)
         scales = torch.cat([g.scale_buffers[p] for p in _PLANES]).index_select(0, idx.scales)
         self._headroom[g.label] = _headroom(amax, scales.view(2, -1),
-                                            math.log2(g.blocks.element_max))
+                                            math.log2(_blocks(g).element_max))
 
     @staticmethod
     def _plane_rows(g: ParamGroup, h: torch.Tensor) -> torch.Tensor:

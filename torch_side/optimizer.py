@@ -34,18 +34,22 @@ non-finite handling decides (``mxfp8-train`` skips or stops the step before any 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from torch_side.collectives import Collective, Phase
 from torch_side.fsdp_model import FSDPModel
+from torch_side.param_group import ParamGroup
 from torch_side.sharded_state import OptimizerState
 
 __all__ = ["FSDPOptimizer", "clip_grad_norm_"]
 
 
 class FSDPOptimizer:
-    def __init__(self, model: FSDPModel, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+    def __init__(self, model: FSDPModel, optimizer_cls: type[torch.optim.Optimizer],
+                 **kwargs: Any):
         if not isinstance(model, FSDPModel):
             raise TypeError(
                 f"FSDPOptimizer: expected the FSDPModel returned by fully_shard, got "
@@ -73,7 +77,7 @@ class FSDPOptimizer:
                 f"the tokens whose summed loss the backward ran on)"
             )
         for g in self.groups:
-            g.main_grad.div_(divisor)
+            _grad(g).div_(divisor)
 
     def step(self) -> None:
         self._check_grads_complete("FSDPOptimizer.step()")
@@ -112,7 +116,14 @@ def _check_grads_complete(model: FSDPModel, what: str) -> None:
         )
 
 
-def _global_norm(model: FSDPModel, groups) -> torch.Tensor:
+def _grad(g: ParamGroup) -> torch.Tensor:
+    """The reduced gradient of a group that takes gradients (the only groups used here)."""
+    grad = g.main_grad
+    assert grad is not None, g.label
+    return grad
+
+
+def _global_norm(model: FSDPModel, groups: Sequence[ParamGroup]) -> torch.Tensor:
     """The global L2 norm of ``groups``' reduced gradients (module note); one all-reduce."""
     dp = model.comms["dp"]
     device = groups[0].main.device if groups else torch.device("cpu")
@@ -163,5 +174,5 @@ def clip_grad_norm_(
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:  # torch scales by min(coef, 1): a factor of 1 changes nothing
         for g in groups:
-            g.main_grad.mul_(coef)
+            _grad(g).mul_(coef)
     return total_norm

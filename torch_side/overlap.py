@@ -23,9 +23,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
 
 from torch_side.collectives import Phase
 from torch_side.execution_order import ExecutionOrder
+from torch_side.param_group import ParamGroup
+
+
+class _Unit(Protocol):
+    """What the schedule reads of an ``FSDPUnit``."""
+
+    @property
+    def groups(self) -> Sequence[ParamGroup]: ...
+
+
+class _Settles(Protocol):
+    """A reduction in flight (``GradReducer``)."""
+
+    def settle(self) -> None: ...
 
 __all__ = ["Overlap", "Schedule"]
 
@@ -35,6 +51,9 @@ class Overlap:
     prefetch: int = 1
     async_reduce: bool = True
     reductions_in_flight: int = 1
+    # CUDA copies at world size 1 through the communication streams too (torch_side.collectives;
+    # the applications' MXFP8_FSDP_COMM_STREAMS=1): how one GPU tests the stream ordering
+    streams_at_world_1: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("prefetch", 0), ("reductions_in_flight", 1)):
@@ -44,8 +63,9 @@ class Overlap:
                     f"Overlap: {name} must be an int >= {low}, got {v!r} (prefetch: units "
                     f"gathered ahead, 0 for none; reductions_in_flight: at least 1)"
                 )
-        if not isinstance(self.async_reduce, bool):
-            raise ValueError(f"Overlap: async_reduce must be a bool, got {self.async_reduce!r}")
+        for name in ("async_reduce", "streams_at_world_1"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Overlap: {name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def none(cls) -> Overlap:
@@ -59,22 +79,22 @@ class Schedule:
 
     def __init__(self, overlap: Overlap):
         self.overlap = overlap
-        self.order = ExecutionOrder()
-        self._reductions: collections.deque = collections.deque()  # GradReducers in flight
+        self.order: ExecutionOrder[_Unit] = ExecutionOrder()
+        self._reductions: collections.deque[_Settles] = collections.deque()  # GradReducers
 
     def forget_order(self) -> None:
         """An order still being recorded is dropped (the next forward records it again)."""
         if not self.order.frozen:
             self.order = ExecutionOrder()
 
-    def prefetch_after(self, unit) -> None:
+    def prefetch_after(self, unit: _Unit) -> None:
         """Forward prefetch: start the forward-plane all-gathers of the next
         ``overlap.prefetch`` units now (async); each unit's pre-forward waits for its own."""
         for nxt in self.order.ahead(unit, self.overlap.prefetch, +1):
             for g in nxt.groups:
                 g.unshard([g.forward_plane], Phase.FORWARD, async_op=True)
 
-    def prefetch_before(self, unit) -> None:
+    def prefetch_before(self, unit: _Unit) -> None:
         """Backward prefetch: start the backward planes of the ``overlap.prefetch`` units that
         ran before ``unit`` in forward (the next ones backward reaches); their pre-backward
         waits for them."""
@@ -82,7 +102,7 @@ class Schedule:
             for g in prev.groups:
                 g.unshard([g.backward_plane], Phase.BACKWARD, async_op=True)
 
-    def track_reduction(self, reducer) -> None:
+    def track_reduction(self, reducer: _Settles) -> None:
         """A gradient reduction was issued asynchronously: keep at most
         ``overlap.reductions_in_flight`` in flight (the oldest is settled first)."""
         if reducer in self._reductions:  # settled by its own next reduce: now the newest

@@ -14,9 +14,24 @@ requires_grad, DP group), laid out by one ``FlatLayout``. Its parts, one noun pe
 ``ParamGroup`` owns no tensor itself: it wires those parts together, keeps the module
 parameters' working storage in step with the planes (views of the full buffer, empty while
 sharded, or storage-free placeholders: the codec's ``ParamStorage``), and gives the rest of
-FSDP one object per group. ``main``, ``model``, ``scales``, ``scale_buffers`` and
-``scale_offsets`` are the ``GroupBuffers`` tensors themselves (never rebound); ``main_grad`` is
-too, read through a property that first settles a gradient reduction still in flight.
+FSDP one object per group. The parts are private (``_buffers``, ``_buckets``, ``_quantized``,
+``_grads``); the rest of FSDP, the state dicts, telemetry and applications use this **public
+surface** only:
+
+- facts, fixed at construction: ``label``, ``key``, ``format``, ``device``, ``codec``, ``comm``
+  (the DP communicator), ``kernels``, ``facts`` (``StrategyFacts``), ``planes``,
+  ``forward_plane``, ``backward_plane``, ``blocks``, ``layout`` (the ``FlatLayout``, a frozen
+  value; its ``layout_stats``) and ``slots`` (its parameters, in layout order), ``entries`` (the
+  module parameters);
+- the ``GroupBuffers`` tensors themselves (never rebound, read-only to callers): ``main`` (the
+  optimizer's parameter, updated in place), ``model``, ``scales``, ``scale_buffers``,
+  ``scale_offsets``;
+- the planes (this file): ``state``, ``unshard``, ``reshard``, ``live_buckets``,
+  ``install_params``, ``expect_refreshable``, ``drop_quantized``, ``full_buffer``,
+  ``plane_views``, ``shared_plane``, ``shared_full_buffer``;
+- main weights and refresh (``GroupWeights``, ``torch_side.group_weights``);
+- gradients (``GroupGrads``, ``torch_side.group_grads``): ``main_grad`` (a property that first
+  settles a gradient reduction still in flight), staging, reduction.
 
 Under ``GatherMode.BF16`` (``BF16GatherCodec``) the group stores and gathers bf16 weights and
 its layers read MXFP8 planes that every rank quantizes from the full bf16 buffer on first read
@@ -34,13 +49,13 @@ replicated model buffer) and the plane's scale buffer cross the bridge once per 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bridge.shared import SharedPlane
+from bridge.shared import SharedBuffer, SharedPlane
 from common.formats import FormatKey, Plane, ScaleBlocks, format_spec
 from common.kernels import KernelConfig
 from torch_side.bucket_allocator import BucketAllocator
@@ -48,10 +63,12 @@ from torch_side.collectives import Communicator, Phase
 from torch_side.flat_layout import FlatLayout, OwnedPiece, ParamSlot, check_layout
 from torch_side.grad_reducer import GradReducer
 from torch_side.group_buffers import GroupBuffers
+from torch_side.group_grads import GroupGrads
+from torch_side.group_weights import GroupWeights
 from torch_side.plane_bucket import PlaneBucket, PlaneState, QuantizedPlanes
 from torch_side.policy import MixedPrecisionPolicy
 from torch_side.strategy import STRATEGY_FACTS, ShardingStrategy
-from torch_side.weight_codecs import CodecContext, ParamStorage, WeightCodec
+from torch_side.weight_codecs import BF16GatherCodec, CodecContext, ParamStorage, WeightCodec
 
 __all__ = ["GROUP_LABEL", "ROOT_UNIT", "UNIT_JOIN", "GroupKey", "ParamEntry", "ParamGroup",
            "PlaneState"]
@@ -90,7 +107,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _point_params_at(entries: list[ParamEntry], slots: list[ParamSlot], full: torch.Tensor):
+def _point_params_at(
+    entries: list[ParamEntry], slots: Sequence[ParamSlot], full: torch.Tensor
+) -> None:
     """Each parameter becomes a view of its slot in a full buffer."""
     for e, s in zip(entries, slots, strict=True):
         e.param.data = full[s.start : s.end].view(s.shape)
@@ -102,7 +121,9 @@ def _empty_params(entries: list[ParamEntry], dtype: torch.dtype, device: torch.d
         e.param.data = torch.empty(0, dtype=dtype, device=device)
 
 
-class ParamGroup:
+class ParamGroup(GroupWeights, GroupGrads):
+    """One parameter group; its public surface is in the module docstring."""
+
     def __init__(
         self,
         label: str,
@@ -117,9 +138,8 @@ class ParamGroup:
         kernels: KernelConfig | None = None,
     ):
         self.label, self.key, self.entries = label, key, entries
-        self.grad_divisor = grad_divisor  # the dense DP size (grad_reducer's note)
-        self.policy, self.strategy, self.facts = policy, strategy, STRATEGY_FACTS[strategy]
-        self.comm, self.allocator = comm, allocator
+        self.facts = STRATEGY_FACTS[strategy]
+        self.comm, self._allocator = comm, allocator
         self.format, self.codec, self.kernels = key.weight_format, codec, kernels
         self.planes = codec.planes
         # The block-scaled facts of the planes the layers read (None: unscaled weights)
@@ -131,16 +151,17 @@ class ParamGroup:
         self.layout = FlatLayout.build(
             [e.name for e in entries], [e.shape for e in entries], comm.world_size
         )
+        self.slots: tuple[ParamSlot, ...] = self.layout.slots
         self.layout_stats = check_layout(self.layout, label)
         grad_dtype = policy.main_grad_dtype if key.requires_grad else None
-        self.buffers = b = GroupBuffers(
+        self._buffers = b = GroupBuffers(
             label, self.layout, self.facts, codec, comm, grad_dtype, self.device, kernels
         )
         self.main, self.model = b.main, b.model
         self.scales, self.scale_buffers, self.scale_offsets = (
             b.scales, b.scale_buffers, b.scale_offsets
         )
-        self.buckets: dict[Plane, PlaneBucket] = {
+        self._buckets: dict[Plane, PlaneBucket] = {
             p: PlaneBucket(
                 label, p, b.model[p], self.facts.model_weights_sharded,
                 self.layout.padded_numel, comm, allocator,
@@ -148,29 +169,21 @@ class ParamGroup:
             for p in self.planes
         }
         # BF16GatherCodec: the MXFP8 planes quantized from the gathered bf16 buffer (module note)
-        self.quantized = QuantizedPlanes(label, codec.compute_planes, allocator)
-        self.grads: GradReducer | None = None
-        if key.requires_grad:
-            self.grads = GradReducer(
+        self._quantized = QuantizedPlanes(label, codec.compute_planes, allocator)
+        self._grads: GradReducer | None = None
+        if b.main_grad is not None:
+            self._grads = GradReducer(
                 label, self.layout, b.main_grad, policy.grad_comm_dtype,
                 self.facts.grads_sharded, grad_divisor, comm, allocator,
             )
 
     @property
-    def main_grad(self) -> torch.Tensor | None:
-        """``GroupBuffers.main_grad``, with a reduction still in flight added into it first
-        (``GradReducer.settle``): every reader sees the finished gradient."""
-        if self.grads is not None:
-            self.grads.settle()
-        return self.buffers.main_grad
-
-    @property
     def state(self) -> dict[Plane, PlaneState]:
         """Each plane's ``PlaneState`` (a snapshot)."""
-        return {p: b.state for p, b in self.buckets.items()}
+        return {p: b.state for p, b in self._buckets.items()}
 
     def _bucket(self, plane: Plane) -> PlaneBucket:
-        bucket = self.buckets.get(plane)
+        bucket = self._buckets.get(plane)
         if bucket is None:
             raise AssertionError(
                 f"rank {_rank()}: group {self.label!r} ({self.format.value}) has no "
@@ -178,27 +191,18 @@ class ParamGroup:
             )
         return bucket
 
-    # ---- main weights and gradients (GroupBuffers) ----------------------------------------
-    def main_pieces(self) -> list[OwnedPiece]:
-        """Pieces of parameters held in ``main`` (offsets into ``main``)."""
-        return self.buffers.pieces()
-
-    def main_grad_for_optimizer(self) -> torch.Tensor:
-        """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
-        if self.grads is not None:
-            self.grads.settle()
-        return self.buffers.grad_for_optimizer()
-
-    def load_main_from(self, full_values: list[torch.Tensor]) -> None:
-        """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
-        self.buffers.load_main(full_values)
-
+    # ---- refresh ----------------------------------------------------------------------------
     def expect_refreshable(self) -> None:
         """Refuse a refresh of the model weights (``torch_side.batched_refresh``, which checks
         every group before it changes any) while a plane is in its bucket: a gathered plane would
         keep the old values."""
-        for bucket in self.buckets.values():
+        for bucket in self._buckets.values():
             bucket.expect(PlaneState.REPLICATED, PlaneState.SHARDED)
+
+    def drop_quantized(self) -> None:
+        """Free the planes quantized locally after a bf16 gather (``BF16GatherCodec``): a
+        refresh rewrites the weights they were made from."""
+        self._quantized.drop()
 
     # ---- unshard / reshard (PlaneBucket) --------------------------------------------------
     def full_buffer(self, plane: Plane) -> torch.Tensor:
@@ -212,13 +216,13 @@ class ParamGroup:
         for plane in dict.fromkeys(self.codec.stored_plane(p) for p in planes):
             bucket = self._bucket(plane).unshard(phase, async_op)
             if bucket is not None and self.codec.param_storage is ParamStorage.BUFFER_VIEW:
-                _point_params_at(self.entries, self.layout.slots, bucket)  # valid once waited
+                _point_params_at(self.entries, self.slots, bucket)  # valid once waited
 
     def reshard(self) -> None:
         """Free every unsharded bucket of this group (ZeRO-3 only)."""
-        for bucket in self.buckets.values():
+        for bucket in self._buckets.values():
             bucket.reshard()
-        self.quantized.drop()
+        self._quantized.drop()
         if self.facts.model_weights_sharded and (
             self.codec.param_storage is ParamStorage.BUFFER_VIEW
         ):
@@ -227,12 +231,12 @@ class ParamGroup:
     def live_buckets(self) -> list[str]:
         """What this group holds beyond its shards: planes gathered or gathering, and a grad
         bucket of staged gradients not reduced yet. Empty between iterations."""
-        live = [p.value for p, b in self.buckets.items() if b.live]
-        if self.quantized.live:
+        live = [p.value for p, b in self._buckets.items() if b.live]
+        if self._quantized.live:
             live.append("quantized")
-        if self.grads is not None and self.grads.staged:
+        if self._grads is not None and self._grads.staged:
             live.append("grad")
-        if self.grads is not None and self.grads.in_flight:
+        if self._grads is not None and self._grads.in_flight:
             live.append("grad_reducing")
         return live
 
@@ -252,44 +256,51 @@ class ParamGroup:
         elif self.facts.model_weights_sharded:
             _empty_params(self.entries, self.codec.buffer_dtype, self.device)
         else:
-            _point_params_at(self.entries, self.layout.slots, self.model[self.forward_plane])
+            _point_params_at(self.entries, self.slots, self.model[self.forward_plane])
 
     # ---- MXFP8 planes quantized after a bf16 gather (BF16GatherCodec) ----------------------
-    def compute_buffer(self, plane: Plane) -> torch.Tensor:
+    def _compute_buffer(self, plane: Plane) -> torch.Tensor:
         """The full (padded) buffer of compute plane ``plane``: the stored plane's full buffer,
         or (BF16GatherCodec) the planes this rank quantizes from the gathered bf16 weights, made
         on first read after a gather and kept until reshard."""
-        if not self.codec.quantizes_after_gather:
+        codec = self.codec
+        if not isinstance(codec, BF16GatherCodec):
             return self.full_buffer(plane)
-        if not self.quantized.live:
-            full = self.full_buffer(self.codec.stored_plane(plane))
-            targets = self.quantized.allocate(self.layout.padded_numel, self.device)
+        if not self._quantized.live:
+            full = self.full_buffer(codec.stored_plane(plane))
+            targets = self._quantized.allocate(self.layout.padded_numel, self.device)
             ctx = CodecContext(
-                label=self.label, main=full, shapes=[s.shape for s in self.layout.slots],
-                owned=[OwnedPiece(i, 0, s.start, s.numel) for i, s in
-                       enumerate(self.layout.slots)],
+                label=self.label, main=full, shapes=[s.shape for s in self.slots],
+                owned=[OwnedPiece(i, 0, s.start, s.numel) for i, s in enumerate(self.slots)],
                 scales=self.scales, comm=self.comm, main_sharded=False, kernels=self.kernels,
                 scale_buffers=self.scale_buffers, scale_offsets=self.scale_offsets,
             )
-            self.codec.quantize_gathered(ctx, targets)
-            self.quantized.buffers = targets
-        return self.quantized.buffers[plane]
+            codec.quantize_gathered(ctx, targets)
+            self._quantized.keep(targets)
+        return self._quantized.buffer(plane)
 
     def plane_views(self, index: int, plane: Plane) -> tuple[torch.Tensor, torch.Tensor]:
         """(data (M, K) uint8, scale uint8) of block-scaled parameter ``index``'s compute plane
         ``plane``."""
-        s = self.layout.slots[index]
-        data = self.compute_buffer(plane)[s.start : s.end].view(s.shape)
+        s = self.slots[index]
+        data = self._compute_buffer(plane)[s.start : s.end].view(s.shape)
         return data, self.scales[plane][index]
 
     def shared_plane(self, index: int, plane: Plane) -> SharedPlane:
         """Block-scaled parameter ``index``'s compute plane inside this group's buffers, shared
         with JAX once per buffer lifetime (the plane must be unsharded or replicated)."""
-        self.compute_buffer(plane)  # the plane must exist and be readable (checked first)
-        if self.codec.quantizes_after_gather:
-            data, scale = self.quantized.shared(plane, self.scale_buffers[plane])
+        self._compute_buffer(plane)  # the plane must exist and be readable (checked first)
+        if self._quantized.live:
+            data, scale = self._quantized.shared(plane, self.scale_buffers[plane])
         else:
             data, scale = self._bucket(plane).shared(self.scale_buffers[plane])
-        s = self.layout.slots[index]
-        return SharedPlane(data, s.start, scale, self.scale_offsets[index], s.shape, plane,
+        s = self.slots[index]
+        assert self.blocks is not None, self.label  # a plane with scales is block-scaled
+        m, k = s.shape
+        return SharedPlane(data, s.start, scale, self.scale_offsets[index], (m, k), plane,
                            self.blocks)
+
+    def shared_full_buffer(self, plane: Plane) -> SharedBuffer:
+        """The full buffer of stored plane ``plane`` shared with JAX, made once per buffer
+        lifetime (the unit programs read high-precision parameters from it by offset)."""
+        return self._bucket(plane).shared_data()

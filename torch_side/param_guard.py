@@ -38,7 +38,7 @@ def mark(param: torch.nn.Parameter, name: str) -> None:
     _install()
 
 
-def _refuse_managed(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _refuse_managed(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = managed_name(p)

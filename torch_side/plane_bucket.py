@@ -31,7 +31,7 @@ import torch.distributed as dist
 from bridge.shared import SharedBuffer
 from common.formats import Plane
 from torch_side.bucket_allocator import BucketAllocator
-from torch_side.collectives import Communicator, Phase
+from torch_side.collectives import Communicator, Handle, Phase
 
 __all__ = ["PlaneBucket", "PlaneState", "QuantizedPlanes"]
 
@@ -69,7 +69,7 @@ class PlaneBucket:
         self.padded_numel, self.comm, self.allocator = padded_numel, comm, allocator
         self.state = PlaneState.SHARDED if sharded else PlaneState.REPLICATED
         self._bucket: torch.Tensor | None = None
-        self._work = None  # the in-flight async all-gather (prefetch)
+        self._work: Handle | None = None  # the in-flight async all-gather (prefetch)
         self._data_share: SharedBuffer | None = None
         self._scale_share: SharedBuffer | None = None
 
@@ -141,49 +141,61 @@ class PlaneBucket:
         bucket's, which the pool keeps with the tensor (``BucketAllocator.shared``): a bucket
         that served another unit before crosses the bridge no more."""
         full = self.full()  # waits for an in-flight gather; checks the state
-        if self._data_share is None or self._data_share.tensor is not full:
+        share = self._data_share
+        if share is None or share.tensor is not full:
             if self.state is PlaneState.REPLICATED:
-                self._data_share = SharedBuffer(full)
+                share = SharedBuffer(full)
             else:
-                self._data_share = self.allocator.shared(self.label, self.plane.value)
-        return self._data_share
+                share = self.allocator.shared(self.label, self.plane.value)
+            self._data_share = share
+        return share
 
     def shared(self, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:
         """(full buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
-        self.shared_data()
+        data = self.shared_data()
         if self._scale_share is None:
             self._scale_share = SharedBuffer(scale_buffer)
-        return self._data_share, self._scale_share
+        return data, self._scale_share
 
 
 class QuantizedPlanes:
     """``GatherMode.BF16``: the MXFP8 planes a rank quantized from a group's gathered bf16
-    buffer (``ParamGroup.compute_buffer``), from the ``BucketAllocator`` (keys ``(label,
+    buffer (``ParamGroup.plane_views``), from the ``BucketAllocator`` (keys ``(label,
     "quantized_<plane>")``), and their shares with JAX; held from the first read after a gather
     until ``drop`` (every reshard, and a refresh)."""
 
     def __init__(self, label: str, planes: tuple[Plane, ...], allocator: BucketAllocator):
         self.label, self.planes, self.allocator = label, planes, allocator
-        self.buffers: dict[Plane, torch.Tensor] | None = None
+        self._buffers: dict[Plane, torch.Tensor] | None = None
         self._shares: dict[Plane, tuple[SharedBuffer, SharedBuffer]] = {}
 
     @property
     def live(self) -> bool:
-        return self.buffers is not None
+        return self._buffers is not None
 
     def allocate(self, numel: int, device: torch.device) -> dict[Plane, torch.Tensor]:
-        """Empty buffers for every plane (the caller fills them and sets ``buffers``)."""
+        """Empty buffers for every plane (the caller fills them, then ``keep``s them)."""
         return {p: self.allocator.allocate(self.label, f"quantized_{p.value}", numel,
                                            torch.uint8, device) for p in self.planes}
 
-    def shared(self, plane: Plane, scale_buffer: torch.Tensor):
+    def keep(self, buffers: dict[Plane, torch.Tensor]) -> None:
+        """Hold ``allocate``'s buffers, now filled, until ``drop``."""
+        self._buffers = buffers
+
+    def buffer(self, plane: Plane) -> torch.Tensor:
+        """The kept buffer of ``plane`` (``live`` only)."""
+        if self._buffers is None:
+            raise AssertionError(f"group {self.label!r}: no quantized planes are held")
+        return self._buffers[plane]
+
+    def shared(self, plane: Plane, scale_buffer: torch.Tensor) -> tuple[SharedBuffer, SharedBuffer]:
         """(plane buffer, scale buffer) shared with JAX, made once per buffer lifetime."""
         if plane not in self._shares:
-            self._shares[plane] = (SharedBuffer(self.buffers[plane]), SharedBuffer(scale_buffer))
+            self._shares[plane] = (SharedBuffer(self.buffer(plane)), SharedBuffer(scale_buffer))
         return self._shares[plane]
 
     def drop(self) -> None:
-        if self.buffers is not None:
-            self.buffers, self._shares = None, {}
+        if self._buffers is not None:
+            self._buffers, self._shares = None, {}
             for p in self.planes:
                 self.allocator.free(self.label, f"quantized_{p.value}")

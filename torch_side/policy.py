@@ -130,7 +130,7 @@ class MixedPrecisionPolicy:
                 f"gather=GatherMode.MXFP8"
             )
 
-    def param_format(self, module, pname: str, qualified_name: str) -> FormatKey:
+    def param_format(self, module: torch.nn.Module, pname: str, qualified_name: str) -> FormatKey:
         """The model weight format of ``module``'s own parameter ``pname``, from what the module
         declares (``common.formats.block_scaled_params``)."""
         declared = pname in block_scaled_params(module)

@@ -107,7 +107,7 @@ def precompile(
     return ahead.wait()
 
 
-def _describe(x) -> str:
+def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)} (requires_grad={x.requires_grad})"
     return type(x).__name__

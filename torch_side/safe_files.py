@@ -23,6 +23,7 @@ write in them goes through these functions:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NoReturn, TypeVar
 
 __all__ = [
     "CheckpointError",
@@ -60,7 +61,7 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path, what: str) -> BinaryIO:
+def open_regular(path: Path, what: str) -> io.BufferedReader:
     """``path`` opened for binary reading, only if it is (or links to) a regular file."""
     try:
         before = os.stat(path)  # follows links: what an open would reach
@@ -87,7 +88,7 @@ def read_bounded(f: BinaryIO, limit: int, what: str) -> bytes:
     return data
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON here")
 
 

@@ -43,6 +43,7 @@ Nothing is unpickled: files are JSON and raw bytes. The only objects exchanged b
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -50,7 +51,7 @@ import re
 import sys
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -143,7 +144,7 @@ def schema_dtype(schema: Schema, key: str) -> torch.dtype | None:
     return None
 
 
-def agree(problem: str | None, *, group=None) -> None:
+def agree(problem: str | None, *, group: dist.ProcessGroup | None = None) -> None:
     """Raise the same ``CheckpointError`` on every rank when any rank has a ``problem``.
 
     A collective (one all_reduce; an all_gather_object of the messages only when one failed),
@@ -192,14 +193,15 @@ def _check_writable(tensors: Mapping[str, torch.Tensor], schema: Schema) -> None
             )
 
 
-def _write(path: Path, chunks) -> FileDigest:
+def _write(path: Path, chunks: Iterable[bytes | memoryview]) -> FileDigest:
     h, size = write_new(path, chunks)
     return FileDigest(h.hexdigest(), size)
 
 
 def _write_rank(path: Path, tensors: Mapping[str, torch.Tensor], head: dict) -> dict:
     data_name, index_name = rank_files(head["rank"])
-    entries, chunks, pos = [], [], 0
+    entries, pos = [], 0
+    chunks: list[bytes | memoryview] = []
     for key, t in tensors.items():
         raw = _raw(t)
         pad = -pos % ALIGN
@@ -226,7 +228,7 @@ def write_step(
     schema: Schema,
     fields: Mapping[str, Any],
     require_finite: bool = True,
-    group=None,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Write this rank's ``tensors`` and (rank 0) ``meta.json`` as the step directory ``path``;
     a collective. Written into a staging directory and renamed into place (module note): a
@@ -355,7 +357,7 @@ class ShardedReader:
         self.meta = read_json(self.path / META, "checkpoint metadata")
         self._digests = _check_meta(self.path, self.meta)
         self._schema = schema
-        self._open: dict[str, BinaryIO] = {}
+        self._open: dict[str, io.BufferedReader] = {}
         self.entries: dict[str, Entry] = {}
         try:
             for rank in range(self.meta["world_size"]):
@@ -367,7 +369,7 @@ class ShardedReader:
     def __enter__(self) -> ShardedReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -375,7 +377,7 @@ class ShardedReader:
             f.close()
         self._open.clear()
 
-    def _verified(self, name: str) -> BinaryIO:
+    def _verified(self, name: str) -> io.BufferedReader:
         """The open file ``name``, checked against meta.json once (the reads use this handle)."""
         if name in self._open:
             return self._open[name]
@@ -435,7 +437,9 @@ class ShardedReader:
         if dtype_name not in DTYPES or DTYPES[dtype_name] != want:
             raise CheckpointError(f"checkpoint index {where}: {key!r} has dtype "
                                   f"{dtype_name!r}, expected {_DTYPE_NAMES[want]!r} (refused)")
-        shape, offset, nbytes = e.get("shape"), e.get("offset"), e.get("nbytes")
+        shape: Any = e.get("shape")
+        offset: Any = e.get("offset")
+        nbytes: Any = e.get("nbytes")
         if not (isinstance(shape, list) and all(_is_int(s) for s in shape)
                 and _is_int(offset) and _is_int(nbytes)):
             raise CheckpointError(f"checkpoint index {where}: {key!r} has a malformed shape, "
@@ -457,14 +461,14 @@ class ShardedReader:
         except KeyError:
             raise CheckpointError(f"checkpoint {self.path} has no entry {key!r}") from None
         full = count is None
-        count = e.numel - start if full else count
-        if not (0 <= start and 0 <= count and start + count <= e.numel):
-            raise CheckpointError(f"read of {key!r}: elements [{start}, {start + count}) are "
+        n = e.numel - start if count is None else count
+        if not (0 <= start and 0 <= n and start + n <= e.numel):
+            raise CheckpointError(f"read of {key!r}: elements [{start}, {start + n}) are "
                                   f"outside its {e.numel}")
         f = self._verified(e.file)
         size = e.dtype.itemsize
         f.seek(e.offset + start * size)
-        buf = bytearray(count * size)
+        buf = bytearray(n * size)
         if f.readinto(buf) != len(buf):
             raise CheckpointError(f"checkpoint file {self.path / e.file} ended inside {key!r}")
         t = torch.frombuffer(buf, dtype=torch.uint8).view(e.dtype) if buf else torch.empty(

@@ -35,14 +35,14 @@ the run that saved at the same world size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, get_type_hints
+from typing import Any, ClassVar, NamedTuple, Protocol, get_type_hints
 
 import torch
 import torch.distributed as dist
 
-from torch_side.param_group import GROUP_LABEL
+from torch_side.param_group import GROUP_LABEL, ParamGroup
 from torch_side.sharded_files import (
     META,
     CheckpointError,
@@ -76,7 +76,8 @@ Restore = Callable[[], None]
 class Stateful(Protocol):
     """One part of a sharded checkpoint. ``schema``: the key patterns it writes -> dtype."""
 
-    schema: Schema
+    @property
+    def schema(self) -> Schema: ...
 
     def state_entries(self) -> dict[str, torch.Tensor]:
         """This rank's tensors to save, keyed by ``key_text`` of structured keys."""
@@ -95,29 +96,53 @@ class Stateful(Protocol):
 # ----------------------------------------------------------------------------------- keys
 
 
-class MainKey(NamedTuple):
-    """A piece of a parameter's main weight."""
+# A key is a NamedTuple of its fields, subclassed to add its ``PREFIX`` (a NamedTuple body holds
+# fields only): ``key_text`` and ``parse_key`` read both.
 
-    PREFIX = "main"
+
+class Key(Protocol):
+    """A structured checkpoint key (``MainKey``, ``OptimKey``, ...)."""
+
+    PREFIX: ClassVar[str]  # (and NamedTuple's ``_fields``)
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class _MainFields(NamedTuple):
     param: str  # qualified parameter name
     offset: int  # first element, in the parameter's own flat (row-major) order
 
 
-class OptimKey(NamedTuple):
-    """A piece of a per-element optimizer state (same elements as the ``MainKey`` piece)."""
+class MainKey(_MainFields):
+    """A piece of a parameter's main weight."""
 
-    PREFIX = "optim"
+    __slots__ = ()
+    PREFIX: ClassVar[str] = "main"
+
+
+class _OptimFields(NamedTuple):
     state: str  # e.g. "exp_avg"
     param: str
     offset: int
 
 
-class OptimScalarKey(NamedTuple):
-    """A 0-d optimizer state of one parameter group (e.g. AdamW's "step")."""
+class OptimKey(_OptimFields):
+    """A piece of a per-element optimizer state (same elements as the ``MainKey`` piece)."""
 
-    PREFIX = "optim_scalar"
+    __slots__ = ()
+    PREFIX: ClassVar[str] = "optim"
+
+
+class _OptimScalarFields(NamedTuple):
     state: str
     group: str  # ParamGroup.label (may hold "/": the last field takes the rest)
+
+
+class OptimScalarKey(_OptimScalarFields):
+    """A 0-d optimizer state of one parameter group (e.g. AdamW's "step")."""
+
+    __slots__ = ()
+    PREFIX: ClassVar[str] = "optim_scalar"
 
 
 _NAME = r"[A-Za-z0-9_.]+"  # parameter and state names (module paths)
@@ -128,22 +153,23 @@ OPTIMIZER_SCHEMA: dict[str, torch.dtype] = {
 }
 
 
-def key_text(key: NamedTuple) -> str:
+def key_text(key: Key) -> str:
     """The one formatting of a structured key: ``"<PREFIX>/<field>/<field>..."``."""
     return "/".join([type(key).PREFIX, *map(str, key)])
 
 
-def parse_key(text: str, kinds: Iterable[type]) -> Any:
+def parse_key(text: str, kinds: Iterable[type[Key]]) -> Any:
     """The key of ``kinds`` that ``key_text`` formats to ``text``, or None when none does."""
     head, _, rest = text.partition("/")
     for kind in kinds:
         if kind.PREFIX != head:
             continue
-        values = rest.split("/", len(kind._fields) - 1)
-        if len(values) != len(kind._fields):
+        fields: tuple[str, ...] = kind._fields  # type: ignore[attr-defined]  # a NamedTuple
+        values = rest.split("/", len(fields) - 1)
+        if len(values) != len(fields):
             return None
         hints = get_type_hints(kind)
-        ints = [hints[f] is int for f in kind._fields]
+        ints = [hints[f] is int for f in fields]
         if any(i and not v.isdigit() for i, v in zip(ints, values, strict=True)):
             return None
         return kind(*(int(v) if i else v for i, v in zip(ints, values, strict=True)))
@@ -158,26 +184,26 @@ class _Piece(NamedTuple):
 
     param: str
     offset: int  # in the parameter's flat order
-    group: Any  # torch_side ParamGroup
+    group: ParamGroup
     lo: int  # slice of the group's main / optimizer tensors
     hi: int
     saved_here: bool  # False for a replicated copy another rank writes
 
 
-def _pieces(groups: Sequence[Any]) -> list[_Piece]:
+def _pieces(groups: Sequence[ParamGroup]) -> list[_Piece]:
     out = []
     for g in groups:
         # no_shard: every rank of the group holds every piece; only its rank 0 writes them
         writes = g.facts.main_weights_sharded or g.comm.rank == 0
         for p in g.main_pieces():
-            name = g.layout.slots[p.slot_index].name
+            name = g.slots[p.slot_index].name
             out.append(_Piece(name, p.param_offset, g, p.shard_offset,
                               p.shard_offset + p.numel, writes))
     return out
 
 
-def _param_shapes(groups: Sequence[Any]) -> dict[str, list[int]]:
-    return {s.name: list(s.shape) for g in groups for s in g.layout.slots}
+def _param_shapes(groups: Sequence[ParamGroup]) -> dict[str, list[int]]:
+    return {s.name: list(s.shape) for g in groups for s in g.slots}
 
 
 class _SavedPiece(NamedTuple):
@@ -205,7 +231,7 @@ def _saved(reader: ShardedReader, kind: type, state: str | None,
 
 
 class _Overlap(NamedTuple):
-    group: Any
+    group: ParamGroup
     dst: slice  # in the group's main / optimizer tensors
     value: torch.Tensor  # the saved elements that land there
 
@@ -235,12 +261,28 @@ def _read_overlaps(reader: ShardedReader, saved: Mapping[str, list[_SavedPiece]]
 # ------------------------------------------------------------------------------ the model
 
 
+class _Idle(Protocol):
+    def require_idle(self, what: str) -> None: ...
+
+
+class _Wrapped(Protocol):
+    """What ``ModelState`` reads of an ``FSDPModel`` (not imported: it imports this module)."""
+
+    @property
+    def param_groups(self) -> Sequence[ParamGroup]: ...
+
+    @property
+    def state(self) -> _Idle: ...
+
+    def refresh_model_weights(self) -> None: ...
+
+
 class ModelState:
     """``FSDPModel``'s part of a checkpoint: the main weights (``FSDPModel.sharded_state()``)."""
 
     schema = MODEL_SCHEMA
 
-    def __init__(self, model: Any):  # an FSDPModel (not imported: it imports this module)
+    def __init__(self, model: _Wrapped):
         self.model = model
 
     def state_entries(self) -> dict[str, torch.Tensor]:
@@ -281,10 +323,10 @@ class OptimizerState:
 
     schema = OPTIMIZER_SCHEMA
 
-    def __init__(self, groups: Sequence[Any], optimizer: torch.optim.Optimizer):
+    def __init__(self, groups: Sequence[ParamGroup], optimizer: torch.optim.Optimizer):
         self.groups, self.optimizer = list(groups), optimizer
 
-    def _states(self, group) -> dict[str, Any]:
+    def _states(self, group: ParamGroup) -> dict[str, Any]:
         return self.optimizer.state.get(group.main, {})
 
     def state_entries(self) -> dict[str, torch.Tensor]:
@@ -348,7 +390,8 @@ def _schema(parts: Sequence[Stateful]) -> dict[str, torch.dtype]:
 
 
 def save_parts(path: str | Path, parts: Sequence[Stateful], *, run_id: str, step: int,
-               fields: Mapping[str, Any] | None = None, group=None) -> dict[str, Any]:
+               fields: Mapping[str, Any] | None = None,
+               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """COLLECTIVE: write every part's entries and fields (and ``fields``) as one step directory
     (``sharded_files.write_step``: refused on every rank, nothing written, when a value is not
     finite). Returns the meta."""
@@ -388,7 +431,7 @@ def read_parts(path: str | Path, parts: Sequence[Stateful],
 
 def load_parts(path: str | Path, parts: Sequence[Stateful],
                check_meta: Callable[[dict[str, Any]], None] | None = None,
-               group=None) -> dict[str, Any]:
+               group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """COLLECTIVE: ``read_parts`` on every rank; any rank's refusal is raised on every rank with
     nothing restored; else every part is restored, in order. Returns the meta."""
     problem, pending = None, None

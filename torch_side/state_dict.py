@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from bridge import TorchMXFP8Tensor
+from common.formats import PlaneData
 from torch_side.batched_refresh import refresh_groups
 from torch_side.collectives import Phase
 from torch_side.param_group import ParamGroup
@@ -41,14 +42,14 @@ def full_state_dict(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     """{qualified name: full fp32 main weight}."""
     out = {}
     for g in groups:
-        full = g.buffers.full_main()
-        for s in g.layout.slots:
+        full = g.full_main()
+        for s in g.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).clone()
     return out
 
 
 def _check_state(groups: list[ParamGroup], state: Mapping[str, torch.Tensor]) -> None:
-    expected = {s.name: s.shape for g in groups for s in g.layout.slots}
+    expected = {s.name: s.shape for g in groups for s in g.slots}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -79,13 +80,13 @@ def load_full_state_dict(groups: list[ParamGroup], state: Mapping[str, torch.Ten
     """Set the main weights from full high-precision values and refresh the model weights."""
     _check_state(groups, state)
     for g in groups:
-        g.load_main_from([state[s.name] for s in g.layout.slots])
+        g.load_main_from([state[s.name] for s in g.slots])
     refresh_groups(groups, Phase.STATE)  # block-scaled groups quantized in batches
 
 
 def split_state_keys(groups: list[ParamGroup], module: torch.nn.Module) -> tuple[set, set]:
     """(parameter names, persistent buffer names) of ``module.state_dict()``'s keys."""
-    params = {s.name for g in groups for s in g.layout.slots}
+    params = {s.name for g in groups for s in g.slots}
     return params, set(module.state_dict()) - params
 
 
@@ -105,10 +106,10 @@ def full_grads(groups: list[ParamGroup]) -> dict[str, torch.Tensor]:
     """{qualified name: full reduced gradient as fp32} of every parameter that takes gradients."""
     out: dict[str, torch.Tensor] = {}
     for g in groups:
-        if g.main_grad is None:  # (reading it settles a reduction still in flight)
+        if not g.takes_grads:
             continue
-        full = g.buffers.full_main_grad()
-        for s in g.layout.slots:
+        full = g.full_main_grad()  # (a reduction still in flight is settled first)
+        for s in g.slots:
             out[s.name] = full[s.start : s.end].view(s.shape).float().clone()
     return out
 
@@ -124,10 +125,12 @@ def gathered_weights(
     out = {}
     for g in groups:
         g.unshard(g.planes, Phase.STATE)
-        for i, s in enumerate(g.layout.slots):
+        for i, s in enumerate(g.slots):
             if g.codec.param_storage is ParamStorage.PLACEHOLDER:
-                planes = {p: g.plane_views(i, p) for p in g.codec.compute_planes}
-                out[s.name] = TorchMXFP8Tensor(planes, s.shape, g.codec.source_dtype, g.blocks)
+                assert g.blocks is not None, g.label  # placeholders: block-scaled weights
+                planes = {p: PlaneData(*g.plane_views(i, p)) for p in g.codec.compute_planes}
+                out[s.name] = TorchMXFP8Tensor(planes, s.matrix_shape, g.codec.source_dtype,
+                                               g.blocks)
             else:  # the full weights: a view of the full buffer
                 full = g.full_buffer(g.forward_plane)
                 out[s.name] = full[s.start : s.end].view(s.shape)

@@ -79,7 +79,7 @@ _PLANE = {DigestTensor.ROWWISE: Plane.ROWWISE, DigestTensor.COLWISE: Plane.COLWI
 Partials = dict[tuple[str, DigestTensor], int]
 
 
-def _chunk_hash(data, slot: int, chunk: int) -> int:
+def _chunk_hash(data: bytes | memoryview, slot: int, chunk: int) -> int:
     h = hashlib.blake2b(data, digest_size=8, salt=struct.pack("<QQ", slot, chunk))
     return int.from_bytes(h.digest(), "little")
 
@@ -127,7 +127,9 @@ def _partial(g: ParamGroup, t: DigestTensor) -> int:
     if t is DigestTensor.MAIN:
         return _buffer_sum(g, g.main)
     if t is DigestTensor.GRAD:
-        return _buffer_sum(g, g.main_grad)
+        grad = g.main_grad
+        assert grad is not None, g.label  # tensors_of lists GRAD only where there is one
+        return _buffer_sum(g, grad)
     if t.value.endswith("_scale"):  # replicated: the group's rank 0 hashes them whole
         if g.comm.rank != 0:
             return 0
@@ -163,6 +165,8 @@ def combine(model: FSDPModel, partials: Partials) -> dict[str, dict[str, str]]:
     return out
 
 
-def model_digest(model: FSDPModel, tensors: Iterable[DigestTensor] = STATE_TENSORS):
+def model_digest(
+    model: FSDPModel, tensors: Iterable[DigestTensor] = STATE_TENSORS
+) -> dict[str, dict[str, str]]:
     """COLLECTIVE: ``combine(model, local_partials(model, tensors))``."""
     return combine(model, local_partials(model, tensors))

@@ -60,7 +60,7 @@ def _matches(module: nn.Module, spec: ModuleSpec) -> bool:
     return any(module is s or (isinstance(s, type) and isinstance(module, s)) for s in spec)
 
 
-def _is_list(entry) -> bool:
+def _is_list(entry: object) -> bool:
     return isinstance(entry, (list, tuple))
 
 
@@ -95,9 +95,13 @@ def _unit_members(root: nn.Module, unit_modules: ModuleSpec) -> list[tuple[str, 
             f"lists of instances, got {type(unit_modules).__name__}; e.g. unit_modules=(Block,)"
         )
     names = {id(m): n for n, m in root.named_modules()}
-    lists, single = [], []
+    lists: list[Sequence[nn.Module]] = []
+    single: list[type[nn.Module] | nn.Module | Sequence[nn.Module]] = []
     for entry in unit_modules:
-        (lists if _is_list(entry) else single).append(entry)
+        if isinstance(entry, list | tuple):
+            lists.append(entry)
+        else:
+            single.append(entry)
     units = [(n,) for n in _check_specs(root, single, "unit_modules") if n]
     for entry in lists:
         members = []
@@ -210,7 +214,10 @@ def _link_experts(built: list[FSDPUnit], hosts: dict[int, int]) -> None:
         host.reduce_on_exit = True
 
 
-def _owned_params(root: nn.Module, units: list[tuple[str, ...]]):
+_Owned = tuple[str, nn.Module, str, nn.Parameter]  # (qualified name, module, name, parameter)
+
+
+def _owned_params(root: nn.Module, units: list[tuple[str, ...]]) -> dict[str, list[_Owned]]:
     """{unit name: [(qualified name, module, param name, parameter)]}; refuses tied weights.
     A parameter belongs to the unit of its innermost enclosing member module (the root unit
     "" otherwise)."""
@@ -218,7 +225,7 @@ def _owned_params(root: nn.Module, units: list[tuple[str, ...]]):
     for members in units:
         for m in members:
             unit_of[m] = _unit_name(members)
-    per_unit: dict[str, list] = {u: [] for u in unit_of.values()}
+    per_unit: dict[str, list[_Owned]] = {u: [] for u in unit_of.values()}
     seen: dict[int, str] = {}  # id(parameter) -> first qualified name
     for mname, mod in root.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -242,7 +249,8 @@ def _unit_name(members: tuple[str, ...]) -> str:
     return UNIT_JOIN.join(members)
 
 
-def _build_groups(uname, params, expert_prefixes, cfg: UnitConfig) -> list[ParamGroup]:
+def _build_groups(uname: str, params: list[_Owned], expert_prefixes: Sequence[str],
+                  cfg: UnitConfig) -> list[ParamGroup]:
     by_key: dict[GroupKey, list[ParamEntry]] = {}
     for qual, mod, pname, p in params:
         _check_device(qual, p, cfg.comms["dp"])

@@ -42,8 +42,8 @@ reduction -- exactly what a codec reads and writes, nothing else of the group.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable
-from typing import NamedTuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -116,15 +116,15 @@ class CodecContext(NamedTuple):
     comm: Communicator  # the group's DP communicator (the amax all-reduce)
     main_sharded: bool  # main holds a 1/DP shard: the amax must be reduced over ranks
     kernels: KernelConfig | None  # FSDP's own quantize numerics (None: the device default)
+    # The flat scale buffers per plane (parameter i's scales at scale_offsets[i]), which
+    # ``scales[plane][i]`` view: a block-scaled fill writes each with one copy.
+    scale_buffers: dict[Plane, torch.Tensor]
+    scale_offsets: list[int]
     # Called once per block-scaled fill (or batched write) with the group's reduced packed block
     # amax (layout: BlockScaledCodec.quantize_images), after the scales are written; telemetry
     # reads it there, so that nothing keeps the buffer alive (torch_side.numerics_telemetry).
     # None: nobody listens.
     amax_observer: Callable[[torch.Tensor], None] | None = None
-    # The flat scale buffers per plane (parameter i's scales at scale_offsets[i]), which
-    # ``scales[plane][i]`` view: a block-scaled fill writes each with one copy.
-    scale_buffers: dict[Plane, torch.Tensor] | None = None
-    scale_offsets: list[int] | None = None
 
 
 class WeightCodec:
@@ -153,7 +153,7 @@ class WeightCodec:
         """The stored plane whose gather makes compute plane ``plane`` readable."""
         return plane
 
-    def make_scales(self, shapes, device) -> Scales:
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
         """Scale tensors per plane, one per parameter (none for unscaled formats)."""
         return _NO_SCALES
 
@@ -173,7 +173,7 @@ class CastCodec(WeightCodec):
 
     param_storage = ParamStorage.BUFFER_VIEW
 
-    def fill(self, ctx: CodecContext, targets, phase) -> None:
+    def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         (plane,) = self.planes
         targets[plane].copy_(MixedPrecisionPolicy.high_precision_value(self.format, ctx.main))
 
@@ -204,15 +204,16 @@ class BlockScaledCodec(WeightCodec):
             )
         self.blocks: ScaleBlocks = blocks
 
-    def make_scales(self, shapes, device) -> Scales:
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
         b, offsets, total = self.blocks, [], 0
-        for s in shapes:
+        dims = [_2d(s) for s in shapes]
+        for s in dims:
             offsets.append(total)
             total += round_up(b.scale_numel(s), 256)  # aligned
         buffers = {p: torch.zeros(total, dtype=torch.uint8, device=device) for p in self.planes}
         views = {
             p: [buffers[p][o:o + b.scale_numel(s)].view(b.scale_shape(s, p))
-                for s, o in zip(shapes, offsets, strict=True)]
+                for s, o in zip(dims, offsets, strict=True)]
             for p in self.planes
         }
         return Scales(buffers, views, offsets)
@@ -272,7 +273,7 @@ class BlockScaledCodec(WeightCodec):
             )
         return made
 
-    def fill(self, ctx: CodecContext, targets, phase) -> None:
+    def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         made = self.quantize_batch([ctx], phase, f"{ctx.label}/amax")
         self.write_images(ctx, made.images[0], made.amax[0], targets)
 
@@ -294,8 +295,12 @@ class MXFP8Codec(BlockScaledCodec):
     """MXFP8 planes of ``bf16(main)``: the numerics are ``jax_side.mxfp8``'s slice kernels
     (``bridge.mxfp8_slices``), one program per step for a group alone, one for a batch."""
 
-    def quantize_images(self, mains, pieces, reduce_max, device, layouts, kernels) -> BatchImages:
-        kw = {"kernels": kernels, "source_dtype": self.source_dtype}
+    def quantize_images(
+        self, mains: list[torch.Tensor], pieces: list[list[Piece]],
+        reduce_max: Callable[[torch.Tensor], None], device: torch.device,
+        layouts: list[ScaleLayout], kernels: KernelConfig | None,
+    ) -> BatchImages:
+        kw: dict[str, Any] = {"kernels": kernels, "source_dtype": self.source_dtype}
         if len(mains) > 1:
             return quantize_batch_into_images(mains, pieces, reduce_max, device, layouts, **kw)
         reduced: list[torch.Tensor] = []
@@ -312,11 +317,17 @@ def _pieces(ctx: CodecContext) -> list[Piece]:
     """Every parameter's piece in ``ctx.main`` (numel 0: this rank holds none of it)."""
     owned = {p.slot_index: p for p in ctx.owned}
     pieces = []
-    for i, shape in enumerate(ctx.shapes):
+    for i, shape in enumerate(_2d(s) for s in ctx.shapes):
         p = owned.get(i)
         pieces.append(Piece(shape, 0, 0, 0) if p is None
                       else Piece(shape, p.param_offset, p.shard_offset, p.numel))
     return pieces
+
+
+def _2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A block-scaled parameter's (M, K) (the policy routes only 2-D ones to such groups)."""
+    m, k = shape
+    return (m, k)
 
 
 def _scale_layout(ctx: CodecContext) -> ScaleLayout:
@@ -351,10 +362,10 @@ class BF16GatherCodec(WeightCodec):
     def stored_plane(self, plane: Plane) -> Plane:
         return self.spec.forward_plane
 
-    def make_scales(self, shapes, device) -> Scales:
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
         return self.compute.make_scales(shapes, device)  # written by quantize_gathered
 
-    def fill(self, ctx: CodecContext, targets, phase) -> None:
+    def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         (plane,) = self.planes
         targets[plane].copy_(MixedPrecisionPolicy.high_precision_value(WeightFormat.BF16,
                                                                        ctx.main))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 import jax
@@ -32,6 +32,7 @@ from common.model_config import GPTConfig
 from common.modes import Activations, LinearMode
 from jax_side.linear import quantize_weight
 from jax_side.models import FlaxGPT, cross_entropy, flat_params, nested_params
+from torch_side.fsdp_model import FSDPModel
 
 __all__ = [
     "Kind",
@@ -71,7 +72,7 @@ class Mismatch(NamedTuple):
         return text + (f", max |diff| {self.max_abs:.3e}" if self.kind is not Kind.PLANES else "")
 
 
-def as_numpy(a) -> np.ndarray:
+def as_numpy(a: torch.Tensor | jax.Array | np.ndarray) -> np.ndarray:
     if isinstance(a, torch.Tensor):
         return a.detach().cpu().numpy()
     return np.asarray(a)
@@ -82,7 +83,8 @@ def _mismatch(kind: Kind, name: str, t: np.ndarray, f: np.ndarray) -> Mismatch |
         raise ValueError(
             f"compare {kind.value} {name!r}: Torch has {t.dtype}{t.shape}, Flax "
             f"{f.dtype}{f.shape}; the two stacks must produce the same tensors")
-    tb, fb = t.reshape(-1).view(np.uint8), f.reshape(-1).view(np.uint8)
+    tb: np.ndarray = t.reshape(-1).view(np.uint8)
+    fb: np.ndarray = f.reshape(-1).view(np.uint8)
     if np.array_equal(tb, fb):
         return None
     if t.dtype == np.uint8:
@@ -109,7 +111,10 @@ def compare_named(kind: Kind, torch_side: Mapping, flax_side: Mapping,
 
 
 @functools.lru_cache(maxsize=8)
-def flax_loss_and_grads(cfg: GPTConfig, mode: LinearMode, activations: Activations):
+def flax_loss_and_grads(
+    cfg: GPTConfig, mode: LinearMode, activations: Activations
+) -> Callable[[Mapping[str, jax.Array], np.ndarray, np.ndarray],
+              tuple[jax.Array, dict[str, jax.Array]]]:
     """``fn(flat_params, tokens, targets) -> (loss, flat_grads)``: the Flax twin's mean token loss
     and ``jax.value_and_grad`` over every parameter, one jitted program (flat Torch names)."""
     model = FlaxGPT(cfg, mode, activations=activations, fused_attention=False)
@@ -122,20 +127,22 @@ def flax_loss_and_grads(cfg: GPTConfig, mode: LinearMode, activations: Activatio
             )(nested_params(flat))
         return loss, flat_params(grads)
 
-    def run(flat: Mapping[str, jax.Array], tokens, targets):
+    def run(flat: Mapping[str, jax.Array], tokens: np.ndarray,
+            targets: np.ndarray) -> tuple[jax.Array, dict[str, jax.Array]]:
         return value_and_grad(dict(flat), jnp.asarray(tokens, jnp.int32),
                               jnp.asarray(targets, jnp.int32))
 
     return run
 
 
-def torch_plane_bytes(fsdp, names) -> dict[str, np.ndarray]:
+def torch_plane_bytes(fsdp: FSDPModel, names: Iterable[str]) -> dict[str, np.ndarray]:
     """COLLECTIVE: the bytes of every MXFP8 weight's gathered planes and scales (copies)."""
     with fsdp.gathered_weights() as gathered:
         return {n: np.array(mxfp8_bytes(to_jax_mxfp8(gathered[n]))) for n in names
                 if isinstance(gathered[n], TorchMXFP8Tensor)}
 
 
-def flax_plane_bytes(params: Mapping[str, jax.Array], names) -> dict[str, np.ndarray]:
+def flax_plane_bytes(params: Mapping[str, jax.Array],
+                     names: Iterable[str]) -> dict[str, np.ndarray]:
     """The same bytes from ``quantize_weight`` (bf16, both planes) of fp32 weights."""
     return {n: np.array(mxfp8_bytes(quantize_weight(params[n]))) for n in names}

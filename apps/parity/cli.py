@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = f"{flags} {_EXCESS}".strip()
     import jax
 
+    from apps import environment
     from apps.parity import parity_report, sharded_parity_report
     from apps.parity.unit_report import unit_parity_report
     from bridge import start_jax_backend
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = PRESETS[args.config]
     start_jax_backend()  # before anything else starts JAX: keeps Torch's "cuda" on cuda:0
-    kernels = kernel_report(None, "gpu" if args.device == "cuda" else "cpu")
+    config = environment.kernels(None)  # MXFP8_BACKEND / MXFP8_GEMM
+    kernels = kernel_report(config, "gpu" if args.device == "cuda" else "cpu")
     print(f"MXFP8 kernels for {args.device} tensors: {kernels['kernels']}; jax "
           f"{jax.__version__}", flush=True)
     start = time.perf_counter()
@@ -166,12 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         report = sharded_parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
             world_size=args.world_size, strategy=args.strategy, mode=args.mode,
-            device=args.device,
+            device=args.device, kernels=config,
         )
     else:
         report = parity_report(
             cfg, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len,
-            mode=args.mode, device=args.device,
+            mode=args.mode, device=args.device, kernels=config,
         )
     print(report.format())
     print(f"\n{report.verdict()}")

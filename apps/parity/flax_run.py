@@ -9,8 +9,8 @@ compile every layer anew).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,7 @@ def make_batch(cfg: GPTConfig, seed: int, batch_size: int, seq_len: int) -> Batc
     return Batch(stream[:, :-1].copy(), stream[:, 1:].copy())
 
 
-def check_batch(cfg: GPTConfig, batch) -> Batch:
+def check_batch(cfg: GPTConfig, batch: Iterable[np.ndarray | jax.Array]) -> Batch:
     tokens, targets = (np.asarray(a) for a in batch)
     if tokens.shape != targets.shape or tokens.ndim != 2 or tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(
@@ -65,7 +65,7 @@ def check_batch(cfg: GPTConfig, batch) -> Batch:
 
 
 @functools.lru_cache(maxsize=8)
-def _init_fn(cfg: GPTConfig):
+def _init_fn(cfg: GPTConfig) -> Callable[..., Any]:
     return jax.jit(FlaxGPT(cfg, LinearMode.HIGH_PRECISION).init)
 
 
@@ -92,7 +92,7 @@ def linear_names(cfg: GPTConfig) -> list[str]:
 @functools.lru_cache(maxsize=16)
 def _flax_step_fn(
     cfg: GPTConfig, mode: LinearMode, batch_shape: tuple[int, int], kernels: KernelConfig | None
-):
+) -> Callable[..., Any]:
     """The forward + backward with capture, built once per (config, mode, batch shape).
 
     Runs eagerly: the MXFP8 linears are jitted per shape inside ``jax_side.linear``, so

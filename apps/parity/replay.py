@@ -48,7 +48,7 @@ from apps.parity.bytes_compare import (
     torch_plane_bytes,
 )
 from apps.parity.flax_adamw import AdamWState, adamw_step
-from apps.parity.flax_run import make_batch
+from apps.parity.flax_run import Batch, make_batch
 from apps.parity.replay_state import (
     ReplaySetup,
     TorchSide,
@@ -136,7 +136,7 @@ def _mxfp8_names(setup: ReplaySetup) -> list[str]:
     return list(setup.cfg.linear_shapes())
 
 
-def _rank_batch(setup: ReplaySetup, step: int):
+def _rank_batch(setup: ReplaySetup, step: int) -> tuple[Batch, list[torch.Tensor]]:
     """The step's global batch and this rank's rows of it."""
     batch = make_batch(setup.cfg, setup.seed + 1 + step, setup.batch_size, setup.seq_len)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -145,7 +145,12 @@ def _rank_batch(setup: ReplaySetup, step: int):
     return batch, mine
 
 
-def _torch_step(side: TorchSide, tokens, targets, mxfp8_names):
+_TorchOut = tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor],
+                  dict[str, dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def _torch_step(side: TorchSide, tokens: torch.Tensor, targets: torch.Tensor,
+                mxfp8_names: list[str]) -> _TorchOut | None:
     """COLLECTIVE: one training step; returns rank 0's view (loss averaged over the ranks,
     full gradients, main weights, moments, planes) or None on the other ranks."""
     fsdp, opt = side
@@ -159,12 +164,14 @@ def _torch_step(side: TorchSide, tokens, targets, mxfp8_names):
     main = fsdp.full_state_dict()
     moments = full_moments(opt)
     planes = torch_plane_bytes(fsdp, mxfp8_names)
-    if dist.get_rank() != 0:
+    if moments is None:  # not rank 0
         return None
     return float(total) / dist.get_world_size(), grads, main, moments, planes
 
 
-def _compare(setup, torch_out, flax_loss, flax_grads, flax: FlaxState, names):
+def _compare(setup: ReplaySetup, torch_out: _TorchOut, flax_loss: jax.Array,
+             flax_grads: dict[str, jax.Array], flax: FlaxState,
+             names: list[str]) -> tuple[list[Mismatch], float]:
     loss, grads, main, moments, planes = torch_out
     flax_loss = np.float32(flax_loss)
     out = compare_named(Kind.LOSS, {"": np.float32(loss)}, {"": flax_loss})
@@ -181,7 +188,7 @@ def _start_flax(side: TorchSide) -> FlaxState | None:
     main = side.fsdp.full_state_dict()
     moments = full_moments(side.opt)
     step = optimizer_step_count(side.opt)
-    if dist.get_rank() != 0:
+    if moments is None:  # not rank 0
         return None
     as_jax = {k: {n: jnp.asarray(a) for n, a in d.items()} for k, d in moments.items()}
     params = {n: jnp.asarray(t.numpy()) for n, t in main.items()}
@@ -206,7 +213,7 @@ def replay_on_rank(setup: ReplaySetup, device: str = "cpu",
         for k in range(setup.steps):
             batch, (tokens, targets) = _rank_batch(setup, k)
             torch_out = _torch_step(side, tokens.to(device), targets.to(device), names)
-            if flax is None:
+            if flax is None or torch_out is None:  # not rank 0 (both are None there)
                 continue
             loss, grads = value_and_grad(flax.params, batch.tokens, batch.targets)
             params, adamw = adamw_step(flax.params, grads, flax.adamw, setup.flax_hp,
@@ -232,9 +239,14 @@ def replay(setup: ReplaySetup, world_size: int = 1, device: str = "cpu") -> Repl
         if dist.get_world_size() != 1:
             raise ValueError(f"replay: world_size=1 inside a process group of "
                              f"{dist.get_world_size()} ranks; call replay_on_rank on each rank")
-        return replay_on_rank(setup, device)
+        return _rank0(replay_on_rank(setup, device))
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        return replay_on_rank(setup, device)
+        return _rank0(replay_on_rank(setup, device))
     finally:
         dist.destroy_process_group()
+
+
+def _rank0(report: ReplayReport | None) -> ReplayReport:
+    assert report is not None  # one rank: rank 0, which returns the report
+    return report

@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ from jax_side.models import flat_params
 from torch_side import FSDPModel, FSDPOptimizer, ShardingStrategy
 from torch_side.collectives import gather_objects
 from torch_side.models import TorchGPT
-from torch_side.sharded_files import META, CheckpointError, read_json
+from torch_side.sharded_files import META, CheckpointError, ShardedReader, read_json
 from torch_side.sharded_state import OptimScalarKey, key_text, load_parts, parse_key
 
 __all__ = ["ReplaySetup", "TorchSide", "build_torch", "full_moments", "setup_from_checkpoint"]
@@ -94,7 +95,7 @@ def _step_dir(path: str | os.PathLike) -> Path:
     return resolve(p)
 
 
-def _number(value, *, minimum: float, strict: bool) -> float:
+def _number(value: object, *, minimum: float, strict: bool) -> float:
     """A finite JSON number above (``strict``) or at least ``minimum``, as float."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(value)
@@ -103,7 +104,7 @@ def _number(value, *, minimum: float, strict: bool) -> float:
     return float(value)
 
 
-def _vocab(shape) -> int:
+def _vocab(shape: object) -> int:
     """The vocabulary of ``params['wte.weight']``, a [vocab, n_embd] shape."""
     if not (isinstance(shape, list) and len(shape) == 2 and all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
@@ -112,7 +113,7 @@ def _vocab(shape) -> int:
 
 
 # job field -> (how it is read, what a checkpoint of mxfp8-train holds there)
-_JOB_FIELDS = {
+_JOB_FIELDS: dict[str, tuple[Callable[[Any], object], str]] = {
     "config": (lambda v: PRESETS[v], f"one of {list(PRESETS)}"),
     "weights": (lambda v: RECIPES[Weights(v)].linear_mode,
                 f"one of {[w.value for w in Weights]}"),
@@ -144,7 +145,7 @@ def _job_values(meta_path: Path, job: dict, params: dict) -> dict:
     return out
 
 
-def setup_from_checkpoint(path: str | os.PathLike, **overrides) -> ReplaySetup:
+def setup_from_checkpoint(path: str | os.PathLike, **overrides: Any) -> ReplaySetup:
     """The replay of a training checkpoint: its model and AdamW hyperparameters; ``overrides``
     (steps, sqrt, batch_size, seq_len, compute, strategy, flax_adamw, seed) set the rest."""
     step_dir = _step_dir(path)
@@ -194,7 +195,7 @@ class _ScalarsOfAnyGroups:
     in every saved group (it does: one optimizer step count), which every group of the twin
     then takes."""
 
-    def __init__(self, reader, labels: list[str]):
+    def __init__(self, reader: ShardedReader, labels: list[str]):
         self.path, self.meta, self._reader = reader.path, reader.meta, reader
         self.entries, self._source = {}, {}
         saved: dict[str, list[str]] = {}
@@ -214,7 +215,7 @@ class _ScalarsOfAnyGroups:
                 alias = key_text(OptimScalarKey(state, label))
                 self.entries[alias], self._source[alias] = reader.entries[keys[0]], keys[0]
 
-    def read(self, key: str, start: int = 0, count: int | None = None):
+    def read(self, key: str, start: int = 0, count: int | None = None) -> torch.Tensor:
         return self._reader.read(self._source.get(key, key), start, count)
 
 
@@ -273,7 +274,7 @@ def full_moments(opt: FSDPOptimizer) -> dict[str, dict[str, np.ndarray]] | None:
     for g in opt.groups:
         state = opt.optimizer.state.get(g.main, {})
         for p in g.main_pieces():
-            slot = g.layout.slots[p.slot_index]
+            slot = g.slots[p.slot_index]
             for s in MOMENTS:
                 value = state.get(s)
                 chunk = (np.zeros(p.numel, np.float32) if value is None else
@@ -292,7 +293,7 @@ def full_moments(opt: FSDPOptimizer) -> dict[str, dict[str, np.ndarray]] | None:
 
 def _shape(opt: FSDPOptimizer, name: str) -> tuple[int, ...]:
     for g in opt.groups:
-        for slot in g.layout.slots:
+        for slot in g.slots:
             if slot.name == name:
                 return tuple(slot.shape)
     raise KeyError(name)

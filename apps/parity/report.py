@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import jax
 import numpy as np
@@ -95,14 +95,18 @@ class Diff(NamedTuple):
     identical: bool  # float32 bytes equal
 
 
-def _np(a) -> np.ndarray:
+ArrayLike: TypeAlias = torch.Tensor | jax.Array | np.ndarray  # a value either stack computed
+
+
+def _np(a: ArrayLike) -> np.ndarray:
     if isinstance(a, torch.Tensor):
         return a.detach().cpu().numpy()
     return np.asarray(a)
 
 
-def diff(quantity: Quantity, name: str, torch_value, flax_value) -> Diff:
-    t, f = _np(torch_value).astype(np.float32), _np(flax_value).astype(np.float32)
+def diff(quantity: Quantity, name: str, torch_value: ArrayLike, flax_value: ArrayLike) -> Diff:
+    t: np.ndarray = _np(torch_value).astype(np.float32)
+    f: np.ndarray = _np(flax_value).astype(np.float32)
     if t.shape != f.shape:
         raise ValueError(f"parity diff {quantity} {name}: shapes {t.shape} vs {f.shape}")
     d = np.abs(t.astype(np.float64) - f.astype(np.float64))
@@ -149,13 +153,14 @@ class GradExactness(enum.Enum):
 _EXACT_WORLD_SIZES = (1, 2, 4)
 
 
-def dp_average_matches(averaged, single, world_size: int) -> bool:
+def dp_average_matches(averaged: ArrayLike, single: ArrayLike, world_size: int) -> bool:
     """Whether ``averaged`` is ``sum_r fl(single / W)`` as exactly as ``GradExactness`` allows:
     byte-equal for W in (1, 2, 4), else within ``2 W 2^-24 |single| + W 2^-149`` per element
     (W relative roundings of 2^-24 in the divisions and the sum; the last term for subnormals)."""
     if GradExactness.for_world_size(world_size) is GradExactness.EXACT:
         return same_bits(averaged, single)
-    a, b = _np(averaged).astype(np.float64), _np(single).astype(np.float64)
+    a: np.ndarray = _np(averaged).astype(np.float64)
+    b: np.ndarray = _np(single).astype(np.float64)
     bound = 2 * world_size * 2.0**-24 * np.abs(b) + world_size * 2.0**-149
     return a.shape == b.shape and bool(np.all(np.abs(a - b) <= bound))
 
@@ -246,7 +251,10 @@ def _byte_equal_fraction(a: MXFP8Tensor, b: MXFP8Tensor) -> float:
     return float(np.mean(mxfp8_bytes(a) == mxfp8_bytes(b)))
 
 
-def _layer_check(mode: LinearMode, t_x, t_dy, f_x, f_dy, weight, planes, kernels):
+def _layer_check(
+    mode: LinearMode, t_x: jax.Array, t_dy: jax.Array, f_x: jax.Array, f_dy: jax.Array,
+    weight: jax.Array, planes: MXFP8Tensor | None, kernels: KernelConfig | None,
+) -> tuple[float | None, float | None, jax.Array, jax.Array, jax.Array]:
     """One layer: byte-equal fractions of Torch's vs Flax's quantized x and dy (MXFP8 mode),
     and the teacher-forced Flax linear (jax_side.models) on Torch's x, W or planes, dy.
 
@@ -258,7 +266,7 @@ def _layer_check(mode: LinearMode, t_x, t_dy, f_x, f_dy, weight, planes, kernels
     dx, dw = vjp(t_dy)
     fx = fdy = None
     if mode is LinearMode.MXFP8:
-        def q(a):
+        def q(a: jax.Array) -> MXFP8Tensor:
             return quantize_activation(a, kernels=kernels)
 
         fx = _byte_equal_fraction(q(t_x), q(f_x))
@@ -266,12 +274,12 @@ def _layer_check(mode: LinearMode, t_x, t_dy, f_x, f_dy, weight, planes, kernels
     return fx, fdy, y, dx, dw
 
 
-def same_bits(a, b) -> bool:
-    a, b = _np(a), _np(b)
-    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
+def same_bits(a: ArrayLike, b: ArrayLike) -> bool:
+    x, y = _np(a), _np(b)
+    return x.shape == y.shape and bool(np.array_equal(x.view(np.uint8), y.view(np.uint8)))
 
 
-def _torch_weight_planes(weight: torch.Tensor, kernels) -> MXFP8Tensor:
+def _torch_weight_planes(weight: torch.Tensor, kernels: KernelConfig | None) -> MXFP8Tensor:
     """The planes the bridge op multiplies with when no FSDP planes are given (the same code)."""
     return quantize_weight(to_jax(weight.detach()), kernels=kernels)
 

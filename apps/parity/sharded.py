@@ -130,23 +130,26 @@ def _planes_match_single_device(layers, planes, master, kernels):
 
 
 def _rank_report(
-    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str,
+    kernels: KernelConfig | None = None,
 ) -> ParityReport | None:
     # JAX work on this rank's tensors' device: CPU for gloo ranks (also on a GPU machine), the
     # rank's only visible GPU for NCCL ranks.
     with jax_work_on(device):
-        return _rank_report_on(cfg, seed, batch, strategy, mode, device)
+        return _rank_report_on(cfg, seed, batch, strategy, mode, device, kernels)
 
 
 def _rank_report_on(
-    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str
+    cfg: GPTConfig, seed: int, batch: Batch, strategy: str, mode: LinearMode, device: str,
+    kernels: KernelConfig | None,
 ) -> ParityReport | None:
     import torch.distributed as dist
 
     master = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     # Start from Torch's own (different) init, then load the Flax checkpoint into the wrapped
     # model: the "start on the Flax side" path through FSDP's main weights and requantization.
-    fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1, device=device), strategy)
+    fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1, device=device, kernels=kernels),
+                     strategy, kernels)
     load_flax_checkpoint(fsdp, master)
     tokens, targets = (torch.from_numpy(a).long().to(device) for a in batch)
     torch_run = run_sharded(fsdp, tokens, targets)
@@ -154,7 +157,8 @@ def _rank_report_on(
     with fsdp.gathered_weights() as gathered:
         if dist.get_rank() == 0:
             report = parity_on_gathered(
-                cfg, seed, batch, torch_run, gathered, master, dist.get_world_size(), mode
+                cfg, seed, batch, torch_run, gathered, master, dist.get_world_size(), mode,
+                kernels,
             )
         # all ranks leave the gathered state together, after rank 0's JAX reads
         barrier("the sharded parity report")
@@ -172,6 +176,7 @@ def sharded_parity_report(
     batch: Batch | None = None,
     mode: LinearMode | str = LinearMode.MXFP8,
     device: str = "cpu",
+    kernels: KernelConfig | None = None,
 ) -> ParityReport:
     """TorchGPT under FSDP on ``world_size`` spawned ranks vs FlaxGPT on the MXFP8 planes and
     fp32 weights FSDP all-gathered (zero-copy). ``mode=HIGH_PRECISION``: the control, every
@@ -194,6 +199,6 @@ def sharded_parity_report(
         batch = Batch(*(np.asarray(a, np.int32) for a in batch))
     if device not in ("cpu", "cuda"):
         raise ValueError(f"sharded_parity_report: device {device!r}; use 'cpu' or 'cuda'")
-    job = (cfg, seed, batch, strategy, LinearMode.parse(mode), device)
+    job = (cfg, seed, batch, strategy, LinearMode.parse(mode), device, kernels)
     # rank 0 builds the report
     return run_local_ranks(_rank_report, world_size, job, device=device)[0]

@@ -57,7 +57,8 @@ def parity_report(
         return _parity_report(cfg, seed, mode, device, batch, kernels)
 
 
-def _parity_report(cfg, seed, mode, device, batch, kernels) -> ParityReport:
+def _parity_report(cfg: GPTConfig, seed: int, mode: LinearMode, device: torch.device | str,
+                   batch: Batch, kernels: KernelConfig | None) -> ParityReport:
     model = TorchGPT(cfg, mode, device=device, kernels=kernels)
     flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     load_flat_params(model, flat)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from apps import environment
+from common.kernels import KernelConfig
 from torch_side import FSDPModel, ShardingStrategy, fully_shard
 from torch_side.models.gpt import Block, TorchGPT, cross_entropy, mxfp8_linears
 
@@ -109,10 +111,13 @@ def run_torch(
 
 
 def shard_gpt(
-    model: TorchGPT, strategy: ShardingStrategy | str = ShardingStrategy.OPTIM_GRADS_PARAMS
+    model: TorchGPT, strategy: ShardingStrategy | str = ShardingStrategy.OPTIM_GRADS_PARAMS,
+    kernels: KernelConfig | None = None,
 ) -> FSDPModel:
-    """Wrap a TorchGPT (same initial values on every rank) with one FSDP unit per block."""
-    return fully_shard(model, unit_modules=(Block,), strategy=strategy)
+    """Wrap a TorchGPT (same initial values on every rank) with one FSDP unit per block
+    (``MXFP8_FSDP_CHECK_COLLECTIVES=1``: with the collective check, ``apps.environment``)."""
+    return fully_shard(model, unit_modules=(Block,), strategy=strategy, kernels=kernels,
+                       check_collectives=environment.check_collectives())
 
 
 def load_flax_checkpoint(fsdp: FSDPModel, flat: Mapping[str, object]) -> None:

@@ -17,7 +17,9 @@ weights on one device.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
+import jax
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -38,6 +40,7 @@ from common.model_config import GPTConfig
 from common.modes import Activations, LinearMode
 from jax_side.models import flat_params
 from torch_side.models import TorchGPT, load_flat_params
+from torch_side.strategy import ShardingStrategy
 
 __all__ = ["UnitParityReport", "unit_parity_report"]
 
@@ -84,12 +87,18 @@ class UnitParityReport:
         return "\n".join(lines)
 
 
-def _flax_side(cfg, mode, acts, master, batch: Batch):
+Master = dict[str, np.ndarray]  # fp32 master weights by Torch name
+
+
+def _flax_side(cfg: GPTConfig, mode: LinearMode, acts: Activations, master: Master,
+               batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     run = flax_loss_and_grads(cfg, mode, acts)
     return run({n: np.asarray(a) for n, a in master.items()}, batch.tokens, batch.targets)
 
 
-def _build(cfg, mode, acts, master, batch, loss, grads, planes, world) -> UnitParityReport:
+def _build(cfg: GPTConfig, mode: LinearMode, acts: Activations, master: Master, batch: Batch,
+           loss: torch.Tensor, grads: Mapping[str, torch.Tensor | None],
+           planes: Mapping[str, np.ndarray], world: int) -> UnitParityReport:
     flax_loss, flax_grads = _flax_side(cfg, mode, acts, master, batch)
     mism = compare_named(Kind.LOSS, {"": np.float32(loss)}, {"": np.float32(flax_loss)})
     mism += compare_named(Kind.GRAD, grads, flax_grads)
@@ -104,11 +113,12 @@ def _build(cfg, mode, acts, master, batch, loss, grads, planes, world) -> UnitPa
                             tuple(mism), float(loss), float(flax_loss))
 
 
-def _master(cfg, seed):
+def _master(cfg: GPTConfig, seed: int) -> Master:
     return {n: np.array(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
 
 
-def _single(cfg, seed, mode, acts, batch) -> UnitParityReport:
+def _single(cfg: GPTConfig, seed: int, mode: LinearMode, acts: Activations,
+            batch: Batch) -> UnitParityReport:
     master = _master(cfg, seed)
     model = TorchGPT(cfg, mode, activations=acts, compute="unit")
     load_flat_params(model, master)
@@ -120,7 +130,8 @@ def _single(cfg, seed, mode, acts, batch) -> UnitParityReport:
     return dataclasses.replace(report, seed=seed)
 
 
-def _rank(cfg, seed, mode, acts, batch, strategy) -> UnitParityReport | None:
+def _rank(cfg: GPTConfig, seed: int, mode: LinearMode, acts: Activations, batch: Batch,
+          strategy: ShardingStrategy) -> UnitParityReport | None:
     with jax_work_on("cpu"):
         master = _master(cfg, seed)
         fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1, activations=acts, compute="unit"),

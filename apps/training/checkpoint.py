@@ -55,7 +55,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ import torch.distributed as dist
 from apps.training.data import DataPosition
 from apps.training.writer_lock import WriterLock
 from torch_side.collectives import broadcast_object
+from torch_side.fsdp_model import FSDPModel
+from torch_side.lr_schedule import LRScheduler
+from torch_side.optimizer import FSDPOptimizer
 from torch_side.safe_files import bounded, open_regular, read_bounded, replace_text
 from torch_side.sharded_files import (
     FORMAT_VERSION,
@@ -105,12 +108,16 @@ LATEST = "latest"
 _STEP_DIR = re.compile(r"step_\d{6,}")
 
 
-class RngKey(NamedTuple):
-    """One rank's RNG state of one device type."""
-
-    PREFIX = "rng"
+class _RngFields(NamedTuple):
     rank: int
     device: str  # "torch" (the CPU generator) or "cuda"
+
+
+class RngKey(_RngFields):
+    """One rank's RNG state of one device type (a key of ``torch_side.sharded_state.Key``)."""
+
+    __slots__ = ()
+    PREFIX: ClassVar[str] = "rng"
 
 
 RNG_SCHEMA: dict[str, torch.dtype] = {r"rng/\d+/(torch|cuda)": torch.uint8}
@@ -204,8 +211,8 @@ class LRScheduleState:
     schema: dict[str, torch.dtype] = {}
     FIELD = "lr_schedule"
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler  # torch_side.lr_schedule.LRScheduler
+    def __init__(self, scheduler: LRScheduler):
+        self.scheduler = scheduler
 
     def state_entries(self) -> dict[str, torch.Tensor]:
         return {}
@@ -228,10 +235,11 @@ class LRScheduleState:
         return restore
 
 
-def _parts(fsdp, opt, position: DataPositionState, scheduler=None) -> list[Stateful]:
+def _parts(fsdp: FSDPModel, opt: FSDPOptimizer, position: DataPositionState,
+           scheduler: LRScheduler | None = None) -> list[Stateful]:
     """What a training checkpoint holds, in save order (main weights first, so a non-finite
     refusal names a weight before its optimizer state)."""
-    parts = [fsdp.sharded_state(), opt.sharded_state(), position, RngState()]
+    parts: list[Stateful] = [fsdp.sharded_state(), opt.sharded_state(), position, RngState()]
     return parts if scheduler is None else [*parts, LRScheduleState(scheduler)]
 
 
@@ -283,7 +291,7 @@ class CheckpointSaver:
     def __enter__(self) -> CheckpointSaver:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -291,8 +299,8 @@ class CheckpointSaver:
             self._lock.release()
             self._lock = None
 
-    def save(self, *, step: int, fsdp, opt, position: DataPosition, job: Mapping,
-             data_digest: str, scheduler=None) -> Path:
+    def save(self, *, step: int, fsdp: FSDPModel, opt: FSDPOptimizer, position: DataPosition,
+             job: Mapping, data_digest: str, scheduler: LRScheduler | None = None) -> Path:
         """Write the checkpoint of ``step`` completed steps, then point ``latest`` at it.
 
         Refused on every rank, with nothing written and ``latest`` unchanged, when a main weight
@@ -397,7 +405,8 @@ def _check_meta(path: Path, meta: Mapping, job: Mapping, data_digest: str) -> No
         )
 
 
-def load(path, *, fsdp, opt, job: Mapping, data_digest: str, scheduler=None,
+def load(path: str | os.PathLike, *, fsdp: FSDPModel, opt: FSDPOptimizer, job: Mapping,
+         data_digest: str, scheduler: LRScheduler | None = None,
          timeout: float | None = None) -> ResumeState:
     """Restore every part (main weights, then MXFP8 planes re-derived; optimizer state; data
     position; RNG; the LR scheduler's step when one is given) -- a collective: call on every

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from apps.training.job import RunOptions, TrainJob, Weights
 from apps.training.options import Group, add_options, from_args, option, positive
 from apps.training.output_path import unwritable_reason
+
+if TYPE_CHECKING:  # imported where used: it starts torch
+    from apps.training.loop import TrainResult
+
+Runs = list[tuple[str, TrainJob, RunOptions]]  # (label, job, options) of each training
 
 __all__ = ["Launch", "build_parser", "main", "parse_args"]
 
@@ -165,7 +169,7 @@ def result_path(metrics: str | None, suffix: str) -> str | None:
     return str(p.with_name(f"{p.stem}.{suffix}{p.suffix}"))
 
 
-def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
+def _runs(args: argparse.Namespace) -> Runs:
     """(label, job, RunOptions) of every training this command runs (no torch imported: a
     refused combination answers at once)."""
     job = from_args(TrainJob, args)
@@ -178,7 +182,7 @@ def _runs(args) -> list[tuple[str, TrainJob, RunOptions]]:
     return runs
 
 
-def _check_text_corpus(args) -> None:
+def _check_text_corpus(args: argparse.Namespace) -> None:
     """A text corpus too small for --seq-len (or a missing path) is refused before any rank
     starts; the ranks check again (``Corpus.check_fits``), this only makes the error early and
     plain. The standard library is megabytes: not read here."""
@@ -192,9 +196,10 @@ def _check_text_corpus(args) -> None:
 def _check_jax_cache() -> None:
     """An unsafe compilation cache directory is refused before any rank starts
     (``jax_side.compile_cache``: it holds executables every rank loads and runs)."""
+    from apps import environment
     from jax_side.compile_cache import prepare_cache_dir
 
-    prepare_cache_dir()
+    prepare_cache_dir(environment.jax_cache_dir())
 
 
 class Stopped(NamedTuple):
@@ -206,18 +211,20 @@ class Stopped(NamedTuple):
     status: int = 1
 
 
-def _rank_entry(runs):
+def _rank_entry(runs: Runs) -> list[TrainResult] | Stopped:
     """What every rank runs: the trainings in order, then the results (rank 0's matter), or
     ``Stopped`` when one diverged (every rank stops at the same step: the values are global),
     a checkpoint was refused (every rank raises the same error; exit status 2), or a signal
     interrupted it."""
+    from apps import environment
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
     from torch_side.sharded_files import CheckpointError
 
     with unwinding():  # SIGTERM / SIGINT: the lock released, a save in progress abandoned
-        enable_compilation_cache()  # a second launch starts warm (MXFP8_JAX_CACHE=off disables)
+        # a second launch starts warm (MXFP8_JAX_CACHE=off disables it)
+        enable_compilation_cache(environment.jax_cache_dir())
         results = []
         for label, job, opts in runs:
             try:
@@ -231,32 +238,24 @@ def _rank_entry(runs):
         return results
 
 
-def _after_interrupt(opts) -> str:
+def _after_interrupt(opts: RunOptions) -> str:
     if not opts.save_dir:
         return "nothing was saved (no --save-dir)"
     return (f"the last complete checkpoint in {opts.save_dir} stays ('latest' names it) and its "
             f"lock is released: the same command with --resume {opts.save_dir} continues")
 
 
-def _torchrun_main(args, runs) -> list:
-    import torch
+def _torchrun_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Stopped:
+    from torch_side.launch import LaunchDevice, RankSetup, bootstrap_rank
+
+    # torchrun's variables say where this rank runs; the bootstrap is the local launcher's
+    local, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = (visible.split(",")[local] if visible else str(local)) if args.device == "cuda" else None
+    threads = max(1, (os.cpu_count() or 1) // world)
+    bootstrap_rank(RankSetup(LaunchDevice(args.device), gpu, threads), args.collective_timeout)
     import torch.distributed as dist
 
-    if args.device == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        chosen = visible.split(",")[local] if visible else str(local)
-        os.environ["CUDA_VISIBLE_DEVICES"] = chosen  # before CUDA starts: this rank's GPU only
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        torch.cuda.set_device(0)
-    else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if args.device == "cuda" else {}
-    dist.init_process_group(
-        backend, timeout=datetime.timedelta(seconds=args.collective_timeout), **kwargs
-    )
     try:
         results = _rank_entry(runs)
     finally:
@@ -266,7 +265,7 @@ def _torchrun_main(args, runs) -> list:
     return results if int(os.environ["RANK"]) == 0 else []
 
 
-def _local_main(args, runs):
+def _local_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Stopped:
     """Spawn ``--nproc`` local ranks; what rank 0 returned, or ``Stopped`` when this launcher
     was sent SIGTERM or SIGINT (it stops its ranks, which unwind: torch_side.launch)."""
     from apps.training.interrupts import Interrupted
@@ -287,7 +286,8 @@ def _local_main(args, runs):
                        f"{_after_interrupt(runs[0][2])}", status)
 
 
-def _print_summary(args, runs, results, wall: float) -> None:
+def _print_summary(args: argparse.Namespace, runs: Runs, results: list[TrainResult],
+                   wall: float) -> None:
     first = results[0]
     job = first.job
     print(f"\nGPT {args.config!r} ({job.resolved_activations.value} activations), data "

@@ -139,7 +139,7 @@ class MarkovCorpus(Corpus):
 
     def _windows(self, split: Split, ids: np.ndarray, window: int) -> np.ndarray:
         n = ids.size
-        seq = np.empty((n, window), np.int64)  # (B, window)
+        seq: np.ndarray = np.empty((n, window), np.int64)  # (B, window)
         u = np.empty((n, window - 1))  # (B, window - 1) float64: each row from its own rng
         for row, rng in enumerate(sample_rngs(self.seed, split, ids)):
             seq[row, 0] = rng.integers(0, self.vocab_size)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +107,7 @@ class DataPosition:
         return {"samples_consumed": self.samples_consumed}
 
     @classmethod
-    def from_dict(cls, state: Mapping[str, object]) -> DataPosition:
+    def from_dict(cls, state: object) -> DataPosition:
         """Inverse of ``to_dict``; rejects missing, extra, non-int or negative entries."""
         if not isinstance(state, Mapping):
             raise TypeError(
@@ -119,7 +120,8 @@ class DataPosition:
                 f"DataPosition.from_dict: keys {sorted(map(str, state))} != expected "
                 f"{sorted(expected)}; was this saved by DataPosition.to_dict?"
             )
-        return cls(**{k: state[k] for k in expected})
+        values: dict[str, Any] = {k: state[k] for k in expected}  # checked by __post_init__
+        return cls(**values)
 
 
 def _global_batch(world_size: int, micro_batches: int, batch_size: int) -> int:

@@ -31,7 +31,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from apps.training.metrics import read_metrics
 
@@ -59,7 +59,7 @@ class DigestRun(NamedTuple):
     world_sizes: list[int]
 
 
-def _add(run: DigestRun, point, digests: dict, where: str) -> None:
+def _add(run: DigestRun, point: tuple[int, int], digests: dict, where: str) -> None:
     seen = run.points.get(point)
     if seen is not None and seen != digests:
         run.conflicts.append(
@@ -69,7 +69,7 @@ def _add(run: DigestRun, point, digests: dict, where: str) -> None:
     run.points[point] = digests  # the later record wins, as metrics.steps() keeps it
 
 
-def _check_digest(path, lineno: int, digest) -> None:
+def _check_digest(path: str | os.PathLike, lineno: int, digest: Any) -> None:
     ok = isinstance(digest, dict) and all(
         isinstance(g, dict) and all(isinstance(h, str) for h in g.values())
         for g in digest.values())
@@ -81,7 +81,7 @@ def _check_digest(path, lineno: int, digest) -> None:
                           f"--digest writes at least one group with its tensors' hashes")
 
 
-def _count(path, lineno: int, record: dict, field: str, *, minimum: int) -> int:
+def _count(path: str | os.PathLike, lineno: int, record: dict, field: str, *, minimum: int) -> int:
     """``record[field]``, an integer >= ``minimum`` (a bool is not one), else DigestError."""
     value = record.get(field)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -141,7 +141,8 @@ class Verdict(NamedTuple):
         return not self.differences and not self.conflicts
 
 
-def _point_differences(point, a: dict, b: dict, pa: str, pb: str) -> list[Difference]:
+def _point_differences(point: tuple[int, int], a: dict, b: dict, pa: str,
+                       pb: str) -> list[Difference]:
     if list(a) != list(b):
         raise DigestError(
             f"{describe(point)}: the runs have different parameter groups ({pa}: {list(a)}; "

@@ -48,7 +48,7 @@ def unwinding() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    fired = []
+    fired: list[int] = []
 
     def handler(signum, frame):
         if fired:

@@ -113,7 +113,7 @@ class Recompute(enum.Enum):
     BLOCK = "block"  # every block's forward is recomputed in backward
 
 
-def _positive_int(owner: str, name: str, value) -> None:
+def _positive_int(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name}={value!r}: expected an integer >= 1")
 
@@ -394,10 +394,13 @@ class RunOptions:
              "compare two runs with mxfp8-digest-diff A.jsonl B.jsonl")
 
     def overlap(self) -> Overlap:
-        """FSDP's communication schedule (``torch_side.Overlap``)."""
+        """FSDP's communication schedule (``torch_side.Overlap``; ``MXFP8_FSDP_COMM_STREAMS=1``
+        sends world-size-1 copies through the communication streams: ``apps.environment``)."""
+        from apps import environment
         from torch_side import Overlap
 
-        return Overlap(prefetch=self.prefetch, async_reduce=not self.sync_reduce)
+        return Overlap(prefetch=self.prefetch, async_reduce=not self.sync_reduce,
+                       streams_at_world_1=environment.comm_streams())
 
     def trace_path(self, rank: int, world_size: int) -> str | None:
         """Where this rank writes ``--trace`` (None: no trace)."""

@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +31,22 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from apps import environment
 from apps.training import checkpoint as ckpt
 from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
 from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from apps.training.progress import Progress, progress
+from bridge.compile_ahead import AheadReport
 from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
-from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard, precompile
+from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
 from torch_side.collectives import Collective, all_reduce_on
 from torch_side.lr_schedule import LRScheduler
 from torch_side.models.gpt import TorchGPT
+from torch_side.precompile import precompile  # (the module's name is the function's: import it)
 
 __all__ = [
     "MARKOV_MAX_VOCAB",
@@ -107,18 +111,20 @@ class _Model:
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
         unit = job.compute is Compute.UNIT
+        kernels = environment.kernels(job.kernels)  # MXFP8_BACKEND / MXFP8_GEMM fill its Nones
         model = TorchGPT(
-            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=job.kernels,
+            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=kernels,
             activations=job.resolved_activations, compute=job.compute,
             recompute=unit and job.recompute is Recompute.BLOCK,  # inside the backward program
         )
         if job.recompute is Recompute.BLOCK and not unit:
             for block in model.blocks:
-                block.forward = _checkpointed(block.forward)
+                # per instance, as nn.Module allows (the class forward stays for the others)
+                block.forward = _checkpointed(block.forward)  # type: ignore[method-assign,assignment]
         self.fsdp = fully_shard(
             model, unit_modules=model.block_units(job.blocks_per_unit), strategy=job.strategy,
-            policy=job.policy(),
-            kernels=job.kernels, overlap=overlap,
+            policy=job.policy(), kernels=kernels, overlap=overlap,
+            check_collectives=environment.check_collectives(),
         )
         self.opt = FSDPOptimizer(
             self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,
@@ -127,14 +133,18 @@ class _Model:
         self.schedule = LRScheduler(self.opt, job.schedule())
 
 
-def _checkpointed(forward):
-    def run(x):
+def _checkpointed(
+    forward: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
         return checkpoint(forward, x, use_reentrant=False)
 
     return run
 
 
-def _batch(corpus: Corpus, split: Split, ids: np.ndarray, job: TrainJob):
+def _batch(
+    corpus: Corpus, split: Split, ids: np.ndarray, job: TrainJob
+) -> tuple[torch.Tensor, torch.Tensor]:
     b = corpus.batch(split, ids, job.seq_len)
     return (torch.from_numpy(b.tokens).to(job.device), torch.from_numpy(b.targets).to(job.device))
 
@@ -162,7 +172,7 @@ def heldout_loss(m: _Model, job: TrainJob) -> float:
     return float(total[0] / total[1])
 
 
-def _precompile(m: _Model, job: TrainJob):
+def _precompile(m: _Model, job: TrainJob) -> AheadReport:
     """Compile the step's JAX programs, and those of the held-out evaluation (a no-grad forward
     of the same shape), in parallel (torch_side.precompile: a dry micro-batch of the training
     shapes, zero tokens; weights, optimizer, data position and RNG untouched)."""
@@ -323,7 +333,9 @@ class Trainer:
             self._recorder = trace.Recorder(dist.get_rank())
         with trace.recording(self._recorder), trace.span("host: steps", f"step {self.done}"):
             log = self._step()
-        path = Path(self.opts.trace_path(dist.get_rank(), dist.get_world_size()))
+        where = self.opts.trace_path(dist.get_rank(), dist.get_world_size())
+        assert where is not None  # opts.trace is set
+        path = Path(where)
         path.parent.mkdir(parents=True, exist_ok=True)  # as the metrics and plots do
         self._recorder.write(path)
         return log
@@ -334,13 +346,15 @@ class Trainer:
         t0 = time.perf_counter()
         lr = self.parts.schedule.lr  # this step's (set in the optimizer since the last step)
         loss, norm = _forward_backward(self.parts, job, self.position)
-        self.instruments.before_update(self.done)
+        instruments = self.instruments
+        assert instruments is not None  # made by __init__
+        instruments.before_update(self.done)
         outcome, self.skips = _update(self.parts, job, self.opts, loss, norm, self.skips)
         self.position = advance(self.position, world_size=world,
                                 micro_batches=job.micro_batches, batch_size=job.batch_size)
         _sync(job)
         seconds = time.perf_counter() - t0
-        extra = self.instruments.after_update()  # --telemetry, --digest (outside step_s)
+        extra = instruments.after_update()  # --telemetry, --digest (outside step_s)
         log = StepLog(self.done, loss, seconds, job.tokens_per_step(world) / seconds, norm,
                       outcome, lr)
         self.logs.append(log)
@@ -417,7 +431,7 @@ class Trainer:
                 bar.close()
         return self._result(held, report)
 
-    def _result(self, held: float, report) -> TrainResult:
+    def _result(self, held: float, report: AheadReport | None) -> TrainResult:
         corpus, logs = self.parts.corpus, self.logs
         return TrainResult(
             job=self.job, world_size=dist.get_world_size(), steps=logs,
@@ -443,7 +457,7 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

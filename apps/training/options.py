@@ -27,6 +27,7 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 __all__ = [
     "Group",
@@ -41,6 +42,8 @@ __all__ = [
     "positive",
     "to_argv",
 ]
+
+T = TypeVar("T")
 
 _KEY = "option"  # the field metadata key
 
@@ -65,13 +68,17 @@ class Option:
     nested_help: Mapping[str, str] = dataclasses.field(default_factory=dict)  # per sub-field
 
 
-def option(default, group: Group, *, help: str | None = None, **kwargs) -> dataclasses.Field:
+# ``option`` and ``internal`` return ``dataclasses.field(...)``, typed ``Any`` as that function's
+# own overloads type it for checkers: ``steps: int = option(40, ...)`` declares an int field.
+
+
+def option(default: object, group: Group, *, help: str | None = None, **kwargs: Any) -> Any:
     """A dataclass field with a command-line flag (``Option``'s other fields as keywords)."""
     spec = Option(group, help, **kwargs)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
-def internal(default, why: str) -> dataclasses.Field:
+def internal(default: object, why: str) -> Any:
     """A dataclass field with no flag; ``why`` says who sets it instead."""
     return dataclasses.field(default=default, metadata={_KEY: None, "why": why})
 
@@ -79,7 +86,7 @@ def internal(default, why: str) -> dataclasses.Field:
 def positive(kind: type) -> Callable[[str], object]:
     """argparse type: a finite ``kind`` (int or float) > 0."""
 
-    def parse(text: str):
+    def parse(text: str) -> object:
         try:
             value = kind(text)
         except ValueError:
@@ -123,7 +130,7 @@ class _Arg(typing.NamedTuple):
     sub: str | None  # the sub-field of a nested dataclass field, else None
 
 
-def _base(hint) -> type:
+def _base(hint: Any) -> Any:
     """``X | None`` -> X; any other hint as it is."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -132,10 +139,10 @@ def _base(hint) -> type:
     return hint
 
 
-def _leaf_kwargs(kind: type, default, spec: Option, help_text: str | None) -> dict:
+def _leaf_kwargs(kind: type, default: object, spec: Option, help_text: str | None) -> dict:
     if kind is bool:
         return {"action": "store_false" if default else "store_true", "help": help_text}
-    kwargs = {"default": default, "help": help_text}
+    kwargs: dict[str, Any] = {"default": default, "help": help_text}
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         kwargs["choices"] = spec.choices or tuple(m.value for m in kind)
         kwargs["default"] = default.value if isinstance(default, enum.Enum) else default
@@ -146,7 +153,7 @@ def _leaf_kwargs(kind: type, default, spec: Option, help_text: str | None) -> di
     return kwargs
 
 
-def _args(cls) -> list[tuple[Option, _Arg]]:
+def _args(cls: type) -> list[tuple[Option, _Arg]]:
     """Every argparse argument of the dataclass ``cls``, in field order."""
     hints = typing.get_type_hints(cls)
     out = []
@@ -170,7 +177,7 @@ def _args(cls) -> list[tuple[Option, _Arg]]:
     return out
 
 
-def add_options(parser: argparse.ArgumentParser, *classes) -> None:
+def add_options(parser: argparse.ArgumentParser, *classes: type) -> None:
     """One argument per option field of each class, in ``Group`` sections (the order of the
     groups, then of the classes and their fields)."""
     every = [a for cls in classes for a in _args(cls)]
@@ -181,7 +188,7 @@ def add_options(parser: argparse.ArgumentParser, *classes) -> None:
                 section.add_argument(arg.flag, dest=arg.dest, **arg.kwargs)
 
 
-def flags(cls) -> dict[str, list[str]]:
+def flags(cls: type) -> dict[str, list[str]]:
     """Field name -> its flags (one, or one per sub-field of a nested dataclass field)."""
     out: dict[str, list[str]] = {}
     for _, arg in _args(cls):
@@ -189,7 +196,7 @@ def flags(cls) -> dict[str, list[str]]:
     return out
 
 
-def from_args(cls, args: argparse.Namespace, **fixed):
+def from_args(cls: type[T], args: argparse.Namespace, **fixed: object) -> T:
     """``cls`` from the parsed flags of its option fields; ``fixed`` sets the others."""
     values = vars(args)
     kwargs: dict = {}
@@ -206,7 +213,7 @@ def from_args(cls, args: argparse.Namespace, **fixed):
     return cls(**kwargs, **fixed)
 
 
-def to_argv(obj) -> list[str]:
+def to_argv(obj: object) -> list[str]:
     """The flags that make ``from_args(type(obj), parse(argv))`` equal ``obj`` (fields without
     a flag excepted); values equal to the default, and None, are left out."""
     argv: list[str] = []

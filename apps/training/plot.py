@@ -76,7 +76,8 @@ def load_run(path: str | os.PathLike, *, label: str | None = None) -> RunCurves:
                          f"mxfp8-train writes it") from None
 
 
-def _curves(path: Path, label: str | None, records, step_recs, eval_recs) -> RunCurves:
+def _curves(path: Path, label: str | None, records: list[dict[str, Any]],
+            step_recs: list[dict[str, Any]], eval_recs: list[dict[str, Any]]) -> RunCurves:
     floors = [_number(r["loss_floor"], f"{path}: a run record's 'loss_floor'")
               for r in runs(records) if r.get("loss_floor") is not None]
     return RunCurves(

@@ -96,7 +96,8 @@ class WriterLock:
     """``<save_dir>/writer.lock`` held by this process for ``run_id`` (see the module note)."""
 
     def __init__(self, path: Path, run_id: str, fd: int, taken_over: dict | None):
-        self.path, self.run_id, self._fd = path, run_id, fd
+        self.path, self.run_id = path, run_id
+        self._fd: int | None = fd
         self.taken_over = taken_over  # the record of the gone holder this lock replaced, if any
 
     @classmethod
@@ -165,8 +166,9 @@ def _refusal(save_dir: Path, path: Path, holder: dict | None, *, locked: bool) -
         return (f"{head}; it is held by {who}, which is running. Wait for that run to end, or "
                 f"use another --save-dir (to resume from its checkpoints, pass --resume "
                 f"{save_dir} with a new --save-dir)")
+    pid = None if holder is None else holder.get("pid")
     here = holder is not None and holder.get("host") == socket.gethostname()
-    why = (f"process {holder.get('pid')} is running on this host (a run of an earlier version, "
+    why = (f"process {pid} is running on this host (a run of an earlier version, "
            f"or a reused pid)" if here else
            "it was taken on another host, where this run cannot check that it is gone")
     return (f"{head}; it names {who} and {why}. If no run saves into {save_dir}, delete {path} "

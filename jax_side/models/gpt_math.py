@@ -136,7 +136,9 @@ class GPTBlockFn:
     activations: Activations
     fused_attention: bool = False  # cuDNN attention (bf16 activations on a GPU)
 
-    def __call__(self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array):
+    def __call__(
+        self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array
+    ) -> jax.Array:
         cfg, acts = self.cfg, self.activations
         return block(
             x,
@@ -157,6 +159,6 @@ class GPTHeadFn:
     cfg: GPTConfig
 
     def __call__(self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array,
-                 targets: jax.Array):
+                 targets: jax.Array) -> jax.Array:
         return head_loss(x, targets, ln_f=_norm(params, "ln_f", self.cfg.ln_eps),
                          lm_head=_linear(linear, "lm_head"))

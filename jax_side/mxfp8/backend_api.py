@@ -201,7 +201,7 @@ class KernelBackend(abc.ABC):
         """The asked planes (non-empty, ``Plane`` order) of a validated (M, K) bf16/fp32 x."""
 
     @abc.abstractmethod
-    def partial_block_amax(self, flat, shape: tuple[int, int], start: int,
+    def partial_block_amax(self, flat: jax.Array, shape: tuple[int, int], start: int,
                            planes: tuple[Plane, ...]) -> BlockAmax:
         """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
 
@@ -210,7 +210,8 @@ class KernelBackend(abc.ABC):
         """float8_e8m0fnu scales (same shape) of validated fp32 amax."""
 
     @abc.abstractmethod
-    def cast_slice(self, flat, shape: tuple[int, int], start: int, row_b, col_b) -> SliceCast:
+    def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                   row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
 
     @abc.abstractmethod

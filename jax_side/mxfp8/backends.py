@@ -14,8 +14,8 @@
 not); the automatic default is the first entry of :data:`DEFAULT_PREFERENCE` that says it is fit
 for it (``Fit.DEFAULT``) -- TE's kernels where supported, else ``pallas`` on a CUDA GPU, else
 ``xla`` -- passing over a backend that runs its own GEMM when a GEMM implementation was chosen.
-The reason says what each passed-over entry answered. The environment and the platform of the
-work are read by ``kernels.resolve_kernels`` (the one resolver), not here.
+The reason says what each passed-over entry answered. The platform of the work is read by
+``kernels.resolve_kernels`` (the one resolver), not here.
 
 The table imports each built-in backend module on first use (TE-JAX is heavy and GPU-only;
 Pallas is not needed on the reference path), inside one small loader per backend, so the import

@@ -93,7 +93,7 @@ def e8m0_byte_exact(amax_bits: int) -> int:
 def _build_thresholds() -> np.ndarray:
     # thresholds[b - 1] = smallest amax bit pattern whose byte is >= b, for b = 1 .. 254.
     # The byte is monotone in the amax, so each threshold is found by bisection.
-    out = np.empty(E8M0_INF, dtype=np.uint32)
+    out: np.ndarray = np.empty(E8M0_INF, dtype=np.uint32)
     lo_start = 0
     for b in range(1, E8M0_INF + 1):
         lo, hi = lo_start, _FP32_INF_BITS  # byte(hi) == 0xFE >= b

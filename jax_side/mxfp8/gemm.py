@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from common.gemm_roles import ROLES, GemmRole, RoleSpec, role_spec
 from common.kernels import Backend, GemmImpl, KernelConfig
@@ -24,7 +25,7 @@ __all__ = ["GemmImpl", "GemmRole", "RoleSpec", "matmul", "role_spec"]
 _OUT_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def _check_operands(a, b, role: GemmRole, spec: RoleSpec) -> None:
+def _check_operands(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole, spec: RoleSpec) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, MXFP8Tensor):
             raise TypeError(
@@ -51,7 +52,7 @@ def matmul(
     b: MXFP8Tensor,
     role: GemmRole | str = GemmRole.FORWARD,
     *,
-    out_dtype=jnp.float32,
+    out_dtype: DTypeLike = jnp.float32,
     impl: GemmImpl | str | None = None,
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,

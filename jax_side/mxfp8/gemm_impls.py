@@ -33,7 +33,7 @@ from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
 __all__ = ["run_gemm"]
 
 
-def _dequant_dot(a, b, spec: RoleSpec) -> jax.Array:
+def _dequant_dot(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     a32 = dequantize(a, spec.a_plane)
     b32 = dequantize(b, spec.b_plane)
     return lax.dot_general(
@@ -45,7 +45,7 @@ def _dequant_dot(a, b, spec: RoleSpec) -> jax.Array:
     )
 
 
-def _dequant_bf16_dot(a, b, spec: RoleSpec) -> jax.Array:
+def _dequant_bf16_dot(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     a16 = dequantize(a, spec.a_plane).astype(jnp.bfloat16)
     b16 = dequantize(b, spec.b_plane).astype(jnp.bfloat16)
     return lax.dot_general(
@@ -56,7 +56,7 @@ def _dequant_bf16_dot(a, b, spec: RoleSpec) -> jax.Array:
     )
 
 
-def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int):
+def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int) -> tuple[jax.Array, jax.Array]:
     """(rows, contracted) data and (rows, contracted/32) scales for jax.nn.scaled_matmul."""
     data, scale = t.plane(plane)
     if contract == 1:
@@ -64,7 +64,7 @@ def _contract_last(t: MXFP8Tensor, plane: Plane, contract: int):
     return data.T, scale.T  # colwise (M, K) blocked along M -> (K, M) blocked along M
 
 
-def _scaled(a, b, spec: RoleSpec) -> jax.Array:
+def _scaled(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     if jax.devices()[0].platform != "gpu":
         raise ValueError(
             "matmul: gemm 'scaled_matmul' needs a GPU (jax.nn.scaled_matmul has no CPU "

@@ -1,9 +1,9 @@
 """The one kernel resolver (DESIGN.md 7): a ``KernelConfig`` -> the kernels that run, and why.
 
-``resolve_kernels(config, platform)`` is the only place that reads the automatic defaults and the
-environment overrides. Each ``None`` field of the frozen ``common.kernels.KernelConfig`` is
-filled first from its environment variable (``MXFP8_BACKEND``, ``MXFP8_GEMM``), else from the
-default for the platform the work runs on:
+``resolve_kernels(config, platform)`` is the only place that reads the automatic defaults. Each
+``None`` field of the frozen ``common.kernels.KernelConfig`` is filled from the default for the
+platform the work runs on (the library reads no environment: the applications fill a config's
+``None`` fields from ``MXFP8_BACKEND`` / ``MXFP8_GEMM`` first, ``apps.environment.kernels``):
 
 - backend: the first entry of ``backends.DEFAULT_PREFERENCE`` that says it is fit for the work
   (``backends.decide_backend``, a table lookup): ``xla`` for work on the CPU; on a GPU, TE's
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from typing import NamedTuple
 
 from common.kernels import Backend, GemmImpl, KernelConfig, Platform
@@ -40,9 +39,7 @@ from jax_side.mxfp8.backends import (
 )
 
 __all__ = [
-    "BACKEND_ENV_VAR",
     "DEVICE_DEFAULTS",
-    "GEMM_ENV_VAR",
     "Origin",
     "ResolvedKernels",
     "default_platform",
@@ -51,8 +48,6 @@ __all__ = [
     "resolve_kernels",
 ]
 
-BACKEND_ENV_VAR = "MXFP8_BACKEND"
-GEMM_ENV_VAR = "MXFP8_GEMM"
 
 # The GEMM of a None field, per platform the work runs on.
 DEVICE_DEFAULTS: dict[Platform, GemmImpl] = {
@@ -66,7 +61,6 @@ class Origin(enum.Enum):
     """Where the backend choice came from."""
 
     CONFIG = "config"  # KernelConfig.backend
-    ENVIRONMENT = "environment"  # MXFP8_BACKEND
     AUTOMATIC = "automatic"  # the default for the platform
 
 
@@ -83,18 +77,14 @@ class ResolvedKernels(NamedTuple):
     consulted: tuple[Backend, ...] = ()  # the backends whose availability was asked
 
 
-class _Env(NamedTuple):
-    backend: str  # MXFP8_BACKEND, "" if unset
-    gemm: str  # MXFP8_GEMM, "" if unset
-
 
 def resolve_kernels(
     config: KernelConfig | ResolvedKernels | None = None, platform: Platform | str | None = None
 ) -> ResolvedKernels:
     """Fill the ``None`` fields of ``config`` for ``platform`` (default: JAX's default device).
 
-    The one function that reads the defaults and the environment (module docstring). An already
-    resolved ``ResolvedKernels`` is returned as it is.
+    The one function that reads the defaults (module docstring). An already resolved
+    ``ResolvedKernels`` is returned as it is.
     """
     if isinstance(config, ResolvedKernels):
         if platform is not None and Platform.parse(platform) is not config.platform:
@@ -111,8 +101,7 @@ def resolve_kernels(
         )
     jax_default = default_platform()
     platform = jax_default if platform is None else Platform.parse(platform)
-    env = _Env(os.environ.get(BACKEND_ENV_VAR, ""), os.environ.get(GEMM_ENV_VAR, ""))
-    return _resolve(config, platform, env, jax_default, registry_version())
+    return _resolve(config, platform, jax_default, registry_version())
 
 
 def resolve_call(
@@ -129,20 +118,17 @@ def resolve_call(
                 f"{what}: pass either kernels=KernelConfig(...) or the shorthand backend=/impl=, "
                 f"not both (got kernels={kernels!r}, backend={backend!r}, impl={gemm!r})"
             )
-        kernels = KernelConfig(backend, gemm)
+        kernels = KernelConfig(None if backend is None else Backend.parse(backend),
+                               None if gemm is None else GemmImpl.parse(gemm))
     return resolve_kernels(kernels)
 
 
 def _choose_backend(
-    config: KernelConfig, platform: Platform, env: _Env, gemm_chosen: bool
+    config: KernelConfig, platform: Platform, gemm_chosen: bool
 ) -> tuple[BackendChoice, Origin]:
     site = site_for(platform)
     if config.backend is not None:
         return decide_backend(config.backend, site), Origin.CONFIG
-    if env.backend:
-        choice = decide_backend(Backend.parse(env.backend), site)
-        reason = f"{BACKEND_ENV_VAR}={env.backend!r}; {choice.reason}"
-        return choice._replace(reason=reason), Origin.ENVIRONMENT
     # Work on CPU tensors (also in a process whose JAX default device is a GPU, e.g. the parity
     # report with --device cpu on the GPU machine) gets the reference: only it is fit there.
     return decide_backend(None, site, gemm_chosen=gemm_chosen), Origin.AUTOMATIC
@@ -160,11 +146,9 @@ def _check_device(backend: Backend, platform: Platform, jax_default: Platform) -
         )
 
 
-def _gemm(config: KernelConfig, platform: Platform, env: _Env) -> tuple[GemmImpl, str]:
+def _gemm(config: KernelConfig, platform: Platform) -> tuple[GemmImpl, str]:
     if config.gemm is not None:
         gemm, why = config.gemm, "requested explicitly"
-    elif env.gemm:
-        gemm, why = GemmImpl.parse(env.gemm), f"{GEMM_ENV_VAR}={env.gemm!r}"
     else:
         gemm, why = DEVICE_DEFAULTS[platform], f"default on {platform.value}"
     if gemm in _GPU_ONLY_GEMMS and platform is not Platform.GPU:
@@ -177,12 +161,11 @@ def _gemm(config: KernelConfig, platform: Platform, env: _Env) -> tuple[GemmImpl
 
 @functools.lru_cache(maxsize=64)
 def _resolve(
-    config: KernelConfig, platform: Platform, env: _Env, jax_default: Platform, _version: int
+    config: KernelConfig, platform: Platform, jax_default: Platform, _version: int
 ) -> ResolvedKernels:
     # _version: backends.registry_version(), so that a (un)registration is never answered from
     # the cache
-    gemm_chosen = config.gemm is not None or bool(env.gemm)
-    choice, origin = _choose_backend(config, platform, env, gemm_chosen)
+    choice, origin = _choose_backend(config, platform, config.gemm is not None)
     _check_device(choice.backend, platform, jax_default)
     name = choice.backend.value
     caps = backend_impl(choice.backend).capabilities
@@ -196,17 +179,14 @@ def _resolve(
         )
     if caps.own_gemm:
         if config.gemm is not None:
-            given = f"{BACKEND_ENV_VAR}={env.backend!r}" if env.backend else "its backend"
             raise ValueError(
-                f"{given} picks the {name} backend, which runs its own GEMM, but the "
-                f"KernelConfig asks for gemm={config.gemm.value!r}; drop the gemm"
-                + (f" or unset {BACKEND_ENV_VAR}" if env.backend else "")
+                f"backend {name!r} runs its own GEMM, but the KernelConfig asks for "
+                f"gemm={config.gemm.value!r}; drop the gemm"
             )
-        ignored = f" ({GEMM_ENV_VAR}={env.gemm!r} does not apply)" if env.gemm else ""
-        reasons.append(f"gemm: {name}'s own{ignored}")
+        reasons.append(f"gemm: {name}'s own")
         gemm = None
     else:
-        gemm, why = _gemm(config, platform, env)
+        gemm, why = _gemm(config, platform)
         reasons.append(why)
     return ResolvedKernels(
         choice.backend, gemm, platform, "; ".join(reasons), slices, origin, choice.path,

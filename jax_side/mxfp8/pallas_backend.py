@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.formats import BLOCK_SIZE, Plane
-from common.kernels import Backend, Platform
+from common.formats import BLOCK_SIZE, Plane, PlaneData
+from common.gemm_roles import GemmRole
+from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8 import pallas_impl
 from jax_side.mxfp8.backend_api import (
     Availability,
@@ -55,9 +56,10 @@ def interpret_mode() -> bool:
 def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
     """Both or one plane of a validated (M, K) bf16/fp32 x, x read once."""
     p = pallas_impl.quantize_2d(x, rowwise=rowwise, colwise=colwise, interpret=interpret_mode())
-    planes = {Plane.ROWWISE: (p.rowwise_data, p.rowwise_scale),
-              Plane.COLWISE: (p.colwise_data, p.colwise_scale)}
-    return MXFP8Tensor({k: v for k, v in planes.items() if v[0] is not None}, tuple(x.shape),
+    planes = {Plane.ROWWISE: PlaneData(p.rowwise_data, p.rowwise_scale),
+              Plane.COLWISE: PlaneData(p.colwise_data, p.colwise_scale)}
+    m, k = x.shape
+    return MXFP8Tensor({k: v for k, v in planes.items() if v.data is not None}, (m, k),
                        np.dtype(x.dtype))
 
 
@@ -66,14 +68,16 @@ def scales_from_amax(amax: jax.Array) -> jax.Array:
     return pallas_impl.scales_from_amax(amax, interpret=interpret_mode())
 
 
-def partial_block_amax(flat, shape, start, rowwise, colwise) -> BlockAmax:
+def partial_block_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
+                       colwise: bool) -> BlockAmax:
     """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
     return _partial_amax(flat, tuple(shape), int(start), bool(rowwise), bool(colwise),
                          interpret_mode())
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _partial_amax(flat, shape, start, rowwise, colwise, interpret) -> BlockAmax:
+def _partial_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
+                  colwise: bool, interpret: bool) -> BlockAmax:
     m, k = shape
     n = int(flat.shape[0])
     row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
@@ -90,13 +94,15 @@ def _partial_amax(flat, shape, start, rowwise, colwise, interpret) -> BlockAmax:
     return BlockAmax(row, col)
 
 
-def cast_slice(flat, shape, start, row_b, col_b) -> SliceCast:
+def cast_slice(flat: jax.Array, shape: tuple[int, int], start: int, row_b: jax.Array | None,
+               col_b: jax.Array | None) -> SliceCast:
     """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
     return _cast_slice(flat, row_b, col_b, tuple(shape), int(start), interpret_mode())
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _cast_slice(flat, rs, cs, shape, start, interpret) -> SliceCast:
+def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None,
+                shape: tuple[int, int], start: int, interpret: bool) -> SliceCast:
     m, k = shape
     n = int(flat.shape[0])
     if n == 0:
@@ -142,21 +148,25 @@ class PallasBackend(KernelBackend):
             f"{cc_text(site.compute_capability)}"
         )
 
-    def quantize(self, x, *, planes):
+    def quantize(self, x: jax.Array, *, planes: tuple[Plane, ...]) -> MXFP8Tensor:
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, planes):
+    def partial_block_amax(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                           planes: tuple[Plane, ...]) -> BlockAmax:
         return partial_block_amax(
             flat, shape, start, Plane.ROWWISE in planes, Plane.COLWISE in planes
         )
 
-    def scales_from_amax(self, amax):
+    def scales_from_amax(self, amax: jax.Array) -> jax.Array:
         return scales_from_amax(amax)
 
-    def cast_slice(self, flat, shape, start, row_b, col_b):
+    def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                   row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         return cast_slice(flat, shape, start, row_b, col_b)
 
-    def matmul(self, a, b, role, gemm):
+    def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
+               gemm: GemmImpl | None) -> jax.Array:
+        assert gemm is not None  # the resolver names one for a backend without its own GEMM
         return run_gemm(a, b, role, gemm)
 
 

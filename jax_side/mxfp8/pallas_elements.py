@@ -265,5 +265,8 @@ def element_fns(path: ElementPath, any_scale: bool) -> ElementFns:
     return ElementFns(elements, functools.partial(_cast_with_path, cast, path))
 
 
-def _cast_with_path(cast, path: ElementPath, el: Elements, scale: jax.Array) -> jax.Array:
+def _cast_with_path(
+    cast: Callable[[Elements, jax.Array, ElementPath], jax.Array],
+    path: ElementPath, el: Elements, scale: jax.Array,
+) -> jax.Array:
     return cast(el, scale, path)

@@ -18,7 +18,7 @@ kernels and ``INTERPRET_DEFAULT`` (``FLOAT``) in interpret mode; ``NATIVE`` is r
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +73,7 @@ class Planes(NamedTuple):
     colwise_scale: jax.Array | None  # float8_e8m0fnu (M // 32, K)
 
 
-def _check_2d(x, what: str) -> tuple[int, int]:
+def _check_2d(x: jax.Array, what: str) -> tuple[int, int]:
     m, k = check_mxfp8_shape(x.shape, what)
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"{what}: expected bfloat16 or float32 x, got {x.dtype}")
@@ -95,11 +95,11 @@ def element_path(e4m3_cast: ElementPath | str | None, interpret: bool) -> Elemen
     return path
 
 
-def _as_f8(y, dtype):
+def _as_f8(y: jax.Array | None, dtype: Any) -> jax.Array | None:
     return None if y is None else lax.bitcast_convert_type(y, dtype)
 
 
-def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
+def quantize_2d(x: jax.Array, *, rowwise: bool, colwise: bool, interpret: bool = False,
                 tiles: Tiles | None = None,
                 e4m3_cast: ElementPath | str | None = None) -> Planes:
     """MXFP8 planes of a 2-D (M, K) bf16/fp32 x (M, K multiples of 32), x read once.
@@ -119,9 +119,10 @@ def quantize_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _quantize_2d(x, rowwise, colwise, interpret, g: Grid, path: ElementPath) -> Planes:
+def _quantize_2d(x: jax.Array, rowwise: bool, colwise: bool, interpret: bool, g: Grid,
+                 path: ElementPath) -> Planes:
     m, k = x.shape
-    outs = []
+    outs: list[tuple[Any, Any]] = []
     if rowwise:
         outs += [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8)),
                  (g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.uint8))]
@@ -136,7 +137,7 @@ def _quantize_2d(x, rowwise, colwise, interpret, g: Grid, path: ElementPath) -> 
     return Planes(_as_f8(rd, e4), _as_f8(rs, e8), _as_f8(cd, e4), _as_f8(cs, e8))
 
 
-def block_amax_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
+def block_amax_2d(x: jax.Array, *, rowwise: bool, colwise: bool, interpret: bool = False,
                   tiles: Tiles | None = None) -> BlockAmax:
     """float32 block amax of 2-D (M, K) bf16/fp32 x, NaN ignored, Inf counts (subnormals kept).
 
@@ -150,9 +151,10 @@ def block_amax_2d(x, *, rowwise: bool, colwise: bool, interpret: bool = False,
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _block_amax_2d(x, rowwise, colwise, interpret, g: Grid) -> BlockAmax:
+def _block_amax_2d(x: jax.Array, rowwise: bool, colwise: bool, interpret: bool,
+                   g: Grid) -> BlockAmax:
     m, k = x.shape
-    outs = []
+    outs: list[tuple[Any, Any]] = []
     if rowwise:
         outs.append((g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.float32)))
     if colwise:
@@ -162,7 +164,8 @@ def _block_amax_2d(x, rowwise, colwise, interpret, g: Grid) -> BlockAmax:
     return BlockAmax(res.pop(0) if rowwise else None, res.pop(0) if colwise else None)
 
 
-def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = False,
+def cast_2d(x: jax.Array, rowwise_scale: jax.Array | None = None,
+            colwise_scale: jax.Array | None = None, *, interpret: bool = False,
             tiles: Tiles | None = None,
             e4m3_cast: ElementPath | str | None = None) -> SliceCast:
     """e4m3 planes (M, K) of 2-D bf16/fp32 x with GIVEN E8M0 scales (float8_e8m0fnu or uint8).
@@ -183,7 +186,8 @@ def cast_2d(x, rowwise_scale=None, colwise_scale=None, *, interpret: bool = Fals
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _cast_2d(x, rs, cs, interpret, g: Grid, path: ElementPath) -> SliceCast:
+def _cast_2d(x: jax.Array, rs: jax.Array | None, cs: jax.Array | None, interpret: bool, g: Grid,
+             path: ElementPath) -> SliceCast:
     m, k = x.shape
     rowwise, colwise = rs is not None, cs is not None
     in_specs, args, outs = [g.full()], [x], []
@@ -204,7 +208,7 @@ def _cast_2d(x, rs, cs, interpret, g: Grid, path: ElementPath) -> SliceCast:
 _SCALE_BLOCK = 1024  # elements per program of the scale kernel
 
 
-def scales_from_amax(amax, *, interpret: bool = False):
+def scales_from_amax(amax: jax.Array, *, interpret: bool = False) -> jax.Array:
     """float8_e8m0fnu E8M0 bytes (same shape) from float32 block amax (any shape), as ``xla``.
 
     amax should be >= 0; +Inf gives 0xFE, NaN 0xFF, -0.0 0x00 (other negatives 0xFE, as ``xla``).
@@ -215,7 +219,7 @@ def scales_from_amax(amax, *, interpret: bool = False):
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _scales_from_amax(amax, interpret):
+def _scales_from_amax(amax: jax.Array, interpret: bool) -> jax.Array:
     n = amax.size
     if n == 0:
         return jnp.zeros(amax.shape, jnp.float8_e8m0fnu)

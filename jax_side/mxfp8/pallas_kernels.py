@@ -8,6 +8,8 @@ points in ``pallas_impl`` bitcast them to the float8 dtypes.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -25,10 +27,17 @@ from jax_side.mxfp8.pallas_tiles import Chunking
 __all__ = ["amax_kernel", "cast_kernel", "quantize_kernel", "scale_kernel"]
 
 
-def quantize_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementPath):
-    refs = list(refs)
-    rd, rs = (refs.pop(0), refs.pop(0)) if rowwise else (None, None)
-    cd, cs = (refs.pop(0), refs.pop(0)) if colwise else (None, None)
+# Refs are Pallas memory references (``Any``: Pallas exports no public type for them); an output
+# that was not asked for is None and never indexed.
+
+
+def quantize_kernel(x_ref: Any, *refs: Any, rowwise: bool, colwise: bool, ch: Chunking,
+                    mode: ElementPath) -> None:
+    queue = list(refs)
+    rd: Any = queue.pop(0) if rowwise else None
+    rs: Any = queue.pop(0) if rowwise else None
+    cd: Any = queue.pop(0) if colwise else None
+    cs: Any = queue.pop(0) if colwise else None
     elements, cast = element_fns(mode, any_scale=False)
     for i, j, rows, cols, x in ch.chunks(x_ref):
         el = elements(fp32_bits(x))
@@ -42,10 +51,10 @@ def quantize_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementP
             cd[rows, cols] = cast(el, e)
 
 
-def amax_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking):
-    refs = list(refs)
-    ra = refs.pop(0) if rowwise else None
-    ca = refs.pop(0) if colwise else None
+def amax_kernel(x_ref: Any, *refs: Any, rowwise: bool, colwise: bool, ch: Chunking) -> None:
+    queue = list(refs)
+    ra: Any = queue.pop(0) if rowwise else None
+    ca: Any = queue.pop(0) if colwise else None
     for i, j, rows, cols, x in ch.chunks(x_ref):
         a = fp32_bits(x) & ABS_MASK
         a0 = jnp.where(a > INF_BITS, jnp.int32(0), a)
@@ -56,12 +65,13 @@ def amax_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking):
             ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(m, jnp.float32)
 
 
-def cast_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementPath):
-    refs = list(refs)
-    rs = refs.pop(0) if rowwise else None
-    cs = refs.pop(0) if colwise else None
-    rd = refs.pop(0) if rowwise else None
-    cd = refs.pop(0) if colwise else None
+def cast_kernel(x_ref: Any, *refs: Any, rowwise: bool, colwise: bool, ch: Chunking,
+                mode: ElementPath) -> None:
+    queue = list(refs)
+    rs: Any = queue.pop(0) if rowwise else None
+    cs: Any = queue.pop(0) if colwise else None
+    rd: Any = queue.pop(0) if rowwise else None
+    cd: Any = queue.pop(0) if colwise else None
     elements, cast = element_fns(mode, any_scale=True)
     for i, j, rows, cols, x in ch.chunks(x_ref):
         el = elements(fp32_bits(x))
@@ -72,7 +82,7 @@ def cast_kernel(x_ref, *refs, rowwise, colwise, ch: Chunking, mode: ElementPath)
             cd[rows, cols] = cast(el, cs[pl.ds(i, 1), cols].astype(jnp.int32))
 
 
-def scale_kernel(a_ref, o_ref):
+def scale_kernel(a_ref: Any, o_ref: Any) -> None:
     o_ref[...] = scale_bytes_of_bits(lax.bitcast_convert_type(a_ref[...], jnp.int32)).astype(
         jnp.uint8)
 

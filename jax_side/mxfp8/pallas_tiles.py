@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -89,7 +91,7 @@ class Chunking(NamedTuple):
     def nb(self) -> int:  # rowwise blocks per chunk row
         return self.ck // _BS
 
-    def chunks(self, x_ref):
+    def chunks(self, x_ref: Any) -> Iterable[tuple[int, int, Any, Any, jax.Array]]:
         """(i, j, rows, cols, x chunk) for every chunk. preload: all loads are issued before any
         math, so a program keeps its whole tile in flight (Triton keeps the IR order)."""
         idx = [(i, j, pl.ds(i * _BS, _BS), pl.ds(j * self.ck, self.ck))
@@ -99,23 +101,23 @@ class Chunking(NamedTuple):
         loaded = [x_ref[rows, cols] for _, _, rows, cols in idx]
         return [(*ix, x) for ix, x in zip(idx, loaded, strict=True)]
 
-    def row_scales(self, j: int):  # this chunk's columns of a (BM, BK/32) rowwise-scale block
+    def row_scales(self, j: int) -> Any:  # this chunk's columns of a (BM, BK/32) scale block
         return pl.ds(j * self.nb, self.nb)
 
-    def row_max(self, v):
+    def row_max(self, v: jax.Array) -> jax.Array:
         """(32, CK) -> (32, CK/32): max over each 1x32 block."""
         if self.nb == 1:
             return jnp.max(v, axis=1, keepdims=True)
         return jnp.max(v.reshape(_BS, self.nb, _BS), axis=2)  # (32, nb, 32): blocks on axis 2
 
-    def row_expand(self, e):
+    def row_expand(self, e: jax.Array) -> jax.Array:
         """(32, CK/32) -> (32, CK), or broadcastable to it: each block's value over its 32."""
         if self.nb == 1:
             return e
         return jnp.broadcast_to(e[:, :, None], (_BS, self.nb, _BS)).reshape(_BS, self.ck)
 
 
-def triton_params(num_warps: int):
+def triton_params(num_warps: int) -> Any:
     # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
     # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
     from jax.experimental.pallas import triton as plt
@@ -139,7 +141,7 @@ class Grid(NamedTuple):
     tiles: Tiles
 
     @classmethod
-    def make(cls, kind: KernelKind, shape: tuple[int, int], tiles: Tiles | None, dtype,
+    def make(cls, kind: KernelKind, shape: tuple[int, int], tiles: Tiles | None, dtype: Any,
              path: ElementPath | None = None) -> Grid:
         if tiles is None:
             name = jnp.dtype(dtype).name
@@ -150,24 +152,25 @@ class Grid(NamedTuple):
         m, k = shape
         return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
 
-    def kernel(self, fn, **kw):
+    def kernel(self, fn: Callable[..., None], **kw: Any) -> functools.partial[None]:
         ch = Chunking(self.bm, self.bk, min(self.tiles.chunk_k, self.bk), self.tiles.preload)
         return functools.partial(fn, ch=ch, **kw)
 
-    def grid(self, shape):
+    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         return (shape[0] // self.bm, shape[1] // self.bk)
 
-    def full(self):  # (BM, BK) blocks of (M, K) arrays
+    def full(self) -> Any:  # (BM, BK) blocks of (M, K) arrays
         return pl.BlockSpec((self.bm, self.bk), lambda i, j: (i, j))
 
-    def row_scale(self):  # (BM, BK/32) blocks of (M, K/32) arrays
+    def row_scale(self) -> Any:  # (BM, BK/32) blocks of (M, K/32) arrays
         return pl.BlockSpec((self.bm, self.bk // _BS), lambda i, j: (i, j))
 
-    def col_scale(self):  # (BM/32, BK) blocks of (M/32, K) arrays
+    def col_scale(self) -> Any:  # (BM/32, BK) blocks of (M/32, K) arrays
         return pl.BlockSpec((self.bm // _BS, self.bk), lambda i, j: (i, j))
 
-    def call(self, kernel, shape, in_specs, outs, interpret):
-        """outs: list of (BlockSpec, ShapeDtypeStruct)."""
+    def call(self, kernel: functools.partial[None], shape: tuple[int, int], in_specs: list[Any],
+             outs: list[tuple[Any, Any]], interpret: bool) -> Callable[..., Any]:
+        """outs: list of (BlockSpec, ShapeDtypeStruct); the ``pallas_call`` to apply."""
         return pl.pallas_call(
             kernel,
             out_shape=[o[1] for o in outs],

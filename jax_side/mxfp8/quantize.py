@@ -25,7 +25,7 @@ from jax_side.mxfp8.tensor import MXFP8Tensor
 __all__ = ["quantize"]
 
 
-def _check_array(x) -> None:
+def _check_array(x: object) -> None:
     # A list, tuple or Python scalar has no dtype: jnp.asarray would pick float32 (or int32) for
     # it silently, so the caller never said which precision the MXFP8 bytes come from.
     if not isinstance(x, jax.Array | np.ndarray):

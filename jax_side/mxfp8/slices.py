@@ -31,7 +31,7 @@ __all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales
 INPUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
 
-def check_dtype(x, what: str) -> None:
+def check_dtype(x: jax.Array, what: str) -> None:
     """bf16 or fp32 input, else a TypeError with the fix (float64 is never narrowed silently)."""
     if x.dtype not in INPUT_DTYPES:
         raise TypeError(
@@ -40,7 +40,7 @@ def check_dtype(x, what: str) -> None:
         )
 
 
-def _check_start(start, what: str) -> int:
+def _check_start(start: int, what: str) -> int:
     try:
         return operator.index(start)
     except TypeError:
@@ -50,7 +50,9 @@ def _check_start(start, what: str) -> int:
         ) from None
 
 
-def _check_slice(flat, shape, start, what: str) -> tuple[int, int, int, int]:
+def _check_slice(
+    flat: jax.Array, shape: tuple[int, int], start: int, what: str
+) -> tuple[int, int, int, int]:
     m, k = check_mxfp8_shape(shape, what)
     start = _check_start(start, what)
     if flat.ndim != 1:
@@ -64,7 +66,8 @@ def _check_slice(flat, shape, start, what: str) -> tuple[int, int, int, int]:
     return m, k, n, start
 
 
-def _slice_impl(what: str, kernels, backend) -> KernelBackend:
+def _slice_impl(what: str, kernels: KernelConfig | ResolvedKernels | None,
+                backend: Backend | str | None) -> KernelBackend:
     return backend_impl(resolve_call(what, kernels, backend).slices)
 
 
@@ -114,7 +117,7 @@ def cast_slice(
     shape: tuple[int, int],
     start: int,
     *,
-    scales: Mapping[Plane | str, jax.Array],
+    scales: Mapping[Plane, jax.Array] | Mapping[str, jax.Array],
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
 ) -> SliceCast:

@@ -40,16 +40,17 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.formats import BLOCK_SIZE, Plane, scale_shape
+from common.formats import BLOCK_SIZE, Plane, PlaneData, scale_shape
 from common.gemm_roles import GemmRole, role_spec
-from common.kernels import Backend, Platform
+from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8 import te_probe, xla_backend, xla_impl
 from jax_side.mxfp8.backend_api import (
     Availability,
@@ -60,7 +61,7 @@ from jax_side.mxfp8.backend_api import (
     cc_text,
 )
 from jax_side.mxfp8.te_probe import TEPath, import_te, is_available, probe, te_availability
-from jax_side.mxfp8.tensor import MXFP8Tensor
+from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
 __all__ = [
     "BACKEND",
@@ -103,11 +104,13 @@ def _on_gpu() -> Availability:
 
 def te_path() -> TEPath:
     """The TE path that ``te`` runs on this process (raises where ``te`` is unusable)."""
-    return _on_gpu().path
+    path = _on_gpu().path
+    assert isinstance(path, TEPath), path  # te_availability names a TEPath when usable
+    return path
 
 
 @contextlib.contextmanager
-def _gemm_custom_call(path: TEPath):
+def _gemm_custom_call(path: TEPath) -> Iterator[None]:
     """On the pure-JAX path, TE's GemmPrimitive custom call is off while the body traces."""
     if path is TEPath.KERNELS:
         yield
@@ -161,7 +164,7 @@ def _as_e8m0(scale: jax.Array) -> jax.Array:
         scale.astype(jnp.uint8), jnp.float8_e8m0fnu)
 
 
-def _plane_of(scaled, plane: Plane, shape: tuple[int, int]):
+def _plane_of(scaled: Any, plane: Plane, shape: tuple[int, int]) -> PlaneData:
     """(data, scale) of TE's ScaledTensor1x, checked against the contract layout."""
     m, k = shape
     expected = scale_shape(shape, plane)
@@ -175,7 +178,7 @@ def _plane_of(scaled, plane: Plane, shape: tuple[int, int]):
         )
     if data.dtype != jnp.float8_e4m3fn:
         data = lax.bitcast_convert_type(data.astype(jnp.uint8), jnp.float8_e4m3fn)
-    return data, scale
+    return PlaneData(data, scale)
 
 
 def _te_quantize(x: jax.Array, rowwise: bool, colwise: bool, path: TEPath) -> MXFP8Tensor:
@@ -195,16 +198,18 @@ def _te_quantize(x: jax.Array, rowwise: bool, colwise: bool, path: TEPath) -> MX
         else:
             out = quantizer.quantize(x, is_rowwise=rowwise, is_colwise=colwise)
     parts = {}
+    m, k = x.shape
     for one in (out.rowwise_tensor, out.colwise_tensor) if rowwise and colwise else (out,):
         plane = Plane.COLWISE if one.is_colwise else Plane.ROWWISE
-        parts[plane] = _plane_of(one, plane, x.shape)
-    return MXFP8Tensor(parts, tuple(x.shape), np.dtype(x.dtype))
+        parts[plane] = _plane_of(one, plane, (m, k))
+    return MXFP8Tensor(parts, (m, k), np.dtype(x.dtype))
 
 
 def _splice(te_t: MXFP8Tensor, ref: MXFP8Tensor, edge: EdgeBlocks) -> MXFP8Tensor:
     """te_t with its edge blocks (data and scale) replaced by ref's."""
 
-    def pick(mask, expand, a, b):
+    def pick(mask: jax.Array, expand: Callable[[jax.Array], jax.Array], a: jax.Array,
+             b: jax.Array) -> jax.Array:
         if a.ndim == 2 and a.shape != mask.shape:
             mask = expand(mask)
         return jnp.where(mask, b, a)
@@ -214,7 +219,8 @@ def _splice(te_t: MXFP8Tensor, ref: MXFP8Tensor, edge: EdgeBlocks) -> MXFP8Tenso
         Plane.COLWISE: (edge.colwise, lambda m: jnp.repeat(m, _BS, axis=0)),
     }
     planes = {
-        p: tuple(pick(*edges[p], a, b) for a, b in zip(te_t.plane(p), ref.plane(p), strict=True))
+        p: PlaneData(*(pick(*edges[p], a, b)
+                       for a, b in zip(te_t.plane(p), ref.plane(p), strict=True)))
         for p in te_t.planes
     }
     return MXFP8Tensor(planes, te_t.shape, te_t.dtype)
@@ -248,7 +254,7 @@ def quantize(
 # ---------------------------------------------------------------- dequantize and GEMM
 
 
-def _scaled_1x(t: MXFP8Tensor, plane: Plane):
+def _scaled_1x(t: MXFP8Tensor, plane: Plane) -> Any:
     """One plane of t as TE's ScaledTensor1x (same arrays; fp32 dequantized dtype)."""
     te = import_te()
     data, scale = t.plane(plane)
@@ -320,19 +326,22 @@ class TEBackend(KernelBackend):
             "compute_capability": cc_text(found.compute_capability),
         }
 
-    def quantize(self, x, *, planes):
+    def quantize(self, x: jax.Array, *, planes: tuple[Plane, ...]) -> MXFP8Tensor:
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, planes):
+    def partial_block_amax(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                           planes: tuple[Plane, ...]) -> BlockAmax:
         raise self.unsupported("partial_block_amax", self._NO_SLICES)
 
-    def scales_from_amax(self, amax):
+    def scales_from_amax(self, amax: jax.Array) -> jax.Array:
         raise self.unsupported("scales_from_amax", self._NO_SLICES)
 
-    def cast_slice(self, flat, shape, start, row_b, col_b):
+    def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                   row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         raise self.unsupported("cast_slice", self._NO_SLICES)
 
-    def matmul(self, a, b, role, gemm):
+    def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
+               gemm: GemmImpl | None) -> jax.Array:
         if gemm is not None:
             raise self.unsupported(
                 f"GEMM implementation {gemm.value!r}", "it runs its own GEMM; leave gemm None"

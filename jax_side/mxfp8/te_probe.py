@@ -21,6 +21,7 @@ import enum
 import functools
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 from jax_side.mxfp8.backend_api import Availability, cc_text, cuda_compute_capability
@@ -134,8 +135,8 @@ def probe() -> TEProbe:
 
 class TEModules(NamedTuple):
     version: str
-    q: object  # transformer_engine.jax.quantize
-    tex: object  # transformer_engine.jax.cpp_extensions
+    q: ModuleType  # transformer_engine.jax.quantize
+    tex: ModuleType  # transformer_engine.jax.cpp_extensions
     import_warnings: tuple[str, ...]  # what TE warned while importing (kept, not shown)
 
 

@@ -27,8 +27,8 @@ allowed), anything without ``dtype`` and ``shape`` (placeholders, ``in_axes`` sp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -42,11 +42,13 @@ _SCALE_DTYPE = np.dtype(jax.numpy.float8_e8m0fnu)
 _SOURCE_DTYPES = (np.dtype(np.float32), np.dtype(jax.numpy.bfloat16))
 
 
-def _is_array_like(leaf) -> bool:
+def _is_array_like(leaf: object) -> bool:
     return hasattr(leaf, "dtype") and hasattr(leaf, "shape")
 
 
-def _check_leaf(owner: str, field: str, leaf, dtype: np.dtype, shape: tuple[int, int]) -> None:
+def _check_leaf(
+    owner: str, field: str, leaf: Any, dtype: np.dtype, shape: tuple[int, int]
+) -> None:
     if not _is_array_like(leaf):
         return
     got = np.dtype(leaf.dtype)
@@ -65,13 +67,13 @@ def _check_leaf(owner: str, field: str, leaf, dtype: np.dtype, shape: tuple[int,
         )
 
 
-def _plane_mapping(owner: str, planes) -> dict[Plane, PlaneData]:
+def _plane_mapping(owner: str, planes: object) -> dict[Plane, PlaneData]:
     if not isinstance(planes, Mapping):
         raise TypeError(
             f"{owner}: planes must be a mapping {{Plane: PlaneData(data, scale)}}, got "
             f"{type(planes).__name__}"
         )
-    out = {}
+    out: dict[Plane, PlaneData] = {}
     for key, value in planes.items():
         plane = Plane.parse(key)
         data, scale = value
@@ -94,7 +96,7 @@ class MXFP8Tensor(PlaneFields):
     shape: tuple[int, int]
     dtype: np.dtype  # dtype of the high-precision tensor that was quantized
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         shape = check_mxfp8_shape(self.shape, "MXFP8Tensor")
         object.__setattr__(self, "shape", shape)
         if np.dtype(self.dtype) not in _SOURCE_DTYPES:
@@ -134,11 +136,14 @@ class MXFP8Tensor(PlaneFields):
         return MXFP8Tensor({plane: self.plane(plane)}, self.shape, self.dtype)
 
 
-def _flatten(t: MXFP8Tensor):
+_Aux = tuple[tuple[Plane, ...], tuple[int, int], np.dtype]
+
+
+def _flatten(t: MXFP8Tensor) -> tuple[tuple[PlaneData, ...], _Aux]:
     return tuple(t.planes.values()), (tuple(t.planes), t.shape, t.dtype)
 
 
-def _unflatten(aux, children) -> MXFP8Tensor:
+def _unflatten(aux: _Aux, children: Iterable[Any]) -> MXFP8Tensor:
     keys, shape, dtype = aux
     return MXFP8Tensor(dict(zip(keys, children, strict=True)), shape, dtype)
 

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from common.formats import BLOCK_SIZE, Plane
-from common.kernels import Backend, Platform
+from common.formats import BLOCK_SIZE, Plane, PlaneData
+from common.gemm_roles import GemmRole
+from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8 import xla_impl
 from jax_side.mxfp8.backend_api import Availability, Capabilities, Execution, KernelBackend, Site
 from jax_side.mxfp8.bands import Band, band, band_values
@@ -35,12 +36,13 @@ __all__ = ["BACKEND", "XlaBackend", "cast_slice", "partial_block_amax", "quantiz
 _BS = BLOCK_SIZE
 
 
-def _band_bits(flat, k: int, b: Band) -> jax.Array:
+def _band_bits(flat: jax.Array, k: int, b: Band) -> jax.Array:
     return band_values(xla_impl.fp32_bits(flat), k, b)  # zero bits never raise an amax
 
 
 @partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def partial_block_amax(flat, shape, start, rowwise, colwise) -> BlockAmax:
+def partial_block_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
+                       colwise: bool) -> BlockAmax:
     """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
     # One compiled program per (slice length, shape, start): FSDP calls repeat them every step.
     m, k = shape
@@ -55,20 +57,21 @@ def partial_block_amax(flat, shape, start, rowwise, colwise) -> BlockAmax:
         if colwise:
             col = lax.dynamic_update_slice(col, part.colwise, (b.row0 // _BS, 0))
 
-    def as_f32(a):
+    def as_f32(a: jax.Array | None) -> jax.Array | None:
         return None if a is None else lax.bitcast_convert_type(a, jnp.float32)
 
     return BlockAmax(as_f32(row), as_f32(col))
 
 
 @jax.jit
-def scales_from_amax(amax):
+def scales_from_amax(amax: jax.Array) -> jax.Array:
     """float8_e8m0fnu scales (same shape) of validated fp32 amax."""
     return lax.bitcast_convert_type(xla_impl.scale_bytes_from_amax(amax), jnp.float8_e8m0fnu)
 
 
 @partial(jax.jit, static_argnums=(1, 2))
-def cast_slice(flat, shape, start, row_b, col_b) -> SliceCast:
+def cast_slice(flat: jax.Array, shape: tuple[int, int], start: int, row_b: jax.Array | None,
+               col_b: jax.Array | None) -> SliceCast:
     """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
     m, k = shape
     n = int(flat.shape[0])
@@ -92,7 +95,7 @@ def cast_slice(flat, shape, start, row_b, col_b) -> SliceCast:
     return SliceCast(row, col)
 
 
-def _bytes(scale):
+def _bytes(scale: jax.Array | None) -> jax.Array | None:
     return None if scale is None else lax.bitcast_convert_type(scale, jnp.uint8)
 
 
@@ -107,9 +110,9 @@ def quantize(x: jax.Array, *, rowwise: bool, colwise: bool) -> MXFP8Tensor:
     cast = cast_slice(flat, (m, k), 0, _bytes(rs), _bytes(cs))
     planes = {}
     if rs is not None:
-        planes[Plane.ROWWISE] = (cast.rowwise.reshape(m, k), rs)
+        planes[Plane.ROWWISE] = PlaneData(cast.rowwise.reshape(m, k), rs)
     if cs is not None:
-        planes[Plane.COLWISE] = (cast.colwise.reshape(m, k), cs)
+        planes[Plane.COLWISE] = PlaneData(cast.colwise.reshape(m, k), cs)
     return MXFP8Tensor(planes, shape=(m, k), dtype=np.dtype(x.dtype))
 
 
@@ -129,21 +132,25 @@ class XlaBackend(KernelBackend):
             f"{site.platform.name}"
         )
 
-    def quantize(self, x, *, planes):
+    def quantize(self, x: jax.Array, *, planes: tuple[Plane, ...]) -> MXFP8Tensor:
         return quantize(x, rowwise=Plane.ROWWISE in planes, colwise=Plane.COLWISE in planes)
 
-    def partial_block_amax(self, flat, shape, start, planes):
+    def partial_block_amax(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                           planes: tuple[Plane, ...]) -> BlockAmax:
         return partial_block_amax(
             flat, shape, start, Plane.ROWWISE in planes, Plane.COLWISE in planes
         )
 
-    def scales_from_amax(self, amax):
+    def scales_from_amax(self, amax: jax.Array) -> jax.Array:
         return scales_from_amax(amax)
 
-    def cast_slice(self, flat, shape, start, row_b, col_b):
+    def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
+                   row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         return cast_slice(flat, shape, start, row_b, col_b)
 
-    def matmul(self, a, b, role, gemm):
+    def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
+               gemm: GemmImpl | None) -> jax.Array:
+        assert gemm is not None  # the resolver names one for a backend without its own GEMM
         return run_gemm(a, b, role, gemm)
 
 

@@ -9,9 +9,7 @@ was about to run; with it off, training is unchanged, bit for bit. An expert uni
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -35,18 +33,6 @@ T = 32
 ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
 
 def _expect_mismatch(ctx, fn) -> str:
     try:
@@ -69,13 +55,13 @@ def case_undeclared_expert_unit_skipped_on_one_rank_is_named(ctx):
     """An MXFP8 expert wrapped as its own unit but not declared an expert (a dense unit); the
     router sends it no tokens on rank 1, which skips its call. Without the check, rank 0's
     all-gather of expert 0 pairs with rank 1's of expert 1 (same size: silently mixed shards),
-    and a later one aborts gloo. With MXFP8_FSDP_CHECK_COLLECTIVES=1 both ranks raise at the
-    first divergent collective, and the error says to declare it."""
+    and a later one aborts gloo. With check_collectives=True both ranks raise at the first
+    divergent collective, and the error says to declare it."""
     torch.manual_seed(0)
-    with _env(CHECK_ENV, "1"):
-        model = fully_shard(
-            MoENet().to(ctx.device), unit_modules=(Block, ExpertMLP), strategy=ZERO3
-        )
+    model = fully_shard(
+        MoENet().to(ctx.device), unit_modules=(Block, ExpertMLP), strategy=ZERO3,
+        check_collectives=True,
+    )
     assert model.comms["dp"].check
     x, _ = make_batch(3, T, ctx.device)
     msg = _expect_mismatch(ctx, lambda: model(x, _expert_route(ctx)))
@@ -207,7 +193,8 @@ def case_failed_collective_names_the_switch(ctx):
     if ctx.rank == 0:
         notes = _failure_notes(off, "blocks.3/fp32/dp/grad")
         assert "rank 0: this failed in the FSDP all-reduce (sum) of 'blocks.3/fp32/dp/grad' " \
-            "(grad_reduce)" in notes and f"rerun with {CHECK_ENV}=1" in notes, notes
+            "(grad_reduce)" in notes and "rerun with check_collectives=True " \
+            f"({CHECK_ENV}=1 for mxfp8-train)" in notes, notes
         notes = _failure_notes(on, "blocks.3/fp32/dp/grad")
         assert "rank 0: this failed in check_collectives' descriptor all-gather before the " \
             "FSDP all-reduce (sum) of 'blocks.3/fp32/dp/grad'" in notes, notes

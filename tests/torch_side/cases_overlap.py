@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 
@@ -60,6 +61,7 @@ def _model(ctx, overlap: Overlap, compute: str = "unit", recompute: bool = False
     if recompute and not unit:  # per-linear compute: Torch's activation checkpointing
         for block in net.blocks:
             block.forward = _checkpointed(block.forward)
+    overlap = dataclasses.replace(overlap, streams_at_world_1=ctx.comm_streams)
     return fully_shard(net, unit_modules=(Block,), strategy=ShardingStrategy.OPTIM_GRADS_PARAMS,
                        overlap=overlap)
 
@@ -118,13 +120,13 @@ def _plane_bytes(unit, which: str) -> int:
     total = 0
     for g in unit.groups:
         plane = g.forward_plane if which == "forward" else g.backward_plane
-        total += g.layout.padded_numel * g.buckets[plane].local.element_size()
+        total += g.layout.padded_numel * g.model[plane].element_size()
     return total
 
 
 def _grad_bytes(unit) -> int:
-    return sum(g.layout.padded_numel * g.grads.comm_dtype.itemsize
-               for g in unit.groups if g.grads is not None)
+    return sum(g.layout.padded_numel * g.grad_slot(0).dtype.itemsize
+               for g in unit.groups if g.takes_grads)
 
 
 def _bounds(model, overlap: Overlap) -> tuple[int, int]:

@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from common.model_config import GPTConfig
-from torch_side import FSDPOptimizer, MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from torch_side import (
+    FSDPOptimizer,
+    MixedPrecisionPolicy,
+    Overlap,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch_side.models.gpt import Block, TorchGPT
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=2, d_model=64, d_ff=128)
@@ -38,7 +44,8 @@ def _train_and_compare(ctx, strategy, recompute=False, micro_batches=1, gather="
     # one_unit: both blocks one FSDP unit, run as one unit program per direction
     units = [tuple(net.blocks)] if one_unit else (Block,)
     model = fully_shard(net, unit_modules=units, strategy=strategy,
-                        policy=MixedPrecisionPolicy(gather=gather))
+                        policy=MixedPrecisionPolicy(gather=gather),
+                        overlap=Overlap(streams_at_world_1=ctx.comm_streams))
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
     w, r = ctx.world_size, ctx.rank

@@ -334,7 +334,7 @@ def case_batched_refresh_matches_per_group(ctx):
             if sharded else []), (strategy, log)
         _clear(model)
         for g in model.param_groups:
-            g.buffers.refresh(Phase.OPTIMIZER)  # the per-group path
+            g.refresh(Phase.OPTIMIZER)  # the per-group path
         alone = _planes_and_scales(model)
         assert alone.keys() == batched.keys()
         differ = [k for k in alone if alone[k] != batched[k]]

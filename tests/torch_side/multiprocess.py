@@ -32,6 +32,9 @@ class WorkerContext:
     rank: int
     world_size: int
     device: str  # "cpu" (gloo) or "cuda:0" (nccl: each rank sees only its own GPU)
+    # world-size-1 CUDA copies through the communication streams (Overlap.streams_at_world_1),
+    # asked for by the test that spawned the world with MXFP8_FSDP_COMM_STREAMS=1 (test_nccl.py)
+    comm_streams: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,7 @@ def _worker(cases: list[str], progress_dir: str, cache_dir: str) -> None:
 
         make_deterministic()
         torch.cuda.set_device(0)
-    ctx = WorkerContext(rank, world, device)
+    ctx = WorkerContext(rank, world, device, os.environ.get("MXFP8_FSDP_COMM_STREAMS") == "1")
     done: list[str] = []
     seconds: dict[str, float] = {}
     for name in cases:

@@ -15,7 +15,6 @@ from torch_side.collective_check import (
     CHECK_ENV,
     DESCRIPTOR_INTS,
     Descriptor,
-    check_requested,
     mismatch_message,
 )
 from torch_side.collectives import Communicator
@@ -101,21 +100,7 @@ def test_mismatch_names_each_ranks_unit_cause_fix_and_switch():
     assert "different FSDP models" not in msg, msg
 
 
-# ---- the switch ------------------------------------------------------------------------------
-def test_switch_argument_then_environment(monkeypatch):
-    monkeypatch.delenv(CHECK_ENV, raising=False)
-    assert check_requested(None) is False
-    assert check_requested(True) is True
-    monkeypatch.setenv(CHECK_ENV, "1")
-    assert check_requested(None) is True
-    assert check_requested(False) is False  # the argument wins
-    monkeypatch.setenv(CHECK_ENV, "0")
-    assert check_requested(None) is False
-    monkeypatch.setenv(CHECK_ENV, "yes")
-    with pytest.raises(ValueError, match=f"{CHECK_ENV}='yes': expected 1"):
-        check_requested(None)
-
-
+# ---- the switch (an argument; apps.environment reads CHECK_ENV: tests/apps/test_environment.py)
 def test_single_rank_communicator_counts_and_moves_nothing_extra():
     comm = Communicator(None, "dp", check=True)  # torch.distributed not initialised: world 1
     t = torch.ones(4)

@@ -49,7 +49,7 @@ def _counted(monkeypatch) -> collections.Counter:
 
 def _main_grads(model) -> dict[str, torch.Tensor]:
     return {g.label: g.main_grad.clone() for u in model.units for g in u.groups
-            if g.grads is not None}
+            if g.takes_grads}
 
 
 def test_unit_gradients_reach_the_grad_buckets_in_one_add_per_group_same_bytes(
@@ -88,9 +88,9 @@ def test_a_nan_gradient_of_a_unit_program_is_named(single_rank_world):
 
 def test_a_flat_gradient_buffer_of_another_shape_is_refused(single_rank_world):
     model = _model()
-    g = next(g for u in model.units for g in u.groups if g.grads is not None)
-    n = g.layout.padded_numel
+    g = next(g for u in model.units for g in u.groups if g.takes_grads)
+    n, dtype, _ = g.grad_slot(0)
     with pytest.raises(ValueError, match=f"must match the grad bucket \\(\\({n},\\)"):
-        g.grads.stage_flat(torch.zeros(n + 1, dtype=g.grads.comm_dtype))
-    g.grads.drop()
+        g.stage_grads(torch.zeros(n + 1, dtype=dtype))
+    g.drop_grads()
 

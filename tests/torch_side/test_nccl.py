@@ -31,7 +31,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @functools.cache
 def _outcomes(world_size: int):
-    # world size 1: the copies go through the communication streams too (collectives' note)
+    # world size 1: the copies go through the communication streams too (collectives' note;
+    # the worker reads the variable into WorkerContext.comm_streams, the cases pass it on)
     os.environ["MXFP8_FSDP_COMM_STREAMS"] = "1"
     try:
         return run_cases(world_size, list(CASES), backend="nccl")

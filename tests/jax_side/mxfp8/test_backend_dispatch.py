@@ -19,6 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from apps.environment import BACKEND as ENV_VAR
+from apps.environment import kernels as environment_kernels
 from common.kernels import Platform
 from jax_side.mxfp8 import (
     Backend,
@@ -30,7 +32,6 @@ from jax_side.mxfp8 import (
 )
 from jax_side.mxfp8.backend_api import BackendUnavailable, Fit
 from jax_side.mxfp8.backends import DEFAULT_PREFERENCE, backend_impl
-from jax_side.mxfp8.kernels import BACKEND_ENV_VAR as ENV_VAR
 from jax_side.mxfp8.te_probe import TEPath, TEProbe, te_availability
 from tests.jax_side.mxfp8.machines import (
     B200,
@@ -180,17 +181,19 @@ def test_this_cpu_process_refuses_te_with_the_reason(monkeypatch):
         resolve_kernels(KernelConfig("te"))
 
 
-def test_environment_variable_overrides_the_default_and_is_reported(monkeypatch):
+def test_an_application_environment_variable_overrides_the_default(monkeypatch):
+    """MXFP8_BACKEND, read by the applications (apps.environment.kernels), fills a None backend;
+    the library itself reads no environment."""
     monkeypatch.setenv(ENV_VAR, "xla")
-    resolved = resolve_kernels(None)
+    resolved = resolve_kernels(environment_kernels(None))
     assert resolved.backend is Backend.XLA
-    assert resolved.reason.startswith(f"backend xla: {ENV_VAR}='xla'")
+    assert resolved.reason.startswith("backend xla: requested explicitly")
     monkeypatch.setenv(ENV_VAR, "te")
     if te_backend.probe().importable:
-        assert resolve_kernels(None, "gpu").backend is Backend.TE
+        assert resolve_kernels(environment_kernels(None), "gpu").backend is Backend.TE
     else:
         with pytest.raises(RuntimeError, match="'te' was requested"):
-            resolve_kernels(None)
+            resolve_kernels(environment_kernels(None))
 
 
 def test_report_says_what_runs_and_why(monkeypatch):

@@ -3,7 +3,8 @@ alone, resolves to itself and runs.
 
 The walkthrough: (1) a class implementing ``backend_api.KernelBackend`` -- here the ``xla``
 backend under the name ``fake``, counting the operations it runs; (2) ``register_backend`` with a
-loader. Then ``KernelConfig(backend="fake")``, ``MXFP8_BACKEND=fake``, ``resolve_kernels``,
+loader. Then ``KernelConfig(backend="fake")``, ``MXFP8_BACKEND=fake`` (read by the applications,
+``apps.environment.kernels``), ``resolve_kernels``,
 ``kernel_report``, the public functions (``quantize``, ``matmul``, the slice building blocks) and
 a training step of the JAX MXFP8 linear all name it and run it, and the conformance suite
 (``test_backend_conformance.py``) passes on it. The fixture unregisters it, so no other test
@@ -19,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from apps import environment
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, KernelConfig, Platform
 from jax_side import mxfp8
 from jax_side.linear import mxfp8_linear
 from jax_side.mxfp8.backend_api import Availability, Capabilities, Execution, KernelBackend
 from jax_side.mxfp8.backends import backend_impl, register_backend, unregister_backend
-from jax_side.mxfp8.kernels import BACKEND_ENV_VAR, GEMM_ENV_VAR, Origin
+from jax_side.mxfp8.kernels import Origin
 from jax_side.mxfp8.xla_backend import BACKEND as XLA
 from tests.jax_side.mxfp8.test_backend_conformance import (  # run here on the fake: see below
     test_every_backend_resolves_to_itself_and_is_reported_as_itself,  # noqa: F401
@@ -74,8 +76,8 @@ class FakeBackend(KernelBackend):
 @pytest.fixture
 def fake(monkeypatch):
     """Step 2 of the guide: register it (and, here, unregister it after the test)."""
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-    monkeypatch.delenv(GEMM_ENV_VAR, raising=False)
+    monkeypatch.delenv(environment.BACKEND, raising=False)
+    monkeypatch.delenv(environment.GEMM, raising=False)
     impl = FakeBackend()
     backend = register_backend("fake", lambda: impl)
     try:
@@ -102,10 +104,10 @@ def test_config_environment_resolver_and_report_all_name_it(fake, monkeypatch):
     assert (report["backend"], report["slices"], report["gemm"]) == ("fake", "fake", "dequant_dot")
     assert backend_impl("fake") is fake
 
-    monkeypatch.setenv(BACKEND_ENV_VAR, "fake")
-    from_env = mxfp8.resolve_kernels(None)
-    assert from_env.backend is config.backend and from_env.origin is Origin.ENVIRONMENT
-    assert mxfp8.kernel_report()["kernels"].startswith(f"backend fake: {BACKEND_ENV_VAR}='fake'")
+    monkeypatch.setenv(environment.BACKEND, "fake")  # an application's command line
+    assert environment.kernels(None) == config
+    from_env = mxfp8.resolve_kernels(environment.kernels(None))
+    assert from_env.backend is config.backend and from_env.origin is Origin.CONFIG
 
 
 def test_it_is_never_the_automatic_default_unless_preferred(fake):
@@ -149,13 +151,13 @@ def test_a_training_step_runs_on_it(fake):
     np.testing.assert_array_equal(w_new, ref_w)
 
 
-def test_unregistered_it_is_unknown_again(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV_VAR, "fake")
+def test_unregistered_it_is_unknown_again():
     backend = register_backend("fake", FakeBackend)
-    assert mxfp8.resolve_kernels(None).backend is backend
+    config = KernelConfig(backend)
+    assert mxfp8.resolve_kernels(config).backend is backend
     unregister_backend("fake")
-    with pytest.raises(ValueError, match="unknown MXFP8 backend 'fake'"):
-        mxfp8.resolve_kernels(None)  # not answered from the resolver's cache
+    with pytest.raises(ValueError, match="backend 'fake' has no implementation in this build"):
+        mxfp8.resolve_kernels(config)  # not answered from the resolver's cache
     known = r"unknown MXFP8 backend 'fake'.*\['xla', 'pallas', 'te'\]"
     with pytest.raises(ValueError, match=known):
         KernelConfig("fake")
@@ -181,8 +183,6 @@ def test_registration_refuses_what_would_not_resolve():
 def test_a_backend_that_cannot_run_here_says_why(monkeypatch):
     """Its availability is the one answer the resolver uses: the error names the backend, the
     platform and the reason, and the automatic default is untouched."""
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-
     class GpuOnly(FakeBackend):
         name = "gpu_only"
 

@@ -83,11 +83,14 @@ def test_kernel_config_chooses_the_gemm_and_the_default_is_per_device():
 
 
 def test_gemm_environment_variable_overrides_only_the_default(monkeypatch):
-    monkeypatch.setenv("MXFP8_GEMM", "dequant_bf16_dot")
-    assert resolve_kernels(None, "cpu").gemm.value == "dequant_bf16_dot"
-    assert "MXFP8_GEMM" in resolve_kernels(None, "cpu").reason
-    pinned = resolve_kernels(KernelConfig(gemm="dequant_dot"), "cpu")
+    """An application's MXFP8_GEMM (apps.environment.kernels) fills only a None gemm."""
+    from apps import environment
+
+    monkeypatch.setenv(environment.GEMM, "dequant_bf16_dot")
+    assert resolve_kernels(environment.kernels(None), "cpu").gemm.value == "dequant_bf16_dot"
+    pinned = resolve_kernels(environment.kernels(KernelConfig(gemm="dequant_dot")), "cpu")
     assert pinned.gemm.value == "dequant_dot"
+    assert resolve_kernels(None, "cpu").gemm.value == "dequant_dot"  # the library: no env
 
 
 def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
@@ -102,8 +105,5 @@ def test_cpu_work_in_a_gpu_process_runs_the_reference_backend(monkeypatch):
         assert resolve_kernels(None, "gpu").backend.value == "pallas"
         cpu = resolve_kernels(None, "cpu")
         assert cpu.backend.value == "xla" and "work on the CPU" in cpu.reason
-        with pytest.raises(ValueError, match="CPU tensors.*backend='xla'"):
+        with pytest.raises(ValueError, match="default device is 'gpu'.*backend='xla'"):
             resolve_kernels(KernelConfig(backend="pallas"), "cpu")
-        monkeypatch.setenv("MXFP8_BACKEND", "pallas")
-        with pytest.raises(ValueError, match="default device is 'gpu'"):
-            resolve_kernels(None, "cpu")

@@ -1,36 +1,32 @@
 """The one kernel resolver (``jax_side.mxfp8.kernels.resolve_kernels``, DESIGN.md 7).
 
 Every public function resolves its ``kernels`` (or the ``backend=`` / ``impl=`` shorthand) through
-it, so what runs is what ``kernel_report`` names; the automatic defaults and the environment are
-read there and nowhere else. GPUs are simulated (``machines.simulated_gpu``: hand-made TE probes,
-a GPU default platform), so the rules hold on this CPU-only CI.
+it, so what runs is what ``kernel_report`` names; the automatic defaults are read there and
+nowhere else (the environment only by the applications: ``apps.environment``). GPUs are
+simulated (``machines.simulated_gpu``: hand-made TE probes, a GPU default platform), so the rules
+hold on this CPU-only CI.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from apps import environment
 from common.kernels import Backend, GemmImpl, KernelConfig, Platform
 from jax_side import mxfp8
-from jax_side.mxfp8.kernels import BACKEND_ENV_VAR, GEMM_ENV_VAR, Origin, resolve_call
+from jax_side.mxfp8.kernels import Origin, resolve_call
 from jax_side.mxfp8.te_probe import TEPath, TEProbe
 from tests.jax_side.mxfp8.machines import B200, H200, simulated_gpu
-
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
 def on_gpu(monkeypatch):
     """``on_gpu(probe)``: from then on in the test, a process whose JAX default device is a
     GPU, with the TE probe given."""
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
-    monkeypatch.delenv(GEMM_ENV_VAR, raising=False)
     with contextlib.ExitStack() as stack:
         yield lambda probe: stack.enter_context(simulated_gpu(probe))
 
@@ -90,38 +86,18 @@ def test_te_kernels_are_never_picked_below_compute_capability_10(on_gpu):
     assert mxfp8.kernel_report(KernelConfig("te"))["path"] == "pure_jax"
 
 
-def test_environment_gemm_does_not_apply_to_te_and_says_so(on_gpu, monkeypatch):
+def test_the_environment_gemm_of_an_application_does_not_apply_to_te(on_gpu, monkeypatch):
+    """MXFP8_GEMM fills a None gemm (apps.environment.kernels: the library reads no
+    environment), so the automatic default steers off TE as for a chosen GEMM; where the backend
+    is te, it does not apply."""
     on_gpu(B200)
-    monkeypatch.setenv(GEMM_ENV_VAR, "dequant_dot")
-    assert mxfp8.resolve_kernels(None).backend is Backend.PALLAS  # a chosen GEMM, as above
-    te = mxfp8.resolve_kernels(KernelConfig("te"))
-    assert te.gemm is None and f"{GEMM_ENV_VAR}='dequant_dot' does not apply" in te.reason
-    monkeypatch.setenv(BACKEND_ENV_VAR, "te")
-    with pytest.raises(ValueError, match=f"{BACKEND_ENV_VAR}='te'.*own GEMM.*dequant_dot"):
-        mxfp8.resolve_kernels(KernelConfig(gemm="dequant_dot"))
-
-
-def _env_readers(path: pathlib.Path) -> set[str]:
-    """Names of the functions in ``path`` that read the process environment."""
-    tree = ast.parse(path.read_text())
-    found = set()
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
-                    found.add(fn.name)
-    return found
-
-
-def test_defaults_and_environment_are_read_in_one_function():
-    readers = {
-        f"{p.stem}.{name}"
-        for p in sorted((ROOT / "jax_side" / "mxfp8").glob("*.py"))
-        for name in _env_readers(p)
-    }
-    assert readers == {"kernels.resolve_kernels"}
-
-
+    monkeypatch.setenv(environment.GEMM, "dequant_dot")
+    assert mxfp8.resolve_kernels(environment.kernels(None)).backend is Backend.PALLAS
+    te = mxfp8.resolve_kernels(environment.kernels(KernelConfig("te")))
+    assert te.backend is Backend.TE and te.gemm is None
+    monkeypatch.setenv(environment.BACKEND, "te")
+    with pytest.raises(ValueError, match="te backend runs Transformer Engine's own GEMM"):
+        environment.kernels(KernelConfig(gemm="dequant_dot"))
 def test_shorthand_keywords_are_the_same_path_as_kernels():
     assert resolve_call("q", None, "xla", "dequant_dot") == mxfp8.resolve_kernels(
         KernelConfig("xla", "dequant_dot")
