@@ -47,7 +47,7 @@ _EXPORTS: dict[str, str] = {
     "LRScheduler": "torch_side.lr_schedule",
     "ScheduleConfig": "torch_side.lr_schedule",
     "PlaneState": "torch_side.plane_bucket",
-    "precompile": "torch_side.precompile",
+    "precompile": "torch_side.precompiling",
     "GatherMode": "torch_side.policy",
     "MixedPrecisionPolicy": "torch_side.policy",
     "UnalignedLinear": "torch_side.policy",

@@ -46,7 +46,7 @@ from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
 from torch_side.collectives import Collective, all_reduce_on
 from torch_side.lr_schedule import LRScheduler
 from torch_side.models.gpt import TorchGPT
-from torch_side.precompile import precompile  # (the module's name is the function's: import it)
+from torch_side.precompiling import precompile
 
 __all__ = [
     "MARKOV_MAX_VOCAB",

@@ -170,3 +170,14 @@ def test_compile_ahead_dedupes_programs_and_returns_abstract_results():
     y, z = f(ones, scale=3), f(put, scale=3)
     assert COMPILES.count == before, "the jit calls did not find the programs compiled ahead"
     assert float(y[0, 0]) == 3.0 and float(z[0, 0]) == 3.0
+
+
+def test_the_package_name_is_the_function_whatever_was_imported_first():
+    """``torch_side.precompile`` is the function even after its module was imported (the module
+    is ``torch_side.precompiling``: a submodule of the function's name would replace it)."""
+    import importlib
+
+    import torch_side
+
+    importlib.import_module("torch_side.precompiling")
+    assert callable(torch_side.precompile) and torch_side.precompile is precompile
