@@ -248,8 +248,8 @@ def write_step(
         agree(None if bad is None else f"refusing to save step {step}: {bad} holds a non-finite "
               f"value (nan or inf); nothing was written", group=group)
     staging = step_dirs.staging(path, run_id)
-    agree(step_dirs.prepare(path, staging) if rank == 0 else None, group=group)
-    try:
+    try:  # from the staging directory's creation on: a signal anywhere leaves no partial copy
+        agree(step_dirs.prepare(path, staging) if rank == 0 else None, group=group)
         head = {"format_version": FORMAT_VERSION, "run_id": run_id, "step": step, "rank": rank,
                 "world_size": world}
         problem, mine = None, {}
