@@ -30,7 +30,9 @@ GPT's head and loss use it).
 
 An FSDP unit of several registered blocks (one input, one output each) runs as one program per
 direction whose outputs its blocks return, each its own (``bridge.unit_spans``); a unit of blocks
-of several inputs or outputs runs each block's own program.
+of several inputs or outputs runs each block's own program, and so does every unit on CUDA under
+XLA's deterministic ops (``span_programs_run_on``: XLA:GPU fails to execute a span's backward
+there).
 """
 
 from __future__ import annotations
