@@ -33,7 +33,7 @@ from bridge import MXFP8Linear
 from tests.torch_side import cases_quantize, cases_training, cases_wire
 from tests.torch_side.multiprocess import run_cases
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
-from torch_side.collectives import Collective, all_reduce_on
+from torch_side.comm.collectives import Collective, all_reduce_on
 
 _CFG_ENV = "BENCH_FSDP_CONFIG"
 

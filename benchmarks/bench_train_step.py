@@ -139,6 +139,7 @@ def _build(run, cfg, args):
     import torch
 
     from common.modes import LinearMode
+    from models.torch_gpt import TorchGPT
     from torch_side import (
         FSDPOptimizer,
         GatherMode,
@@ -147,7 +148,6 @@ def _build(run, cfg, args):
         WeightFormat,
         fully_shard,
     )
-    from torch_side.models.gpt import TorchGPT
 
     if run in ("fsdp2", "torchao"):
         return _build_fsdp2(run, cfg, args)
@@ -207,7 +207,7 @@ def _build_fsdp2(run, cfg, args):
     from torch.distributed.fsdp import MixedPrecisionPolicy as MP
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
-    from torch_side.models.gpt import TorchGPT, cross_entropy
+    from models.torch_gpt import TorchGPT, cross_entropy
 
     model = TorchGPT(cfg, seed=0, device=args.device, activations="bf16", linear_impl="torch")
     if run == "torchao":

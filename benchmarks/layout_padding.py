@@ -1,4 +1,5 @@
-"""Padding overhead of FSDP's flat layout (``torch_side.flat_layout``), GPT- and conv-style models.
+"""Padding overhead of FSDP's flat layout (``torch_side.fsdp.flat_layout``), GPT- and conv-style
+models.
 
 The layout starts every parameter at a multiple of ``U = lcm(256, row sizes of the group)`` and
 makes each rank's shard a multiple of U (so shards keep rows whole). Row sizes that share few
@@ -17,7 +18,7 @@ import math
 from collections.abc import Iterator
 
 from common.model_config import GPT2_124M, TINY, GPTConfig
-from torch_side.flat_layout import FlatLayout
+from torch_side.fsdp.flat_layout import FlatLayout
 
 Shape = tuple[int, ...]
 # unit name -> group name -> [(parameter name, shape)]

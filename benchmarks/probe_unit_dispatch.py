@@ -181,7 +181,7 @@ def _plain_step(args, cfg, sinks: bool):
     """The mxfp8 run's step without the benchmark's timed refresh; ``sinks=False``: the unit
     programs return every gradient to autograd (the per-parameter hooks stage them)."""
     from benchmarks import bench_train_step as B
-    from torch_side.fsdp_unit import ParamShare, WeightPlanes
+    from torch_side.fsdp.fsdp_unit import ParamShare, WeightPlanes
 
     saved = WeightPlanes.grad_target, ParamShare.grad_target
     if not sinks:

@@ -6,13 +6,13 @@ Without FSDP it reads the parameters themselves and autograd takes the gradients
 instead, through three declared interfaces:
 
 - ``WeightSource``: a block-scaled weight's planes inside FSDP's gathered buckets
-  (``torch_side.fsdp_unit.WeightPlanes``): ``shared(plane)`` is the plane shared with JAX once
+  (``torch_side.fsdp.fsdp_unit.WeightPlanes``): ``shared(plane)`` is the plane shared with JAX once
   per bucket lifetime (rowwise for the forward, colwise for the backward);
 - ``ParamSource``: a high-precision parameter's slice of its group's shared weights buffer
-  (``torch_side.fsdp_unit.ParamShare``): ``shared_tensor()``;
+  (``torch_side.fsdp.fsdp_unit.ParamShare``): ``shared_tensor()``;
 - both offer ``grad_target()``, a ``GradTarget`` or None: where the program lays that gradient
   out instead of returning it to autograd -- element ``start`` of a flat buffer that a
-  ``GradSink`` (``torch_side.fsdp_unit.GroupGradSink``: the group's grad bucket) takes whole.
+  ``GradSink`` (``torch_side.fsdp.fsdp_unit.GroupGradSink``: the group's grad bucket) takes whole.
 
 FSDP also binds each module of a unit of several blocks to the unit's ``UnitSpan``
 (``bridge.unit_spans``): one program runs them all. The bridge keeps in the binding what it

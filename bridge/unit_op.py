@@ -7,7 +7,7 @@ differentiable input and every parameter in one uint8 array (one crossing back),
 dW comes in each weight's own dtype, as from the per-linear op. Without FSDP autograd hands the
 gradients to the parameters; under FSDP the gradients of parameters whose source names a
 ``GradTarget`` come laid out as their group's grad bucket and go to its sink (one add per
-group: ``torch_side.fsdp_unit.GroupGradSink``), and autograd gets None for them -- the bytes
+group: ``torch_side.fsdp.fsdp_unit.GroupGradSink``), and autograd gets None for them -- the bytes
 that reach the bucket are the same (``tests/torch_side/test_grad_sinks.py``).
 
 Inputs and outputs: ``inputs`` are the differentiable tensors (one for the GPT's block; a block

@@ -14,11 +14,10 @@ which the model side fills with ``register_unit(module_type, fn_for, inputs=1, o
 ``fn_for(module)`` returns the block's JAX function ``fn(params, linear, *inputs) -> output`` (a
 hashable callable: ``jax_side.unit_program``'s contract), ``inputs`` how many differentiable
 tensors the block's forward takes, ``outputs`` how many it returns (a tuple when several). The
-GPT registers its ``Block`` in ``torch_side/models/gpt.py``; a test or a user's package registers
-its own the same way (docs/extending.md, "A block type"). The GPT's own block and head functions
-(``jax_side.models.gpt_math``) are re-exported here because ``torch_side``, where the Torch twin
-lives, reaches JAX only through the bridge; a block type defined where JAX may be imported (an
-application, a test) needs no bridge edit.
+GPT registers its ``Block`` in ``models/torch_gpt.py`` with the functions of
+``models.gpt_math``; a test or a user's package registers its own the same way
+(docs/extending.md, "A block type"). The bridge names no model: a new block type needs no bridge
+edit.
 
 ``set_compute(model, Compute.UNIT)`` runs every registered block of ``model`` through its program;
 ``Compute.OP`` restores the class's own forward, which the per-linear op serves. How: the block's
@@ -48,12 +47,9 @@ from bridge.unit_bindings import UnitBinding, hold_binding
 from bridge.unit_op import run_op
 from common.modes import Compute
 from jax_side import unit_program as U
-from jax_side.models.gpt_math import GPTBlockFn, GPTHeadFn
 
 __all__ = [
     "BlockType",
-    "GPTBlockFn",
-    "GPTHeadFn",
     "UnitForward",
     "block_type",
     "register_unit",

@@ -241,7 +241,7 @@ def register_format(value: str, spec: FormatSpec) -> RegisteredFormat:
     Registering the same value with an equal row again returns the same key (a module that
     registers at import may be imported by several processes or twice); another row under a
     taken value, or a built-in format's value, is refused. The format's implementations are
-    separate tables of each layer (e.g. ``torch_side.weight_codecs.CODECS``); removing the row
+    separate tables of each layer (e.g. ``torch_side.fsdp.weight_codecs.CODECS``); removing the row
     (``del FORMATS[key]``) unregisters it.
     """
     if not isinstance(value, str) or not _FORMAT_VALUE.fullmatch(value):

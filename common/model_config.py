@@ -1,7 +1,7 @@
 """``GPTConfig``: the one config both GPT twins are built from, and its presets.
 
-Framework-free on purpose (no jax, no torch import): the Torch twin (``torch_side.models``) and
-the Flax twin (``jax_side.models``) build from the very same dataclass, so they cannot drift apart
+Framework-free on purpose (no jax, no torch import): the Torch twin (``models.torch_gpt``) and
+the Flax twin (``models.flax_gpt``) build from the very same dataclass, so they cannot drift apart
 in shape or hyperparameters.
 """
 

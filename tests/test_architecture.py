@@ -1,13 +1,13 @@
 """The layer rules of DESIGN.md 2, enforced: an import graph over the source, and real imports in
 fresh interpreters asserting which frameworks each package pulls in.
 
-Layers (lowest first): ``common`` (framework-free facts) <- ``jax_side`` (numerics, Flax twin)
-<- ``bridge`` (the only library package importing torch and jax) <- ``torch_side`` (FSDP; JAX
-only through ``bridge``) <- ``apps`` (training, parity, command lines). Every import anywhere in a
-file counts, also inside functions ("not even lazily"), and so does an import made from a string:
-``importlib.import_module("a.b")`` (or ``__import__``) is an edge to ``a.b``; where the name is not
-a literal (a table of module names), every string in the file that names a project module counts.
-No circle between files, and none between packages or sub-packages.
+Layers (lowest first): ``common`` (framework-free facts) <- ``jax_side`` (numerics) <- ``bridge``
+(the only library package importing torch and jax) <- ``torch_side`` (FSDP; JAX only through
+``bridge``) <- ``models`` (the GPT twins) <- ``apps`` (training, parity, command lines). Every
+import anywhere in a file counts, also inside functions ("not even lazily"), and so does an import
+made from a string: ``importlib.import_module("a.b")`` (or ``__import__``) is an edge to ``a.b``;
+where the name is not a literal (a table of module names), every string in the file that names a
+project module counts. No circle between files, and none between packages or sub-packages.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PROJECT = ("common", "jax_side", "bridge", "torch_side", "apps")
+PROJECT = ("common", "jax_side", "bridge", "torch_side", "models", "apps")
 FRAMEWORKS = ("torch", "jax", "jaxlib", "flax")
 
 # What each top-level package may import: project packages and frameworks.
@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "jax_side": {"common", "jax", "jaxlib", "flax"},
     "bridge": {"common", "jax_side", "jax", "jaxlib", "torch"},
     "torch_side": {"common", "bridge", "torch"},
-    "apps": {"common", "jax_side", "bridge", "torch_side", "jax", "jaxlib", "flax", "torch"},
+    "models": {"common", "jax_side", "bridge", "torch_side", "jax", "jaxlib", "flax", "torch"},
+    "apps": {"common", "jax_side", "bridge", "torch_side", "models", "jax", "jaxlib", "flax",
+             "torch"},
 }
 
 
@@ -299,11 +301,11 @@ def test_the_graph_sees_the_known_edges():
         "jax_side.mxfp8" in GRAPH["jax_side.linear"]
     )
     assert "torch" in GRAPH["bridge.dlpack"] and "jax" in GRAPH["bridge.dlpack"]
-    assert "bridge.mxfp8_slices" in GRAPH["torch_side.distributed_quantize"]
+    assert "bridge.mxfp8_slices" in GRAPH["torch_side.fsdp.distributed_quantize"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     # imports made from strings: TE's GEMM primitive, and torch_side's table of lazy exports
     assert "transformer_engine" in GRAPH["jax_side.mxfp8.te_backend"]
-    assert "torch_side.fsdp_model" in GRAPH["torch_side"]
+    assert "torch_side.fsdp.fsdp_model" in GRAPH["torch_side"]
 
 
 def test_string_imports_count_as_edges():
@@ -338,7 +340,7 @@ COLLECTIVE_NAMES = frozenset({
     "scatter_object_list", "all_to_all", "all_to_all_single", "reduce",
 })
 # The one file that calls them (its module note), and where else they may be called, with why.
-COLLECTIVES_HOME = "torch_side/collectives.py"
+COLLECTIVES_HOME = "torch_side/comm/collectives.py"
 COLLECTIVE_EXCEPTIONS: dict[str, str] = {}
 # What the rule reads: the library, the applications, the benchmarks and the GPU scripts. Not
 # the tests: they check the wire against raw collectives of their own.
@@ -391,9 +393,10 @@ def _collective_uses(tree: ast.AST) -> list[str]:
 
 
 def test_only_collectives_py_calls_torch_distributed_collectives():
-    """``torch_side/collectives.py`` is the only place that moves bytes (its module note): FSDP's
-    collectives through a ``Communicator`` (wire log, collective check), the others (checkpoint
-    agreement, a stand-alone quantize, applications' metrics) through its functions on a process
+    """``torch_side/comm/collectives.py`` is the only place that moves bytes (its module note):
+    FSDP's collectives through a ``Communicator`` (wire log, collective check), the others
+    (checkpoint agreement, a stand-alone quantize, applications' metrics) through its functions on a
+    process
     group. Creating process groups and asking ranks and sizes are not collectives."""
     found = {}
     for top in COLLECTIVE_SCOPE:
@@ -405,8 +408,9 @@ def test_only_collectives_py_calls_torch_distributed_collectives():
     allowed = {COLLECTIVES_HOME, *COLLECTIVE_EXCEPTIONS}
     bad = {f: u for f, u in found.items() if f not in allowed}
     assert not bad, (
-        "call torch.distributed's collectives through torch_side.collectives (a Communicator, or "
-        "its functions on a process group), or list the file in COLLECTIVE_EXCEPTIONS with why:\n"
+        "call torch.distributed's collectives through torch_side.comm.collectives (a "
+        "Communicator, or its functions on a process group), or list the file in "
+        "COLLECTIVE_EXCEPTIONS with why:\n"
         + "\n".join(f"{f}:{u}" for f, us in sorted(bad.items()) for u in us)
     )
 
@@ -432,8 +436,12 @@ IMPORTS = [
     ("import common", ("torch", "jax", "flax"), ()),
     ("import common.model_config, common.kernels", ("torch", "jax", "flax"), ()),
     ("import jax_side.mxfp8", ("torch", "flax", "bridge"), ("jax",)),
-    ("import jax_side.linear, jax_side.models", ("torch", "bridge", "torch_side"), ("flax",)),
-    ("import torch_side.strategy, torch_side.policy", ("jax", "flax", "bridge"), ("torch",)),
+    ("import jax_side.linear", ("torch", "bridge", "torch_side", "flax"), ("jax",)),
+    ("import models", ("torch", "jax", "flax"), ()),
+    ("import models.flax_gpt", ("torch", "bridge", "torch_side"), ("flax",)),
+    ("import models.torch_gpt", ("flax", "apps"), ("torch", "bridge")),
+    ("import torch_side.fsdp.strategy, torch_side.fsdp.policy", ("jax", "flax", "bridge"),
+     ("torch",)),
     ("import torch_side", ("jax", "flax", "bridge"), ()),
     ("import bridge", ("torch_side", "apps", "flax"), ("torch", "jax")),
     ("from torch_side import fully_shard", ("apps", "flax"), ("bridge", "jax")),

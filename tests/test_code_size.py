@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "jax_side", "bridge", "torch_side", "apps")
+PACKAGES = ("common", "jax_side", "bridge", "torch_side", "models", "apps")
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_METHODS = 500, 60, 16
 
 

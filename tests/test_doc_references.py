@@ -1,7 +1,7 @@
 """Every dotted reference to a project module in the docs, the README, the notebooks and the
 docstrings/comments of the source names real code (issue 18: no stale ``jax_side.models.linear``).
 
-A reference is a word like ``torch_side.fsdp_model.FSDPModel`` or ``bridge.compile_ahead``
+A reference is a word like ``torch_side.fsdp.fsdp_model.FSDPModel`` or ``bridge.compile_ahead``
 starting with one of the project's packages. It resolves, statically (nothing is imported), when
 its longest prefix that is a module file or package is followed by names defined in that module:
 a top-level def/class/assignment/import (or a name re-exported by a package ``__init__``, also
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "jax_side", "bridge", "torch_side", "apps", "benchmarks", "tests")
+PACKAGES = ("common", "jax_side", "bridge", "torch_side", "models", "apps", "benchmarks",
+            "tests")
 # word boundary, a package, then one or more .identifier parts
 REF = re.compile(r"(?<![\w./-])((?:" + "|".join(PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)")
 FILE_SUFFIXES = (".py", ".md", ".ipynb", ".sh", ".json", ".toml", ".txt", ".png", ".jsonl")
@@ -129,9 +130,9 @@ def test_every_dotted_reference_names_real_code():
 
 
 @pytest.mark.parametrize("ref, ok", [
-    ("torch_side.fsdp_model.FSDPModel", True),
-    ("torch_side.fsdp_model.FSDPModel.zero_grad", True),
-    ("torch_side.fsdp_model.NoSuchThing", False),
+    ("torch_side.fsdp.fsdp_model.FSDPModel", True),
+    ("torch_side.fsdp.fsdp_model.FSDPModel.zero_grad", True),
+    ("torch_side.fsdp.fsdp_model.NoSuchThing", False),
     ("jax_side.models.linear", False),
     ("torch_side.training", False),
     ("common.kernels.KernelConfig", True),
@@ -142,7 +143,7 @@ def test_the_resolver_tells_real_from_stale(ref, ok):
 
 # A path in backquotes in the README or the docs (`tests/bridge/test_dlpack.py`, `scripts/gpu/`).
 PATH_REF = re.compile(
-    r"`((?:common|jax_side|bridge|torch_side|apps|benchmarks|tests|scripts|docs|notebooks)"
+    r"`((?:common|jax_side|bridge|torch_side|models|apps|benchmarks|tests|scripts|docs|notebooks)"
     r"/[\w./-]*)`"
 )
 
@@ -177,7 +178,10 @@ def test_test_files_sit_in_the_folder_of_the_package_they_test():
         if len(rel.parts) == 1:
             ok = rel.name in top
         else:
-            ok = (ROOT / Path(*rel.parts[:-1])).is_dir()
+            folder = ROOT / Path(*rel.parts[:-1])
+            # test_<module>.py sits in the folder of the module of that name, where it has one
+            homes = [m.parent for m in (ROOT / rel.parts[0]).rglob(f"{rel.stem[5:]}.py")]
+            ok = folder.is_dir() and (not homes or folder in homes)
         if not ok:
             misplaced.append(str(rel))
     assert not misplaced, f"test files outside a folder that mirrors a package: {misplaced}"

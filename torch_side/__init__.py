@@ -1,11 +1,15 @@
-"""Torch side: FSDP buffers, communication and the Torch GPT twin (DESIGN.md 5).
+"""Torch side: FSDP buffers and communication (DESIGN.md 5).
+
+Folders by job: ``fsdp/`` the FSDP core, ``comm/`` the wire (the only torch.distributed
+collectives), ``checkpoint/`` sharded checkpoint files, ``instruments/`` telemetry and digests,
+``launch.py`` the local launcher and per-rank bootstrap. The GPT twins are ``models``.
 
 Public API (user guide: docs/fsdp.md):
 - ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
   init_sync=..., overlap=...)`` -> ``FSDPModel`` (``InitSync``, ``Overlap``: prefetch depth
   and asynchronous gradient reductions);
   ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
-  (global norm over every shard); ``LRScheduler(opt, ScheduleConfig(lr, LRSchedule.COSINE, ...))``
+  (global norm over every shard)
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,
   ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
@@ -13,8 +17,8 @@ Public API (user guide: docs/fsdp.md):
 - ``CollectiveMismatchError``: raised by ``fully_shard(..., check_collectives=True)`` when the
   ranks are about to run different collectives
 
-The names are loaded on first use (PEP 562), so ``import torch_side.strategy`` or
-``import torch_side.policy`` loads torch only: JAX starts when the bridge is first needed.
+The names are loaded on first use (PEP 562), so ``import torch_side.fsdp.strategy`` or
+``import torch_side.fsdp.policy`` loads torch only: JAX starts when the bridge is first needed.
 """
 
 from __future__ import annotations
@@ -24,35 +28,32 @@ from typing import Any
 
 # name -> module that defines it (the one place each public name comes from)
 _EXPORTS: dict[str, str] = {
-    "BucketAllocator": "torch_side.bucket_allocator",
-    "CollectiveMismatchError": "torch_side.collective_check",
-    "Collective": "torch_side.collectives",
-    "Phase": "torch_side.collectives",
-    "WireRecord": "torch_side.collectives",
-    "QuantizedShard": "torch_side.distributed_quantize",
-    "distributed_mxfp8_quantize": "torch_side.distributed_quantize",
-    "FlatLayout": "torch_side.flat_layout",
-    "LayoutError": "torch_side.flat_layout",
-    "LayoutPaddingWarning": "torch_side.flat_layout",
-    "LayoutStats": "torch_side.flat_layout",
-    "check_layout": "torch_side.flat_layout",
-    "GradCheck": "torch_side.fsdp_unit",
-    "FSDPModel": "torch_side.fsdp_model",
-    "fully_shard": "torch_side.fsdp_model",
-    "InitSync": "torch_side.init_sync",
-    "Overlap": "torch_side.overlap",
-    "FSDPOptimizer": "torch_side.optimizer",
-    "clip_grad_norm_": "torch_side.optimizer",
-    "LRSchedule": "torch_side.lr_schedule",
-    "LRScheduler": "torch_side.lr_schedule",
-    "ScheduleConfig": "torch_side.lr_schedule",
-    "PlaneState": "torch_side.plane_bucket",
-    "precompile": "torch_side.precompiling",
-    "GatherMode": "torch_side.policy",
-    "MixedPrecisionPolicy": "torch_side.policy",
-    "UnalignedLinear": "torch_side.policy",
-    "WeightFormat": "torch_side.policy",
-    "ShardingStrategy": "torch_side.strategy",
+    "BucketAllocator": "torch_side.fsdp.bucket_allocator",
+    "CollectiveMismatchError": "torch_side.comm.collective_check",
+    "Collective": "torch_side.comm.collectives",
+    "Phase": "torch_side.comm.collectives",
+    "WireRecord": "torch_side.comm.collectives",
+    "QuantizedShard": "torch_side.fsdp.distributed_quantize",
+    "distributed_mxfp8_quantize": "torch_side.fsdp.distributed_quantize",
+    "FlatLayout": "torch_side.fsdp.flat_layout",
+    "LayoutError": "torch_side.fsdp.flat_layout",
+    "LayoutPaddingWarning": "torch_side.fsdp.flat_layout",
+    "LayoutStats": "torch_side.fsdp.flat_layout",
+    "check_layout": "torch_side.fsdp.flat_layout",
+    "GradCheck": "torch_side.fsdp.fsdp_unit",
+    "FSDPModel": "torch_side.fsdp.fsdp_model",
+    "fully_shard": "torch_side.fsdp.fsdp_model",
+    "InitSync": "torch_side.fsdp.init_sync",
+    "Overlap": "torch_side.fsdp.overlap",
+    "FSDPOptimizer": "torch_side.fsdp.optimizer",
+    "clip_grad_norm_": "torch_side.fsdp.optimizer",
+    "PlaneState": "torch_side.fsdp.plane_bucket",
+    "precompile": "torch_side.fsdp.precompiling",
+    "GatherMode": "torch_side.fsdp.policy",
+    "MixedPrecisionPolicy": "torch_side.fsdp.policy",
+    "UnalignedLinear": "torch_side.fsdp.policy",
+    "WeightFormat": "torch_side.fsdp.policy",
+    "ShardingStrategy": "torch_side.fsdp.strategy",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """Byte-for-byte comparison of named tensors, and the Flax twin's whole-model loss and gradients.
 
 Used where the Torch side computes what the Flax twin computes with the same functions
-(``Compute.UNIT``: ``jax_side.models.gpt_math`` in both) and the bytes must be equal, not close:
+(``Compute.UNIT``: ``models.gpt_math`` in both) and the bytes must be equal, not close:
 the unit-compute parity report (``unit_report``) and the multi-step replay (``replay``).
 
 - ``Mismatch`` / ``compare_named``: for each name (in a given order), whether the two sides'
@@ -31,8 +31,8 @@ from bridge import TorchMXFP8Tensor, to_jax_mxfp8
 from common.model_config import GPTConfig
 from common.modes import Activations, LinearMode
 from jax_side.linear import quantize_weight
-from jax_side.models import FlaxGPT, cross_entropy, flat_params, nested_params
-from torch_side.fsdp_model import FSDPModel
+from models.flax_gpt import FlaxGPT, cross_entropy, flat_params, nested_params
+from torch_side.fsdp.fsdp_model import FSDPModel
 
 __all__ = [
     "Kind",

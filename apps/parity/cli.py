@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.__version__}", flush=True)
     start = time.perf_counter()
     if args.replay:
-        from torch_side.sharded_files import CheckpointError
+        from torch_side.checkpoint.sharded_files import CheckpointError
 
         try:
             report = _replay(args, cfg)

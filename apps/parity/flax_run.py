@@ -20,8 +20,8 @@ from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
 from jax_side.linear import quantize_weight
-from jax_side.models import FlaxGPT, cross_entropy, flat_params, nested_params
 from jax_side.mxfp8 import MXFP8Tensor
+from models.flax_gpt import FlaxGPT, cross_entropy, flat_params, nested_params
 
 __all__ = [
     "Batch",

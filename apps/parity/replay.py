@@ -58,7 +58,7 @@ from apps.parity.replay_state import (
 )
 from bridge import jax_work_on
 from common.modes import LinearMode
-from torch_side.collectives import Collective, all_reduce_on
+from torch_side.comm.collectives import Collective, all_reduce_on
 
 __all__ = ["FlaxState", "ReplayReport", "StepResult", "replay", "replay_on_rank"]
 

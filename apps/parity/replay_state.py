@@ -7,7 +7,7 @@ same state as the Flax twin holds it.
   decay);
 - ``build_torch(setup)``: ``fully_shard`` + ``FSDPOptimizer(torch.optim.AdamW, foreach=False)``
   started from the seed's Flax checkpoint or loaded from the training checkpoint (main weights,
-  AdamW moments and step count: ``torch_side.sharded_state.load_parts``, a collective; the step
+  AdamW moments and step count: ``torch_side.fsdp.sharded_state.load_parts``, a collective; the step
   count through ``_ScalarsOfAnyGroups``, since the twin's groups need not be the run's);
 - ``full_moments(opt)``: the AdamW moments of every parameter at full shape (rank 0; a
   collective), which with ``FSDPModel.full_state_dict()`` is the Flax twin's starting state.
@@ -37,12 +37,12 @@ from apps.parity.torch_run import load_flax_checkpoint, shard_gpt
 from apps.training.job import RECIPES, Weights
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, LinearMode
-from jax_side.models import flat_params
+from models.flax_gpt import flat_params
+from models.torch_gpt import TorchGPT
 from torch_side import FSDPModel, FSDPOptimizer, ShardingStrategy
-from torch_side.collectives import gather_objects
-from torch_side.models import TorchGPT
-from torch_side.sharded_files import META, CheckpointError, ShardedReader, read_json
-from torch_side.sharded_state import OptimScalarKey, key_text, load_parts, parse_key
+from torch_side.checkpoint.sharded_files import META, CheckpointError, ShardedReader, read_json
+from torch_side.comm.collectives import gather_objects
+from torch_side.fsdp.sharded_state import OptimScalarKey, key_text, load_parts, parse_key
 
 __all__ = ["ReplaySetup", "TorchSide", "build_torch", "full_moments", "setup_from_checkpoint"]
 

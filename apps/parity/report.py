@@ -256,7 +256,7 @@ def _layer_check(
     weight: jax.Array, planes: MXFP8Tensor | None, kernels: KernelConfig | None,
 ) -> tuple[float | None, float | None, jax.Array, jax.Array, jax.Array]:
     """One layer: byte-equal fractions of Torch's vs Flax's quantized x and dy (MXFP8 mode),
-    and the teacher-forced Flax linear (jax_side.models) on Torch's x, W or planes, dy.
+    and the teacher-forced Flax linear (models.flax_gpt) on Torch's x, W or planes, dy.
 
     Runs eagerly: the linear's quantizations and GEMMs are jitted per shape in
     ``jax_side.linear``, so this reuses the code the Flax model already compiled.

@@ -36,11 +36,11 @@ from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
 from jax_side.linear import quantize_weight
-from jax_side.models import flat_params, nested_params
 from jax_side.mxfp8 import MXFP8Tensor
-from torch_side.collectives import barrier
+from models.flax_gpt import flat_params, nested_params
+from models.torch_gpt import TorchGPT
+from torch_side.comm.collectives import barrier
 from torch_side.launch import run_local_ranks
-from torch_side.models import TorchGPT
 
 __all__ = ["parity_on_gathered", "sharded_parity_report"]
 

@@ -16,8 +16,8 @@ from bridge import jax_work_on, to_jax
 from common.kernels import KernelConfig
 from common.model_config import GPTConfig
 from common.modes import LinearMode
-from jax_side.models import flat_params, nested_params
-from torch_side.models import TorchGPT, load_flat_params
+from models.flax_gpt import flat_params, nested_params
+from models.torch_gpt import TorchGPT, load_flat_params
 
 __all__ = ["flax_params_view", "parity_report"]
 

@@ -12,7 +12,7 @@ tensor the report compares, plain or under ``torch_side`` FSDP.
 - ``run_sharded(fsdp, tokens, targets)``: ``run_torch`` on the wrapped model; gradients are the
   reduced main grads, all-gathered to full shapes (``full_grads``, a collective).
 - ``load_flax_checkpoint(fsdp, flat)``: set an already wrapped model from a Flax checkpoint
-  (``jax_side.models.flat_params``; same names), requantizing the MXFP8 planes.
+  (``models.flax_gpt.flat_params``; same names), requantizing the MXFP8 planes.
 
 Every rank of the sharded report runs the same batch, so the DP average of gradients,
 ``g/W + ... + g/W``, is exactly ``g`` for W = 2 (halving and adding two equal floats are exact) but
@@ -30,8 +30,8 @@ from torch import nn
 
 from apps import environment
 from common.kernels import KernelConfig
+from models.torch_gpt import Block, TorchGPT, cross_entropy, mxfp8_linears
 from torch_side import FSDPModel, ShardingStrategy, fully_shard
-from torch_side.models.gpt import Block, TorchGPT, cross_entropy, mxfp8_linears
 
 __all__ = [
     "LinearIO",

@@ -2,7 +2,7 @@
 gathered MXFP8 planes, byte for byte against the Flax twin.
 
 Under ``Compute.UNIT`` each block's forward and backward, and the head with the loss, are JAX
-programs running the Flax twin's own functions (``jax_side.models.gpt_math``), so the linears'
+programs running the Flax twin's own functions (``models.gpt_math``), so the linears'
 inputs and outputs never reach Torch (the op report's per-linear hooks have nothing to see), and
 the expected result is stronger: bit identity of everything the model returns.
 
@@ -38,9 +38,9 @@ from apps.parity.torch_run import load_flax_checkpoint, shard_gpt
 from bridge import jax_work_on
 from common.model_config import GPTConfig
 from common.modes import Activations, LinearMode
-from jax_side.models import flat_params
-from torch_side.models import TorchGPT, load_flat_params
-from torch_side.strategy import ShardingStrategy
+from models.flax_gpt import flat_params
+from models.torch_gpt import TorchGPT, load_flat_params
+from torch_side.fsdp.strategy import ShardingStrategy
 
 __all__ = ["UnitParityReport", "unit_parity_report"]
 

@@ -1,6 +1,6 @@
 """Training checkpoints: parts that save and load their own state, resumable at any world size.
 
-A checkpoint is the list of **parts** of ``_parts`` (``torch_side.sharded_state.Stateful``, as
+A checkpoint is the list of **parts** of ``_parts`` (``torch_side.fsdp.sharded_state.Stateful``, as
 torchtitan's checkpointer composes ``Stateful`` objects), each writing its own entries and
 ``meta.json`` fields, in this order:
 
@@ -18,18 +18,20 @@ torchtitan's checkpointer composes ``Stateful`` objects), each writing its own e
   config in force is the resuming run's (as with ``--lr`` before schedules existed), so a resume
   with the same flags is bit-exact. A checkpoint without the field (written before schedules)
   resumes the schedule at its step. The app adds the
-``job`` and ``data_digest`` fields, checked on load. The files (``torch_side.sharded_files``):
-``<save_dir>/step_<k>/rank_<r>.bin`` / ``rank_<r>.json`` per rank and ``meta.json`` (rank 0,
-last: format version 2, run id, step, world size, sha256 and size of every file, the fields).
-``SCHEMA`` lists the keys with their dtypes; a file declaring any other key or dtype is refused.
+``job`` and ``data_digest`` fields, checked on load. The files
+(``torch_side.checkpoint.sharded_files``): ``<save_dir>/step_<k>/rank_<r>.bin`` / ``rank_<r>.json``
+per rank and ``meta.json`` (rank 0, last: format version 2, run id, step, world size, sha256 and
+size of every file, the fields). ``SCHEMA`` lists the keys with their dtypes; a file declaring any
+other key or dtype is refused.
 
 ``<save_dir>/latest`` names the newest complete checkpoint and is replaced (never followed
 through a planted link) after that checkpoint is complete. A run saving into ``<save_dir>``
 holds ``<save_dir>/writer.lock`` for its life (``apps.training.writer_lock``; a holder killed
 outright is taken over), first finishes or removes what a killed save left there
-(``torch_side.step_dirs.recover``), and writes its random **run id** into every file. A save
-of a step that exists already (a resume from an earlier step into the same directory) replaces
-the complete copy only once the new one is complete (``torch_side.sharded_files``).
+(``torch_side.checkpoint.step_dirs.recover``), and writes its random **run id** into every
+file. A save of a step that exists already (a resume from an earlier step into the same
+directory) replaces the complete copy only once the new one is complete
+(``torch_side.checkpoint.sharded_files``).
 
 MXFP8 planes are never stored: the model part re-derives them after loading the main weights
 (``FSDPModel.refresh_model_weights``), byte-identical to the planes of the run that saved. A rank
@@ -61,13 +63,10 @@ import torch
 import torch.distributed as dist
 
 from apps.training.data import DataPosition
+from apps.training.lr_schedule import LRScheduler
 from apps.training.writer_lock import WriterLock
-from torch_side.collectives import broadcast_object
-from torch_side.fsdp_model import FSDPModel
-from torch_side.lr_schedule import LRScheduler
-from torch_side.optimizer import FSDPOptimizer
-from torch_side.safe_files import bounded, open_regular, read_bounded, replace_text
-from torch_side.sharded_files import (
+from torch_side.checkpoint.safe_files import bounded, open_regular, read_bounded, replace_text
+from torch_side.checkpoint.sharded_files import (
     FORMAT_VERSION,
     META,
     CheckpointError,
@@ -77,7 +76,11 @@ from torch_side.sharded_files import (
     read_json,
     recover,
 )
-from torch_side.sharded_state import (
+from torch_side.checkpoint.step_dirs import interrupted_copies
+from torch_side.comm.collectives import broadcast_object
+from torch_side.fsdp.fsdp_model import FSDPModel
+from torch_side.fsdp.optimizer import FSDPOptimizer
+from torch_side.fsdp.sharded_state import (
     MODEL_SCHEMA,
     OPTIMIZER_SCHEMA,
     Restore,
@@ -87,7 +90,6 @@ from torch_side.sharded_state import (
     read_parts,
     save_parts,
 )
-from torch_side.step_dirs import interrupted_copies
 
 __all__ = [
     "FORMAT_VERSION",
@@ -114,7 +116,7 @@ class _RngFields(NamedTuple):
 
 
 class RngKey(_RngFields):
-    """One rank's RNG state of one device type (a key of ``torch_side.sharded_state.Key``)."""
+    """One rank's RNG state of one device type (a key of ``torch_side.fsdp.sharded_state.Key``)."""
 
     __slots__ = ()
     PREFIX: ClassVar[str] = "rng"

@@ -220,7 +220,7 @@ def _rank_entry(runs: Runs) -> list[TrainResult] | Stopped:
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
     from jax_side.compile_cache import enable_compilation_cache
-    from torch_side.sharded_files import CheckpointError
+    from torch_side.checkpoint.sharded_files import CheckpointError
 
     with unwinding():  # SIGTERM / SIGINT: the lock released, a save in progress abandoned
         # a second launch starts warm (MXFP8_JAX_CACHE=off disables it)

@@ -19,9 +19,10 @@ Exit status: 0 identical, 1 differ, 2 bad input (a missing or malformed file, no
 digest that hashes no tensor, runs of different models, no point in common), with the reason on
 stderr.
 
-The digests do not depend on the world size (``torch_side.step_digest``): runs at different
-world sizes agree wherever their values are equal (the start, a resume of a checkpoint saved at
-another world size); their reduced gradients are summed in another order and usually differ.
+The digests do not depend on the world size (``torch_side.instruments.step_digest``): runs at
+different world sizes agree wherever their values are equal (the start, a resume of a checkpoint
+saved at another world size); their reduced gradients are summed in another order and usually
+differ.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """What ``--telemetry`` and ``--digest`` add to a run's metrics records (``Trainer`` calls it).
 
 - ``--telemetry``: each step record gets ``telemetry`` = {group label: {plane: stats}}
-  (``torch_side.numerics_telemetry``: scale-exponent histogram, zero / subnormal element shares,
-  changed scale blocks, amax headroom) and ``telemetry_s``, the seconds collecting it took on
-  rank 0 (outside ``step_s``). ``--telemetry-every N``: only the records of steps whose index is
+  (``torch_side.instruments.numerics_telemetry``: scale-exponent histogram, zero / subnormal element
+  shares, changed scale blocks, amax headroom) and ``telemetry_s``, the seconds collecting it took
+  on rank 0 (outside ``step_s``). ``--telemetry-every N``: only the records of steps whose index is
   a multiple of N (changed blocks count since the previous such step); on the other steps the
   amax observer returns at once and nothing is collected.
 - ``--digest``: each step record gets ``digest`` = {group label: {tensor: 16 hex digits}}
-  (``torch_side.step_digest``): the reduced gradient of the step (hashed before the update) and
-  the main weights, planes and scales after it; the run record gets ``digest`` of the state the
-  run starts from (the initial weights, or the resumed checkpoint's), and each step record
+  (``torch_side.instruments.step_digest``): the reduced gradient of the step (hashed before the
+  update) and the main weights, planes and scales after it; the run record gets ``digest`` of the
+  state the run starts from (the initial weights, or the resumed checkpoint's), and each step record
   ``digest_s`` (its gradient part runs before the update, so inside ``step_s`` too).
   ``mxfp8-digest-diff`` (``apps.training.digest_diff``) compares two files.
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torch_side.fsdp_model import FSDPModel
-from torch_side.numerics_telemetry import NumericsTelemetry
-from torch_side.step_digest import (
+from torch_side.fsdp.fsdp_model import FSDPModel
+from torch_side.instruments.numerics_telemetry import NumericsTelemetry
+from torch_side.instruments.step_digest import (
     GRAD_TENSORS,
     STATE_TENSORS,
     Partials,

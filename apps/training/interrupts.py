@@ -4,11 +4,11 @@ Python's default SIGTERM ends the process at once, so nothing in a ``finally`` r
 killed that way left ``writer.lock`` behind and a half-written checkpoint in its staging
 directory. Inside ``unwinding()`` the first SIGTERM or SIGINT raises ``Interrupted`` in the main
 thread instead; the exception unwinds the training like any other (``Trainer.close`` releases
-the writer lock, a save in progress is abandoned by ``torch_side.step_dirs.abandon``, which never
-leaves the step without a complete copy), and the process exits with ``128 + signal`` (143 for
-SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. Signals that come
-while it unwinds are ignored, so a second Ctrl-C cannot cut the cleanup short; whoever sent them
-may still SIGKILL the process, and the next run then takes the lock over
+the writer lock, a save in progress is abandoned by ``torch_side.checkpoint.step_dirs.abandon``,
+which never leaves the step without a complete copy), and the process exits with ``128 + signal``
+(143 for SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. Signals that
+come while it unwinds are ignored, so a second Ctrl-C cannot cut the cleanup short; whoever sent
+them may still SIGKILL the process, and the next run then takes the lock over
 (``apps.training.writer_lock``).
 
 Who sends what: Ctrl-C in a terminal sends SIGINT to the launcher and every rank; SIGTERM to the

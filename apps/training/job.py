@@ -16,8 +16,8 @@ to fp32 on CPU (the exact twin) and bf16 with fused attention on CUDA (the train
 (``GatherMode``: MXFP8 planes, or bf16 that every rank quantizes itself): the same bytes reach the
 GEMMs either way, only the wire differs.
 
-The learning rate follows ``schedule()`` (``torch_side.lr_schedule.ScheduleConfig``: linear warmup
-over ``warmup_steps``, then constant, cosine or linear decay to ``min_lr`` at ``steps``), and
+The learning rate follows ``schedule()`` (``apps.training.lr_schedule.ScheduleConfig``: linear
+warmup over ``warmup_steps``, then constant, cosine or linear decay to ``min_lr`` at ``steps``), and
 ``grad_clip`` > 0 clips the global gradient norm (``torch_side.clip_grad_norm_``).
 
 The module imports neither torch nor JAX (nor numpy): ``mxfp8-train``'s parser is built from
@@ -34,6 +34,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from apps.training.lr_schedule import LRSchedule, ScheduleConfig
 from apps.training.options import (
     Group,
     internal,
@@ -46,8 +47,7 @@ from common.formats import WeightFormat
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, GatherMode, LinearMode
-from torch_side.lr_schedule import LRSchedule, ScheduleConfig
-from torch_side.strategy import ShardingStrategy
+from torch_side.fsdp.strategy import ShardingStrategy
 
 if TYPE_CHECKING:  # imported where used: the parser (mxfp8-train --help) needs no torch
     from apps.training.data import Corpus
@@ -355,7 +355,8 @@ class RunOptions:
     max_consecutive_skips: int = option(
         10, Group.OPTIM, parse=positive(int),
         help="with --on-nonfinite skip: stop after this many skipped steps in a row")
-    telemetry: bool = option(  # apps.training.instruments, torch_side.numerics_telemetry
+    # apps.training.instruments, torch_side.instruments.numerics_telemetry
+    telemetry: bool = option(
         False, Group.OUTPUTS,
         help="MXFP8 numerics per group, plane and step in the --metrics step records: E8M0 "
              "scale-exponent histogram, shares of elements quantized to zero / subnormal, of "
@@ -387,7 +388,7 @@ class RunOptions:
              "suffix")
     trace_steps: int = option(2, Group.OUTPUTS, parse=positive(int),
                               help="with --trace: how many steps to trace")
-    digest: bool = option(  # apps.training.instruments, torch_side.step_digest
+    digest: bool = option(  # apps.training.instruments, torch_side.instruments.step_digest
         False, Group.OUTPUTS,
         help="64-bit hashes per group and step of the main weights, reduced gradients, MXFP8 "
              "planes and scales in the --metrics records, independent of the world size; "

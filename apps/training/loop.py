@@ -36,17 +36,17 @@ from apps.training import checkpoint as ckpt
 from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
 from apps.training.instruments import StepInstruments
 from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
+from apps.training.lr_schedule import LRScheduler
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from apps.training.progress import Progress, progress
 from bridge.compile_ahead import AheadReport
 from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
+from models.torch_gpt import TorchGPT
 from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
-from torch_side.collectives import Collective, all_reduce_on
-from torch_side.lr_schedule import LRScheduler
-from torch_side.models.gpt import TorchGPT
-from torch_side.precompiling import precompile
+from torch_side.comm.collectives import Collective, all_reduce_on
+from torch_side.fsdp.precompiling import precompile
 
 __all__ = [
     "MARKOV_MAX_VOCAB",

@@ -33,7 +33,7 @@ import socket
 import stat
 from pathlib import Path
 
-from torch_side.sharded_files import CheckpointError
+from torch_side.checkpoint.sharded_files import CheckpointError
 
 __all__ = ["LOCK", "WriterLock"]
 

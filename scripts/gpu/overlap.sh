@@ -15,7 +15,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       timeout 420 python3 -m pytest -q -p no:cacheprovider tests/torch_side/test_nccl.py \
-        tests/torch_side/test_plane_bucket.py tests/torch_side/test_grad_reducer.py \
+        tests/torch_side/fsdp/test_plane_bucket.py tests/torch_side/fsdp/test_grad_reducer.py \
         tests/bridge/test_units.py 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
     step124)
       timeout 420 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 \

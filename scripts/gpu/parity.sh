@@ -19,7 +19,7 @@ cd "$(dirname "$0")/../.."
 
 t0=$SECONDS
 timeout 150 python3 -m pytest -q -rs --durations=10 -p no:cacheprovider \
-  tests/apps/parity/test_parity.py tests/jax_side/models tests/torch_side/models \
+  tests/apps/parity/test_parity.py tests/models \
   -k "cuda or not sharded" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 echo "parity tests (gpu-visible, sharded gloo case excluded): rc=$tests_rc in $((SECONDS - t0)) s" \

@@ -62,7 +62,7 @@ def test_the_jax_cache_directory(monkeypatch, tmp_path):
 
 def test_the_library_messages_name_the_same_variables():
     from jax_side import compile_cache
-    from torch_side.collective_check import CHECK_ENV
+    from torch_side.comm.collective_check import CHECK_ENV
 
     assert CHECK_ENV == environment.CHECK_COLLECTIVES
     assert compile_cache.ENV_VAR == environment.JAX_CACHE

@@ -11,7 +11,7 @@ import torch
 from bridge import TorchMXFP8Tensor, mxfp8_linear
 from common.formats import Plane, scale_shape
 from jax_side.mxfp8 import MXFP8Tensor, quantize
-from torch_side.distributed_quantize import distributed_mxfp8_quantize
+from torch_side.fsdp.distributed_quantize import distributed_mxfp8_quantize
 
 SHAPES = {  # shape -> accepted
     (0, 32): False,

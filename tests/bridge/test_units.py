@@ -27,10 +27,10 @@ from bridge.unit_bindings import binding_of
 from bridge.units import register_unit, run_unit, set_compute
 from common.model_config import TINY
 from common.modes import Activations, Compute
-from jax_side.models import FlaxGPT, cross_entropy, flat_params, nested_params
-from jax_side.models import gpt_math as gm
+from models import gpt_math as gm
+from models.flax_gpt import FlaxGPT, cross_entropy, flat_params, nested_params
+from models.torch_gpt import TorchGPT
 from tests.compiles import COMPILES
-from torch_side.models.gpt import TorchGPT
 
 B, S = 2, 64  # every test uses these shapes: the programs compile once per process
 

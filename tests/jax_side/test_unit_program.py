@@ -17,8 +17,8 @@ from common.model_config import TINY
 from common.modes import Activations
 from jax_side import unit_program as U
 from jax_side.linear import quantize_weight
-from jax_side.models.gpt_math import GPTBlockFn
 from jax_side.mxfp8 import resolve_kernels
+from models.gpt_math import GPTBlockFn
 
 NORMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias")
 LINEARS = {"attn.qkv": (3 * TINY.d_model, TINY.d_model), "attn.proj": (TINY.d_model,) * 2,

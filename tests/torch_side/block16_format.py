@@ -6,10 +6,10 @@ consecutive elements: rowwise (M, K/16), columnwise (M/16, K)). Registering it t
 steps the guide names, and nothing else of the library changes:
 
 1. its row of ``common.formats.FORMATS``: ``common.formats.register_format``;
-2. its codec: ``Block16Codec``, a ``torch_side.weight_codecs.BlockScaledCodec`` whose
+2. its codec: ``Block16Codec``, a ``torch_side.fsdp.weight_codecs.BlockScaledCodec`` whose
    ``quantize_images`` emulates the numerics with the numpy oracle (``tests/oracle/mxfp8_ref``,
    block 16): partial block amax of bf16 of the owned elements, the injected amax reduction,
-   scales and cast of the owned elements. It enters ``torch_side.weight_codecs.CODECS``.
+   scales and cast of the owned elements. It enters ``torch_side.fsdp.weight_codecs.CODECS``.
 
 The linear op and the unit programs read its planes by its ``ScaleBlocks``
 (``jax_side.block_scaled``: E4M3 x E8M0 at any block size), so nothing is registered for them.
@@ -30,8 +30,8 @@ from torch import nn
 from bridge import MXFP8Linear
 from common.formats import ALL_PLANES, FORMATS, FormatSpec, Plane, ScaleBlocks, register_format
 from tests.oracle import mxfp8_ref as ref
-from torch_side.distributed_quantize import BatchImages, GroupImages
-from torch_side.weight_codecs import CODECS, BlockScaledCodec
+from torch_side.fsdp.distributed_quantize import BatchImages, GroupImages
+from torch_side.fsdp.weight_codecs import CODECS, BlockScaledCodec
 
 VALUE = "mxfp8_b16"
 BLOCK = 16

@@ -1,4 +1,4 @@
-"""Spawned-rank cases: the collective-consistency check (``torch_side.collective_check``).
+"""Spawned-rank cases: the collective-consistency check (``torch_side.comm.collective_check``).
 
 A unit that runs on some ranks only made gloo abort the process ("Received data size doesn't
 match expected size"), or pair same-size buffers of different units silently (NCCL: hang or
@@ -26,8 +26,8 @@ from tests.torch_side.toy_models import (
     mse,
 )
 from torch_side import Collective, FSDPOptimizer, Phase, ShardingStrategy, fully_shard
-from torch_side.collective_check import CHECK_ENV, CollectiveMismatchError
-from torch_side.collectives import Communicator
+from torch_side.comm.collective_check import CHECK_ENV, CollectiveMismatchError
+from torch_side.comm.collectives import Communicator
 
 T = 32
 ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS

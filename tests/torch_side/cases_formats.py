@@ -42,7 +42,7 @@ from torch_side import (
     ShardingStrategy,
     fully_shard,
 )
-from torch_side.sharded_state import load_parts, save_parts
+from torch_side.fsdp.sharded_state import load_parts, save_parts
 
 T = 32  # tokens per rank
 LR = 0.1

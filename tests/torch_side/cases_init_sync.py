@@ -3,7 +3,7 @@
 Ranks build the model from different seeds (as a launcher that seeds by rank would); ``fully_shard``
 broadcasts each group's values from rank 0 of its data-parallel group (expert parameters: of their
 expert-DP group) before sharding, or, with ``InitSync.VERIFY``, refuses on every rank naming the
-first differing parameter (``torch_side.init_sync``).
+first differing parameter (``torch_side.fsdp.init_sync``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.torch_side.cases_reliability import (
 )
 from tests.torch_side.toy_models import Block, ExpertMLP, MoEBlock, make_batch, make_net, mse
 from torch_side import FSDPOptimizer, fully_shard
-from torch_side.collectives import Collective
+from torch_side.comm.collectives import Collective
 
 
 def _assert_planes_equal(got, want) -> None:
@@ -48,7 +48,7 @@ def case_ranks_that_initialise_differently_start_from_rank0(ctx):
     mixed = fully_shard(
         make_net(ctx.rank, device=ctx.device), unit_modules=(Block,), strategy=ZERO3
     )
-    # one broadcast per group, in the wire log (torch_side.collectives is the only caller)
+    # one broadcast per group, in the wire log (torch_side.comm.collectives is the only caller)
     sent = [(r.label, r.bytes_sent) for r in mixed.wire_log() if r.op is Collective.BROADCAST]
     assert sent == [(f"{g.label}/init", 4 * g.layout.padded_numel * (ctx.rank == 0))
                     for g in mixed.param_groups], sent

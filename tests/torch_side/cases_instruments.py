@@ -1,13 +1,13 @@
 """Spawned-rank cases: step digests and numerics telemetry against full-tensor references.
 
-- ``torch_side.step_digest``: the distributed digest of every group's gradient, main weights,
-  planes and scales equals ``full_tensor_digest`` of the full tensors (``full_grads``,
-  ``full_state_dict``, ``gathered_weights``) computed in one process -- so it is the same number
-  at every world size and strategy -- and every rank gets it.
-- ``torch_side.numerics_telemetry``: the reduced zero / subnormal counts, the scale histograms,
-  the changed-block counts and the amax headroom equal those computed from the full gathered
-  planes, scales and bf16(main weights) (every element counted once: replicated buffers under
-  ``no_shard`` / ``optim`` are split among the ranks, not counted DP times).
+- ``torch_side.instruments.step_digest``: the distributed digest of every group's gradient,
+  main weights, planes and scales equals ``full_tensor_digest`` of the full tensors
+  (``full_grads``, ``full_state_dict``, ``gathered_weights``) computed in one process -- so it is
+  the same number at every world size and strategy -- and every rank gets it.
+- ``torch_side.instruments.numerics_telemetry``: the reduced zero / subnormal counts, the scale
+  histograms, the changed-block counts and the amax headroom equal those computed from the full
+  gathered planes, scales and bf16(main weights) (every element counted once: replicated buffers
+  under ``no_shard`` / ``optim`` are split among the ranks, not counted DP times).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from common.formats import Plane
 from tests.torch_side.toy_models import Block, make_batch, make_net, mse
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
-from torch_side.numerics_telemetry import NumericsTelemetry
-from torch_side.step_digest import (
+from torch_side.instruments.numerics_telemetry import NumericsTelemetry
+from torch_side.instruments.step_digest import (
     GRAD_TENSORS,
     STATE_TENSORS,
     chunk_sum,

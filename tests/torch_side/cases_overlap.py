@@ -34,8 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from common import trace
 from common.model_config import GPTConfig
+from models.torch_gpt import Block, TorchGPT
 from torch_side import FSDPOptimizer, Overlap, ShardingStrategy, fully_shard
-from torch_side.models.gpt import Block, TorchGPT
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=4, n_head=2, d_model=64, d_ff=128)
 B, S, LR = 2, 32, 0.5

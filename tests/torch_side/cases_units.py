@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.model_config import GPTConfig
+from models.torch_gpt import Block, TorchGPT
 from torch_side import (
     FSDPOptimizer,
     MixedPrecisionPolicy,
@@ -24,7 +25,6 @@ from torch_side import (
     ShardingStrategy,
     fully_shard,
 )
-from torch_side.models.gpt import Block, TorchGPT
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=2, d_model=64, d_ff=128)
 B, S, STEPS, LR = 2, 32, 2, 0.5

@@ -3,10 +3,11 @@
 This is the walkthrough of docs/extending.md ("A weight format"), performed: ``block16_format``
 registers ``MXFP8_B16`` (MXFP8 with 16-element blocks, numerics emulated by the numpy oracle)
 with the two steps the guide names -- its row of ``common.formats.FORMATS`` and its codec in
-``torch_side.weight_codecs.CODECS`` -- and no library file knows it. It then goes through FSDP's
-buffers, gathers, distributed quantization, batched refresh, state dicts, sharded checkpoints,
-the bf16 gathers, the telemetry and the linear op's and unit programs' GEMMs, and trains a step
-at world size 1 (in process) and 2 (spawned, ``cases_formats``) against a replicated reference.
+``torch_side.fsdp.weight_codecs.CODECS`` -- and no library file knows it. It then goes through
+FSDP's buffers, gathers, distributed quantization, batched refresh, state dicts, sharded
+checkpoints, the bf16 gathers, the telemetry and the linear op's and unit programs' GEMMs, and
+trains a step at world size 1 (in process) and 2 (spawned, ``cases_formats``) against a replicated
+reference.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import torch
 from common.formats import FORMATS, WeightFormat
 from common.model_config import GPTConfig
 from jax_side import block_scaled
+from models.torch_gpt import Block as GPTBlock
+from models.torch_gpt import TorchGPT
 from tests.torch_side import block16_format as b16
 from tests.torch_side import cases_formats as cf
 from tests.torch_side.conftest import check_case
 from tests.torch_side.multiprocess import WorkerContext
 from tests.torch_side.toy_models import make_batch, mse
 from torch_side import GatherMode, MixedPrecisionPolicy, ShardingStrategy, fully_shard
-from torch_side.models.gpt import Block as GPTBlock
-from torch_side.models.gpt import TorchGPT
-from torch_side.numerics_telemetry import NumericsTelemetry
-from torch_side.weight_codecs import CODECS, BlockScaledCodec, codec_for
+from torch_side.fsdp.weight_codecs import CODECS, BlockScaledCodec, codec_for
+from torch_side.instruments.numerics_telemetry import NumericsTelemetry
 
 WORLD_1 = WorkerContext(0, 1, "cpu")
 

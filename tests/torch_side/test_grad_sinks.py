@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from common.model_config import GPTConfig
+from models.torch_gpt import Block, TorchGPT
 from torch_side import GradCheck, fully_shard
-from torch_side.fsdp_unit import ParamShare, WeightPlanes
-from torch_side.grad_reducer import GradReducer
-from torch_side.models.gpt import Block, TorchGPT
+from torch_side.fsdp.fsdp_unit import ParamShare, WeightPlanes
+from torch_side.fsdp.grad_reducer import GradReducer
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=2, d_model=64, d_ff=128)
 

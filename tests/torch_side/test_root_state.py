@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_side.fsdp_state import FSDPState, RootState
+from torch_side.fsdp.fsdp_state import FSDPState, RootState
 
 
 class _Hook(torch.autograd.Function):

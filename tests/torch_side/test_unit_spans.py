@@ -21,9 +21,10 @@ import bridge.units as BU
 from bridge.unit_bindings import binding_of
 from common.model_config import GPTConfig
 from jax_side import unit_program as U
+from models.gpt_math import GPTHeadFn
+from models.torch_gpt import Block, TorchGPT
 from torch_side import FSDPOptimizer, fully_shard
-from torch_side.collectives import Collective
-from torch_side.models.gpt import Block, TorchGPT
+from torch_side.comm.collectives import Collective
 
 CFG = GPTConfig(vocab_size=64, max_seq_len=32, n_layer=4, n_head=2, d_model=64, d_ff=128)
 
@@ -45,7 +46,7 @@ class HiddenStatesGPT(TorchGPT):
             x = block(x)
             hidden.append(x)
         aux = sum(h.square().mean() for h in hidden)
-        loss = BU.run_unit(self, BU.GPTHeadFn(self.cfg), x + hidden[0], targets,
+        loss = BU.run_unit(self, GPTHeadFn(self.cfg), x + hidden[0], targets,
                            parts=("ln_f", "lm_head"))
         return loss + 0.01 * aux
 
@@ -59,7 +60,7 @@ class EarlyHeadGPT(TorchGPT):
         for block in self.blocks:
             x = block(x)
             hidden.append(x)
-        return BU.run_unit(self, BU.GPTHeadFn(self.cfg), hidden[2], targets,
+        return BU.run_unit(self, GPTHeadFn(self.cfg), hidden[2], targets,
                            parts=("ln_f", "lm_head"))
 
 

@@ -97,7 +97,7 @@ def test_high_precision_control_agrees_to_fp32_tolerance():
 
 def test_twins_share_parameter_names():
     r = _report(3, 7)
-    from torch_side.models import TorchGPT
+    from models.torch_gpt import TorchGPT
 
     assert {d.name for d in r.of("grad")} == {n for n, _ in TorchGPT(CFG).named_parameters()}
 

@@ -28,7 +28,7 @@ from apps.parity.flax_adamw import AdamWConfig, AdamWState, Sqrt, adamw_step, in
 from apps.parity.replay import FlaxState, replay
 from apps.parity.replay_state import ReplaySetup, setup_from_checkpoint
 from common.model_config import TINY
-from torch_side.sharded_files import CheckpointError
+from torch_side.checkpoint.sharded_files import CheckpointError
 
 SETUP = ReplaySetup(TINY, steps=3, batch_size=2, seq_len=32, adamw=AdamWConfig(weight_decay=0.1))
 _CACHE: dict = {}

@@ -2,8 +2,8 @@
 
 - save -> load restores main weights, optimizer state and step counts bit for bit and re-derives
   the MXFP8 planes; saved pieces cut at other offsets (another world size) are read by overlap;
-  a format 2 checkpoint as the code before ``torch_side.sharded_state`` wrote it loads, and this
-  code writes the same keys and fields;
+  a format 2 checkpoint as the code before ``torch_side.fsdp.sharded_state`` wrote it loads, and
+  this code writes the same keys and fields;
 - refused, naming the file, with nothing restored: a flipped bit, a truncated file, a file of
   another run, an index key or dtype the trainer never writes, other data (content digest), a
   format 1 (pickle) checkpoint -- whose planted code never runs;
@@ -35,7 +35,7 @@ from apps.training.job import TrainJob
 from apps.training.loop import RunOptions, Trainer, _Model, train_rank
 from apps.training.writer_lock import LOCK
 from torch_side import ShardingStrategy
-from torch_side.sharded_files import (
+from torch_side.checkpoint.sharded_files import (
     ShardedReader,
     UnverifiedMetadataWarning,
     meta_digest,
@@ -153,7 +153,7 @@ def test_saved_pieces_cut_at_other_offsets_are_read_by_overlap(models, tmp_path)
 
 
 def _write_format_2_by_hand(m, path: Path) -> None:
-    """A step directory as the trainer before ``torch_side.sharded_state`` wrote it (format 2),
+    """A step directory as the trainer before ``torch_side.fsdp.sharded_state`` wrote it (format 2),
     its keys spelled out here as that code formatted them."""
     sd, opt = {}, m.opt.optimizer
     pieces = [(g, g.layout.slots[p.slot_index].name, p) for g in m.fsdp.param_groups
@@ -328,7 +328,7 @@ def test_a_format_1_checkpoint_is_refused_without_unpickling(models, tmp_path, w
 
 def test_no_checkpoint_module_can_unpickle():
     for rel in ("apps/training/checkpoint.py", "apps/training/writer_lock.py",
-                "torch_side/sharded_files.py"):
+                "torch_side/checkpoint/sharded_files.py"):
         text = (ROOT / rel).read_text()
         for banned in ("import pickle", "torch.load(", "checkpoint as dcp", "FileSystemReader",
                        "Unpickler"):

@@ -1,12 +1,13 @@
 """docs/extending.md, "A checkpoint field", performed from the tests alone on a tiny GPT in this
 process (one rank):
 
-1. a training-only field is a ``torch_side.sharded_state.Stateful`` part (``HitCounter``: a
+1. a training-only field is a ``torch_side.fsdp.sharded_state.Stateful`` part (``HitCounter``: a
    tensor entry under a key of its own, with its schema, and a ``meta.json`` field) and one line
    in ``apps.training.checkpoint._parts`` (here the same line added by ``monkeypatch``): it is
    saved and resumed with the model, and a checkpoint holding its key is refused by a reader
    without the part (no part declares the key);
-2. a bump of ``torch_side.sharded_files.FORMAT_VERSION`` with the old version taken out of
+2. a bump of ``torch_side.checkpoint.sharded_files.FORMAT_VERSION`` with the old version taken out
+of
    ``READABLE_VERSIONS``: the new version saves and loads, the old one is refused by name.
 """
 
@@ -23,8 +24,8 @@ from apps.training.checkpoint import CheckpointError, CheckpointSaver
 from apps.training.data import DataPosition
 from apps.training.job import TrainJob
 from apps.training.loop import _Model
-from torch_side import sharded_files
-from torch_side.sharded_state import key_text, parse_key
+from torch_side.checkpoint import sharded_files
+from torch_side.fsdp.sharded_state import key_text, parse_key
 
 pytestmark = pytest.mark.usefixtures("single_rank_world")
 

@@ -6,7 +6,7 @@ step 0 (the gradients of step 0 still agree); a run saved at step 2 and resumed 
 uninterrupted one (slow: ~25 s for the five runs). Bad input (a missing file, no digests,
 malformed lines, other models, no common point, a file that disagrees with itself) gives exit
 status 2 (1 for the disagreement) and says why. The world-size independence of the digests
-is tested in tests/torch_side/test_instruments.py.
+is tested in tests/torch_side/instruments/test_instruments.py.
 """
 
 from __future__ import annotations

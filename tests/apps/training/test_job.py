@@ -55,8 +55,8 @@ def test_the_job_branching_reaches_the_markov_corpus(single_rank_world):
 
 
 def test_the_schedule_and_gather_fields_reach_the_schedule_and_the_policy():
+    from apps.training.lr_schedule import LRSchedule
     from common.modes import GatherMode
-    from torch_side.lr_schedule import LRSchedule
 
     job = TrainJob(steps=10, lr=1e-3, lr_schedule="cosine", warmup_steps=2, min_lr=1e-4,
                    grad_clip=1.0, gather="bf16")

@@ -20,8 +20,8 @@ from apps.training.loop import (
     StepOutcome,
     train_rank,
 )
-from torch_side.lr_schedule import ScheduleConfig
-from torch_side.optimizer import FSDPOptimizer
+from apps.training.lr_schedule import ScheduleConfig
+from torch_side.fsdp.optimizer import FSDPOptimizer
 
 JOB = TrainJob(steps=5, micro_batches=1, batch_size=2, seq_len=32, eval_batches=1, seed=2)
 

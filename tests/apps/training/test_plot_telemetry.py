@@ -11,7 +11,7 @@ import pytest
 from apps.training.metrics import MetricsWriter, run_record, step_record
 from apps.training.plot import main
 from apps.training.plot_telemetry import build_telemetry_figure, load_telemetry
-from torch_side.numerics_telemetry import Headroom, PlaneTelemetry
+from torch_side.instruments.numerics_telemetry import Headroom, PlaneTelemetry
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from apps.training.writer_lock import LOCK, WriterLock
-from torch_side.sharded_files import CheckpointError
+from torch_side.checkpoint.sharded_files import CheckpointError
 
 _HOLD = """
 import sys, time

@@ -1,0 +1,164 @@
+"""The GPT math, written once: the Flax twin's modules and the Torch model's unit programs run it.
+
+Pure functions of arrays and callables (no Linen, no parameters of their own):
+
+- ``layer_norm``: ``(x - mean) / sqrt(var + eps) * weight + bias``, biased variance, statistics
+  and affine in fp32; the result in x's dtype (a no-op cast for fp32 activations);
+- ``attention``: causal multi-head self-attention around two linears (``qkv``, ``proj``):
+  written out in fp32, or, for bf16 activations on a GPU (``fused``), cuDNN flash attention
+  (``jax.nn.dot_product_attention``);
+- ``mlp``: ``proj(gelu_tanh(fc(x)))``, GELU evaluated in fp32 and rounded once to x's dtype;
+- ``block``: the pre-norm residual block ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``;
+- ``head_loss``: final norm, LM head and the mean token cross-entropy (fp32) in one function.
+
+Memory: LayerNorm, GELU and the loss are ``jax.checkpoint``-ed: their backward keeps only their
+inputs (in the activation dtype) and recomputes the fp32 intermediates, which would otherwise be
+kept in fp32 (GPT-2 124M, 8 x 1024 tokens: 2.4 GB of GELU and 1.6 GB of log-softmax residuals).
+
+A linear is any callable ``(..., in) -> (..., out)``: a Linen ``Linear`` in the Flax twin, an
+MXFP8 linear on FSDP's planes in a unit program (``jax_side.unit_program``). Activations enter in
+the model's activation dtype (fp32 or bf16) and every function returns that dtype.
+
+``GPTBlockFn`` and ``GPTHeadFn`` are the block and the head as hashable callables of
+``(params, linear, x, *aux)`` -- the form a unit program takes (equal configs compare equal, so
+every block of a model shares one compiled program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from common.model_config import GPTConfig
+from common.modes import Activations
+
+__all__ = [
+    "GPTBlockFn",
+    "GPTHeadFn",
+    "attention",
+    "block",
+    "cross_entropy",
+    "head_loss",
+    "layer_norm",
+    "mlp",
+]
+
+_F32 = jnp.float32
+Fn = Callable[[jax.Array], jax.Array]
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3,))
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """x (..., D) -> (..., D) in x's dtype; statistics and affine in fp32 (module docstring)."""
+    xf = x.astype(_F32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    out = (xf - mean) * jax.lax.rsqrt(var + jnp.float32(eps)) * weight.astype(_F32)
+    return (out + bias.astype(_F32)).astype(x.dtype)
+
+
+def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *, qkv: Fn, proj: Fn,
+              fused: bool = False) -> jax.Array:
+    """Causal self-attention. x (B, S, D) -> (B, S, D) in x's dtype.
+
+    fused (bf16 activations on a GPU): cuDNN flash attention (``jax.nn.dot_product_attention``,
+    implementation "cudnn"). Otherwise written out in fp32 (q, k, v widened first), the result
+    rounded once to x's dtype."""
+    b, s, d = x.shape
+    h, hd = cfg.n_head, cfg.head_dim
+    q, k, v = jnp.split(qkv(x), 3, axis=-1)  # 3 x (B, S, D)
+    if fused and acts is Activations.BF16:
+        q, k, v = (t.reshape(b, s, h, hd) for t in (q, k, v))  # (B, S, H, hd)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return proj(out.reshape(b, s, d))  # (B, S, D)
+    q, k, v = (t.astype(_F32).reshape(b, s, h, hd).transpose(0, 2, 1, 3) for t in (q, k, v))
+    att = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * jnp.float32(hd**-0.5)
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
+    att = jnp.where(causal, att, jnp.float32(-jnp.inf))
+    att = jax.nn.softmax(att, axis=-1)  # (B, H, S, S)
+    out = jnp.einsum("bhqk,bhkd->bhqd", att, v, precision="highest")  # (B, H, S, hd)
+    return proj(out.transpose(0, 2, 1, 3).reshape(b, s, d).astype(x.dtype))  # (B, S, D)
+
+
+@jax.checkpoint
+def _gelu(hid: jax.Array) -> jax.Array:
+    return jax.nn.gelu(hid.astype(_F32), approximate=True).astype(hid.dtype)
+
+
+def mlp(x: jax.Array, *, fc: Fn, proj: Fn) -> jax.Array:
+    """x (B, S, D) -> (B, S, D); the GELU (tanh) in fp32, rounded once to x's dtype."""
+    return proj(_gelu(fc(x)))  # fc(x): (B, S, F)
+
+
+def block(x: jax.Array, *, ln_1: Fn, attn: Fn, ln_2: Fn, mlp: Fn) -> jax.Array:
+    """The pre-norm residual block."""
+    x = x + attn(ln_1(x))
+    return x + mlp(ln_2(x))
+
+
+@jax.checkpoint
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean token cross-entropy, fp32 scalar. logits (B, S, V) (bf16 widened to fp32 first),
+    targets int (B, S)."""
+    logp = jax.nn.log_softmax(logits.astype(_F32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return -jnp.mean(picked)
+
+
+def head_loss(x: jax.Array, targets: jax.Array, *, ln_f: Fn, lm_head: Fn) -> jax.Array:
+    """Final norm, LM head, loss: x (B, S, D), targets int (B, S) -> fp32 scalar."""
+    return cross_entropy(lm_head(ln_f(x)), targets)
+
+
+Linear = Callable[[str, jax.Array], jax.Array]  # (the block-relative layer name, x) -> y
+
+
+def _linear(linear: Linear, name: str) -> Fn:
+    return lambda h: linear(name, h)
+
+
+def _norm(params: Mapping[str, jax.Array], name: str, eps: float) -> Fn:
+    return lambda h: layer_norm(h, params[f"{name}.weight"], params[f"{name}.bias"], eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTBlockFn:
+    """``fn(params, linear, x) -> x``: one GPT block (``models.torch_gpt.Block``), with
+    ``params`` its LayerNorm parameters by block-relative name (``ln_1.weight``, ...) and
+    ``linear(name, h)`` its four linears (``attn.qkv``, ``attn.proj``, ``mlp.fc``,
+    ``mlp.proj``)."""
+
+    cfg: GPTConfig
+    activations: Activations
+    fused_attention: bool = False  # cuDNN attention (bf16 activations on a GPU)
+
+    def __call__(
+        self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array
+    ) -> jax.Array:
+        cfg, acts = self.cfg, self.activations
+        return block(
+            x,
+            ln_1=_norm(params, "ln_1", cfg.ln_eps),
+            attn=lambda h: attention(cfg, acts, h, qkv=_linear(linear, "attn.qkv"),
+                                     proj=_linear(linear, "attn.proj"),
+                                     fused=self.fused_attention),
+            ln_2=_norm(params, "ln_2", cfg.ln_eps),
+            mlp=lambda h: mlp(h, fc=_linear(linear, "mlp.fc"), proj=_linear(linear, "mlp.proj")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTHeadFn:
+    """``fn(params, linear, x, targets) -> loss``: the GPT's final norm (``ln_f.weight``,
+    ``ln_f.bias``), LM head (``lm_head``) and loss."""
+
+    cfg: GPTConfig
+
+    def __call__(self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array,
+                 targets: jax.Array) -> jax.Array:
+        return head_loss(x, targets, ln_f=_norm(params, "ln_f", self.cfg.ln_eps),
+                         lm_head=_linear(linear, "lm_head"))

@@ -1,0 +1,167 @@
+"""GradReducer: staging a micro-batch's gradients and reducing them into the main grad.
+
+Checked against a replicated reference: the mean over DP ranks of every rank's local gradient,
+laid out flat. World 1 runs the real ``Communicator`` on an in-process gloo group
+(``single_rank_world``); a two-rank reduction is played by ``_PeerComm``, which adds a second
+rank's staged bucket (what gloo would sum in), so the shard slicing of rank 1 is checked too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torch_side.comm.collectives import Collective, Communicator, Phase
+from torch_side.fsdp.bucket_allocator import BucketAllocator
+from torch_side.fsdp.flat_layout import FlatLayout
+from torch_side.fsdp.grad_reducer import GradReducer
+
+SHAPES = [(4, 64), (3,), (2, 32)]
+NAMES = ["w", "b", "v"]
+
+
+def _grads(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _flat(layout: FlatLayout, grads: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(layout.padded_numel)
+    for s, g in zip(layout.slots, grads, strict=True):
+        out[s.start : s.end] = g.reshape(-1)
+    return out
+
+
+class _PeerComm:
+    """Rank ``rank`` of two; the other rank staged ``peer`` (a full padded bucket)."""
+
+    world_size = 2
+
+    def __init__(self, rank: int, peer: torch.Tensor):
+        self.rank, self.peer, self.ops = rank, peer, []
+
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
+        self.ops.append((Collective.REDUCE_SCATTER, phase, label))
+        n = out.numel()
+        out.copy_((full + self.peer.to(full.dtype))[self.rank * n : (self.rank + 1) * n])
+
+    def all_reduce(self, t, op, phase, label, async_op=False):
+        self.ops.append((op, phase, label))
+        t.add_(self.peer.to(t.dtype))
+
+
+def _reducer(layout, comm, sharded: bool, dtype=torch.float32, divisor: int = 2):
+    n = layout.shard_numel if sharded else layout.padded_numel
+    main_grad = torch.zeros(n, dtype=torch.float32)
+    alloc = BucketAllocator()
+    return GradReducer("u/fp32", layout, main_grad, dtype, sharded, divisor, comm, alloc), alloc
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("sharded", [True, False], ids=["reduce_scatter", "all_reduce"])
+def test_two_ranks_average_into_main_grad_like_the_replicated_mean(sharded, rank):
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    mine, theirs = _grads(rank), _grads(1 - rank)
+    peer = _flat(layout, theirs) / 2  # the other rank divided its bucket too
+    comm = _PeerComm(rank, peer)
+    red, alloc = _reducer(layout, comm, sharded)
+    for i, g in enumerate(mine):
+        red.stage(i, g)
+    red.reduce()
+    want = (_flat(layout, mine) + _flat(layout, theirs)) / 2  # the replicated reference
+    if sharded:
+        lo, hi = layout.shard_range(rank)
+        want = want[lo:hi]
+    torch.testing.assert_close(red.main_grad, want, rtol=0, atol=1e-6)
+    op = Collective.REDUCE_SCATTER if sharded else Collective.ALL_REDUCE_SUM
+    assert comm.ops == [(op, Phase.GRAD_REDUCE, "u/fp32/grad")]
+    assert alloc.live_keys() == [] and not red.staged
+
+
+def test_missing_gradients_are_zeros_and_micro_batches_accumulate(single_rank_world):
+    layout = FlatLayout.build(NAMES, SHAPES, 1)
+    comm = Communicator(dist.group.WORLD, "dp")
+    red, alloc = _reducer(layout, comm, sharded=True, divisor=4)
+    assert not red.staged
+    first = _grads(0)
+    red.stage(0, first[0])  # parameters 1 and 2 got no gradient this micro-batch
+    assert red.staged and alloc.live_keys() == [("u/fp32", "grad")]
+    red.reduce()
+    second = _grads(1)
+    for i, g in enumerate(second):
+        red.stage(i, g)
+    red.stage(2, second[2])  # a gradient reaching the same parameter twice adds up
+    red.reduce()
+    want = _flat(layout, [first[0], torch.zeros(3), torch.zeros(2, 32)]) / 4
+    want += _flat(layout, [second[0], second[1], 2 * second[2]]) / 4
+    torch.testing.assert_close(red.main_grad, want, rtol=0, atol=1e-6)
+    assert [(r.op, r.label) for r in comm.records] == [
+        (Collective.REDUCE_SCATTER, "u/fp32/grad")
+    ] * 2
+
+
+def test_gradients_travel_in_the_grad_comm_dtype(single_rank_world):
+    layout = FlatLayout.build(NAMES, SHAPES, 1)
+    comm = Communicator(dist.group.WORLD, "dp")
+    red, alloc = _reducer(layout, comm, sharded=False, dtype=torch.bfloat16, divisor=1)
+    grads = _grads(2)
+    for i, g in enumerate(grads):
+        red.stage(i, g)
+    assert alloc.get("u/fp32", "grad").dtype == torch.bfloat16
+    red.reduce()
+    want = _flat(layout, [g.to(torch.bfloat16).float() for g in grads])
+    assert torch.equal(red.main_grad, want)
+    assert comm.records[-1].dtype == torch.bfloat16
+
+
+def test_drop_frees_the_staged_gradients_without_a_collective():
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    comm = _PeerComm(0, torch.zeros(layout.padded_numel))
+    red, alloc = _reducer(layout, comm, sharded=True)
+    red.stage(0, _grads(0)[0])
+    red.drop()
+    assert not red.staged and alloc.live_keys() == [] and comm.ops == []
+    assert torch.count_nonzero(red.main_grad) == 0
+    red.drop()  # nothing staged: a no-op
+
+
+class _DeferredComm(_PeerComm):
+    """A reduce-scatter that lands only when its handle is waited for (an async collective)."""
+
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
+        snapshot = full.clone()  # what the collective reads at issue time
+        test = self
+
+        class _Handle:
+            def wait(self):
+                test.waits += 1
+                _PeerComm.reduce_scatter(test, out, snapshot, phase, label)
+
+        return _Handle() if async_op else _PeerComm.reduce_scatter(self, out, full, phase, label)
+
+
+def test_async_reduction_lands_where_it_is_read_and_keeps_its_bucket_until_then():
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    comm = _DeferredComm(0, torch.zeros(layout.padded_numel))
+    comm.waits = 0
+    red, alloc = _reducer(layout, comm, sharded=True, divisor=1)
+    first, second = _grads(0), _grads(1)
+    for i, g in enumerate(first):
+        red.stage(i, g)
+    red.reduce(async_op=True)
+    # issued, not landed: the bucket is held under its in-flight key, main_grad untouched
+    assert red.in_flight and not red.staged and comm.waits == 0
+    assert alloc.live_keys() == [("u/fp32", "grad_reducing")]
+    assert torch.count_nonzero(red.main_grad) == 0
+    for i, g in enumerate(second):  # the next micro-batch stages into a new bucket
+        red.stage(i, g)
+    assert alloc.live_keys() == [("u/fp32", "grad"), ("u/fp32", "grad_reducing")]
+    red.reduce(async_op=True)  # settles the first reduction before issuing the second
+    assert comm.waits == 1 and red.in_flight
+    red.settle()
+    red.settle()  # idempotent
+    lo, hi = layout.shard_range(0)
+    want = (_flat(layout, first) + _flat(layout, second))[lo:hi]
+    torch.testing.assert_close(red.main_grad, want, rtol=0, atol=1e-6)
+    assert comm.waits == 2 and not red.in_flight and alloc.live_keys() == []

@@ -1,0 +1,139 @@
+"""``GradReducer``: one group's gradient staging and reduction into its main grad.
+
+Tensors owned:
+
+- the **grad bucket**: a full-size (padded group) staging buffer of this micro-batch's local
+  gradients in the policy's grad-comm dtype, from the ``BucketAllocator`` (key
+  ``(group label, "grad")``), made on the first staged gradient and freed by ``reduce`` or
+  ``drop``.
+
+``reduce`` averages the bucket over the DP group into the group's ``main_grad`` (owned by
+``GroupBuffers``; accumulated into, never replaced): a reduce-scatter into the rank's shard when
+the strategy shards gradients (ZeRO-2/3), else an all-reduce of the full buffer. Parameters that
+got no gradient this micro-batch leave zeros in the bucket, so every rank joins the collective.
+
+**Asynchronous reduction** (``reduce(async_op=True)``, FSDP's default): the collective is issued
+and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
+for it and adds the result into ``main_grad``. ``settle`` runs where the result is read: the
+next ``reduce`` of this group (a later micro-batch), every read of ``ParamGroup.main_grad`` (the
+optimizer, clipping, state dicts, ``zero_grad``), an abort; and the model's ``Schedule``
+(``torch_side.fsdp.overlap``) settles the oldest reduction when more than
+``Overlap.reductions_in_flight`` are in flight, which bounds the gradient buckets alive at
+once. Until then the bucket is not written (``stage`` makes a new one).
+
+Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
+included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
+gradient of the mean loss over all DP ranks is sum(local grads) / DP (Megatron's expert gradient
+scaling is 1 / data-parallel size for the same reason).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_side.comm.collectives import Collective, Communicator, Handle, Phase
+from torch_side.fsdp.bucket_allocator import BucketAllocator
+from torch_side.fsdp.flat_layout import FlatLayout
+
+__all__ = ["GradReducer"]
+
+GRAD_PURPOSE = "grad"  # the allocator key's purpose of a group's grad bucket
+REDUCING_PURPOSE = "grad_reducing"  # ... and of the bucket of a reduction in flight
+
+
+class GradReducer:
+    def __init__(
+        self,
+        label: str,
+        layout: FlatLayout,
+        main_grad: torch.Tensor,
+        comm_dtype: torch.dtype,
+        grads_sharded: bool,
+        grad_divisor: int,
+        comm: Communicator,
+        allocator: BucketAllocator,
+    ):
+        self.label, self.layout, self.main_grad = label, layout, main_grad
+        self.comm_dtype, self.grads_sharded, self.grad_divisor = (
+            comm_dtype, grads_sharded, grad_divisor
+        )
+        self.comm, self.allocator = comm, allocator
+        # (Handle, reduced output) of the reduction in flight
+        self._inflight: tuple[Handle, torch.Tensor] | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous reduction is issued and not settled yet."""
+        return self._inflight is not None
+
+    @property
+    def staged(self) -> bool:
+        """Whether gradients of this micro-batch are staged and not reduced yet."""
+        return self.allocator.get(self.label, GRAD_PURPOSE) is not None
+
+    def _bucket(self) -> torch.Tensor:
+        """This micro-batch's grad bucket; made (zeroed) on first use."""
+        bucket = self.allocator.get(self.label, GRAD_PURPOSE)
+        if bucket is None:
+            bucket = self.allocator.allocate(
+                self.label, GRAD_PURPOSE, self.layout.padded_numel, self.comm_dtype,
+                self.main_grad.device, zero=True,  # accumulated into; absent grads stay zero
+            )
+        return bucket
+
+    def stage(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's local gradient into this micro-batch's grad bucket."""
+        bucket = self._bucket()
+        s = self.layout.slots[index]
+        bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
+
+    def stage_flat(self, flat: torch.Tensor) -> None:
+        """Add gradients already laid out as the bucket (``padded_numel`` elements of the comm
+        dtype, zeros where nothing is staged: a unit program's ``GradGroup``) in one add."""
+        bucket = self._bucket()
+        if flat.shape != bucket.shape or flat.dtype != bucket.dtype:
+            raise ValueError(
+                f"GradReducer {self.label!r}: a flat gradient buffer must match the grad bucket "
+                f"({tuple(bucket.shape)}, {bucket.dtype}); got ({tuple(flat.shape)}, "
+                f"{flat.dtype})"
+            )
+        bucket.add_(flat)
+
+    def reduce(self, async_op: bool = False) -> None:
+        """Average the staged gradients over the DP group into ``main_grad`` (accumulating)
+        and free the bucket (module note); with ``async_op`` the add happens at ``settle``."""
+        self.settle()  # an earlier micro-batch's reduction adds into main_grad first
+        bucket = self._bucket()
+        bucket.div_(self.grad_divisor)
+        label = f"{self.label}/grad"
+        if self.grads_sharded:
+            out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
+            handle = self.comm.reduce_scatter(out, bucket, Phase.GRAD_REDUCE, label, async_op)
+        else:
+            handle = self.comm.all_reduce(
+                bucket, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE, label, async_op
+            )
+            out = bucket
+        if handle is None:
+            self._finish(out, GRAD_PURPOSE)
+            return
+        self.allocator.rename(self.label, GRAD_PURPOSE, REDUCING_PURPOSE)
+        self._inflight = (handle, out)
+
+    def _finish(self, out: torch.Tensor, purpose: str) -> None:
+        self.main_grad.add_(out.to(self.main_grad.dtype))
+        self.allocator.free(self.label, purpose)
+
+    def settle(self) -> None:
+        """Wait for the reduction in flight (if any) and add its result into ``main_grad``."""
+        if self._inflight is None:
+            return
+        (handle, out), self._inflight = self._inflight, None
+        handle.wait()
+        self._finish(out, REDUCING_PURPOSE)
+
+    def drop(self) -> None:
+        """Free the grad bucket without reducing it (an aborted backward); a reduction already
+        issued is settled (every rank issued it)."""
+        self.settle()
+        self.allocator.free(self.label, GRAD_PURPOSE)

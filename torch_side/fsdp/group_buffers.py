@@ -1,0 +1,170 @@
+"""``GroupBuffers``: the persistent buffers of one parameter group and their pieces.
+
+Tensors owned (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLayout``):
+
+- **main weight** (``main``): fp32, the rank's shard (or the full buffer under ``no_shard``);
+  the optimizer updates it. ``pieces()`` says which parts of which parameters it holds.
+- **model weight buffers** (``model[plane]``), one per plane of the group's format
+  (``common.formats.FORMATS``): MXFP8 has a rowwise and a **columnwise** (transpose) plane of
+  uint8 bytes, fp32/bf16 one (rowwise) plane holding the weights. The rank's shard under ZeRO-3,
+  else the full replicated buffer.
+- **scale tensors** (``scales[plane][i]``, shaped by the format's ``ScaleBlocks``; MXFP8:
+  rowwise (M, K/32), columnwise (M/32, K), uint8): full and replicated, recomputed identically by
+  every rank at each quantization; views of one flat buffer per plane (``scale_buffers``,
+  parameter i at ``scale_offsets[i]``).
+- **main grad** (``main_grad``): the reduced gradient, shard (ZeRO-2/3) or full, policy dtype;
+  None for a group that takes no gradients.
+
+The temporary buckets (all-gathered planes, staged gradients) are not here: ``PlaneBucket`` and
+``GradReducer`` own them. ``refresh`` rewrites the model weights and scales from ``main``
+through the group's ``WeightCodec``, which sees only a ``CodecContext`` of these buffers;
+``refresh_from`` writes bytes that a batched quantization of several groups made
+(``torch_side.fsdp.batched_refresh``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from common.formats import Plane
+from common.kernels import KernelConfig
+from torch_side.comm.collectives import Communicator, Phase
+from torch_side.fsdp.distributed_quantize import GroupImages
+from torch_side.fsdp.flat_layout import FlatLayout, OwnedPiece
+from torch_side.fsdp.strategy import StrategyFacts
+from torch_side.fsdp.weight_codecs import BlockScaledCodec, CodecContext, WeightCodec
+
+__all__ = ["GroupBuffers"]
+
+
+class GroupBuffers:
+    def __init__(
+        self,
+        label: str,
+        layout: FlatLayout,
+        facts: StrategyFacts,
+        codec: WeightCodec,
+        comm: Communicator,
+        main_grad_dtype: torch.dtype | None,
+        device: torch.device,
+        kernels: KernelConfig | None = None,
+    ):
+        """main_grad_dtype: the policy's main-grad dtype, or None for a group without grads."""
+        self.label, self.layout, self.facts, self.codec = label, layout, facts, codec
+        self.comm, self.device, self.kernels = comm, device, kernels
+        self.main = torch.zeros(
+            self._local(facts.main_weights_sharded), dtype=torch.float32, device=device
+        )
+        n = self._local(facts.model_weights_sharded)
+        self.model: dict[Plane, torch.Tensor] = {
+            p: torch.zeros(n, dtype=codec.buffer_dtype, device=device) for p in codec.planes
+        }
+        self.main_grad: torch.Tensor | None = None
+        if main_grad_dtype is not None:
+            self.main_grad = torch.zeros(
+                self._local(facts.grads_sharded), dtype=main_grad_dtype, device=device
+            )
+        scales = codec.make_scales([s.shape for s in layout.slots], device)
+        self.scales, self.scale_buffers, self.scale_offsets = (
+            scales.views, scales.buffers, scales.offsets
+        )
+        # Set by torch_side.instruments.numerics_telemetry: sees each refresh's reduced block amax.
+        self.amax_observer: Callable[[torch.Tensor], None] | None = None
+
+    def _local(self, sharded: bool) -> int:
+        return self.layout.shard_numel if sharded else self.layout.padded_numel
+
+    def pieces(self) -> list[OwnedPiece]:
+        """Pieces of parameters held in ``main`` (offsets into ``main``)."""
+        if self.facts.main_weights_sharded:
+            return self.layout.owned(self.comm.rank)
+        return [OwnedPiece(i, 0, s.start, s.numel) for i, s in enumerate(self.layout.slots)]
+
+    def _main_grad(self) -> torch.Tensor:
+        if self.main_grad is None:
+            raise AssertionError(f"group {self.label!r} takes no gradients (no main_grad)")
+        return self.main_grad
+
+    def grad_for_optimizer(self) -> torch.Tensor:
+        """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
+        g = self._main_grad()
+        if self.facts.main_weights_sharded and not self.facts.grads_sharded:
+            lo, hi = self.layout.shard_range(self.comm.rank)
+            g = g[lo:hi]
+        return g if g.dtype == torch.float32 else g.float()
+
+    def load_main(self, full_values: list[torch.Tensor]) -> None:
+        """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
+        for p in self.pieces():
+            src = full_values[p.slot_index].detach().reshape(-1)
+            self.main[p.shard_offset : p.shard_offset + p.numel].copy_(
+                src[p.param_offset : p.param_offset + p.numel].to(torch.float32)
+            )
+
+    def codec_context(self) -> CodecContext:
+        """The narrow view of these buffers that ``WeightCodec.fill`` works on."""
+        return CodecContext(
+            label=self.label,
+            main=self.main,
+            shapes=[s.shape for s in self.layout.slots],
+            owned=self.pieces(),
+            scales=self.scales,
+            comm=self.comm,
+            main_sharded=self.facts.main_weights_sharded,
+            kernels=self.kernels,
+            amax_observer=self.amax_observer,
+            scale_buffers=self.scale_buffers,
+            scale_offsets=self.scale_offsets,
+        )
+
+    def refresh(self, phase: Phase) -> None:
+        """Model weight buffers (and scales) from ``main``; all-gathered where replicated."""
+        targets = self._targets()
+        self.codec.fill(self.codec_context(), targets, phase)
+        self._publish(targets, phase)
+
+    def refresh_from(self, images: GroupImages, amax: torch.Tensor, phase: Phase) -> None:
+        """``refresh`` of a block-scaled group whose bytes a batched quantization made
+        (``torch_side.fsdp.batched_refresh``): the codec's copies (and the telemetry's amax slice),
+        then the all-gathers where replicated, as ``refresh`` does."""
+        targets = self._targets()
+        assert isinstance(self.codec, BlockScaledCodec), self.codec  # batched: block-scaled
+        self.codec.write_images(self.codec_context(), images, amax, targets)
+        self._publish(targets, phase)
+
+    def _staged(self) -> bool:
+        return self.facts.main_weights_sharded and not self.facts.model_weights_sharded
+
+    def _targets(self) -> dict[Plane, torch.Tensor]:
+        """Local targets: the model buffers themselves, or shard staging areas then gathered."""
+        staged = self._staged()
+        return {
+            p: torch.zeros_like(self.main, dtype=self.codec.buffer_dtype) if staged
+            else self.model[p]
+            for p in self.codec.planes
+        }
+
+    def _publish(self, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
+        if self._staged():
+            for p in self.codec.planes:
+                label = f"{self.label}/{'model' if p is Plane.ROWWISE else p.value}"
+                self.comm.all_gather(self.model[p], targets[p], phase, label)
+
+    def full_main(self, phase: Phase = Phase.STATE) -> torch.Tensor:
+        """The full padded fp32 main weights (all-gathered when sharded)."""
+        if not self.facts.main_weights_sharded:
+            return self.main.clone()
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        self.comm.all_gather(full, self.main, phase, f"{self.label}/main")
+        return full
+
+    def full_main_grad(self, phase: Phase = Phase.STATE) -> torch.Tensor:
+        """The full padded reduced gradient (all-gathered when sharded), in its policy dtype."""
+        grad = self._main_grad()
+        if not self.facts.grads_sharded:
+            return grad.clone()
+        full = torch.empty(self.layout.padded_numel, dtype=grad.dtype, device=self.device)
+        self.comm.all_gather(full, grad, phase, f"{self.label}/main_grad")
+        return full
