@@ -1,12 +1,16 @@
 """Crossing statistics: how many ``to_jax`` / ``to_torch`` calls a block made, and their host time.
 
-``bench_train_step`` reports them per step (docs/bridge.md, "Crossings").
+``bench_train_step`` reports them per step (docs/bridge.md, "Crossings"). A block counts the
+crossings of the thread that opened it, and those of threads with no block of their own open
+(autograd's device threads run a CUDA backward): where several threads each count their own
+(the ranks of an in-process world, in the tests), each block sees its own thread's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterator
 from enum import Enum
@@ -47,18 +51,22 @@ class CrossingStats:
         setattr(self, name + "_s", getattr(self, name + "_s") + seconds)
 
 
-_COUNTING: list[CrossingStats] = []
+_COUNTING: list[tuple[CrossingStats, int]] = []  # the open blocks, with their threads
+_BLOCKS = threading.Lock()  # (opening and closing blocks; counting reads a copy)
 
 
 @contextlib.contextmanager
 def count_crossings() -> Iterator[CrossingStats]:
     """Count every ``to_jax`` / ``to_torch`` call (and its host time) inside the block."""
     stats = CrossingStats()
-    _COUNTING.append(stats)
+    block = (stats, threading.get_ident())
+    with _BLOCKS:
+        _COUNTING.append(block)
     try:
         yield stats
     finally:
-        _COUNTING.remove(stats)
+        with _BLOCKS:  # this block, not an equal one (stats compare by value)
+            del _COUNTING[next(i for i, b in enumerate(_COUNTING) if b is block)]
 
 
 def counted(direction: Direction, fn: Callable[..., T], *args: Any) -> T:
@@ -71,5 +79,6 @@ def counted(direction: Direction, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         seconds = time.perf_counter() - t0
-        for stats in _COUNTING:
+        me, blocks = threading.get_ident(), list(_COUNTING)
+        for stats, _ in [b for b in blocks if b[1] == me] or blocks:
             stats.add(direction, seconds)

@@ -22,6 +22,7 @@ from tests.torch_side.toy_models import (
     make_batch,
     make_net,
     mse,
+    seeded,
 )
 from torch_side import (
     Collective,
@@ -265,10 +266,10 @@ def _expert_groups(world_size: int):
 def _moe_net(device, group_index: int, dense_seed: int = 0, **kw) -> MoENet:
     """The same dense layers on every rank, the experts of expert group ``group_index``;
     ``kw``: ``MoENet``'s (which experts without tokens are not called, recompute)."""
-    torch.manual_seed(dense_seed)
-    net = MoENet(**kw)
-    torch.manual_seed(10 + group_index)
-    net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
+    with seeded(dense_seed):
+        net = MoENet(**kw)
+    with seeded(10 + group_index):
+        net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
     return net.to(device)
 
 

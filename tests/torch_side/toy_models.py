@@ -12,7 +12,10 @@ at all, and whether the layer is recomputed in backward, are arguments) -> ``hea
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -78,10 +81,25 @@ class ToyNet(nn.Module):
         return self.head(h)  # (T, D_OUT)
 
 
+_SEEDING = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` for the block, one thread at a time. Module initialisers
+    draw from Torch's one process-wide generator, which the ranks of an in-process world
+    (``threaded_world.py``) share: a module built in this block gets the same values on every
+    rank only if every draw from that generator (construction of any module) holds this lock."""
+    with _SEEDING:
+        torch.manual_seed(seed)
+        yield
+
+
 def make_net(seed: int, device: str = "cpu", **kw) -> ToyNet:
     """Same initial values on every rank and device: initialised on the CPU, then moved."""
-    torch.manual_seed(seed)
-    return ToyNet(**kw).to(device)
+    with seeded(seed):
+        net = ToyNet(**kw)
+    return net.to(device)
 
 
 def make_batch(seed: int, tokens: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,57 @@
+"""The in-process world harness (threaded_world.py): ranks and default groups per thread, a
+failing rank fails the test naming it, a rank missing from a collective is reported as a stall
+naming it (the others released), never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.torch_side.threaded_world import RankFailed, WorldStalled, run_world
+
+
+def _ranks_and_sum(ctx, seen: list) -> None:
+    assert (dist.get_rank(), dist.get_world_size()) == (ctx.rank, ctx.world_size)
+    assert ctx.device == "cpu" and torch.get_num_threads() == 1
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    every = [None] * ctx.world_size
+    dist.all_gather_object(every, ctx.rank)
+    seen.append((ctx.rank, float(t), every))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_thread_is_a_rank_of_its_own_default_group(world_size):
+    seen: list = []
+    run_world(world_size, _ranks_and_sum, seen)
+    total = float(world_size * (world_size + 1) // 2)
+    assert sorted(seen) == [(r, total, list(range(world_size))) for r in range(world_size)]
+
+
+def _rank_1_raises(ctx) -> None:
+    if ctx.rank == 1:
+        raise ValueError("bad on one rank")
+    dist.barrier()  # released: the test ends, it does not wait for rank 1
+
+
+def test_a_failing_rank_fails_the_test_naming_it():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1/2 failed: ValueError: bad on one rank") as e:
+        run_world(2, _rank_1_raises)
+    assert isinstance(e.value.__cause__, ValueError)
+    assert time.monotonic() - start < 10
+
+
+def _rank_1_skips(ctx) -> None:
+    if ctx.rank == 0:
+        dist.barrier()  # rank 1 never joins
+
+
+def test_a_rank_missing_from_a_collective_is_named_within_the_stall_limit():
+    start = time.monotonic()
+    with pytest.raises(WorldStalled, match=r"ranks \[0\] of 2 waited 1 s .* ranks \[1\] did not"):
+        run_world(2, _rank_1_skips, stall_s=1.0)
+    assert time.monotonic() - start < 10
