@@ -16,7 +16,6 @@ from tests.torch_side import (
     cases_collective_check,
     cases_exceptions,
     cases_formats,
-    cases_grad_clip,
     cases_init_sync,
     cases_instruments,
     cases_overlap,
@@ -36,7 +35,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_exceptions, cases_formats, cases_grad_clip,
+    cases_collective_check, cases_exceptions, cases_formats,
     cases_init_sync, cases_instruments, cases_overlap, cases_quantize, cases_reliability,
     cases_training, cases_units, cases_wire,
 )
