@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bridge import MXFP8Linear
-from tests.torch_side import cases_quantize, cases_training, cases_wire
+from tests.torch_side import cases_quantize, cases_training, test_wire_and_errors
 from tests.torch_side.multiprocess import run_cases
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
 from torch_side.comm.collectives import Collective, all_reduce_on
@@ -120,7 +120,7 @@ def _sync(device: str) -> None:
 
 
 def _parity(world_sizes, backend: str, out: Path) -> bool:
-    cases = {**cases_quantize.CASES, **cases_training.CASES, **cases_wire.CASES}
+    cases = {**cases_quantize.CASES, **cases_training.CASES, **test_wire_and_errors.CASES}
     ok_all, report = True, []
     for ws in world_sizes:
         names = [n for n, sizes in cases.items() if ws in sizes]

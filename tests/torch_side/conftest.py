@@ -23,7 +23,6 @@ from tests.torch_side import (
     cases_reliability,
     cases_training,
     cases_units,
-    cases_wire,
     worlds_ahead,
 )
 from tests.torch_side.multiprocess import CaseOutcome, run_cases
@@ -37,7 +36,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 _MODULES = (
     cases_collective_check, cases_exceptions, cases_formats,
     cases_init_sync, cases_instruments, cases_overlap, cases_quantize, cases_reliability,
-    cases_training, cases_units, cases_wire,
+    cases_training, cases_units,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
 SLOW_REGISTRY: dict[str, tuple[int, ...]] = {

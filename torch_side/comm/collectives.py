@@ -111,8 +111,8 @@ _VERB = {
     Collective.BROADCAST: "broadcast",
 }
 
-# Communicators built so far per process group (None: no group initialised), in construction order;
-# the same on every rank because building one is collective (the switch is all-reduced).
+# The last communicator's ordinal per process group (the default one by its object: each rank of
+# an in-process world has its own); the same on every rank, as building one is collective.
 _ORDINALS: dict[object, int] = {}
 
 _STREAM_OF = {  # which communication stream (and trace track) each collective runs on
@@ -233,11 +233,8 @@ class Communicator:
         self.check = bool(check)
         self.streams_at_world_1 = bool(streams_at_world_1)
         self._agreed = self.world_size == 1
-        # the default group by its object: each rank of an in-process world (the tests'
-        # threaded worlds) has a default group of its own
         key = group if group is not None or not dist.is_initialized() else dist.group.WORLD
-        self.ordinal = _ORDINALS.get(key, 0)
-        _ORDINALS[key] = self.ordinal + 1
+        self.ordinal = _ORDINALS[key] = _ORDINALS.get(key, -1) + 1
         self.seq = 0  # collectives issued so far (the check compares it across ranks)
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._anchor: tuple[trace.Recorder, torch.cuda.Event, float] | None = None  # GPU clock

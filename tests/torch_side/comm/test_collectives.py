@@ -4,8 +4,8 @@ In process, on a one-rank gloo group (``single_rank_world``): at world size 1 an
 reduce-scatter are copies and an all-reduce leaves its tensor as it is. Each collective is
 recorded once in the communicator's wire log (``WireRecord``: operation, phase, label, dtype,
 elements of the full tensor, bytes this rank contributes), synchronous or not; the log keeps the
-most recent ``WIRE_LOG_LIMIT`` records. The multi-rank values are checked in the spawned worlds
-(``cases_wire``).
+most recent ``WIRE_LOG_LIMIT`` records. The multi-rank values are checked in in-process worlds
+(``test_wire_and_errors``).
 """
 
 from __future__ import annotations
