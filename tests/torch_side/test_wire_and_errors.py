@@ -80,7 +80,7 @@ def case_wire_forward_rowwise_backward_colwise(ctx):
     opt.step()
     step = model.wire_log()
     # ONE amax all-reduce for the communicator's whole batch of MXFP8 groups (both planes of
-    # every group packed; torch_side.batched_refresh), nothing per group, no gathers
+    # every group packed; torch_side.fsdp.batched_refresh), nothing per group, no gathers
     assert not [r for g in mx for r in step if r.label.startswith(g.label)], step
     (amax,) = step
     assert amax.op is Collective.ALL_REDUCE_MAX and amax.dtype == torch.float32, amax

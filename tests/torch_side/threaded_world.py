@@ -109,7 +109,7 @@ def _stall(ranks: list[_Rank], seen: weakref.WeakKeyDictionary, stall_s: float) 
     """A description of the stall, once a collective has been in flight for ``stall_s``. (The
     threads' frames are read only then: a frame object made for a running function keeps its
     locals -- the collective's tensors -- alive past its return, which the release wait of
-    ``torch_side.collectives`` would see as held.)"""
+    ``torch_side.comm.collectives`` would see as held.)"""
     now = time.monotonic()
     inflight = list(_threaded.ProcessLocalGroup._cur_coll_on_pgs.values())
     if not any(now - seen.setdefault(c, now) >= stall_s for c in inflight):
