@@ -19,7 +19,6 @@ from tests.torch_side import (
     cases_init_sync,
     cases_instruments,
     cases_overlap,
-    cases_quantize,
     cases_reliability,
     cases_training,
     cases_units,
@@ -35,7 +34,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
     cases_collective_check, cases_exceptions, cases_formats,
-    cases_init_sync, cases_instruments, cases_overlap, cases_quantize, cases_reliability,
+    cases_init_sync, cases_instruments, cases_overlap, cases_reliability,
     cases_training, cases_units,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
