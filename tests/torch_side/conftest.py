@@ -14,7 +14,6 @@ import pytest
 
 from tests.torch_side import (
     cases_collective_check,
-    cases_exceptions,
     cases_formats,
     cases_init_sync,
     cases_instruments,
@@ -33,7 +32,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_exceptions, cases_formats,
+    cases_collective_check, cases_formats,
     cases_init_sync, cases_instruments, cases_overlap, cases_reliability,
     cases_training, cases_units,
 )
