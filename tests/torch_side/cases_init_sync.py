@@ -12,17 +12,22 @@ import copy
 
 import torch
 
-from tests.torch_side.cases_reliability import (
+from tests.torch_side.toy_models import (
     ZERO3,
+    Block,
+    ExpertMLP,
+    MoEBlock,
     T,
-    _close,
-    _expect,
-    _expert_groups,
-    _moe_net,
-    _train_step,
-    _wrap,
+    make_batch,
+    make_net,
+    mse,
 )
-from tests.torch_side.toy_models import Block, ExpertMLP, MoEBlock, make_batch, make_net, mse
+from tests.torch_side.toy_models import check_close as _close
+from tests.torch_side.toy_models import expect_error as _expect
+from tests.torch_side.toy_models import expert_groups as _expert_groups
+from tests.torch_side.toy_models import moe_net as _moe_net
+from tests.torch_side.toy_models import train_step as _train_step
+from tests.torch_side.toy_models import wrap_net as _wrap
 from torch_side import FSDPOptimizer, fully_shard
 from torch_side.comm.collectives import Collective
 

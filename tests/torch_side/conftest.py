@@ -17,7 +17,6 @@ from tests.torch_side import (
     cases_init_sync,
     cases_instruments,
     cases_overlap,
-    cases_reliability,
     cases_training,
     cases_units,
     worlds_ahead,
@@ -31,7 +30,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_init_sync, cases_instruments, cases_overlap, cases_reliability,
+    cases_collective_check, cases_init_sync, cases_instruments, cases_overlap,
     cases_training, cases_units,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}

@@ -22,9 +22,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.torch_side.cases_reliability import _expert_groups, _moe_net, _routes
 from tests.torch_side.threaded_world import run_world
-from tests.torch_side.toy_models import Block, ExpertMLP, MoEBlock, make_batch, make_net, mse
+from tests.torch_side.toy_models import (
+    Block,
+    ExpertMLP,
+    MoEBlock,
+    expert_groups,
+    make_batch,
+    make_net,
+    moe_net,
+    moe_routes,
+    mse,
+)
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
 
 T = 32  # tokens per rank and micro-batch
@@ -64,21 +73,21 @@ def _dense_case(ctx, strategy: ShardingStrategy) -> None:
 
 def _expert_case(ctx, strategy: ShardingStrategy) -> None:
     w, r = ctx.world_size, ctx.rank
-    egroups, gsize = _expert_groups(w)
+    egroups, gsize = expert_groups(w)
     mine = r // gsize
     model = fully_shard(
-        _moe_net(ctx.device, mine), unit_modules=(Block, MoEBlock), strategy=strategy,
+        moe_net(ctx.device, mine), unit_modules=(Block, MoEBlock), strategy=strategy,
         expert_modules=(ExpertMLP,), expert_group=egroups[mine],
     )
     opt = FSDPOptimizer(model, torch.optim.SGD, lr=0.1)
-    routes = _routes(w)
+    routes = moe_routes(w)
     x, y = make_batch(60, T * w, ctx.device)
     rows = slice(r * T, (r + 1) * T)
     mse(model(x[rows], routes[r].to(ctx.device)), y[rows]).backward()
     # Replicated reference: one dense net and every expert-DP group's experts, the mean loss
     # over all ranks' micro-batches.
-    ref = _moe_net("cpu", 0)
-    experts = [_moe_net("cpu", g).moe.experts for g in range(len(egroups))]
+    ref = moe_net("cpu", 0)
+    experts = [moe_net("cpu", g).moe.experts for g in range(len(egroups))]
     dense = [p for n, p in ref.named_parameters() if not n.startswith("moe.experts.")]
     for rr in range(w):
         ref.moe.experts = experts[rr // gsize]

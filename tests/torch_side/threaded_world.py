@@ -22,19 +22,23 @@ present alike in torch 2.11 (the GPU machine) and 2.13.
   that never joined (they stalled, or finished early) with where each one is.
 - Process-wide state is shared by the ranks: Torch's default random generator
   (``toy_models.seeded`` serializes seeding and module construction), the JAX compilation cache
-  (each program compiles once for all ranks), ``common.trace``'s recorder.
+  (each program compiles once for all ranks), ``common.trace``'s recorder, and the warnings
+  filters (``warnings.catch_warnings`` saves and restores them for the whole process: a rank
+  cannot use it; ``RankWarnings`` records each rank's warnings instead).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -44,7 +48,7 @@ from torch.testing._internal.distributed import multi_threaded_pg as _threaded
 
 from tests.torch_side.multiprocess import WorkerContext
 
-__all__ = ["MAX_WORLD", "RankFailed", "WorldStalled", "run_world"]
+__all__ = ["MAX_WORLD", "RankFailed", "RankWarnings", "WorldStalled", "run_world"]
 
 MAX_WORLD = 4  # more threads than that on a 2-core box: use a spawned world
 STALL_S = 60.0  # a rank waiting this long in one collective fails the world
@@ -200,3 +204,30 @@ def _report(ranks: list[_Rank], stalled: str | None, stall_s: float) -> None:
         raise WorldStalled(stalled + note)
     if alive:
         raise WorldStalled(f"ranks {alive} of {n} did not finish.{note}")
+
+
+class RankWarnings:
+    """The warnings raised in ``record()``'s block, per thread (a rank: its thread's name,
+    ``"rank r/n"``): ``mine()`` in a rank, ``by_thread`` after the world."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[str, list[warnings.WarningMessage]] = {}
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        name = threading.current_thread().name
+        self.by_thread.setdefault(name, []).append(
+            warnings.WarningMessage(message, category, filename, lineno, file, line))
+
+    def mine(self) -> list[warnings.WarningMessage]:
+        """The calling thread's warnings so far (a copy)."""
+        return list(self.by_thread.get(threading.current_thread().name, []))
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[RankWarnings]:
+        """Run the worlds in this block (from the test's thread): every warning is recorded
+        (filter "always": the registry that shows a repeated warning once is per module, shared
+        by the ranks), none is raised or printed -- the test asserts on what was recorded."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = self._show
+            yield self

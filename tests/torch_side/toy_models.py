@@ -8,6 +8,12 @@ An ``ExpertMLP`` can stand in for the MLP (an MoE-style block with one local exp
 ``MoENet``: ``inp`` -> a dense ``Block`` -> ``MoEBlock`` (router + ``N_EXPERTS`` ``ExpertMLP``s,
 tokens routed by an explicit per-token expert index; which experts without tokens are not called
 at all, and whether the layer is recomputed in backward, are arguments) -> ``head``.
+
+For the multi-rank tests (each rank of an in-process world, ``threaded_world.py``, or a spawned
+one; ``ctx`` is its ``WorkerContext``): ``moe_net`` builds the MoENet of one expert-DP group,
+``expert_groups`` makes those groups, ``moe_routes`` routes each rank's tokens so that some
+experts get none; ``wrap_net`` / ``train_step`` wrap and train a ToyNet (ZeRO-3, blocks as
+units); ``expect_error`` and ``check_close`` are their assertions.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from bridge import MXFP8Linear
+from torch_side import ShardingStrategy, fully_shard
 
 D, FF, D_IN, D_OUT = 64, 96, 16, 8
 
@@ -157,3 +165,81 @@ class MoENet(nn.Module):
         if self.recompute:
             return self.head(checkpoint(self.moe, h, route, use_reentrant=False))
         return self.head(self.moe(h, route))  # (T, D_OUT)
+
+
+# ---- multi-rank helpers ------------------------------------------------------------------------
+T = 32  # tokens per rank and micro-batch
+ZERO3 = ShardingStrategy.OPTIM_GRADS_PARAMS
+EXPERT_GROUP_SIZE = 2  # ranks per expert-DP group (expert_groups)
+
+
+def moe_routes(world_size: int) -> list[torch.Tensor]:
+    """Per rank: the expert of each of its T tokens. Rank 0 routes everything to expert 2
+    (expert 0 is not called, expert 1 is called on an empty tensor); rank 1 uses all three;
+    rank 2 leaves expert 1 empty (called empty), rank 3 leaves expert 0 empty (not called)."""
+    t = torch.arange(T)
+    table = [
+        torch.full((T,), 2),
+        t % N_EXPERTS,
+        torch.where(t % 2 == 0, 0, 2),
+        torch.where(t % 2 == 0, 1, 2),
+    ]
+    return table[:world_size]
+
+
+def expert_groups(world_size: int) -> tuple[list, int]:
+    """Expert-DP groups: one group of all ranks at world 2, {0,1} and {2,3} at world 4 (each
+    group holds its own experts). Collective: every rank creates every group."""
+    size = EXPERT_GROUP_SIZE
+    ranks = [list(range(i, i + size)) for i in range(0, world_size, size)]
+    return [dist.new_group(r) for r in ranks], size
+
+
+def moe_net(device, group_index: int, dense_seed: int = 0, **kw) -> MoENet:
+    """The same dense layers on every rank, the experts of expert group ``group_index``;
+    ``kw``: ``MoENet``'s (which experts without tokens are not called, recompute)."""
+    with seeded(dense_seed):
+        net = MoENet(**kw)
+    with seeded(10 + group_index):
+        net.moe.experts = torch.nn.ModuleList([ExpertMLP() for _ in range(N_EXPERTS)])
+    return net.to(device)
+
+
+def wrap_net(ctx, **kw):
+    """``make_net(0)`` on ``ctx.device``, wrapped: ``fully_shard``'s ``kw``, by default ZeRO-3
+    with each ``Block`` a unit."""
+    kw.setdefault("unit_modules", (Block,))
+    kw.setdefault("strategy", ZERO3)
+    return fully_shard(make_net(0, device=ctx.device), **kw)
+
+
+def train_step(model, opt, step: int, ctx) -> torch.Tensor:
+    """One global-batch step (this rank's T rows of it); returns the loss averaged over ranks."""
+    x, y = make_batch(100 + step, T * ctx.world_size, ctx.device)
+    mine = slice(ctx.rank * T, (ctx.rank + 1) * T)
+    loss = mse(model(x[mine]), y[mine])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    out = loss.detach().clone()
+    dist.all_reduce(out)
+    return out / ctx.world_size
+
+
+def expect_error(error: type[BaseException], match: str, fn: Callable, *args, **kwargs) -> str:
+    """``fn(*args, **kwargs)`` raises ``error`` whose message contains ``match``; the message."""
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        assert match in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"expected {error.__name__} matching {match!r}")
+
+
+def check_close(what: str, got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    """Bit for bit if ``exact``, else the training tolerance (four ranks: gradient sums in
+    another order, as cases_training.RTOL/ATOL)."""
+    if exact:
+        assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {m}")

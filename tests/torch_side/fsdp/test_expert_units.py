@@ -2,8 +2,7 @@
 1: an expert the router skips still issues its collectives, in the order the others would, so the
 sequence is the same whichever experts run; training matches the unwrapped model bit for bit;
 misuse that would put ranks out of step is named. The multi-rank cases (worlds 2 and 4, against
-the replicated reference, collectives compared across ranks) are in cases_reliability.py
-(test_reliability.py)."""
+the replicated reference, collectives compared across ranks) are in test_reliability.py."""
 
 from __future__ import annotations
 
