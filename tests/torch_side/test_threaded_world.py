@@ -1,16 +1,17 @@
 """The in-process world harness (threaded_world.py): ranks and default groups per thread, a
 failing rank fails the test naming it, a rank missing from a collective is reported as a stall
-naming it (the others released), never a hang."""
+naming it (the others released), never a hang; warnings are recorded per rank."""
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.torch_side.threaded_world import RankFailed, WorldStalled, run_world
+from tests.torch_side.threaded_world import RankFailed, RankWarnings, WorldStalled, run_world
 
 
 def _ranks_and_sum(ctx, seen: list) -> None:
@@ -55,3 +56,18 @@ def test_a_rank_missing_from_a_collective_is_named_within_the_stall_limit():
     with pytest.raises(WorldStalled, match=r"ranks \[0\] of 2 waited 1 s .* ranks \[1\] did not"):
         run_world(2, _rank_1_skips, stall_s=1.0)
     assert time.monotonic() - start < 10
+
+
+def _warn_twice(ctx, seen: RankWarnings) -> None:
+    dist.barrier()  # both ranks inside the recording block at once
+    for _ in range(2):  # the same warning again: recorded again (filter "always")
+        warnings.warn(f"from rank {ctx.rank}", RuntimeWarning, stacklevel=1)
+    assert [str(w.message) for w in seen.mine()] == [f"from rank {ctx.rank}"] * 2
+
+
+def test_warnings_are_recorded_per_rank():
+    with RankWarnings().record() as seen:
+        run_world(2, _warn_twice, seen)
+    assert {n: [str(w.message) for w in ws] for n, ws in seen.by_thread.items()} == {
+        f"rank {r}/2": [f"from rank {r}"] * 2 for r in range(2)
+    }
