@@ -7,7 +7,7 @@
 - activation recompute inside the backward program gives the same bits as keeping residuals;
 - a user-registered block type; an evaluation forward; the binding that keeps what a unit
   found (and does not keep the model alive); the errors.
-FSDP strategies, world sizes and micro-batches: tests/torch_side/cases_units.py.
+FSDP strategies, world sizes and micro-batches: tests/torch_side/test_units_fsdp.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from tests.torch_side import (
     cases_collective_check,
     cases_overlap,
     cases_training,
-    cases_units,
     worlds_ahead,
 )
 from tests.torch_side.multiprocess import CaseOutcome, run_cases
@@ -28,7 +27,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_overlap, cases_training, cases_units,
+    cases_collective_check, cases_overlap, cases_training,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
 SLOW_REGISTRY: dict[str, tuple[int, ...]] = {

@@ -1,6 +1,7 @@
 """The overlap and unit-compute cases with NCCL on CUDA ranks (one GPU each): world size 1 on a
 one-GPU machine, and 2 where two GPUs exist (``scripts/gpu/two_gpu.sh tests``). Skipped without a
-GPU. The cases are those of the gloo tests (cases_overlap.py, cases_units.py); at world size 1
+GPU. The cases are those of the CPU tests (cases_overlap.py on spawned gloo ranks; the
+``case_unit_*`` of test_units_fsdp.py, in in-process worlds there); at world size 1
 ``MXFP8_FSDP_COMM_STREAMS=1`` routes the copies through the communication streams, so one GPU
 tests their ordering against the JAX programs. The CUDA ranks run with deterministic kernels
 (``bridge.determinism``, set up by the worker): without them Torch's embedding backward (atomic
@@ -22,9 +23,9 @@ CASES = (
     "tests.torch_side.cases_overlap:case_overlap_unit_compute_bytes",
     "tests.torch_side.cases_overlap:case_peak_bucket_bytes_follow_the_layout",
     "tests.torch_side.cases_overlap:case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one",
-    "tests.torch_side.cases_units:case_unit_optim_grads_params",
-    "tests.torch_side.cases_units:case_unit_zero3_recompute_accumulation",
-    "tests.torch_side.cases_units:case_unit_zero3_blocks_in_one_unit_recompute_accumulation",
+    "tests.torch_side.test_units_fsdp:case_unit_optim_grads_params",
+    "tests.torch_side.test_units_fsdp:case_unit_zero3_recompute_accumulation",
+    "tests.torch_side.test_units_fsdp:case_unit_zero3_blocks_in_one_unit_recompute_accumulation",
 )
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -7,7 +7,7 @@ Checked here, world 1 in process: losses, reduced gradients and weights after op
 the same bytes as with one unit per block (unit and op compute, recompute, fp32 and bf16
 activations, evaluation, a model that reads every block's output); the programs and collectives
 per step shrink as they should; misuse is refused with a clear error. The sharded ranks against
-the replicated reference: ``cases_units`` (``spans``).
+the replicated reference: ``test_units_fsdp`` (``blocks_in_one_unit``).
 """
 
 from __future__ import annotations
