@@ -16,18 +16,23 @@ import copy
 import pytest
 import torch
 
-from tests.torch_side.cases_reliability import (
-    ZERO3,
-    T,
-    _close,
-    _expect,
-    _expert_groups,
-    _moe_net,
-    _train_step,
-    _wrap,
-)
 from tests.torch_side.threaded_world import run_world
-from tests.torch_side.toy_models import Block, ExpertMLP, MoEBlock, make_batch, make_net, mse
+from tests.torch_side.toy_models import (
+    ZERO3,
+    Block,
+    ExpertMLP,
+    MoEBlock,
+    T,
+    check_close,
+    expect_error,
+    expert_groups,
+    make_batch,
+    make_net,
+    moe_net,
+    mse,
+    train_step,
+    wrap_net,
+)
 from torch_side import FSDPOptimizer, fully_shard
 from torch_side.comm.collectives import Collective
 
@@ -55,7 +60,7 @@ def _ranks_that_initialise_differently(ctx) -> None:
     sent = [(r.label, r.bytes_sent) for r in mixed.wire_log() if r.op is Collective.BROADCAST]
     assert sent == [(f"{g.label}/init", 4 * g.layout.padded_numel * (ctx.rank == 0))
                     for g in mixed.param_groups], sent
-    same = _wrap(ctx)  # seed 0 on every rank: what the mixed model must be
+    same = wrap_net(ctx)  # seed 0 on every rank: what the mixed model must be
     state = mixed.full_state_dict()
     for name, p in init.named_parameters():
         assert torch.equal(state[name], p.detach()), f"{name}: not rank 0's init"
@@ -65,18 +70,18 @@ def _ranks_that_initialise_differently(ctx) -> None:
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, foreach=False)
     opts = [FSDPOptimizer(m, torch.optim.Adam, lr=1e-2, foreach=False) for m in (mixed, same)]
     for step in range(2):
-        a, b = _train_step(mixed, opts[0], step, ctx), _train_step(same, opts[1], step, ctx)
+        a, b = train_step(mixed, opts[0], step, ctx), train_step(same, opts[1], step, ctx)
         assert torch.equal(a, b), (step, a.item(), b.item())
         x, y = make_batch(100 + step, T * ctx.world_size, ctx.device)
         ref_loss = mse(ref(x), y)  # the mean over all ranks' rows = the mean of rank means
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        _close(f"loss step {step}", a, ref_loss.detach(), exact=False)
+        check_close(f"loss step {step}", a, ref_loss.detach(), exact=False)
     a, b = mixed.full_state_dict(), same.full_state_dict()
     for name, p in ref.named_parameters():
         assert torch.equal(a[name], b[name]), name
-        _close(name, a[name], p.detach(), exact=False)
+        check_close(name, a[name], p.detach(), exact=False)
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
@@ -89,13 +94,13 @@ def test_ranks_that_initialise_differently_start_from_rank0(world_size):
 
 
 def _expert_parameters_from_their_group_rank0(ctx) -> None:
-    egroups, gsize = _expert_groups(ctx.world_size)
+    egroups, gsize = expert_groups(ctx.world_size)
     mine = ctx.rank // gsize
     model = fully_shard(
-        _moe_net(ctx.device, ctx.rank, dense_seed=ctx.rank), unit_modules=(Block, MoEBlock),
+        moe_net(ctx.device, ctx.rank, dense_seed=ctx.rank), unit_modules=(Block, MoEBlock),
         strategy=ZERO3, expert_modules=(ExpertMLP,), expert_group=egroups[mine],
     )
-    want = _moe_net(ctx.device, mine * gsize, dense_seed=0)
+    want = moe_net(ctx.device, mine * gsize, dense_seed=0)
     state = model.full_state_dict()
     for name, p in want.named_parameters():
         assert torch.equal(state[name], p.detach()), f"{name}: not its group rank 0's init"
@@ -109,7 +114,7 @@ def test_expert_parameters_start_from_rank0_of_their_expert_group(world_size):
 
 
 def _verify_names_the_first_differing_parameter(ctx) -> None:
-    model = _wrap(ctx, init_sync="verify")
+    model = wrap_net(ctx, init_sync="verify")
     state, init = model.full_state_dict(), make_net(0, device=ctx.device)
     assert all(torch.equal(state[n], p.detach()) for n, p in init.named_parameters())
     net = make_net(0, device=ctx.device)
@@ -118,7 +123,7 @@ def _verify_names_the_first_differing_parameter(ctx) -> None:
         with torch.no_grad():
             w = net.blocks[0].mlp.fc1.weight
             w[3, 7] = torch.nextafter(w[3, 7], torch.tensor(float("inf")))
-    msg = _expect(
+    msg = expect_error(
         ValueError, "parameter 'blocks.0.mlp.fc1.weight' (group 'blocks.0/mxfp8_e4m3/dp') on "
         f"ranks [{last}] differs from its value on rank 0", fully_shard, net,
         unit_modules=(Block,), strategy=ZERO3, init_sync="verify",
