@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bridge import MXFP8Linear
-from tests.torch_side import cases_training, test_wire_and_errors
+from tests.torch_side import test_training_parity, test_wire_and_errors
 from tests.torch_side.fsdp import test_distributed_quantize
 from tests.torch_side.multiprocess import run_cases
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
@@ -121,7 +121,7 @@ def _sync(device: str) -> None:
 
 
 def _parity(world_sizes, backend: str, out: Path) -> bool:
-    cases = {**test_distributed_quantize.CASES, **cases_training.CASES,
+    cases = {**test_distributed_quantize.CASES, **test_training_parity.CASES,
              **test_wire_and_errors.CASES}
     ok_all, report = True, []
     for ws in world_sizes:

@@ -15,7 +15,6 @@ import pytest
 from tests.torch_side import (
     cases_collective_check,
     cases_overlap,
-    cases_training,
     worlds_ahead,
 )
 from tests.torch_side.multiprocess import CaseOutcome, run_cases
@@ -27,7 +26,7 @@ from tests.torch_side.multiprocess import CaseOutcome, run_cases
 # at the end of collection, in a helper process (worlds_ahead.py), and run while pytest runs the
 # tests before them; a test waits for its world's outcomes only if the world is still running.
 _MODULES = (
-    cases_collective_check, cases_overlap, cases_training,
+    cases_collective_check, cases_overlap,
 )
 REGISTRY: dict[str, tuple[int, ...]] = {k: v for m in _MODULES for k, v in m.CASES.items()}
 SLOW_REGISTRY: dict[str, tuple[int, ...]] = {

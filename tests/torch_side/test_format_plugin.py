@@ -14,7 +14,7 @@ trains one step beside the replicated reference: the same ``ToyNet`` in plain To
 global batch, whose ``MXFP8Linear`` layers read ``OraclePlanes`` -- the format quantized whole on
 one rank from ``bf16(weight)``, which is what FSDP's planes must hold. Rank r's micro-batch is
 rows ``[r * T, (r + 1) * T)``; FSDP averages the gradients over ranks, so both follow the same
-gradient (exact at world size 1, to ``RTOL`` / ``ATOL`` at more ranks, as ``cases_training``).
+gradient (exact at world size 1, to ``RTOL`` / ``ATOL`` at more ranks, as ``test_training_parity``).
 
 ``_train_and_compare`` checks, at every world size (1 in this process, 2 in an in-process world):
 
@@ -65,7 +65,7 @@ from torch_side.instruments.numerics_telemetry import NumericsTelemetry
 WORLD_1 = WorkerContext(0, 1, "cpu")
 T = 32  # tokens per rank
 LR = 0.1
-RTOL, ATOL = 1e-4, 1e-6  # the gradient sums of more ranks run in another order (cases_training)
+RTOL, ATOL = 1e-4, 1e-6  # more ranks sum the gradients in another order (test_training_parity)
 
 
 def _close(what: str, got, want, exact: bool) -> None:

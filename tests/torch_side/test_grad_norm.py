@@ -3,7 +3,7 @@ the full gradients of the unsharded model, for every strategy, dense and expert 
 every rank (in-process worlds, ``threaded_world.py``).
 
 The reference is the norm (float64) of the full gradients of the unsharded model trained by plain
-Torch on the whole global batch (as in ``cases_training``): every strategy must count each
+Torch on the whole global batch (as in ``test_training_parity``): every strategy must count each
 gradient element once -- ``no_shard`` holds replicated full gradients (not counted DP times),
 the sharded strategies 1/DP shards (summed over the DP group), and expert groups their own
 experts' gradients over the expert-DP group (``MoENet``: dense + expert groups; at world 4 two

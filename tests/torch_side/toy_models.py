@@ -238,7 +238,7 @@ def expect_error(error: type[BaseException], match: str, fn: Callable, *args, **
 
 def check_close(what: str, got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
     """Bit for bit if ``exact``, else the training tolerance (four ranks: gradient sums in
-    another order, as cases_training.RTOL/ATOL)."""
+    another order, as test_training_parity.RTOL/ATOL)."""
     if exact:
         assert torch.equal(got, want), f"{what}: max diff {(got - want).abs().max().item()}"
     else:
