@@ -75,21 +75,14 @@ def _session_jax_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-CHILD_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
-
-
 def jax_cache_env(path) -> dict[str, str]:
     """The environment that points JAX in a child process at the persistent cache ``path``,
-    every program cached (JAX reads these variables when it starts), and puts
-    ``tests/child_site`` first on its PYTHONPATH: processes that share the cache then compile
-    each program once between them (``tests/compile_once.py``), where the ranks of a world would
-    otherwise all compile it at the same moment."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    every program cached (JAX reads these variables when it starts): a later process loads the
+    programs an earlier one compiled."""
     return {
         "JAX_COMPILATION_CACHE_DIR": str(path),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "PYTHONPATH": os.pathsep.join([CHILD_SITE, *(p for p in paths if p != CHILD_SITE)]),
     }
 
 
@@ -97,8 +90,7 @@ def jax_cache_env(path) -> dict[str, str]:
 def children_share_jax_cache(monkeypatch, _session_jax_cache):
     """Processes this test starts (spawned ranks, notebook kernels) share one persistent JAX
     compilation cache for the session: a later world loads the executables an earlier one
-    compiled instead of compiling them again, and the ranks of one world compile each program
-    once between them (CI time; the programs are the same). This process's JAX is configured
-    already and stays as it is."""
+    compiled instead of compiling them again (CI time; the programs are the same). This
+    process's JAX is configured already and stays as it is."""
     for name, value in jax_cache_env(_session_jax_cache).items():
         monkeypatch.setenv(name, value)

@@ -170,7 +170,7 @@ def test_every_walkthrough_of_the_extending_guide_names_the_test_that_performs_i
 
 def test_test_files_sit_in_the_folder_of_the_package_they_test():
     """README, "Layout": one tests folder per source package, project-wide checks at the top."""
-    top = {"test_architecture.py", "test_code_size.py", "test_compile_once.py",
+    top = {"test_architecture.py", "test_code_size.py",
            "test_doc_references.py", "test_types.py"}
     misplaced = []
     for p in sorted((ROOT / "tests").rglob("test_*.py")):

@@ -46,7 +46,3 @@ def case_failed_collective_names_the_switch(ctx):
             "FSDP all-reduce (sum) of 'blocks.3/fp32/dp/grad'" in notes, notes
         assert "some rank did not reach another FSDP collective" in notes, notes
     dist.barrier()
-
-
-_M = __name__
-CASES = {f"{_M}:case_failed_collective_names_the_switch": (2,)}

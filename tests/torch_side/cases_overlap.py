@@ -1,5 +1,8 @@
 """Spawned-rank cases: communication overlapped with compute (``torch_side.Overlap``).
 
+Spawned, not in-process (``tests/torch_side/conftest.py``): their subject is gloo's own
+asynchronous worker thread, which the threaded process group does not have.
+
 1. The overlap settings never change a bit: the GPT trained under ZeRO-3 with micro-batches
    (unit compute, and per-linear compute with activation recompute) gives the same losses, main
    weights and reduced gradients, byte for byte, with no overlap (gather on demand, synchronous
@@ -242,16 +245,3 @@ def case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one(ctx):
                 assert issued > end, f"{nxt} gathered at {issued} without prefetch"
         assert any(e.get("name") == "bucket bytes" for e in events)
         assert any(e.get("cat") == "jax: unit programs (dispatch)" for e in events)
-
-
-_M = "tests.torch_side.cases_overlap"
-CASES = {
-    f"{_M}:case_overlap_unit_compute_bytes": (2,),
-    f"{_M}:case_peak_bucket_bytes_follow_the_layout": (2,),
-    f"{_M}:case_peak_bucket_bytes_do_not_depend_on_timing": (2,),
-    f"{_M}:case_trace_shows_the_gather_of_the_next_unit_issued_during_this_one": (2,),
-}
-SLOW_CASES = {
-    f"{_M}:case_overlap_unit_compute_bytes": (4,),
-    f"{_M}:case_overlap_op_recompute_bytes": (2,),
-}

@@ -1,12 +1,11 @@
-"""Run registered test cases in spawned process groups, one spawn per (world size, speed).
+"""Run test cases in spawned process groups: the cases that need real processes
+(``tests/torch_side/conftest.py`` says which), the NCCL pass and the benchmarks' parity pass.
 
-Spawning a process and importing JAX costs seconds on a small CPU box, so every world is spawned
-once and runs a whole list of cases (``CASES``); the pytest tests then read each case's outcome.
-Each case is a function ``case(ctx: WorkerContext) -> None`` that raises on a mismatch. All ranks
-run the cases in the same order through ``torch_side.launch.run_local_ranks``, which stops the
-world the moment one rank raises: the failing case is reported at once with that rank's
-traceback (never as a collective timeout), the cases that completed on every rank before it
-passed, and the rest are reported as not run.
+Each case is a function ``case(ctx: WorkerContext) -> None`` that raises on a mismatch; a spawn
+runs a list of them ("module:function"). All ranks run the cases in the same order through
+``torch_side.launch.run_local_ranks``, which stops the world the moment one rank raises: the
+failing case is reported at once with that rank's traceback (never as a collective timeout), the
+cases that completed on every rank before it passed, and the rest are reported as not run.
 """
 
 from __future__ import annotations
@@ -53,13 +52,10 @@ def _worker(cases: list[str], progress_dir: str, cache_dir: str) -> None:
     import torch.distributed as dist
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
-    if cache_dir:  # ranks and later spawns reuse each other's compiled kernels (same shapes)
+    if cache_dir:  # later spawns load the programs an earlier one compiled (same shapes)
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        from tests.compile_once import install
-
-        install()  # the ranks compile each program once between them, not once each
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda:0" if dist.get_backend() == "nccl" else "cpu"
     if device != "cpu":

@@ -14,7 +14,6 @@ import pytest
 
 from apps.training import cli
 from apps.training.job import TrainJob
-from tests.conftest import CHILD_SITE
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -172,8 +171,7 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
          "--data", str(data), "--steps", "3", "--batch-size", "2", "--micro-batches", "1",
          "--metrics", str(metrics), "--plot", str(tmp_path / "run.png"), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        # CHILD_SITE: the two ranks compile each program once between them (tests/conftest.py)
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([CHILD_SITE, str(ROOT)]),
+        env={**os.environ, "PYTHONPATH": str(ROOT),
              "MXFP8_JAX_CACHE": str(tmp_path / "cache")},
     )
     assert out.returncode == 0, out.stderr[-3000:]

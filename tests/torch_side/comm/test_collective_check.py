@@ -216,8 +216,8 @@ def test_check_on_trains_bit_identically():
 
 
 # ---- a spawned world (a real gloo timeout) -----------------------------------------------------
-def test_failed_collective_names_the_switch(spawned):
-    check_case(spawned, cc, cc.case_failed_collective_names_the_switch, 2)
+def test_failed_collective_names_the_switch():
+    check_case(cc, cc.case_failed_collective_names_the_switch, 2)
 
 
 # ---- descriptors (in process) -----------------------------------------------------------------

@@ -28,8 +28,8 @@ SLOW = pytest.mark.slow
     ],
     ids=lambda v: v.__name__.removeprefix("case_") if callable(v) else f"w{v}",
 )
-def test_overlap(spawned, case, world_size):
-    check_case(spawned, co, case, world_size)
+def test_overlap(case, world_size):
+    check_case(co, case, world_size)
 
 
 @pytest.mark.parametrize(
