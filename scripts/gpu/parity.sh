@@ -27,16 +27,16 @@ echo "parity tests (gpu-visible, sharded gloo case excluded): rc=$tests_rc in $(
 
 t0=$SECONDS
 {
-  timeout 150 python3 -m apps.parity --world-size 1 --device cuda
+  timeout 150 python3 -m apps.parity --world-size 1 --device cuda --compute op
   echo "rc=$?"
-  timeout 120 python3 -m apps.parity --world-size 1 --device cuda --mode high_precision
+  timeout 120 python3 -m apps.parity --world-size 1 --device cuda --compute op --mode high_precision
   echo "rc=$?"
 } 2>&1 | tee "$OUT/report_cuda.log"
 echo "cuda reports in $((SECONDS - t0)) s" | tee -a "$OUT/report_cuda.log"
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # FSDP on 2 NCCL ranks vs Flax on each rank's GPU
   t0=$SECONDS
-  timeout 150 python3 -m apps.parity --world-size 2 --device cuda 2>&1 | tee "$OUT/report_nccl.log"
+  timeout 150 python3 -m apps.parity --world-size 2 --device cuda --compute op 2>&1 | tee "$OUT/report_nccl.log"
   echo "rc=${PIPESTATUS[0]}; sharded cuda report in $((SECONDS - t0)) s" | tee -a "$OUT/report_nccl.log"
 fi
 

@@ -57,7 +57,7 @@ sys.exit(0 if b and len(same) == len(b) else 1)
 PY
       ;;
     parity)
-      timeout 300 python3 -m apps.parity --world-size 2 --device cuda 2>&1 | tail -25 \
+      timeout 300 python3 -m apps.parity --world-size 2 --device cuda --compute op 2>&1 | tail -25 \
         | tee "$OUT/parity.log" ;;
     trace)
       timeout 250 torchrun --standalone --nproc_per_node 2 -m apps.training --device cuda \
