@@ -26,11 +26,15 @@ demo: venv
 parity: venv
 	$(PY) -m apps.parity
 
+# One test process per core, at most 4 (pytest-xdist), each test file in one of them
+# (--dist loadfile: a file's tests share the JAX programs they compile). XDIST= runs serially.
+XDIST ?= -n auto --maxprocesses 4 --dist loadfile
+
 test: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 test-all: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 lint: venv
 	$(VENV)/bin/ruff check .
