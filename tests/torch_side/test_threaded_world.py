@@ -71,3 +71,10 @@ def test_warnings_are_recorded_per_rank():
     assert {n: [str(w.message) for w in ws] for n, ws in seen.by_thread.items()} == {
         f"rank {r}/2": [f"from rank {r}"] * 2 for r in range(2)
     }
+
+
+def test_this_torch_has_every_private_entry_point_the_worlds_use():
+    """Where one is missing every world test skips (naming it): here none may be missing."""
+    from tests.torch_side.threaded_world import missing_entry_points
+
+    assert missing_entry_points() == []
