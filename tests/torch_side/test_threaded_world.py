@@ -32,6 +32,20 @@ def test_every_thread_is_a_rank_of_its_own_default_group(world_size):
     assert sorted(seen) == [(r, total, list(range(world_size))) for r in range(world_size)]
 
 
+def test_a_threaded_world_without_comms_is_destroyed_cleanly(monkeypatch):
+    """Torch 2.11's threaded world has no ``comms``, which its ``destroy_process_group`` reads
+    (measured on the GPU machine: every world failed at teardown); the shim supplies it for the
+    time of a world and takes it away after."""
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
+
+    if hasattr(threaded.ThreadLocalWorld, "comms"):
+        monkeypatch.delattr(threaded.ThreadLocalWorld, "comms")
+    seen: list = []
+    run_world(2, _ranks_and_sum, seen)
+    assert sorted(seen) == [(0, 3.0, [0, 1]), (1, 3.0, [0, 1])]
+    assert not hasattr(threaded.ThreadLocalWorld, "comms")
+
+
 def _rank_1_raises(ctx) -> None:
     if ctx.rank == 1:
         raise ValueError("bad on one rank")

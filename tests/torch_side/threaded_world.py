@@ -10,7 +10,10 @@ when every rank of its group has joined, rank 0's thread doing the copies and th
 module, so this file is the only user, through the entry points that test case uses
 (``_install_threaded_pg`` / ``_uninstall_threaded_pg``, ``ProcessLocalGroup.reset`` /
 ``exception_handle``, and c10d's thread isolation mode: group names registered per thread),
-run here on torch 2.13; where a torch lacks one, the worlds skip naming it (``_NEEDED``).
+run here on torch 2.13 and on the GPU machine's 2.11; where a torch lacks one, the worlds skip
+naming it (``_NEEDED``). Torch 2.11's ``destroy_process_group`` reads ``_world.comms``, which
+that version's threaded world lacks (2.13 has it): ``_comms_shim`` gives it an empty list for
+the time of a world (the threaded group makes no torchcomms communicators).
 
 - ``ctx`` is the ``WorkerContext`` the spawned worlds give (``tests/torch_side/multiprocess.py``),
   device "cpu"; JAX runs with ``jax_numpy_dtype_promotion`` strict, as in every test.
@@ -131,7 +134,7 @@ def _stall(ranks: list[_Rank], seen: weakref.WeakKeyDictionary, stall_s: float) 
 
 # The private entry points this file uses, checked before a world starts: torch versions that
 # lack one make every in-process world test skip, naming what is missing (never a hang or an
-# obscure error). Checked present in torch 2.13; the GPU machine's 2.11 not yet run.
+# obscure error). Checked present in torch 2.13 and 2.11 (the GPU machine's).
 _NEEDED = {
     "torch._C._distributed_c10d._set_thread_isolation_mode":
         lambda: torch._C._distributed_c10d._set_thread_isolation_mode,
@@ -155,6 +158,19 @@ def missing_entry_points() -> list[str]:
     return missing
 
 
+@contextlib.contextmanager
+def _comms_shim() -> Iterator[None]:
+    """``ThreadLocalWorld.comms`` (an empty list) for a torch whose threaded world lacks it."""
+    if hasattr(_threaded.ThreadLocalWorld, "comms"):
+        yield
+        return
+    _threaded.ThreadLocalWorld.comms = property(lambda self: [])
+    try:
+        yield
+    finally:
+        del _threaded.ThreadLocalWorld.comms
+
+
 def _isolate_threads(on: bool) -> None:
     """Process-group names registered per thread (each rank's default group is "0")."""
     torch._C._distributed_c10d._set_thread_isolation_mode(on)
@@ -175,7 +191,7 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any,
     assert not left, f"ranks of an earlier in-process world never stopped: {left}"
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
     threads = torch.get_num_threads()
-    with _ONE_WORLD, torch.autograd.set_multithreading_enabled(False):
+    with _ONE_WORLD, torch.autograd.set_multithreading_enabled(False), _comms_shim():
         _threaded.ProcessLocalGroup.reset()
         _isolate_threads(True)
         _threaded._install_threaded_pg()
