@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from common import LinearMode
+from common import KernelConfig, LinearMode
 from jax_side.linear import (
     high_precision_linear,
     linear_fn,
@@ -87,6 +87,45 @@ def test_high_precision_control_is_an_fp32_matmul():
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
     assert linear_fn(LinearMode.HIGH_PRECISION).func is high_precision_linear  # bound kernels
     assert linear_fn("mxfp8").func is mxfp8_linear  # bound to the resolved kernels
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general of a jaxpr and the jaxprs inside it: its operand dtypes."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    found += _dots(sub)
+    return found
+
+
+def test_bf16_control_runs_every_gemm_on_bf16_operands():
+    """The bf16 control with a tensor-core GEMM (not the exact ``dequant_dot``): forward, dgrad
+    and wgrad all take bf16 operands (JAX's own transpose would run the backward's two GEMMs on
+    an fp32 cotangent: fp32/TF32 GEMMs), and the gradients are the exact-product, fp32-accumulated
+    ones of the HIGHEST-precision reference (accumulation order only)."""
+    from jax_side.mxfp8.kernels import resolve_kernels
+
+    tc = resolve_kernels(KernelConfig(gemm="dequant_bf16_dot"))
+    x = _rand((64, 96), 3).astype(jnp.bfloat16)
+    w = _rand((48, 96), 4).astype(jnp.bfloat16)
+    dy = _rand((64, 48), 5).astype(jnp.bfloat16)
+
+    def vjp(kernels):
+        y, pull = jax.vjp(lambda a, b: high_precision_linear(a, b, kernels=kernels), x, w)
+        return (y, *pull(dy))
+
+    jaxpr = jax.make_jaxpr(lambda: vjp(tc))().jaxpr
+    assert _dots(jaxpr) == [("bfloat16", "bfloat16")] * 3, _dots(jaxpr)
+    got, want = vjp(tc), vjp(resolve_kernels(KernelConfig(gemm="dequant_dot")))
+    for name, g, r in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert g.dtype == r.dtype == jnp.bfloat16, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2**-7, atol=1e-6, err_msg=name)
 
 
 def test_errors_name_the_problem():
