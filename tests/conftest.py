@@ -6,12 +6,21 @@
 - ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA device is visible.
 - Hypothesis: no per-example deadline (XLA compiles on first call), a bounded example count.
 - ``single_rank_world``: a one-rank gloo group in this process (tests of collective code).
-- ``children_share_jax_cache``: processes a test starts share one compilation cache.
+- One persistent JAX compilation cache per test run, shared by every test process (the
+  pytest-xdist workers) and, through ``children_share_jax_cache``, by the processes a test
+  starts: a program compiled anywhere in the run is loaded, not compiled again, by every other
+  process (the suite spends most of its time compiling). It lives in the system temp directory,
+  named by the run's id, and is removed when the run ends. ``tests.compiles`` counts a program
+  loaded from it as it counts a compiled one (JAX reports both as a backend compile).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 # bf16 values are rounded at every op, not only at program boundaries: the unit programs and the
@@ -50,6 +59,38 @@ def _cuda_available() -> bool:
         return False
 
 
+def _run_cache_dir(config) -> Path:
+    """The run's compilation cache directory: named by pytest-xdist's test-run id, which the
+    controller sets here before it starts the workers (they receive it), or by a fresh id in a
+    run without workers."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        uid = workerinput["testrunuid"]
+    else:
+        uid = getattr(config.option, "testrunuid", None) or uuid.uuid4().hex
+        if hasattr(config.option, "testrunuid"):
+            config.option.testrunuid = uid  # the workers' id (pytest-xdist reads it later)
+    return Path(tempfile.gettempdir()) / f"mxfp8-fsdp-tests-{uid}" / "jax_cache"
+
+
+def pytest_configure(config):
+    cache = _run_cache_dir(config)
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config.stash[_CACHE_KEY] = cache
+    # before any test module is imported: JAX decides at its first compile whether to use it
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and _CACHE_KEY in config.stash:  # the run's owner
+        shutil.rmtree(config.stash[_CACHE_KEY].parent, ignore_errors=True)
+
+
+_CACHE_KEY = pytest.StashKey[Path]()
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
@@ -71,8 +112,8 @@ def single_rank_world():
 
 
 @pytest.fixture(scope="session")
-def _session_jax_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
+def _session_jax_cache(pytestconfig):
+    return pytestconfig.stash[_CACHE_KEY]
 
 
 def jax_cache_env(path) -> dict[str, str]:
