@@ -14,11 +14,19 @@ Runs (``--runs``):
 - ``mxfp8_bf16_gather``: ``mxfp8`` with ``GatherMode.BF16``: the MXFP8 weights are all-gathered as
   bf16 (2 bytes/element) and every rank quantizes them itself; the GEMMs read the same bytes.
 - ``bf16``: ``mxfp8`` with high-precision linears and bf16 model weights (bf16 GEMMs in JAX).
-- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)`` per block and on the root, on the same model with plain ``nn.Linear``
-  layers (no JAX), ``torch.optim.AdamW`` (fused on CUDA).
-- ``torchao``: ``fsdp2`` with torchao's float8 training (rowwise scaling: real FP8 tensor-core
-  GEMMs) and ``torch.compile``; CUDA only, skipped (said so) where torchao is not importable.
+- ``fsdp2``: what a user would otherwise run, PyTorch FSDP2's usual recipe: a plain PyTorch GPT
+  (``benchmarks.plain_gpt``: fused QKV, ``F.scaled_dot_product_attention``, ``F.cross_entropy``;
+  no JAX) from the same initial weights as this project's runs, ``torch.distributed.fsdp.
+  fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` per block and
+  on the root, ``torch.optim.AdamW(fused=True)`` on CUDA. Eager.
+- ``fsdp2-compile``: ``fsdp2`` with every block ``torch.compile``d before sharding (torchtitan's
+  recipe).
+- ``torchao``: ``fsdp2-compile`` with torchao's float8 training (rowwise scaling: real FP8
+  tensor-core GEMMs); CUDA only, skipped (said so) where torchao is not importable.
+
+Every run steps AdamW with the same hyper-parameters (lr 1e-4, torch's defaults otherwise) on the
+same tokens; on CUDA every optimizer is ``fused=True`` (this project's: ``FSDPOptimizer`` over the
+fp32 main shards, one fused pass per step), on the CPU the single-tensor loop.
 - any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
   blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
   gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
@@ -26,7 +34,11 @@ Runs (``--runs``):
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
 tokens/s, host time per step (until the step function returns, before the GPU sync) and GPU
-time per step (kernel time of one warm step in torch.profiler, which sees XLA's kernels too), the
+time per step (the kernel time of one warm step in torch.profiler, which sees XLA's kernels too,
+each kernel counted once: the profiler's GPU-side user annotations, such as
+``Optimizer.step#AdamW.step``, span kernels and are left out) split by category (``_CATEGORIES``:
+GEMM, attention, quantize, optimizer, copies, collectives, other; printed as a table after the
+main one), the
 exposed communication of that step (NCCL kernel time during which no other kernel ran), peak
 GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
 the collective calls, the distributed-quantization time (the refresh after the optimizer step:
@@ -51,7 +63,9 @@ import statistics
 import sys
 import time
 
-RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "torchao")
+RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "fsdp2-compile",
+        "torchao")
+PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -78,6 +92,7 @@ class RunResult:
     comm_ms: float = 0.0  # NCCL kernel time of that step
     exposed_comm_ms: float = 0.0  # ... of which no other kernel ran at the same time
     ratio_to_fsdp2: float | None = None
+    gpu_ms_by_category: dict = dataclasses.field(default_factory=dict)  # _CATEGORIES: ms
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
 
@@ -149,7 +164,7 @@ def _build(run, cfg, args):
         fully_shard,
     )
 
-    if run in ("fsdp2", "torchao"):
+    if run in PEERS:
         return _build_fsdp2(run, cfg, args)
 
     run, per_unit = _parse_run(run)
@@ -161,7 +176,7 @@ def _build(run, cfg, args):
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
     fsdp = fully_shard(model, unit_modules=model.block_units(min(per_unit, cfg.n_layer)),
                        policy=policy, overlap=overlap)
-    opt = FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, foreach=args.device == "cuda")
+    opt = FSDPOptimizer(fsdp, torch.optim.AdamW, **_adamw(args))
     timing = {"requant_s": 0.0, "events": []}
     refresh = fsdp.refresh_model_weights
 
@@ -194,35 +209,45 @@ def _build(run, cfg, args):
 def _parse_run(run: str) -> tuple[str, int]:
     """(base run, blocks per FSDP unit): ``mxfp8:u4`` -> ("mxfp8", 4); ValueError otherwise."""
     base, sep, n = run.partition(":u")
-    if base not in RUNS or (sep and (base in ("fsdp2", "torchao") or not n.isdigit()
+    if base not in RUNS or (sep and (base in PEERS or not n.isdigit()
                                      or int(n) < 1)):
         raise ValueError(run)
     return base, int(n) if sep else 1
 
 
+def _adamw(args) -> dict:
+    """The AdamW arguments of every run (module note): fused on CUDA, the single-tensor loop on
+    the CPU."""
+    cuda = args.device == "cuda"
+    return {"lr": 1e-4, "fused": cuda, "foreach": False if not cuda else None}
+
+
 def _build_fsdp2(run, cfg, args):
-    """PyTorch FSDP2 (bf16 params, fp32 reduction) on plain nn.Linear layers; ``torchao``: with
-    torchao's float8 rowwise training, compiled."""
+    """PyTorch FSDP2's usual recipe on the plain GPT (module note): ``fsdp2`` eager,
+    ``fsdp2-compile`` with compiled blocks, ``torchao`` float8 rowwise with compiled blocks."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy as MP
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
-    from models.torch_gpt import TorchGPT, cross_entropy
+    from benchmarks.plain_gpt import from_twin
 
-    model = TorchGPT(cfg, seed=0, device=args.device, activations="bf16", linear_impl="torch")
+    model = from_twin(cfg, seed=0, device=args.device)
     if run == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    if run in ("fsdp2-compile", "torchao"):
+        for block in model.blocks:
+            block.compile()
     mp = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fsdp2_shard(block, mp_policy=mp)
     fsdp2_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-    forward = torch.compile(model) if run == "torchao" else model
+    opt = torch.optim.AdamW(model.parameters(), **_adamw(args))
 
     def step(tokens, targets):
-        loss = cross_entropy(forward(tokens), targets)
+        loss = model(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -256,7 +281,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         torch.cuda.reset_peak_memory_stats()
     model, step, timing = _build(run, cfg, args)
     pre_s, pre_programs = 0.0, 0
-    ours = run not in ("fsdp2", "torchao")
+    ours = run not in PEERS
     if args.precompile and ours:
         from torch_side import precompile
 
@@ -323,9 +348,9 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         host_ms_median=1e3 * statistics.median(host),
     )
     if args.device == "cuda":
-        result.gpu_ms, result.comm_ms, result.exposed_comm_ms, table = _profile(
-            step, cfg, args, rank)
-        if args.profile and _parse_run(run)[0] in ("mxfp8", "mxfp8-op") and rank == 0:
+        (result.gpu_ms, result.comm_ms, result.exposed_comm_ms, result.gpu_ms_by_category,
+         table) = _profile(step, cfg, args, rank)
+        if args.profile and rank == 0:
             print(f"=== {run}\n{table}", flush=True)
     if args.pyprofile and _parse_run(run)[0] == "mxfp8" and rank == 0:
         print(_pyprofile(step, cfg, args, rank), flush=True)
@@ -379,9 +404,33 @@ def _exposed(comm, compute) -> float:
     return total
 
 
-def _profile(step, cfg, args, rank) -> tuple[float, float, float, str]:
-    """(GPU kernel ms of one warm step, its NCCL kernel ms, the exposed part of those, the
-    profiler's tables of its top costs)."""
+# GPU time categories, by kernel name (lower case), first match wins: XLA names its kernels by
+# fusion (``gemm_fusion``, ``loop_convert_fusion``, ``wrapped_concatenate``), Torch and cuBLAS by
+# function (``sm90_xmma_gemm_*``, ``nvjet_*``, ``flash_fwd_kernel``, ``multi_tensor_apply``),
+# Triton (torch.compile, torchao) by the fused ops (``triton_tem_fused_mm``, ``..._amax_...``).
+_CATEGORIES = (
+    ("collectives", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("quantize", ("quant", "amax", "e8m0", "mxfp8", "float8", "fp8")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "triton_tem", "_mm_",
+              "dot")),
+    ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+    ("copies", ("memcpy", "memset", "copy", "convert", "concat", "chunk_cat", "cat_", "slice",
+                "pad", "transpose", "split")),
+)
+CATEGORY_NAMES = tuple(name for name, _ in _CATEGORIES) + ("other",)
+
+
+def kernel_category(name: str) -> str:
+    """The ``_CATEGORIES`` entry a GPU kernel's name falls in ("other" if none)."""
+    low = name.lower()
+    return next((cat for cat, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
+    """(GPU kernel ms of one warm step, its NCCL kernel ms, the exposed part of those, kernel ms
+    by category, the profiler's tables of its top costs). Each kernel is counted once: the
+    GPU-side user annotations (``Optimizer.step#AdamW.step`` ...) span kernels, left out."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -390,18 +439,20 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, str]:
         step(tokens, targets)
         _sync(args.device)
     events = prof.key_averages()
-    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events
-                 if str(getattr(e, "device_type", "")).endswith("CUDA"))
     comm, compute = [], []
+    by_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
     for e in prof.events():
-        if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+        if (not str(getattr(e, "device_type", "")).endswith("CUDA")
+                or getattr(e, "is_user_annotation", False)):
             continue
         span = (e.time_range.start, e.time_range.end)
+        by_cat[kernel_category(e.name)] += (span[1] - span[0]) / 1e3
         (comm if "nccl" in e.name.lower() else compute).append(span)
+    gpu_us = 1e3 * sum(by_cat.values())
     comm_us = sum(b - a for a, b in _union(comm))
     table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, (
+    return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
         + "\n--- the same step, top 25 by self host time\n" + host)
 
@@ -509,6 +560,17 @@ def _table(rows, args) -> str:
     return "\n".join(lines)
 
 
+def _category_table(rows) -> str:
+    """GPU ms of one warm step by kernel category (``_CATEGORIES``), a run per column."""
+    lines = ["| GPU ms, one warm step | " + " | ".join(r["run"] for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+    for cat in (*CATEGORY_NAMES, "total"):
+        cells = [r["gpu_ms"] if cat == "total" else r["gpu_ms_by_category"].get(cat, 0.0)
+                 for r in rows]
+        lines.append(f"| {cat} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -522,7 +584,7 @@ def main(argv=None) -> int:
                    help=f"a comma list from {RUNS}; this project's runs take ':u<N>' for N "
                         f"blocks per FSDP unit (e.g. mxfp8:u4)")
     p.add_argument("--profile", action="store_true",
-                   help="print torch.profiler tables of a warm mxfp8 and mxfp8-op step")
+                   help="print torch.profiler tables of one warm step of every run")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
     p.add_argument("--compile-cache", default="",
                    help="persistent JAX compilation cache directory (a second launch is warm)")
@@ -556,6 +618,9 @@ def main(argv=None) -> int:
               f"{'; deterministic kernels' if args.deterministic else ''}")
     print(header)
     print(_table(rows, args))
+    if any(r["gpu_ms_by_category"] for r in rows):
+        print()
+        print(_category_table(rows))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)

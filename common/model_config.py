@@ -11,7 +11,8 @@ import dataclasses
 
 from common.formats import BLOCK_SIZE, block_padded
 
-__all__ = ["GPT2_124M", "GPT2_350M", "PRESETS", "SMALL", "TINY", "GPTConfig"]
+__all__ = ["GPT2_124M", "GPT2_350M", "GPT_1_3B", "GPT_2_7B", "PRESETS", "SMALL", "TINY",
+           "GPTConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +86,18 @@ GPT2_124M = GPTConfig(
 GPT2_350M = GPTConfig(
     vocab_size=50304, max_seq_len=1024, n_layer=24, n_head=16, d_model=1024, d_ff=4096
 )
+# GPT-3 XL and 2.7B shapes (Brown et al. 2020, table 2.1), where every run is bound by the GPU.
+GPT_1_3B = GPTConfig(
+    vocab_size=50304, max_seq_len=2048, n_layer=24, n_head=16, d_model=2048, d_ff=8192
+)
+GPT_2_7B = GPTConfig(
+    vocab_size=50304, max_seq_len=2048, n_layer=32, n_head=32, d_model=2560, d_ff=10240
+)
 PRESETS: dict[str, GPTConfig] = {
     "tiny": TINY,
     "small": SMALL,
     "gpt2-124m": GPT2_124M,
     "gpt2-350m": GPT2_350M,
+    "gpt-1.3b": GPT_1_3B,
+    "gpt-2.7b": GPT_2_7B,
 }

@@ -35,7 +35,7 @@ from common.formats import (
     register_format,
 )
 from common.kernels import Backend, GemmImpl, Platform
-from common.model_config import GPT2_124M, GPT2_350M, PRESETS
+from common.model_config import GPT2_124M, GPT2_350M, GPT_1_3B, GPT_2_7B, PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,5 +163,8 @@ def test_gpt_presets_validate_and_count_parameters():
     # GPT-2 124M has a tied LM head (124.4M with vocab 50304); ours is untied: + 50304 * 768
     assert GPT2_124M.num_parameters() - 50304 * 768 == pytest.approx(124.4e6, rel=0.01)
     assert GPT2_350M.num_parameters() - 50304 * 1024 == pytest.approx(355e6, rel=0.01)
+    # GPT-3 XL and 2.7B (tied heads, 2048 positions): 1.3B and 2.7B, plus our untied head
+    assert GPT_1_3B.num_parameters() - 50304 * 2048 == pytest.approx(1.32e9, rel=0.01)
+    assert GPT_2_7B.num_parameters() - 50304 * 2560 == pytest.approx(2.65e9, rel=0.01)
     with pytest.raises(ValueError, match=r"vocab_size=50257.*use 50272"):
         GPTConfig(vocab_size=50257)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 32 on one H200: the training step at GPT-scale side by side with what a user would
+# otherwise run (bench_train_step: this project's MXFP8 and bf16 units against PyTorch FSDP2's
+# usual recipe, eager and compiled, and torchao float8 rowwise), GPU time by kernel category.
+# Logs and JSON under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
+#   bash scripts/gpu/scale.sh ours1300 peers1300
+# RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b).
+set -u
+OUT=${OUT:-$PWD/out/scale}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
+cd "$(dirname "$0")/../.."
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+step() {  # step NAME CONFIG RUNS
+  timeout 540 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 --config "$2" \
+    --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 --profile --runs "$3" \
+    --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+  grep -A40 "^device cuda" "$OUT/$1.log"
+}
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(ours1300 peers1300)
+for part in "${parts[@]}"; do
+  t0=$SECONDS
+  case "$part" in
+    ours1300) step ours1300 gpt-1.3b mxfp8:u4,bf16:u4,fsdp2 ;;
+    peers1300) step peers1300 gpt-1.3b fsdp2,fsdp2-compile,torchao,mxfp8:u4 ;;
+    ours350) step ours350 gpt2-350m mxfp8:u4,bf16:u4,fsdp2,fsdp2-compile ;;
+    custom) step custom "${CONFIG:-gpt-1.3b}" "${RUNS:-mxfp8:u4,fsdp2}" ;;
+  esac
+  echo "=== $part: $((SECONDS - t0)) s"
+done

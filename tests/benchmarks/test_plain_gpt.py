@@ -1,0 +1,63 @@
+"""The FSDP2 baseline of ``bench_train_step`` (``benchmarks.plain_gpt``) computes this project's
+GPT from the same initial weights, and the benchmark's GPU-time categories name the kernels the
+profiles show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_train_step import CATEGORY_NAMES, _parse_run, kernel_category
+from benchmarks.plain_gpt import PlainGPT, from_twin
+from common.model_config import SMALL
+from models.torch_gpt import TorchGPT, cross_entropy
+
+
+def test_the_plain_gpt_from_the_twin_computes_the_twins_loss():
+    plain = from_twin(SMALL, seed=3, device="cpu")
+    twin = TorchGPT(SMALL, seed=3, linear_impl="torch")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 65), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    got, want = plain(x, y), cross_entropy(twin(x), y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32: summation order only
+    got.backward()
+    want.backward()
+    for (name, p), (_, q) in zip(plain.named_parameters(), twin.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_plain_gpt_runs_in_the_dtype_of_its_parameters():
+    plain = PlainGPT(SMALL).to(torch.bfloat16)
+    tokens = torch.zeros((1, 8), dtype=torch.long)
+    loss = plain(tokens, tokens)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)  # fp32 logits for the loss
+
+
+@pytest.mark.parametrize(("kernel", "category"), [
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "collectives"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("gemm_fusion_dot_123", "gemm"),
+    ("triton_tem_fused_mm_4", "gemm"),
+    ("triton_red_fused_abs_amax_clamp_0", "quantize"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+     "optimizer"),
+    ("loop_convert_fusion_7", "copies"),
+    ("wrapped_concatenate", "copies"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::vectorized_layer_norm_kernel<float, float>", "other"),
+])
+def test_kernels_fall_in_the_category_their_name_says(kernel, category):
+    assert category in CATEGORY_NAMES
+    assert kernel_category(kernel) == category
+
+
+def test_pytorch_runs_take_no_unit_count():
+    assert _parse_run("mxfp8:u4") == ("mxfp8", 4)
+    assert _parse_run("fsdp2-compile") == ("fsdp2-compile", 1)
+    for bad in ("fsdp2:u2", "torchao:u4", "mxfp8:u0", "nope"):
+        with pytest.raises(ValueError):
+            _parse_run(bad)
