@@ -126,9 +126,12 @@ class _Model:
             policy=job.policy(), kernels=kernels, overlap=overlap,
             check_collectives=environment.check_collectives(),
         )
+        # one fused kernel pass over every fp32 main shard on CUDA (as FSDP2's recipe runs
+        # AdamW); the single-tensor loop on the CPU, the arithmetic the Flax replay mirrors
+        cuda = job.device == "cuda"
         self.opt = FSDPOptimizer(
             self.fsdp, torch.optim.AdamW, lr=job.lr, weight_decay=job.weight_decay,
-            foreach=False,
+            fused=cuda, foreach=None if cuda else False,
         )
         self.schedule = LRScheduler(self.opt, job.schedule())
 

@@ -34,8 +34,9 @@ import json, sys
 def losses(p):
     return {r["step"]: r["loss"] for r in map(json.loads, open(p)) if r.get("kind") == "step"}
 full, resumed = losses(f"{sys.argv[1]}/full.jsonl"), losses(f"{sys.argv[1]}/resumed.jsonl")
-same = all(full[k] == v for k, v in resumed.items())
-print(f"resumed steps {sorted(resumed)}: {'bit-identical' if same else 'DIFFERENT'} to the "
+same = bool(resumed) and all(full[k] == v for k, v in resumed.items())  # none: it failed
+verdict = "bit-identical" if same else "DIFFERENT" if resumed else "NOT RESUMED (no step)"
+print(f"resumed steps {sorted(resumed)}: {verdict} to the "
       f"uninterrupted run ({resumed} vs {full})")
 EOF
       echo "resume: rc=$rc $(tail -1 "$OUT/resume.log")"; ls -a /tmp/ck_resumed >> "$OUT/resume.log" ;;

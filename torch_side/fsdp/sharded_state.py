@@ -372,14 +372,25 @@ class OptimizerState:
                 state = self.optimizer.state.setdefault(g.main, {})
                 for s in names:
                     state.setdefault(s, torch.zeros_like(g.main))
-            for g, s, value in scalars:  # step counts stay on the CPU, as torch.optim keeps them
-                self.optimizer.state[g.main][s] = value.clone()
+            for g, s, value in scalars:
+                self.optimizer.state[g.main][s] = _placed_scalar(self.optimizer, g.main, value)
             with torch.no_grad():
                 for s, overlaps in per_element.items():
                     for o in overlaps:
                         self.optimizer.state[o.group.main][s][o.dst].copy_(o.value)
 
         return restore
+
+
+def _placed_scalar(optimizer: torch.optim.Optimizer, main: torch.Tensor,
+                   value: torch.Tensor) -> torch.Tensor:
+    """A 0-d state (AdamW's ``step``) where ``torch.optim`` keeps it: on the CPU, except for a
+    fused or capturable optimizer, whose kernels read it on the parameter's device (as
+    ``Optimizer.load_state_dict`` places it; a CPU step fails the fused CUDA AdamW)."""
+    group = next(g for g in optimizer.param_groups if any(p is main for p in g["params"]))
+    if group.get("fused") or group.get("capturable"):
+        return value.to(device=main.device, dtype=torch.float32)
+    return value.clone()
 
 
 # ------------------------------------------------------------------------ save and load parts
