@@ -91,16 +91,7 @@ def pytest_unconfigure(config):
 _CACHE_KEY = pytest.StashKey[Path]()
 
 
-def _slow_files_first(items: list) -> None:
-    """Files holding tests marked slow (spawned worlds, notebooks, the command line) run
-    first, each file's tests in their order: the test processes (pytest-xdist, a file each)
-    then end together instead of one of them running a long file alone at the end."""
-    slow = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow)  # stable: the order within a file stays
-
-
 def pytest_collection_modifyitems(config, items):
-    _slow_files_first(items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); none is visible to JAX here")
