@@ -10,10 +10,7 @@ OUT=${OUT:-$PWD/out/scale}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")/../.."
-if ls .whl/torchao-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+. scripts/gpu/torchao_wheel.sh
 step() {  # step NAME CONFIG RUNS
   timeout 540 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 --config "$2" \
     --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 --profile --runs "$3" \

@@ -10,10 +10,7 @@ OUT=${OUT:-$PWD/out/units}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")/../.."
-if ls .whl/torchao-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/torchao-*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+. scripts/gpu/torchao_wheel.sh
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests step124 step350 warm)
 for part in "${parts[@]}"; do
