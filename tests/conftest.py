@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -92,19 +91,7 @@ def pytest_unconfigure(config):
 _CACHE_KEY = pytest.StashKey[Path]()
 
 
-def _long_files_first(config, items: list) -> None:
-    """The order the test processes (pytest-xdist, a file each) take the files in: the longest
-    first, by the seconds ``tests/file_seconds.json`` records for them (a suite run's
-    ``--durations``: the files whose tests take 5 s or more), the others after in collection
-    order; each file's tests keep their order. The processes then end together instead of one
-    running a long file alone at the end. A stale or missing entry only changes the order."""
-    seconds = json.loads(Path(__file__).with_name("file_seconds.json").read_text())
-    root = config.rootpath
-    items.sort(key=lambda item: -seconds.get(item.path.relative_to(root).as_posix(), 0))
-
-
 def pytest_collection_modifyitems(config, items):
-    _long_files_first(config, items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu); none is visible to JAX here")

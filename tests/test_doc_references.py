@@ -185,13 +185,3 @@ def test_test_files_sit_in_the_folder_of_the_package_they_test():
         if not ok:
             misplaced.append(str(rel))
     assert not misplaced, f"test files outside a folder that mirrors a package: {misplaced}"
-
-
-def test_the_recorded_file_seconds_name_test_files_that_exist():
-    """``tests/file_seconds.json`` orders the test files for the test processes (conftest.py):
-    a renamed file would silently lose its place."""
-    import json
-
-    seconds = json.loads((ROOT / "tests" / "file_seconds.json").read_text())
-    missing = [p for p in seconds if not (ROOT / p).is_file()]
-    assert not missing, f"tests/file_seconds.json names files that do not exist: {missing}"
