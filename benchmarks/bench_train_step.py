@@ -22,14 +22,15 @@ Runs (``--runs``):
 - ``fsdp2-compile``: ``fsdp2`` with every block ``torch.compile``d before sharding (torchtitan's
   recipe).
 - ``torchao``: ``fsdp2-compile`` with torchao's float8 training (rowwise scaling: real FP8
-  tensor-core GEMMs); CUDA only, skipped (said so) where torchao is not importable.
+  tensor-core GEMMs; the LM head stays bf16, as torchtitan keeps its output layer); CUDA only,
+  skipped (said so) where torchao is not importable.
+- any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
+  blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
+  gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
 
 Every run steps AdamW with the same hyper-parameters (lr 1e-4, torch's defaults otherwise) on the
 same tokens; on CUDA every optimizer is ``fused=True`` (this project's: ``FSDPOptimizer`` over the
 fp32 main shards, one fused pass per step), on the CPU the single-tensor loop.
-- any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
-  blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
-  gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
 
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
@@ -44,12 +45,15 @@ GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted a
 the collective calls, the distributed-quantization time (the refresh after the optimizer step:
 on CUDA the GPU time between events around it, read after the step, so the step itself never
 waits for the GPU; host time on the CPU), bridge crossings per step and their host time, and the
-ratio to fsdp2. ``--profile`` adds a torch.profiler table of one warm MXFP8 step's
-top costs.
+ratio to fsdp2. ``--profile`` adds torch.profiler tables of one warm step of every run (its top
+costs by device and by host time).
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
         --batch-size 8 --seq-len 1024 --steps 12 --warmup 3 --profile --out bench.json
+    python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt-1.3b \
+        --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 \
+        --runs fsdp2,fsdp2-compile,torchao,mxfp8:u4,bf16:u4   # scripts/gpu/scale.sh
 """
 
 from __future__ import annotations
