@@ -128,6 +128,32 @@ def test_round_trip_is_bit_exact_and_rederives_the_planes(trained, tmp_path):
     assert _same(_snapshot(fresh, fresh_opt), _snapshot(fsdp, opt))
 
 
+def test_a_fused_optimizer_resumes_with_its_step_counts_where_torch_keeps_them(
+        single_rank_world, tmp_path):
+    """Torch's fused AdamW (what mxfp8-train steps on CUDA) reads its step counts on the
+    parameters' device; the restored ones sit where ``Optimizer.load_state_dict`` puts them
+    (on CUDA a CPU step made the fused kernel fail), and training continues identically. Here
+    both places are the CPU; the CUDA half runs in ``scripts/gpu/reliability.sh resume``."""
+    def fused():
+        fsdp = fully_shard(make_net(0), unit_modules=(Block,))
+        return fsdp, FSDPOptimizer(fsdp, torch.optim.AdamW, lr=1e-2, fused=True)
+
+    fsdp, opt = fused()
+    _train_one_step(fsdp, opt, seed=1)
+    path = _save(fsdp, opt, tmp_path / "step_1")
+    fresh, fresh_opt = fused()
+    load_parts(path, _parts(fresh, fresh_opt))
+    by_torch = torch.optim.AdamW([g.main.detach().clone() for g in opt.groups], fused=True)
+    by_torch.load_state_dict(opt.optimizer.state_dict())
+    for g, want in zip(fresh_opt.groups, by_torch.state.values(), strict=True):
+        step = fresh_opt.optimizer.state[g.main]["step"]
+        assert (step.device, step.dtype) == (want["step"].device, want["step"].dtype), g.label
+    assert _same(_snapshot(fresh, fresh_opt), _snapshot(fsdp, opt))
+    _train_one_step(fsdp, opt, seed=2)
+    _train_one_step(fresh, fresh_opt, seed=2)
+    assert _same(_snapshot(fresh, fresh_opt), _snapshot(fsdp, opt))
+
+
 def test_pieces_cut_at_other_offsets_are_read_by_overlap(trained, tmp_path):
     """What a rank of another world size sees: saved pieces split where this rank's are not."""
     fsdp, opt = trained
