@@ -52,6 +52,8 @@ def _train_and_resume(root: str) -> dict:
                                           metrics=f"{root}/{name}.jsonl"))
         resumed = train_rank(job, RunOptions(resume=f"{save}/step_000003", progress=False))
         out[name] = (_losses(full), _losses(resumed), full.heldout_loss, resumed.heldout_loss)
+        if name == "zero3":  # the first step of JOB: where training starts from
+            out["start"] = (full.initial_loss, full.steps[0].loss)
     save = f"{root}/sched"
     full = train_rank(SCHED, RunOptions(save_dir=save, save_every=2, progress=False,
                                         metrics=f"{root}/sched.jsonl"))
@@ -62,8 +64,6 @@ def _train_and_resume(root: str) -> dict:
                     [full.heldout_loss] + [r.heldout_loss for r in resumed])
     control = train_rank(JOB.control(), RunOptions(progress=False))
     out["control"] = (_losses(control), control.heldout_loss)
-    first = train_rank(dataclasses.replace(JOB, steps=1), RunOptions(progress=False))
-    out["start"] = (first.initial_loss, first.steps[0].loss)
     return out
 
 
