@@ -1,6 +1,7 @@
 # Entry points for a fresh machine (README.md):
 #   make demo     -- create .venv, install, run the main job (the hybrid training demo)
-#   make test     -- create .venv, install with [dev,notebooks], run the fast test suite (8.5 min on 2 cores)
+#   make test     -- create .venv, install with [dev,notebooks], run the fast test suite (8.5 min on 2 cores
+#                    before the shared compilation cache)
 #   make test-all -- the same plus the tests marked slow (multi-process matrix, notebooks): CI
 #   make parity   -- the cross-framework parity report (Torch FSDP vs Flax on the same MXFP8 bytes)
 PYTHON ?= python3
