@@ -63,7 +63,9 @@ class GradSink(Protocol):
 
     def stage_segment(self, flat: torch.Tensor, n: int) -> None:
         """Take ``flat`` (``numel`` elements of ``dtype``, zeros where no gradient sits), which
-        holds ``n`` parameters' gradients."""
+        holds ``n`` parameters' gradients. ``flat`` is handed over: the caller keeps no other
+        reference to it (it is a unit program's own output), so the sink may keep it and write
+        into it (FSDP's reducer adopts it as its grad bucket)."""
         ...
 
 

@@ -6,9 +6,11 @@ program keeps its residuals on the JAX side, the backward program returns the gr
 differentiable input and every parameter in one uint8 array (one crossing back), cut into views.
 dW comes in each weight's own dtype, as from the per-linear op. Without FSDP autograd hands the
 gradients to the parameters; under FSDP the gradients of parameters whose source names a
-``GradTarget`` come laid out as their group's grad bucket and go to its sink (one add per
-group: ``torch_side.fsdp.fsdp_unit.GroupGradSink``), and autograd gets None for them -- the bytes
-that reach the bucket are the same (``tests/torch_side/test_grad_sinks.py``).
+``GradTarget`` come laid out as their group's grad bucket, one array per group (one more
+crossing each), and go to its sink, which takes the buffer whole
+(``torch_side.fsdp.fsdp_unit.GroupGradSink``: the group's reducer adopts it as the bucket, or
+adds it to one already staged), and autograd gets None for them -- the bytes that reach the
+bucket are the same (``tests/torch_side/test_grad_sinks.py``).
 
 Inputs and outputs: ``inputs`` are the differentiable tensors (one for the GPT's block; a block
 type may declare several), ``aux`` further non-differentiable ones (e.g. targets). The op returns
@@ -86,7 +88,8 @@ def _returned(outs: tuple[torch.Tensor, ...], several: bool) -> Returned:
 class _UnitFn(torch.autograd.Function):
     """forward: ``unit_forward`` (or ``unit_apply`` when recomputing); backward:
     ``unit_backward`` (or ``unit_recompute_backward``), one crossing back for every gradient
-    (module docstring). Arguments: the call, its inputs, its aux tensors, its parameters."""
+    and one per gradient group (module docstring). Arguments: the call, its inputs, its aux
+    tensors, its parameters."""
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Returned:
@@ -130,8 +133,8 @@ class _UnitFn(torch.autograd.Function):
             inputs, aux = saved[:call.n_inputs], saved[call.n_inputs:]
             params, rows, xj, auxj = _jax_inputs(call, inputs, aux)
             with trace.span(TRACK, "unit_recompute_backward"):
-                packed = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj,
-                                dj, cols, spec=spec)
+                grads = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj,
+                               dj, cols, spec=spec)
         else:
             ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed
             kept = ctx.kept
@@ -139,11 +142,12 @@ class _UnitFn(torch.autograd.Function):
                 params = tuple(p.jax_input() for p in call.found.layout.params)
                 kept = ctx.saved.forwarded.with_params(kept, params)
             with trace.span(TRACK, "unit_backward"):
-                packed = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols, spec=spec)
-        dxs, grads, segments = _unpack(_result(packed, ctx.device), ctx)
-        for (sink, n), segment in zip(call.found.sinks, segments, strict=True):
-            sink.stage_segment(segment, n)  # FSDP's grad bucket: one add per group
-        return (None, *dxs, *([None] * call.n_aux), *grads)
+                grads = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols, spec=spec)
+        dxs, param_grads = _unpack(_result(grads.packed, ctx.device), ctx)
+        for (sink, n), flat in zip(call.found.sinks, grads.groups, strict=True):
+            # FSDP's grad bucket: the buffer taken whole (adopted, or one add)
+            sink.stage_segment(_result(flat, ctx.device), n)
+        return (None, *dxs, *([None] * call.n_aux), *param_grads)
 
 
 def _results(out: U.Out, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -191,11 +195,9 @@ def _view(raw: torch.Tensor, seg: tuple[int, tuple[int, ...], str]) -> torch.Ten
 
 
 def _unpack(raw: torch.Tensor, ctx: Any) -> tuple[list[torch.Tensor | None],
-                                                  list[torch.Tensor | None],
-                                                  list[torch.Tensor]]:
+                                                  list[torch.Tensor | None]]:
     """(each input's gradient; each parameter's gradient, then each MXFP8 weight's dW -- None
-    for those in a group or not needed --; each gradient group's flat buffer): views of the one
-    packed array."""
+    for those in a group or not needed): views of the one packed array."""
     call = ctx.call
     layout = _grad_layout(ctx)
     n = call.n_inputs
@@ -205,7 +207,7 @@ def _unpack(raw: torch.Tensor, ctx: Any) -> tuple[list[torch.Tensor | None],
     grads = [None if seg is None or not need else _view(raw, seg)
              for seg, need in zip((*layout.params, *layout.mxfp8),
                                   needs[1 + n + call.n_aux:], strict=True)]
-    return dxs, grads, [_view(raw, seg) for seg in layout.groups]
+    return dxs, grads
 
 
 def run_op(module: nn.Module, fn: Callable | U.SpanFn, inputs: Sequence[torch.Tensor],

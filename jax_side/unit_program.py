@@ -17,11 +17,12 @@ The programs:
   linearization (``jax.vjp``) in one program; ``saved`` (the residuals: activations the backward
   needs, each MXFP8 linear's colwise x plane, and, for weights quantized here, their colwise
   planes) stays on the JAX side until the backward;
-- ``unit_backward(saved, kept, dout, cols, spec=)`` -> the gradients packed into one uint8 array
-  (``jax_side.unit_grads``): dx (one per input), then each high-precision parameter's
-  gradient, then each MXFP8 weight's dW (in ``spec.dw_dtypes``), so they cross back to Torch
-  once; gradients named in ``spec.grad_groups`` come laid out as the caller's flat buffers
-  (``GradGroup``: an FSDP group's grad bucket). ``dout``: a cotangent for each output;
+- ``unit_backward(saved, kept, dout, cols, spec=)`` -> ``Grads`` (``jax_side.unit_grads``): the
+  gradients packed into one uint8 array -- dx (one per input), then each high-precision
+  parameter's gradient, then each MXFP8 weight's dW (in ``spec.dw_dtypes``), so they cross back
+  to Torch once -- except those named in ``spec.grad_groups``, which come laid out as the
+  caller's flat buffers, one array per group (``GradGroup``: an FSDP group's grad bucket,
+  adopted whole). ``dout``: a cotangent for each output;
 - ``unit_recompute_backward(params, rows, x, aux, dout, cols, spec=)``: activation recompute
   (``spec`` says nothing is kept): the forward runs again inside the backward program;
 - ``unit_apply(params, rows, x, aux, spec=)``: the forward alone (the forward of a recomputing
@@ -66,13 +67,14 @@ from common.formats import ALL_PLANES, Plane
 from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
 from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.kernels import ResolvedKernels
-from jax_side.unit_grads import GradGroup, GradLayout, grad_layout, pack_grads
+from jax_side.unit_grads import GradGroup, GradLayout, Grads, grad_layout, pack_grads
 
 __all__ = [
     "FlatTensor",
     "Forwarded",
     "GradGroup",
     "GradLayout",
+    "Grads",
     "Saved",
     "SpanFn",
     "UnitSpec",
@@ -414,7 +416,7 @@ def unit_forward(params: Params, rows: Rows, x: Out, aux: tuple, *,
     return out, Saved(vjp, own_cols, forwarded)
 
 
-def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec) -> jax.Array:
+def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec) -> Grads:
     cols = tuple(c if c is not None else o for c, o in zip(cols, own_cols, strict=True))
     missing = [spec.mxfp8[i] for i, c in enumerate(cols) if c is None]
     if missing:
@@ -436,17 +438,18 @@ def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec)
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def unit_backward(saved: Saved, kept: tuple, dout: Out, cols: Cols, *,
-                  spec: UnitSpec) -> jax.Array:
-    """The packed gradients (``GradLayout``) from the forward's ``saved``, the inputs (and
-    outputs) it forwarded (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for
-    a ``SpanFn``: one per block output, None where none came, ``_pullback``); ``cols``: the
-    colwise plane of each MXFP8 linear (None: quantized in the forward)."""
+                  spec: UnitSpec) -> Grads:
+    """The gradients (``Grads``: packed as ``GradLayout`` says, and the groups' buffers) from
+    the forward's ``saved``, the inputs (and outputs) it forwarded
+    (``saved.forwarded.kept(...)``) and the output gradient ``dout`` (for a ``SpanFn``: one per
+    block output, None where none came, ``_pullback``); ``cols``: the colwise plane of each
+    MXFP8 linear (None: quantized in the forward)."""
     return _gradients(_restore_inputs(saved, kept), saved.own_cols, dout, cols, spec)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def unit_recompute_backward(params: Params, rows: Rows, x: Out, aux: tuple, dout: Out,
-                            cols: Cols, *, spec: UnitSpec) -> jax.Array:
+                            cols: Cols, *, spec: UnitSpec) -> Grads:
     """Recompute the forward, then the backward, in one program (activation recompute)."""
     row_planes, own_cols = _weights(rows, spec.kernels)
     _, vjp, _ = _linearize(spec, row_planes, aux, _values(params), x)

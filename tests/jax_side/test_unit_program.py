@@ -15,6 +15,7 @@ import pytest
 from common.formats import Plane
 from common.model_config import TINY
 from common.modes import Activations
+from jax_side import unit_grads
 from jax_side import unit_program as U
 from jax_side.linear import quantize_weight
 from jax_side.mxfp8 import resolve_kernels
@@ -72,8 +73,8 @@ def test_the_kept_backward_equals_the_recompute_backward(given):
     dout = jnp.ones_like(x)
     out, saved = U.unit_forward(params, rows, x, (), spec=spec)
     kept = saved.forwarded.kept(params, rows, x, ())
-    packed = U.unit_backward(saved, kept, dout, cols, spec=spec)
-    redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec)
+    packed = U.unit_backward(saved, kept, dout, cols, spec=spec).packed
+    redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec).packed
     assert np.array_equal(np.asarray(packed), np.asarray(redo))
     layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
                            list(LINEARS.values()), spec.dw_dtypes)
@@ -106,7 +107,7 @@ def test_weight_gradients_leave_through_autodiff_also_under_jax_checkpoint():
         out, saved = U.unit_forward(params, rows, x, (), spec=s)
         kept = saved.forwarded.kept(params, rows, x, ())
         packed.append((np.asarray(out), np.asarray(U.unit_backward(saved, kept, dout, cols,
-                                                                   spec=s))))
+                                                                   spec=s).packed)))
     (plain_out, plain), (remat_out, remat) = packed
     assert plain_out.tobytes() == remat_out.tobytes()
     assert plain.tobytes() == remat.tobytes()
@@ -133,9 +134,12 @@ def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
     def run(s):
         _, saved = U.unit_forward(params, rows, x, (), spec=s)
         kept = saved.forwarded.kept(params, rows, x, ())
-        return np.asarray(U.unit_backward(saved, kept, dout, cols, spec=s))
+        return U.unit_backward(saved, kept, dout, cols, spec=s)
 
-    plain, packed = run(spec), run(grouped)
+    plain_grads, grouped_grads = run(spec), run(grouped)
+    assert plain_grads.groups == ()
+    plain, packed = np.asarray(plain_grads.packed), np.asarray(grouped_grads.packed)
+    (flat,) = grouped_grads.groups
     shapes = ([p.shape for p in params], ["float32"] * 4, list(LINEARS.values()), spec.dw_dtypes)
     lp = U.grad_layout([(x.shape, x.dtype)], *shapes)
     lg = U.grad_layout([(x.shape, x.dtype)], *shapes, groups=(group,))
@@ -151,7 +155,9 @@ def test_grad_groups_lay_gradients_out_as_the_callers_flat_buffer():
         g = grads[i].reshape(-1).astype(jnp.bfloat16)
         want[start:start + g.size] = g
     assert lg.params[0] is None and lg.params[1] is None and lg.mxfp8[1] is None
-    assert np.array_equal(cut(packed, lg.groups[0]).view(np.uint16), want.view(np.uint16))
+    assert flat.shape == (group.numel,) and flat.dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(flat).view(np.uint16), want.view(np.uint16))
+    assert packed.shape == (lg.nbytes,) and lg.nbytes < lp.nbytes  # the group is not packed
     for a, b in ((lp.dxs[0], lg.dxs[0]), (lp.params[2], lg.params[2]), (lp.mxfp8[0], lg.mxfp8[0])):
         assert np.array_equal(cut(plain, a), cut(packed, b))
 
@@ -198,12 +204,12 @@ def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_bloc
     h1, s1 = _program(U.unit_forward, params, rows[0], x, (), spec=spec)
     h2, s2 = _program(U.unit_forward, params, rows[1], h1, (), spec=spec)
     g2 = _program(U.unit_backward, s2, s2.forwarded.kept(params, rows[1], h1, ()), d2, cols[1],
-                 spec=spec)
+                 spec=spec).packed
     one = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
                         list(LINEARS.values()), spec.dw_dtypes)
     dh1 = jnp.asarray(_cut(g2, one.dxs[0]).view(x.dtype).reshape(x.shape))
     g1 = _program(U.unit_backward, s1, s1.forwarded.kept(params, rows[0], x, ()),
-                 dh1 + d1 if own_cotangent else dh1, cols[0], spec=spec)
+                 dh1 + d1 if own_cotangent else dh1, cols[0], spec=spec).packed
 
     both, rows2, cols2 = params * 2, rows[0] + rows[1], cols[0] + cols[1]
     outs, saved = _program(U.unit_forward, both, rows2, x, (), spec=span)
@@ -211,7 +217,7 @@ def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_bloc
     assert any(i >= n_inputs for _, i in saved.forwarded.positions), "h_1 is kept, not copied"
     kept = saved.forwarded.kept(both, rows2, x, (), outs)
     g = _program(U.unit_backward, saved, kept, (d1 if own_cotangent else None, d2), cols2,
-                spec=span)
+                spec=span).packed
     assert [np.asarray(o).tobytes() for o in outs] == [np.asarray(h1).tobytes(),
                                                        np.asarray(h2).tobytes()]
     two = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in both], ["float32"] * 8,
@@ -221,3 +227,20 @@ def test_a_span_returns_each_blocks_output_with_the_bits_of_one_program_per_bloc
     want += [(g1, seg) for seg in one.mxfp8] + [(g2, seg) for seg in one.mxfp8]
     for k, (seg, (raw, own)) in enumerate(zip((*two.params, *two.mxfp8), want, strict=True)):
         assert np.array_equal(_cut(g, seg), _cut(raw, own)), k
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_group_buffer_by_in_place_updates_is_the_concatenation_byte_for_byte(dtype):
+    """``flat_group`` (zeros, then one ``dynamic_update_slice`` per gradient) against the plain
+    concatenation: gradients out of order, gaps, a cast, zeros after; an overlap is refused."""
+    keys = jax.random.split(jax.random.key(7), 3)
+    grads = [jax.random.normal(keys[0], (4, 8)), jnp.full((5,), -0.0),
+             jax.random.normal(keys[2], (3, 16)).astype(jnp.bfloat16)]
+    group = U.GradGroup(200, dtype, ((2, 40), (0, 3), (1, 100)))
+    fast = jax.jit(lambda gs: unit_grads.flat_group(group, gs))(grads)
+    ref = jax.jit(lambda gs: unit_grads.flat_group_reference(group, gs))(grads)
+    assert fast.dtype == ref.dtype == jnp.dtype(dtype) and fast.shape == (200,)
+    assert np.asarray(fast).tobytes() == np.asarray(ref).tobytes()
+    assert np.asarray(fast)[100:105].tobytes() == np.full(5, -0.0, dtype).tobytes()
+    with pytest.raises(ValueError, match="gradient 2 at 34 overlaps or overflows"):
+        unit_grads.flat_group(group._replace(slots=((0, 3), (2, 34))), grads)

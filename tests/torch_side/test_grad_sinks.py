@@ -2,10 +2,11 @@
 
 Under FSDP, a unit program lays the gradients of each parameter group out as the group's grad
 bucket (``jax_side.unit_program.GradGroup``: cast to the bucket's dtype, zeros in the padding)
-and FSDP adds that segment once (``GradReducer.stage_flat``) instead of staging each parameter's
-gradient from an autograd hook. Checked here, world 1 in process: the reduced gradients are the
-same bytes as through the per-parameter hooks, the hooks stage nothing of a unit program's
-parameters, ``GradCheck.FINITE`` still names the parameter, a wrong segment is refused.
+and FSDP takes that buffer whole (``GradReducer.stage_flat``: adopted as the bucket) instead of
+staging each parameter's gradient from an autograd hook. Checked here, world 1 in process: the
+reduced gradients are the same bytes as through the per-parameter hooks, the hooks stage nothing
+of a unit program's parameters, ``GradCheck.FINITE`` still names the parameter, a wrong
+segment is refused.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def test_unit_gradients_reach_the_grad_buckets_in_one_add_per_group_same_bytes(
         sinks(*_batch(step)).backward()
     got = _main_grads(sinks)
     staged = dict(calls)
+    # every group's buffer came first in its micro-batch (the head's before the embeddings'
+    # hooks): each became its bucket, no zero-fill, add or copy
+    flats = sum(n for (kind, _), n in staged.items() if kind == "stage_flat")
+    assert sinks.allocator.adopted == flats > 0
     calls.clear()
     # sources that name no target: the per-parameter hook path
     monkeypatch.setattr(WeightPlanes, "grad_target", lambda self: None)

@@ -26,9 +26,20 @@ When a pooled tensor may be reused -- never while anyone may still read it:
   that stream. The next user of the tensor (``allocate`` returns it with ``ready``, the event)
   makes its stream wait for that event before writing -- the communication stream for a gather.
 
+**Adopted buckets.** ``adopt`` makes a tensor the caller hands over (a unit program's gradient
+group, a JAX output that only the Torch view references) the live bucket of a key, instead of
+allocating one: the grad bucket without a zero-fill, an add and a copy. Its memory is not the
+pool's (JAX's allocator owns it), so ``free`` does not pool it: on the CPU it is dropped at once;
+on CUDA it is kept, with an event recorded on the current stream, until that event has completed
+(checked at each later ``allocate``, ``adopt``, ``free`` and ``trim``), because JAX's allocator
+may hand the memory to its next program as soon as the last reference goes, without waiting
+for Torch's or the communication stream's readers (the reduce-scatter, the add into
+``main_grad``).
+
 Accounting (bytes): ``live_bytes`` handed out and not freed, ``peak_bytes`` its maximum;
-``reserved_bytes`` everything the pool holds (live + idle + held), ``peak_reserved_bytes`` its
-maximum -- the bucket memory a step really needs. ``trim()`` releases idle tensors to Torch.
+``reserved_bytes`` everything the pool holds (live + idle + held, adopted buckets included until
+released), ``peak_reserved_bytes`` its maximum -- the bucket memory a step really needs.
+``trim()`` releases idle tensors to Torch.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ class _Pooled:
     tensor: torch.Tensor
     ready: torch.cuda.Event | None  # recorded at free (CUDA): writers wait for it
     share: SharedBuffer | None = None  # the tensor's JAX view, kept across owners
+    adopted: bool = False  # handed over by the caller (``adopt``): not pooled at free
 
 
 def _sole_owner(pooled: _Pooled) -> bool:
@@ -90,6 +102,8 @@ class BucketAllocator:
         self.peak_reserved_bytes = 0
         self.reused = 0  # allocations served from the pool
         self.made = 0  # allocations that asked Torch for new memory
+        self.adopted = 0  # buckets handed over by the caller (``adopt``)
+        self._retiring: list[_Pooled] = []  # freed adopted buckets (CUDA) awaiting their event
 
     def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Pooled | None:
         candidates = self._idle.get((numel, dtype, device), [])
@@ -112,11 +126,7 @@ class BucketAllocator:
         for the event of its free (module note), so any later writer is ordered after its
         previous readers."""
         key = (owner, purpose)
-        if key in self._live:
-            raise RuntimeError(
-                f"BucketAllocator: bucket {key} is still live; free it (reshard) before "
-                f"allocating it again"
-            )
+        self._check_free(key)
         pooled = self._take(numel, dtype, device)
         if pooled is None:
             pooled = _Pooled(torch.empty(numel, dtype=dtype, device=device), None)
@@ -135,6 +145,49 @@ class BucketAllocator:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
         return pooled.tensor
+
+    def _check_free(self, key: tuple[str, str]) -> None:
+        self._retire()
+        if key in self._live:
+            raise RuntimeError(
+                f"BucketAllocator: bucket {key} is still live; free it (reshard) before "
+                f"allocating it again"
+            )
+
+    def adopt(self, owner: str, purpose: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Make ``tensor`` (1-D, contiguous, handed over: nothing else will read or write it)
+        the live bucket of (owner, purpose), without a copy (module note); error if that key is
+        live or the tensor is not a whole 1-D buffer."""
+        key = (owner, purpose)
+        self._check_free(key)
+        if tensor.dim() != 1 or not tensor.is_contiguous() or tensor.storage_offset() != 0:
+            raise ValueError(
+                f"BucketAllocator.adopt {key}: expected a whole contiguous 1-D tensor, got "
+                f"shape {tuple(tensor.shape)}, strides {tensor.stride()}, offset "
+                f"{tensor.storage_offset()}; allocate a bucket and copy into it instead"
+            )
+        pooled = _Pooled(tensor, None, adopted=True)
+        self.adopted += 1
+        n = _nbytes(tensor)
+        self.reserved_bytes += n
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        self._live[key] = pooled
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+        return tensor
+
+    def _retire(self) -> None:
+        """Drop the freed adopted buckets whose readers are done (module note)."""
+        if not self._retiring:
+            return
+        keep = []
+        for p in self._retiring:
+            if p.ready is not None and not p.ready.query():
+                keep.append(p)
+            else:
+                self.reserved_bytes -= _nbytes(p.tensor)
+        self._retiring = keep
 
     def get(self, owner: str, purpose: str) -> torch.Tensor | None:
         p = self._live.get((owner, purpose))
@@ -157,6 +210,11 @@ class BucketAllocator:
         if p.tensor.is_cuda:
             p.ready = torch.cuda.Event()
             p.ready.record(torch.cuda.current_stream(p.tensor.device))
+        if p.adopted:  # not the pool's memory: released once its readers are done
+            self._retiring.append(p)
+            self._retire()
+            trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+            return
         key = (p.tensor.numel(), p.tensor.dtype, p.tensor.device)
         self._idle.setdefault(key, []).append(p)
         trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
@@ -177,12 +235,16 @@ class BucketAllocator:
 
     @property
     def held_bytes(self) -> int:
-        """Freed buckets that something outside the pool still references (not reusable yet)."""
-        return sum(_nbytes(p.tensor) for p in self._idle_entries() if not _sole_owner(p))
+        """Freed buckets that something outside the pool still references (not reusable yet),
+        and freed adopted buckets whose readers may still run."""
+        self._retire()
+        return (sum(_nbytes(p.tensor) for p in self._idle_entries() if not _sole_owner(p))
+                + sum(_nbytes(p.tensor) for p in self._retiring))
 
     def trim(self) -> int:
         """Release the idle tensors nobody else references (and their shares) back to Torch;
         returns the bytes."""
+        self._retire()
         released = 0
         for key, entries in list(self._idle.items()):
             keep = [p for p in entries if not _sole_owner(p)]

@@ -5,7 +5,12 @@ Tensors owned:
 - the **grad bucket**: a full-size (padded group) staging buffer of this micro-batch's local
   gradients in the policy's grad-comm dtype, from the ``BucketAllocator`` (key
   ``(group label, "grad")``), made on the first staged gradient and freed by ``reduce`` or
-  ``drop``.
+  ``drop``. When the first gradients of a micro-batch come already laid out as the bucket (a
+  unit program's gradient group, ``stage_flat``), that buffer becomes the bucket
+  (``BucketAllocator.adopt``): no zero-fill, no add, no copy between the backward and the
+  reduce-scatter. Bytes are unchanged: the bucket held 0 + g before, and x + 0 = x, except that
+  a gradient of -0.0 stays -0.0 in the bucket (it was +0.0); ``main_grad`` starts at +0.0 and
+  +0.0 + -0.0 = +0.0, so what the optimizer reads is the same bytes.
 
 ``reduce`` averages the bucket over the DP group into the group's ``main_grad`` (owned by
 ``GroupBuffers``; accumulated into, never replaced): a reduce-scatter into the rank's shard when
@@ -88,16 +93,22 @@ class GradReducer:
         bucket[s.start : s.end].add_(grad.detach().reshape(-1).to(bucket.dtype))
 
     def stage_flat(self, flat: torch.Tensor) -> None:
-        """Add gradients already laid out as the bucket (``padded_numel`` elements of the comm
-        dtype, zeros where nothing is staged: a unit program's ``GradGroup``) in one add."""
-        bucket = self._bucket()
-        if flat.shape != bucket.shape or flat.dtype != bucket.dtype:
+        """Stage gradients already laid out as the bucket (``padded_numel`` elements of the comm
+        dtype on ``main_grad``'s device, zeros where nothing is staged: a unit program's
+        ``GradGroup``), handed over: the bucket of this micro-batch if none is staged yet
+        (adopted, module note), else added into it in one add."""
+        want = (self.layout.padded_numel,)
+        if (tuple(flat.shape) != want or flat.dtype != self.comm_dtype
+                or flat.device != self.main_grad.device):
             raise ValueError(
                 f"GradReducer {self.label!r}: a flat gradient buffer must match the grad bucket "
-                f"({tuple(bucket.shape)}, {bucket.dtype}); got ({tuple(flat.shape)}, "
-                f"{flat.dtype})"
+                f"({want}, {self.comm_dtype}, {self.main_grad.device}); got "
+                f"({tuple(flat.shape)}, {flat.dtype}, {flat.device})"
             )
-        bucket.add_(flat)
+        if self.allocator.get(self.label, GRAD_PURPOSE) is None:
+            self.allocator.adopt(self.label, GRAD_PURPOSE, flat)
+        else:
+            self._bucket().add_(flat)
 
     def reduce(self, async_op: bool = False) -> None:
         """Average the staged gradients over the DP group into ``main_grad`` (accumulating)

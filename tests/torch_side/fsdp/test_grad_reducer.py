@@ -165,3 +165,70 @@ def test_async_reduction_lands_where_it_is_read_and_keeps_its_bucket_until_then(
     want = (_flat(layout, first) + _flat(layout, second))[lo:hi]
     torch.testing.assert_close(red.main_grad, want, rtol=0, atol=1e-6)
     assert comm.waits == 2 and not red.in_flight and alloc.live_keys() == []
+
+
+class _RecordingComm(_PeerComm):
+    """``_PeerComm`` that notes the address of each reduce-scatter's input."""
+
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
+        self.inputs = [*getattr(self, "inputs", []), full.data_ptr()]
+        return super().reduce_scatter(out, full, phase, label, async_op)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_flat_buffer_staged_first_becomes_the_bucket_the_reduce_scatter_reads(rank):
+    """``stage_flat`` on an empty micro-batch adopts the buffer (no zero-fill, add or copy: the
+    collective reads the unit program's own output) with the bytes of staging each gradient;
+    a second buffer, or a gradient staged before it, adds into the bucket."""
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    mine, theirs = _grads(rank), _grads(1 - rank)
+    peer = _flat(layout, theirs) / 2
+    want_red, _ = _reducer(layout, _PeerComm(rank, peer), sharded=True)
+    for i, g in enumerate(mine):
+        want_red.stage(i, g)
+    want_red.reduce()
+
+    comm = _RecordingComm(rank, peer)
+    red, alloc = _reducer(layout, comm, sharded=True)
+    flat = _flat(layout, mine)
+    red.stage_flat(flat)
+    assert alloc.get("u/fp32", "grad").data_ptr() == flat.data_ptr() and alloc.adopted == 1
+    red.reduce()
+    assert comm.inputs == [flat.data_ptr()]
+    assert torch.equal(red.main_grad.view(torch.int32), want_red.main_grad.view(torch.int32))
+    # freed, an adopted bucket is not pooled (its memory was never the pool's)
+    assert alloc.live_keys() == [] and alloc._idle == {} and alloc.reserved_bytes == 0
+
+    # a gradient staged first: the flat buffer is added into the pool's bucket
+    red2, alloc2 = _reducer(layout, _RecordingComm(rank, peer), sharded=True)
+    red2.stage(1, mine[1])
+    flat2 = _flat(layout, [mine[0], torch.zeros(3), mine[2]])
+    red2.stage_flat(flat2)
+    assert alloc2.get("u/fp32", "grad").data_ptr() != flat2.data_ptr() and alloc2.adopted == 0
+    red2.reduce()
+    assert torch.equal(red2.main_grad.view(torch.int32), want_red.main_grad.view(torch.int32))
+
+
+def test_a_negative_zero_gradient_reads_as_positive_zero_in_main_grad():
+    """An adopted bucket keeps a gradient's -0.0 (a zero-filled one turned it into +0.0);
+    ``main_grad`` starts at +0.0, so it reads the same bytes either way (grad_reducer's note)."""
+    layout = FlatLayout.build(NAMES, SHAPES, 1)
+    flat = -torch.zeros(layout.padded_numel)
+    red, _ = _reducer(layout, _PeerComm(0, -torch.zeros(layout.padded_numel)), sharded=True,
+                      divisor=1)
+    red.stage_flat(flat)
+    red.reduce()
+    assert torch.equal(red.main_grad.view(torch.int32), torch.zeros_like(red.main_grad.view(
+        torch.int32)))
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_a_flat_buffer_that_is_not_the_bucket_is_refused_by_name(bad):
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    red, alloc = _reducer(layout, _PeerComm(0, torch.zeros(layout.padded_numel)), sharded=True)
+    flat = (torch.zeros(layout.padded_numel + 1) if bad == "shape"
+            else torch.zeros(layout.padded_numel, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"GradReducer 'u/fp32': a flat gradient buffer must "
+                                         r"match the grad bucket"):
+        red.stage_flat(flat)
+    assert alloc.live_keys() == []
