@@ -445,12 +445,16 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
     events = prof.key_averages()
     comm, compute = [], []
     by_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
+    by_kernel: dict[str, list] = {}  # name -> [ms, calls]
     for e in prof.events():
         if (not str(getattr(e, "device_type", "")).endswith("CUDA")
                 or getattr(e, "is_user_annotation", False)):
             continue
         span = (e.time_range.start, e.time_range.end)
         by_cat[kernel_category(e.name)] += (span[1] - span[0]) / 1e3
+        entry = by_kernel.setdefault(e.name, [0.0, 0])
+        entry[0] += (span[1] - span[0]) / 1e3
+        entry[1] += 1
         (comm if "nccl" in e.name.lower() else compute).append(span)
     gpu_us = 1e3 * sum(by_cat.values())
     comm_us = sum(b - a for a, b in _union(comm))
@@ -458,7 +462,21 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
     return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
-        + "\n--- the same step, top 25 by self host time\n" + host)
+        + "\n--- the same step, top 25 by self host time\n" + host
+        + "\n--- the same step, GPU ms by category and kernel\n" + _kernels_by_category(by_kernel))
+
+
+def _kernels_by_category(by_kernel: dict[str, list], top: int = 8) -> str:
+    """Each category's total and its ``top`` kernels (ms, calls), kernels counted once."""
+    lines = []
+    for cat in CATEGORY_NAMES:
+        rows = sorted(((ms, n, name) for name, (ms, n) in by_kernel.items()
+                       if kernel_category(name) == cat), reverse=True)
+        if not rows:
+            continue
+        lines.append(f"{cat}: {sum(r[0] for r in rows):.1f} ms")
+        lines += [f"  {ms:8.2f} ms {n:5d}x  {name[:100]}" for ms, n, name in rows[:top]]
+    return "\n".join(lines)
 
 
 def _pyprofile(step, cfg, args, rank) -> str:
