@@ -135,3 +135,30 @@ def children_share_jax_cache(monkeypatch, _session_jax_cache):
     process's JAX is configured already and stays as it is."""
     for name, value in jax_cache_env(_session_jax_cache).items():
         monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def ranks_in_threads(monkeypatch):
+    """``torch_side.launch.run_local_ranks`` on CPU runs its ranks as threads of this process
+    (``tests.torch_side.threaded_world.run_world``: PyTorch's threaded process group, one
+    rank per thread) instead of spawned processes, for an app whose ranks need no process of
+    their own (no signal handlers, no per-process environment): no interpreter, Torch and JAX
+    start per rank, and the ranks share this process's compiled programs. Returns the list of
+    launches it ran (world sizes), so a test can assert it went through."""
+    import torch_side.launch as launch
+    from tests.torch_side.threaded_world import run_ranks
+
+    real = launch.run_local_ranks
+    launches: list[int] = []
+
+    def in_threads(fn, world_size, args=(), *, device="cpu", **kw):
+        if str(getattr(device, "value", device)) != "cpu":
+            return real(fn, world_size, args, device=device, **kw)
+        launches.append(world_size)
+        return run_ranks(fn, world_size, args)
+
+    monkeypatch.setattr(launch, "run_local_ranks", in_threads)
+    import apps.parity.sharded as sharded
+
+    monkeypatch.setattr(sharded, "run_local_ranks", in_threads)
+    return launches

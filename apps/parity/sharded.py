@@ -151,7 +151,7 @@ def _rank_report_on(
     fsdp = shard_gpt(TorchGPT(cfg, mode, seed=seed + 1, device=device, kernels=kernels),
                      strategy, kernels)
     load_flax_checkpoint(fsdp, master)
-    tokens, targets = (torch.from_numpy(a).long().to(device) for a in batch)
+    tokens, targets = (torch.tensor(a, dtype=torch.long, device=device) for a in batch)
     torch_run = run_sharded(fsdp, tokens, targets)
     report = None
     with fsdp.gathered_weights() as gathered:

@@ -62,7 +62,7 @@ def _parity_report(cfg: GPTConfig, seed: int, mode: LinearMode, device: torch.de
     model = TorchGPT(cfg, mode, device=device, kernels=kernels)
     flat = {n: np.asarray(a) for n, a in flat_params(init_flax_params(cfg, seed)).items()}
     load_flat_params(model, flat)
-    tokens, targets = (torch.from_numpy(a).long().to(device) for a in batch)
+    tokens, targets = (torch.tensor(a, dtype=torch.long, device=device) for a in batch)
     torch_run = run_torch(model, tokens, targets)
     weights = {n: p.detach() for n, p in model.named_parameters()}
     shared = flax_params_view(weights)

@@ -123,7 +123,7 @@ def shard_gpt(
 def load_flax_checkpoint(fsdp: FSDPModel, flat: Mapping[str, object]) -> None:
     """Main weights <- a Flax checkpoint (name -> array, fp32), then FSDP refreshes its model
     weights (MXFP8 planes quantized from bf16 of them). Call on every rank with the same values."""
-    state = {n: torch.as_tensor(np.asarray(a, dtype=np.float32)) for n, a in flat.items()}
+    state = {n: torch.from_numpy(np.array(a, dtype=np.float32)) for n, a in flat.items()}
     fsdp.load_full_state_dict(state)
 
 

@@ -141,8 +141,13 @@ class RngState:
 
     schema = RNG_SCHEMA
 
+    def __init__(self) -> None:
+        # the rank and world size are read here, on the caller's thread: a bounded read runs the
+        # reading in a worker thread (safe_files.bounded)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
     def state_entries(self) -> dict[str, torch.Tensor]:
-        rank = dist.get_rank()
+        rank = self.rank
         out = {key_text(RngKey(rank, "torch")): torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out[key_text(RngKey(rank, "cuda"))] = torch.cuda.get_rng_state()
@@ -162,16 +167,16 @@ class RngState:
 
     def read_state(self, reader: ShardedReader) -> Restore:
         states = {}
-        if reader.meta["world_size"] == dist.get_world_size():
+        if reader.meta["world_size"] == self.world_size:
             for text in reader.entries:
                 key = parse_key(text, [RngKey])
-                if key is not None and key.rank == dist.get_rank():
+                if key is not None and key.rank == self.rank:
                     states[key.device] = reader.read(text)
         for device, state in states.items():  # checked now: nothing is restored yet
             want = self._size(device)
             if want is not None and state.numel() != want:
                 raise CheckpointError(
-                    f"{reader.path}: the {device} RNG state of rank {dist.get_rank()} has "
+                    f"{reader.path}: the {device} RNG state of rank {self.rank} has "
                     f"{state.numel()} bytes, this generator's has {want}; refused")
 
         def restore() -> None:
@@ -420,11 +425,12 @@ def load(path: str | os.PathLike, *, fsdp: FSDPModel, opt: FSDPOptimizer, job: M
     problem, pending = None, None
     position = DataPositionState()
 
+    parts = _parts(fsdp, opt, position, scheduler)  # on this thread (RngState reads the rank)
+
     def read():
         where = resolve(path)
         _check_version(where)
-        return read_parts(where, _parts(fsdp, opt, position, scheduler),
-                          lambda meta: _check_meta(where, meta, job, data_digest))
+        return read_parts(where, parts, lambda meta: _check_meta(where, meta, job, data_digest))
 
     try:
         pending = bounded(read, timeout, f"reading the checkpoint {path}")

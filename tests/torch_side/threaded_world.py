@@ -51,7 +51,7 @@ from torch.testing._internal.distributed import multi_threaded_pg as _threaded
 
 from tests.torch_side.multiprocess import WorkerContext
 
-__all__ = ["MAX_WORLD", "RankFailed", "RankWarnings", "WorldStalled", "run_world"]
+__all__ = ["MAX_WORLD", "RankFailed", "RankWarnings", "WorldStalled", "run_ranks", "run_world"]
 
 MAX_WORLD = 4  # more threads than that on a 2-core box: use a spawned world
 STALL_S = 60.0  # a rank waiting this long in one collective fails the world
@@ -211,6 +211,20 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any,
             _isolate_threads(False)
             _threaded.ProcessLocalGroup.reset()
     _report(ranks, stalled, stall_s)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = ()) -> list[Any]:
+    """``torch_side.launch.run_local_ranks``' contract in threads: ``[fn(*args) on rank r]``,
+    ``fn`` run on each rank of an in-process world (``run_world``) instead of a spawned
+    process (for a rank function that needs no process of its own: no signal handlers, no
+    per-process environment)."""
+    results: list[Any] = [None] * world_size
+
+    def rank_main(ctx: WorkerContext, *a: Any) -> None:
+        results[ctx.rank] = fn(*a)
+
+    run_world(world_size, rank_main, *args)
+    return results
 
 
 def _watch(ranks: list[_Rank], stall_s: float) -> str | None:

@@ -1,4 +1,4 @@
-"""Cross-framework parity: TorchGPT (bridge MXFP8 op; torch_side FSDP on 2 gloo ranks) vs FlaxGPT.
+"""Cross-framework parity: TorchGPT (bridge MXFP8 op; torch_side FSDP on 2 ranks) vs FlaxGPT.
 
 What must hold, and why (tolerances are justified where they are stated):
 
@@ -113,10 +113,9 @@ def test_report_text_lists_every_layer_and_a_verdict():
     )
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("children_share_jax_cache")  # the ranks compile each program once
-def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
+def test_sharded_fsdp_world_size_2_matches_the_single_process_report(ranks_in_threads):
     sharded = sharded_parity_report(CFG, seed=0, batch_size=3, seq_len=7, world_size=2)
+    assert ranks_in_threads == [2]  # in-process (spawned: notebooks/parity.ipynb, GPU pass)
     _check_mxfp8(sharded)
     assert sharded.world_size == 2
     n_linear = len(CFG.linear_shapes())
@@ -129,9 +128,7 @@ def test_sharded_fsdp_world_size_2_matches_the_single_process_report():
         assert d == by_key[(d.quantity, d.name)], d
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("children_share_jax_cache")  # and load world 2's programs they share
-def test_sharded_fsdp_world_size_3_reports_gradient_rounding_not_a_failure():
+def test_sharded_fsdp_world_size_3_reports_gradient_rounding_not_a_failure(ranks_in_threads):
     """dW at world size 3 is sum_r fl(g/3): the report states that this holds only to fp32
     rounding, the teacher-forced check still passes (within that bound), and every other row
     equals the single-process report."""

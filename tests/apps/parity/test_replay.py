@@ -245,11 +245,10 @@ def test_the_unit_report_is_bit_identical_at_world_size_1():
     assert r.verdict() == "verdict: all 22 compared tensors bit-identical (loss, every gradient)"
 
 
-@pytest.mark.slow  # spawns 2 gloo ranks
-@pytest.mark.usefixtures("children_share_jax_cache")
-def test_the_unit_report_under_fsdp_compares_the_gathered_planes_too():
+def test_the_unit_report_under_fsdp_compares_the_gathered_planes_too(ranks_in_threads):
     from apps.parity.unit_report import unit_parity_report
 
     r = unit_parity_report(TINY, seed=0, batch_size=2, seq_len=32, world_size=2)
+    assert ranks_in_threads == [2]
     assert r.identical and r.world_size == 2, r.format()
     assert dict(r.compared)[Kind.PLANES] == len(TINY.linear_shapes())

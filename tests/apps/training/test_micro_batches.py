@@ -16,7 +16,7 @@ import pytest
 
 from apps.training.job import TrainJob
 from apps.training.loop import RunOptions, train_rank
-from torch_side.launch import run_local_ranks
+from tests.torch_side.threaded_world import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +25,11 @@ JOB = TrainJob(steps=4, micro_batches=1, batch_size=2, seq_len=32, lr=3e-3, seed
 RTOL = 2e-6  # fp32 summation order; observed 6.8e-8 (5.4e-4 with the old loss scaling)
 
 
-@pytest.mark.usefixtures("children_share_jax_cache")  # world 1 loads world 3's programs
 def test_the_micro_batch_count_changes_the_losses_only_by_summation_order():
+    # ranks are threads of this process (run_ranks; world 1 reuses world 3's programs)
     opts = RunOptions(progress=False, precompile=False)
-    three = run_local_ranks(train_rank, 3, (JOB, opts), timeout=900)[0]
-    one = run_local_ranks(
-        train_rank, 1, (dataclasses.replace(JOB, micro_batches=3), opts), timeout=900
-    )[0]
+    three = run_ranks(train_rank, 3, (JOB, opts))[0]
+    one = run_ranks(train_rank, 1, (dataclasses.replace(JOB, micro_batches=3), opts))[0]
     worst = max(abs(a.loss - b.loss) / abs(a.loss)
                 for a, b in zip(three.steps, one.steps, strict=True))
     print(f"max relative loss difference over {JOB.steps} steps: {worst:.3g}")

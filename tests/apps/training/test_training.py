@@ -1,5 +1,5 @@
-"""The training application end to end on spawned gloo ranks (all marked slow: each world spawns
-processes and compiles JAX kernels).
+"""The training application end to end on two ranks, threads of this process (``run_ranks``: the
+threaded process group; the spawned launch is test_cli's), all marked slow.
 
 - MXFP8 trains (the held-out loss falls) and tracks the fp32 control from the same seed and data:
   the curves differ only by the MXFP8 quantization of weights, activations and gradients.
@@ -25,9 +25,8 @@ import pytest
 from apps.training.checkpoint import CheckpointError
 from apps.training.job import TrainJob, Weights
 from apps.training.loop import RunOptions, train_rank
-from tests.conftest import jax_cache_env
+from tests.torch_side.threaded_world import run_ranks
 from torch_side import ShardingStrategy
-from torch_side.launch import run_local_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -68,20 +67,10 @@ def _train_and_resume(root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def _cache_env(_session_jax_cache):
-    """The ranks of this module's worlds share a compilation cache (the world-1 resume loads
-    the programs the 2-rank world compiled): tests/conftest.py, children_share_jax_cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in jax_cache_env(_session_jax_cache).items():
-            mp.setenv(name, value)
-        yield
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, _cache_env):
+def two_ranks(tmp_path_factory):
+    """Two ranks in threads of this process (``run_ranks``; the spawned launch is test_cli's)."""
     root = tmp_path_factory.mktemp("train")
-    results = run_local_ranks(_train_and_resume, 2, (str(root),), timeout=900)
-    return root, results
+    return root, run_ranks(_train_and_resume, 2, (str(root),))
 
 
 def test_every_rank_reports_the_same_losses(two_ranks):
@@ -185,8 +174,7 @@ def _copy(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def one_rank(two_ranks):
     root, _ = two_ranks
-    return run_local_ranks(_resume_on_one_rank, 1, (str(root / "zero3"), str(root)),
-                           timeout=600)[0]
+    return run_ranks(_resume_on_one_rank, 1, (str(root / "zero3"), str(root)))[0]
 
 
 def test_resume_at_another_world_size_agrees_to_summation_order(two_ranks, one_rank):

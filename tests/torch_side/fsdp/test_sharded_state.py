@@ -7,8 +7,8 @@ and ``FSDPOptimizer.sharded_state()`` save and load their own state.
   re-derives the MXFP8 planes identical to the saved model's, and reads pieces cut at other
   offsets (another world size) by overlap; a checkpoint of another model, another optimizer or
   with a missing piece is refused with nothing restored.
-- Spawned (slow): 2 ranks save (ZeRO-3, and ``no_shard``, whose replicated main weights are
-  written once), 1 rank loads: the same main weights and optimizer state, planes re-derived.
+- Two ranks (threads of this process, ``run_ranks``) save (ZeRO-3, and ``no_shard``, whose
+  replicated main weights are written once), 1 rank loads: the same main weights and optimizer state, planes re-derived.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.torch_side.threaded_world import run_ranks
 from tests.torch_side.toy_models import Block, make_batch, make_net, mse
 from torch_side import FSDPOptimizer, ShardingStrategy, fully_shard
 from torch_side.checkpoint.sharded_files import (
@@ -35,7 +36,6 @@ from torch_side.fsdp.sharded_state import (
     parse_key,
     save_parts,
 )
-from torch_side.launch import run_local_ranks
 
 
 def _wrapped(strategy=ShardingStrategy.OPTIM_GRADS_PARAMS, lr: float = 1e-2):
@@ -267,11 +267,10 @@ def _full(entries: dict, kinds=(MainKey, OptimKey)) -> dict[tuple, torch.Tensor]
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("children_share_jax_cache")  # world 1 loads world 2's programs
 def test_two_ranks_save_one_rank_loads(tmp_path):
-    saved = run_local_ranks(_save_at_two, 2, (str(tmp_path),), timeout=600)
-    (loaded,) = run_local_ranks(_load_at_one, 1, (str(tmp_path),), timeout=600)
+    # ranks are threads of this process (run_ranks): world 1 reuses world 2's programs
+    saved = run_ranks(_save_at_two, 2, (str(tmp_path),))
+    (loaded,) = run_ranks(_load_at_one, 1, (str(tmp_path),))
     for s in STRATEGIES:
         if s is ShardingStrategy.NO_SHARD:  # replicated: written once, by rank 0
             assert not [k for k in saved[1][s.value] if k.startswith(("main/", "optim/"))]
