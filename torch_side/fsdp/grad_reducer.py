@@ -115,7 +115,8 @@ class GradReducer:
         and free the bucket (module note); with ``async_op`` the add happens at ``settle``."""
         self.settle()  # an earlier micro-batch's reduction adds into main_grad first
         bucket = self._bucket()
-        bucket.div_(self.grad_divisor)
+        if self.grad_divisor != 1:  # x / 1 == x exactly: one pass over the bucket less
+            bucket.div_(self.grad_divisor)
         label = f"{self.label}/grad"
         if self.grads_sharded:
             out = torch.empty(self.layout.shard_numel, dtype=bucket.dtype, device=bucket.device)
