@@ -61,3 +61,13 @@ def test_pytorch_runs_take_no_unit_count():
     for bad in ("fsdp2:u2", "torchao:u4", "mxfp8:u0", "nope"):
         with pytest.raises(ValueError):
             _parse_run(bad)
+
+
+def test_the_kernel_listing_gives_each_category_its_total_and_top_kernels():
+    from benchmarks.bench_train_step import _kernels_by_category
+
+    text = _kernels_by_category({"gemm_fusion_dot_1": [3.0, 4], "nvjet_a": [5.0, 2],
+                                 "memcpy128": [1.5, 10], "loop_add_fusion": [0.25, 1]}, top=1)
+    assert text.splitlines() == ["gemm: 8.0 ms", "      5.00 ms     2x  nvjet_a",
+                                 "copies: 1.5 ms", "      1.50 ms    10x  memcpy128",
+                                 "other: 0.2 ms", "      0.25 ms     1x  loop_add_fusion"]

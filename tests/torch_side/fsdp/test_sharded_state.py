@@ -8,7 +8,8 @@ and ``FSDPOptimizer.sharded_state()`` save and load their own state.
   offsets (another world size) by overlap; a checkpoint of another model, another optimizer or
   with a missing piece is refused with nothing restored.
 - Two ranks (threads of this process, ``run_ranks``) save (ZeRO-3, and ``no_shard``, whose
-  replicated main weights are written once), 1 rank loads: the same main weights and optimizer state, planes re-derived.
+  replicated main weights are written once), 1 rank loads: the same main weights and optimizer
+  state, planes re-derived.
 """
 
 from __future__ import annotations
