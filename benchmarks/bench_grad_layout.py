@@ -5,10 +5,11 @@ as a bf16 x bf16 -> fp32 dot (the producer the unit program has), then the gradi
 in the group's flat fp32 buffer (LayerNorm gradients too), per variant, in one process:
 
 - ``dots``: the wgrads alone, returned as separate arrays (the floor: no layout at all);
-- ``concat``: today's ``jax_side.unit_grads.pack_grads`` (gradients cast, concatenated with
-  zero gaps into the group's buffer, then packed with dx into one uint8 array);
+- ``concat``: the layout before issue 32 (the group's buffer by concatenation,
+  ``unit_grads.flat_group_reference``, then packed with dx into one uint8 array);
 - ``concat_only``: the group's buffer by concatenation, returned on its own (no uint8 pack);
-- ``dus``: a zero buffer, then one in-place ``dynamic_update_slice`` per gradient;
+- ``dus``: ``unit_grads.flat_group``, what the unit programs run: a zero buffer, then one
+  in-place ``dynamic_update_slice`` per gradient;
 - ``add_donated``: the bucket passed in donated and each gradient added into its slice
   (``.at[].add``), returned aliased (what accumulating into the bucket in place costs);
 - ``copy``: read and write the buffer's bytes once (x + 0), the streaming ceiling.
@@ -34,7 +35,7 @@ from jax import lax
 
 from common.formats import round_up
 from common.model_config import PRESETS as CONFIGS
-from jax_side.unit_grads import ALIGN, GradGroup, pack_grads
+from jax_side.unit_grads import ALIGN, GradGroup, flat_group, flat_group_reference, pack_grads
 
 
 def _shapes(d: int, ff: int, blocks: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -83,17 +84,14 @@ def variants(group: GradGroup, dx_shape: tuple[int, int]):
 
     def concat(inputs):
         dx = jnp.zeros(dx_shape, jnp.bfloat16)
-        return pack_grads(dx, _grads(inputs), (group,))
+        flat = flat_group_reference(group, _grads(inputs))
+        return pack_grads((dx, flat), [], ()).packed  # dx and the buffer in one uint8 array
 
     def concat_only(inputs):
-        from jax_side.unit_grads import _flat_group
-        return _flat_group(group, _grads(inputs))
+        return flat_group_reference(group, _grads(inputs))
 
     def dus(inputs):
-        buf = jnp.zeros((group.numel,), jnp.float32)
-        for (_, start), g in zip(group.slots, _grads(inputs), strict=True):
-            buf = lax.dynamic_update_slice(buf, g.reshape(-1), (start,))
-        return buf
+        return flat_group(group, _grads(inputs))
 
     def add_donated(bucket, inputs):
         for (_, start), g in zip(group.slots, _grads(inputs), strict=True):
@@ -126,23 +124,20 @@ def variants(group: GradGroup, dx_shape: tuple[int, int]):
 
 def _time(fn, donated: bool, bucket: jax.Array, inputs, calls: int, reps: int
           ) -> tuple[float, jax.Array]:
-    out = None
-    for _ in range(2):  # compile and warm
+    def call(b: jax.Array) -> tuple[jax.Array, jax.Array]:  # (result, the bucket to pass next)
         if donated:
-            bucket = fn(bucket, inputs)
-            out = bucket
-        else:
-            out = fn(inputs)
+            b = fn(b, inputs)
+            return b, b
+        return fn(inputs), b
+
+    for _ in range(2):  # compile and warm
+        out, bucket = call(bucket)
         jax.block_until_ready(out)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(calls):
-            if donated:
-                bucket = fn(bucket, inputs)
-                out = bucket
-            else:
-                out = fn(inputs)
+            out, bucket = call(bucket)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / calls * 1e3)
     return statistics.median(times), bucket
