@@ -31,7 +31,11 @@ Names: the *Torch buffer* is the storage behind a ``torch.Tensor``; the *JAX vie
 4. Mutation. JAX arrays are immutable by contract. Writing through a Torch view of a JAX buffer,
    or into a Torch buffer while a JAX view of it is alive and in use, is undefined behaviour for
    JAX. Buffers that Torch writes (FSDP buckets) are created by Torch and lent to JAX, not the
-   reverse.
+   reverse -- with one exception: a JAX result that nothing on the JAX side references any more,
+   handed over whole (a unit program's gradient group, which FSDP adopts as its grad bucket and
+   divides in place: ``BucketAllocator.adopt``). JAX never reads it again; since JAX's allocator
+   may reuse its memory as soon as the Torch view is gone, without waiting for Torch's streams,
+   the allocator keeps the view until the work queued on it has run.
 5. GPU memory. JAX must not preallocate most of the GPU in a process where Torch allocates too:
    ``start_jax_backend`` (``bridge.devices``), through which the bridge starts JAX before its
    first transfer, sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless the caller set it (it only
