@@ -34,19 +34,21 @@ fp32 main shards, one fused pass per step), on the CPU the single-tensor loop.
 
 Per run: step time (median, min-max after warm-up), the parallel precompile
 (``torch_side.precompile``, on unless ``--no-precompile``) and the first step after it,
-tokens/s, host time per step (until the step function returns, before the GPU sync) and GPU
-time per step (the kernel time of one warm step in torch.profiler, which sees XLA's kernels too,
-each kernel counted once: the profiler's GPU-side user annotations, such as
-``Optimizer.step#AdamW.step``, span kernels and are left out) split by category (``_CATEGORIES``:
-GEMM, attention, quantize, optimizer, copies, collectives, other; printed as a table after the
-main one), the
-exposed communication of that step (NCCL kernel time during which no other kernel ran), peak
-GPU memory (Torch and JAX), all-gather / reduce-scatter bytes per step counted at
-the collective calls, the distributed-quantization time (the refresh after the optimizer step:
-on CUDA the GPU time between events around it, read after the step, so the step itself never
-waits for the GPU; host time on the CPU), bridge crossings per step and their host time, and the
-ratio to fsdp2. ``--profile`` adds torch.profiler tables of one warm step of every run (its top
-costs by device and by host time).
+tokens/s, host time per step (until the step function returns, before the GPU sync) and GPU time
+per step (the kernel time of one warm step in torch.profiler, which sees XLA's kernels too, each
+kernel counted once: the profiler's GPU-side user annotations, such as
+``Optimizer.step#AdamW.step``, span kernels and are left out) split by category
+(``_CATEGORIES``: GEMM, attention, quantize, optimizer, copies, collectives, other; printed as a
+table after the main one), the exposed communication of that step (NCCL kernel time during which
+no other kernel ran), peak GPU memory (Torch and JAX) of the run itself, above what earlier runs
+of the process still held when it started (printed beside it; JAX's peak cannot be reset, so a
+run whose JAX use stays below an earlier run's peak shows "?": give it a launch of its own),
+all-gather / reduce-scatter bytes per step counted at the collective calls, the
+distributed-quantization time (the refresh after the optimizer step: on CUDA the GPU time
+between events around it, read after the step, so the step itself never waits for the GPU; host
+time on the CPU), bridge crossings per step and their host time, and the ratio to fsdp2.
+``--profile`` adds torch.profiler tables of one warm step of every run (its top costs by device
+and by host time).
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
@@ -81,8 +83,8 @@ class RunResult:
     step_ms_max: float
     first_step_s: float
     tokens_per_s: float
-    peak_torch_gib: float
-    peak_jax_gib: float
+    peak_torch_gib: float  # this run's, above what was allocated when it started
+    peak_jax_gib: float | None  # likewise; None: below an earlier run's peak (not measurable)
     gather_mb_per_step: float
     reduce_mb_per_step: float
     requant_ms: float
@@ -97,6 +99,7 @@ class RunResult:
     exposed_comm_ms: float = 0.0  # ... of which no other kernel ran at the same time
     ratio_to_fsdp2: float | None = None
     gpu_ms_by_category: dict = dataclasses.field(default_factory=dict)  # _CATEGORIES: ms
+    held_gib: float = 0.0  # GPU memory earlier runs of the process still held at this run's start
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
 
@@ -260,20 +263,44 @@ def _build_fsdp2(run, cfg, args):
     return model, step, None
 
 
-def _peaks(device):
-    import torch
-
-    if device != "cuda":
-        return 0.0, 0.0
-    jax_peak = 0.0
+def _jax_memory() -> tuple[float, float]:
+    """(bytes in use, peak bytes in use) of JAX's first device, in GiB (0 where unknown)."""
     try:
         import jax
 
         stats = jax.devices()[0].memory_stats() or {}
-        jax_peak = stats.get("peak_bytes_in_use", 0) / 2**30
     except Exception:  # noqa: BLE001 -- a statistic, not a requirement
-        pass
-    return torch.cuda.max_memory_allocated() / 2**30, jax_peak
+        return 0.0, 0.0
+    return stats.get("bytes_in_use", 0) / 2**30, stats.get("peak_bytes_in_use", 0) / 2**30
+
+
+class _Memory:
+    """A run's own peak GPU memory: Torch's and JAX's, above what was allocated when the run
+    started (``held``: what earlier runs of this process still held then). JAX's peak cannot be
+    reset: when this run's JAX use stayed below an earlier run's peak, it is unknown (None)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device == "cuda"
+        self.torch0 = self.jax0 = self.jax_peak0 = 0.0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.torch0 = torch.cuda.memory_allocated() / 2**30
+            self.jax0, self.jax_peak0 = _jax_memory()
+
+    def peaks(self) -> tuple[float, float | None, float]:
+        """(Torch peak, JAX peak or None, GiB held from earlier runs), each of this run."""
+        import torch
+
+        if not self.cuda:
+            return 0.0, 0.0, 0.0
+        _, jax_peak = _jax_memory()
+        jax_own = jax_peak - self.jax0 if jax_peak > self.jax_peak0 else None
+        if jax_own is None and self.jax_peak0 == 0.0:
+            jax_own = 0.0  # JAX never allocated in this process
+        torch_own = torch.cuda.max_memory_allocated() / 2**30 - self.torch0
+        return torch_own, jax_own, self.torch0 + self.jax0
 
 
 def _run_one(run, cfg, args, rank) -> RunResult:
@@ -281,8 +308,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
 
     from bridge import count_crossings
 
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    memory = _Memory(args.device)
     model, step, timing = _build(run, cfg, args)
     pre_s, pre_programs = 0.0, 0
     ours = run not in PEERS
@@ -333,7 +359,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
             if ours:
                 model.clear_wire_log()
             losses.append(float(loss))
-    torch_peak, jax_peak = _peaks(args.device)
+    torch_peak, jax_peak, held = memory.peaks()
     n = max(1, args.steps)
 
     tokens_per_step = args.batch_size * args.seq_len * args.world_size
@@ -341,7 +367,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
     result = RunResult(
         run=run, step_ms_median=1e3 * med, step_ms_min=1e3 * min(times),
         step_ms_max=1e3 * max(times), first_step_s=first, tokens_per_s=tokens_per_step / med,
-        peak_torch_gib=torch_peak, peak_jax_gib=jax_peak,
+        peak_torch_gib=torch_peak, peak_jax_gib=jax_peak, held_gib=held,
         gather_mb_per_step=counter.bytes["gather"] / n / 2**20,
         reduce_mb_per_step=counter.bytes["reduce"] / n / 2**20,
         requant_ms=1e3 * timing["requant_s"] / n if timing else 0.0,
@@ -575,11 +601,20 @@ def _table(rows, args) -> str:
             f"{r['first_step_compile_s']:.1f}) | {r['tokens_per_s']:,.0f} | "
             f"{r['host_ms_median']:.1f} | {r['gpu_ms']:.1f} | "
             f"{r['comm_ms']:.1f} ({r['exposed_comm_ms']:.1f}) | "
-            f"{r['peak_torch_gib']:.1f}+{r['peak_jax_gib']:.1f} | {r['gather_mb_per_step']:.1f} | "
+            f"{_peak_cell(r)} | {r['gather_mb_per_step']:.1f} | "
             f"{r['reduce_mb_per_step']:.1f} | {r['requant_ms']:.1f} | "
             f"{r['crossings_per_step']:.0f} | {r['crossing_host_ms_per_step']:.2f} | {ratio} |"
         )
     return "\n".join(lines)
+
+
+def _peak_cell(r: dict) -> str:
+    """Torch+JAX peak GiB of the run itself; JAX "?" where not measurable (``_Memory``), and
+    what earlier runs still held when it started, if anything."""
+    jax_peak = r["peak_jax_gib"]
+    cell = f"{r['peak_torch_gib']:.1f}+{'?' if jax_peak is None else f'{jax_peak:.1f}'}"
+    held = r.get("held_gib", 0.0)
+    return cell + (f" ({held:.1f} held before)" if held >= 0.05 else "")
 
 
 def _category_table(rows) -> str:
