@@ -99,7 +99,8 @@ class RunResult:
     exposed_comm_ms: float = 0.0  # ... of which no other kernel ran at the same time
     ratio_to_fsdp2: float | None = None
     gpu_ms_by_category: dict = dataclasses.field(default_factory=dict)  # _CATEGORIES: ms
-    held_gib: float = 0.0  # GPU memory earlier runs of the process still held at this run's start
+    # GPU memory (Torch, JAX) earlier runs of the process still held at this run's start
+    held_gib: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
 
@@ -289,18 +290,18 @@ class _Memory:
             self.torch0 = torch.cuda.memory_allocated() / 2**30
             self.jax0, self.jax_peak0 = _jax_memory()
 
-    def peaks(self) -> tuple[float, float | None, float]:
-        """(Torch peak, JAX peak or None, GiB held from earlier runs), each of this run."""
+    def peaks(self) -> tuple[float, float | None, tuple[float, float]]:
+        """(Torch peak, JAX peak or None, (Torch, JAX) GiB held from earlier runs)."""
         import torch
 
         if not self.cuda:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, (0.0, 0.0)
         _, jax_peak = _jax_memory()
         jax_own = jax_peak - self.jax0 if jax_peak > self.jax_peak0 else None
         if jax_own is None and self.jax_peak0 == 0.0:
             jax_own = 0.0  # JAX never allocated in this process
         torch_own = torch.cuda.max_memory_allocated() / 2**30 - self.torch0
-        return torch_own, jax_own, self.torch0 + self.jax0
+        return torch_own, jax_own, (self.torch0, self.jax0)
 
 
 def _run_one(run, cfg, args, rank) -> RunResult:
@@ -367,7 +368,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
     result = RunResult(
         run=run, step_ms_median=1e3 * med, step_ms_min=1e3 * min(times),
         step_ms_max=1e3 * max(times), first_step_s=first, tokens_per_s=tokens_per_step / med,
-        peak_torch_gib=torch_peak, peak_jax_gib=jax_peak, held_gib=held,
+        peak_torch_gib=torch_peak, peak_jax_gib=jax_peak, held_gib=list(held),
         gather_mb_per_step=counter.bytes["gather"] / n / 2**20,
         reduce_mb_per_step=counter.bytes["reduce"] / n / 2**20,
         requant_ms=1e3 * timing["requant_s"] / n if timing else 0.0,
@@ -613,8 +614,10 @@ def _peak_cell(r: dict) -> str:
     what earlier runs still held when it started, if anything."""
     jax_peak = r["peak_jax_gib"]
     cell = f"{r['peak_torch_gib']:.1f}+{'?' if jax_peak is None else f'{jax_peak:.1f}'}"
-    held = r.get("held_gib", 0.0)
-    return cell + (f" ({held:.1f} held before)" if held >= 0.05 else "")
+    torch_held, jax_held = r.get("held_gib", (0.0, 0.0))
+    if torch_held + jax_held < 0.05:
+        return cell
+    return cell + f" ({torch_held:.1f}+{jax_held:.1f} held before)"
 
 
 def _category_table(rows) -> str:
