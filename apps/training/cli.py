@@ -183,14 +183,17 @@ def _runs(args: argparse.Namespace) -> Runs:
 
 
 def _check_text_corpus(args: argparse.Namespace) -> None:
-    """A text corpus too small for --seq-len (or a missing path) is refused before any rank
-    starts; the ranks check again (``Corpus.check_fits``), this only makes the error early and
-    plain. The standard library is megabytes: not read here."""
+    """A text or token corpus too small for --seq-len, token ids outside the --config's
+    vocabulary, or a missing path are refused before any rank starts; the ranks check again
+    (``Corpus.check_fits``), this only makes the error early and plain. The standard library is
+    megabytes: not read here."""
     if args.data in ("markov", "stdlib"):
         return
-    from apps.training.data import BYTE_VOCAB, make_corpus
+    from apps.training.data import BYTE_VOCAB, is_token_dir, make_corpus
+    from common.model_config import PRESETS
 
-    make_corpus(args.data, vocab_size=BYTE_VOCAB, seed=args.seed).check_fits(args.seq_len)
+    vocab = PRESETS[args.config].vocab_size if is_token_dir(args.data) else BYTE_VOCAB
+    make_corpus(args.data, vocab_size=vocab, seed=args.seed).check_fits(args.seq_len)
 
 
 def _check_jax_cache() -> None:

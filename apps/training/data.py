@@ -21,6 +21,10 @@ Corpora (all yield ``Batch(tokens, targets)``, int64 (B, seq_len); a sample is a
 - ``MarkovCorpus`` (apps/training/corpus.py, with the ``Corpus`` base): a seeded random Markov
   chain (the demo's synthetic language) with an exact loss floor; unbounded, generated per
   sample.
+- ``TokenCorpus`` (apps/training/token_corpus.py): nanoGPT's tokenized data, a directory with
+  ``train.bin`` (train split) and ``val.bin`` (held-out), uint16 token ids (GPT-2's); every id
+  is checked against the model's vocabulary when opened. Sample ``i`` is the window starting at
+  ``default_rng([seed, s.seed_tag, i]).integers(0, len(split) - seq_len)``.
 - ``ByteCorpus`` (apps/training/byte_corpus.py): byte-level text (token = byte value, vocab
   256) from a file, a directory tree, or the Python standard library's own sources.
   Train/held-out split (``SplitRule``): the byte stream is cut into fixed blocks (4096 bytes)
@@ -40,6 +44,7 @@ import numpy as np
 
 from apps.training.byte_corpus import BYTE_VOCAB, ByteCorpus, SplitRule, TextFiles
 from apps.training.corpus import Batch, Corpus, MarkovCorpus, Split, check_int
+from apps.training.token_corpus import TokenCorpus, is_token_dir
 
 __all__ = [
     "BYTE_VOCAB",
@@ -51,19 +56,24 @@ __all__ = [
     "Split",
     "SplitRule",
     "TextFiles",
+    "TokenCorpus",
     "advance",
     "heldout_ids",
+    "is_token_dir",
     "make_corpus",
     "sample_ids",
 ]
 
-CORPUS_SPECS = ("markov", "stdlib", "<path to a text file or directory>")  # make_corpus accepts
+CORPUS_SPECS = ("markov", "stdlib", "<a directory with nanoGPT's train.bin and val.bin>",
+                "<path to a text file or directory>")  # make_corpus accepts
 
 
 def make_corpus(spec: str, *, vocab_size: int, seed: int, branching: int = 4) -> Corpus:
     """``"markov"`` -> MarkovCorpus(vocab_size, branching=branching); ``"stdlib"`` ->
-    ByteCorpus.from_stdlib; any other string is a path -> ByteCorpus.from_path. ``vocab_size``
-    is the model's vocabulary: byte corpora need at least 256."""
+    ByteCorpus.from_stdlib; a directory holding ``train.bin`` and ``val.bin`` -> TokenCorpus
+    (its ids checked against ``vocab_size``); any other string is a path ->
+    ByteCorpus.from_path. ``vocab_size`` is the model's vocabulary: byte corpora need at least
+    256."""
     if spec == "markov":
         return MarkovCorpus(vocab_size, branching=branching, seed=seed)
     if spec != "stdlib" and not Path(spec).exists():
@@ -71,6 +81,8 @@ def make_corpus(spec: str, *, vocab_size: int, seed: int, branching: int = 4) ->
             f"make_corpus: corpus {spec!r} is neither a known name nor an existing path; "
             f"expected one of {list(CORPUS_SPECS)}"
         )
+    if spec != "stdlib" and is_token_dir(spec):
+        return TokenCorpus(spec, vocab_size=vocab_size, seed=seed)
     if vocab_size < BYTE_VOCAB:
         raise ValueError(
             f"make_corpus: byte corpus {spec!r} has {BYTE_VOCAB} tokens but the model's "

@@ -171,7 +171,9 @@ class TrainJob:
     data: str = option(  # apps.training.data.make_corpus
         "markov", Group.OPTIM,
         help="'markov' (exact loss floor), 'stdlib' (the Python standard library's sources as "
-             "bytes) or a text file / directory of text files")
+             "bytes), a directory with nanoGPT's train.bin and val.bin (uint16 token ids, "
+             "e.g. GPT-2's: use a --config whose vocabulary covers them) or a text file / "
+             "directory of text files")
     branching: int = option(4, Group.OPTIM, parse=positive(int),
                             help="successors per token of the Markov corpus (--data markov)")
     eval_batches: int = option(4, Group.OPTIM, parse=positive(int),
@@ -283,16 +285,20 @@ class TrainJob:
 
     def corpus(self) -> Corpus:
         """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's
-        (capped at MARKOV_MAX_VOCAB) for the Markov chain."""
-        from apps.training.data import BYTE_VOCAB, make_corpus
+        (capped at MARKOV_MAX_VOCAB) for the Markov chain, the preset's for token files (which
+        must hold no id outside it)."""
+        from apps.training.data import BYTE_VOCAB, is_token_dir, make_corpus
 
         vocab = BYTE_VOCAB
         if self.data == "markov":
             vocab = min(PRESETS[self.config].vocab_size, MARKOV_MAX_VOCAB)
+        elif self.data != "stdlib" and is_token_dir(self.data):
+            vocab = PRESETS[self.config].vocab_size
         return make_corpus(self.data, vocab_size=vocab, seed=self.seed, branching=self.branching)
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        """The preset, with the corpus's vocabulary (byte corpora need 256 tokens)."""
+        """The preset, with the corpus's vocabulary (byte corpora need 256 tokens; token files
+        keep the preset's)."""
         cfg = PRESETS[self.config]
         return cfg if cfg.vocab_size == vocab_size else dataclasses.replace(
             cfg, vocab_size=vocab_size
