@@ -140,7 +140,7 @@ def children_share_jax_cache(monkeypatch, _session_jax_cache):
 @pytest.fixture
 def ranks_in_threads(monkeypatch):
     """``torch_side.launch.run_local_ranks`` on CPU runs its ranks as threads of this process
-    (``tests.torch_side.threaded_world.run_world``: PyTorch's threaded process group, one
+    (``tests.torch_side.threaded_world.run_ranks``: PyTorch's threaded process group, one
     rank per thread) instead of spawned processes, for an app whose ranks need no process of
     their own (no signal handlers, no per-process environment): no interpreter, Torch and JAX
     start per rank, and the ranks share this process's compiled programs. Returns the list of
