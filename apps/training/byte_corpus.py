@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from apps.training.corpus import Corpus, Split, check_int, sample_rngs
+from apps.training.corpus import Corpus, Split, check_int, stream_windows
 
 __all__ = ["BYTE_VOCAB", "ByteCorpus", "SplitRule", "TextFiles"]
 
@@ -185,14 +185,7 @@ class ByteCorpus(Corpus):
                 f"sample of seq_len={window - 1} needs seq_len + 1 = {window} bytes; use a "
                 f"shorter seq_len or a larger corpus"
             )
-        high = data.size - window + 1  # starts 0 .. n - window
-        starts = np.fromiter(
-            (rng.integers(0, high) for rng in sample_rngs(self.seed, split, ids)),
-            dtype=np.int64,
-            count=ids.size,
-        )
-        views = np.lib.stride_tricks.sliding_window_view(data, window)  # (n - window + 1, window)
-        return views[starts].astype(np.int64)
+        return stream_windows(data, self.seed, split, ids, window)
 
     def loss_floor(self, seq_len: int) -> None:
         """Unknown for real text."""

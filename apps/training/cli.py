@@ -182,18 +182,14 @@ def _runs(args: argparse.Namespace) -> Runs:
     return runs
 
 
-def _check_text_corpus(args: argparse.Namespace) -> None:
+def _check_text_corpus(job: TrainJob, seq_len: int) -> None:
     """A text or token corpus too small for --seq-len, token ids outside the --config's
     vocabulary, or a missing path are refused before any rank starts; the ranks check again
     (``Corpus.check_fits``), this only makes the error early and plain. The standard library is
     megabytes: not read here."""
-    if args.data in ("markov", "stdlib"):
+    if job.data in ("markov", "stdlib"):
         return
-    from apps.training.data import BYTE_VOCAB, is_token_dir, make_corpus
-    from common.model_config import PRESETS
-
-    vocab = PRESETS[args.config].vocab_size if is_token_dir(args.data) else BYTE_VOCAB
-    make_corpus(args.data, vocab_size=vocab, seed=args.seed).check_fits(args.seq_len)
+    job.corpus().check_fits(seq_len)  # the corpus the ranks open, with the model's vocabulary
 
 
 def _check_jax_cache() -> None:
@@ -327,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         runs = _runs(args)
-        _check_text_corpus(args)
+        _check_text_corpus(runs[0][1], args.seq_len)
         _check_jax_cache()
     except (ValueError, TypeError, OSError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)

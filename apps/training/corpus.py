@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["Batch", "Corpus", "MarkovCorpus", "Split", "check_int", "sample_rngs"]
+__all__ = ["Batch", "Corpus", "MarkovCorpus", "Split", "check_int", "sample_rngs",
+           "stream_windows"]
 
 
 class Split(enum.Enum):
@@ -51,6 +52,18 @@ def sample_rngs(seed: int, split: Split, ids: np.ndarray) -> Iterator[np.random.
     """One generator per sample id: the only source of randomness of that sample."""
     for i in ids.tolist():
         yield np.random.default_rng([seed, split.seed_tag, i])
+
+
+def stream_windows(data: np.ndarray, seed: int, split: Split, ids: np.ndarray,
+                   window: int) -> np.ndarray:
+    """int64 (B, window): sample i is the window of ``data`` (1-D, at least ``window`` long; a
+    memory map is read only where sampled) starting at
+    ``default_rng([seed, split.seed_tag, i]).integers(0, len(data) - window + 1)``."""
+    high = data.size - window + 1  # starts 0 .. n - window
+    starts = np.fromiter((rng.integers(0, high) for rng in sample_rngs(seed, split, ids)),
+                         dtype=np.int64, count=ids.size)
+    views = np.lib.stride_tricks.sliding_window_view(data, window)  # (n - window + 1, window)
+    return views[starts].astype(np.int64)
 
 
 class Corpus(abc.ABC):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apps.training.corpus import Corpus, Split, check_int, sample_rngs
+from apps.training.corpus import Corpus, Split, check_int, stream_windows
 
 __all__ = ["TOKEN_DTYPE", "TOKEN_FILES", "TokenCorpus", "is_token_dir"]
 
@@ -95,12 +95,7 @@ class TokenCorpus(Corpus):
                 f"TokenCorpus({self.name}): {TOKEN_FILES[split]} holds {data.size} tokens, but a "
                 f"sample of seq_len={window - 1} needs {window}; use a shorter seq_len"
             )
-        high = data.size - window + 1
-        starts = [int(rng.integers(0, high)) for rng in sample_rngs(self.seed, split, ids)]
-        out: np.ndarray = np.empty((ids.size, window), np.int64)
-        for row, start in enumerate(starts):
-            out[row] = data[start:start + window]
-        return out
+        return stream_windows(data, self.seed, split, ids, window)
 
     def loss_floor(self, seq_len: int) -> None:
         """Unknown for real text."""
