@@ -78,3 +78,17 @@ def dequantize(data_u8: np.ndarray, scale_u8: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):  # 448 * 2^127 (an Inf block) overflows to Inf, as in fp32
         out = np.ldexp(y, e).astype(np.float32)  # exact: few significant bits, fp64 range
     return np.where(scale_u8 == 0xFF, np.float32(np.nan), out)
+
+
+def reblock(data_u8: np.ndarray, scale_u8: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """DESIGN.md 11's re-block of a (R, K) plane blocked 1x32 along K: groups of ``rows`` rows x
+    128 columns (rows=1: 1x128 blocks; rows=128: 128x128 tiles) take the largest E8M0 scale of
+    their 1x32 blocks; each element becomes e4m3_rn(value / 2^(S - 127)) (float64, ml_dtypes'
+    rounding). Returns (uint8 data (R, K), uint8 scales (R/rows, K/128))."""
+    r, k = data_u8.shape
+    top = scale_u8.reshape(r // rows, rows, k // 128, 4).max(axis=(1, 3))
+    y = data_u8.view(E4M3).astype(np.float64)
+    shift = (scale_u8.astype(np.int64)
+             - np.repeat(np.repeat(top, rows, axis=0), 4, axis=1).astype(np.int64))
+    codes = np.ldexp(y, np.repeat(shift, BLOCK, axis=1))  # exact in float64
+    return codes.astype(E4M3).view(np.uint8), top
