@@ -161,6 +161,7 @@ def _build(run, cfg, args):
     """(model, step_fn, requant_fn or None)."""
     import torch
 
+    from common.kernels import KernelConfig
     from common.modes import LinearMode
     from models.torch_gpt import TorchGPT
     from torch_side import (
@@ -178,7 +179,9 @@ def _build(run, cfg, args):
     run, per_unit = _parse_run(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
-    model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute)
+    kernels = KernelConfig(gemm=args.gemm) if args.gemm else None
+    model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute,
+                     kernels=kernels)
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
@@ -654,8 +657,18 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true",
                    help="bridge.determinism: no XLA autotuning, deterministic Torch kernels "
                         "(what mxfp8-train does by default); measures its cost")
+    p.add_argument("--gemm", default="",
+                   help="the GEMM of this project's MXFP8 runs (common.kernels.GemmImpl, e.g. "
+                        "fp8_blocked: Hopper's FP8 tensor cores); default: the platform's")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.gemm:
+        from common.kernels import GemmImpl
+
+        try:
+            GemmImpl.parse(args.gemm)
+        except ValueError as e:
+            p.error(str(e))
     args.runs = [r for r in args.runs.split(",") if r]
     bad = []
     for r in args.runs:
@@ -675,7 +688,8 @@ def main(argv=None) -> int:
     header = (f"device {args.device}, {args.nproc} rank(s), config {args.config}, batch "
               f"{args.batch_size} x {args.seq_len} tokens per rank, {args.steps} timed steps "
               f"after {args.warmup} warm-up; torch {torch.__version__}, jax {jax.__version__}"
-              f"{'; deterministic kernels' if args.deterministic else ''}")
+              f"{'; deterministic kernels' if args.deterministic else ''}"
+              f"{f'; gemm {args.gemm}' if args.gemm else ''}")
     print(header)
     print(_table(rows, args))
     if any(r["gpu_ms_by_category"] for r in rows):

@@ -19,6 +19,11 @@ variables ``MXFP8_BACKEND`` and ``MXFP8_GEMM`` first (``apps.environment.kernels
   element times its E8M0 scale is a bf16 value wherever it is finite and above bf16's subnormal
   floor) and a bf16 tensor-core dot with fp32 accumulation; differs from the reference only in
   how the fp32 sum is accumulated. ``scaled_matmul``: ``jax.nn.scaled_matmul`` (GPU only).
+  ``fp8_blocked``: Hopper's FP8 tensor cores on operands re-blocked to 1x128 blocks and 128x128
+  tiles (DESIGN.md 11; ``jax_side.mxfp8.reblock``): cuBLASLt's block-scaled FP8 GEMM on a
+  compute capability 9.x GPU (an XLA FFI call built on first use, ``jax_side.mxfp8.cublaslt``),
+  the exact fp32 dot of the same re-blocked values on the CPU; close to, not equal to, the MXFP8
+  values. ``fp8_blocked_pallas``: the same with a Pallas (Triton) kernel instead of cuBLASLt.
 """
 
 from __future__ import annotations
@@ -102,6 +107,8 @@ class GemmImpl(Parseable, enum.Enum, what="matmul impl", hint=" (or None for the
     DEQUANT_DOT = "dequant_dot"
     DEQUANT_BF16_DOT = "dequant_bf16_dot"
     SCALED_MATMUL = "scaled_matmul"
+    FP8_BLOCKED = "fp8_blocked"
+    FP8_BLOCKED_PALLAS = "fp8_blocked_pallas"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,21 @@ fp32 accumulation, in the three roles of ``common.gemm_roles`` (DESIGN.md 4).
   cores' internal rounding).
 - ``SCALED_MATMUL`` (GPU only): ``jax.nn.scaled_matmul`` on the same bytes; agrees with the
   reference to fp32-accumulation level, not bit for bit.
+- ``FP8_BLOCKED`` (Hopper's FP8 tensor cores, DESIGN.md 11): both operands re-blocked
+  (``reblock``: a in 1x128 blocks, b in 128x128 tiles, codes of smaller sub-blocks shifted with
+  round-to-nearest-even), then cuBLASLt's block-scaled FP8 GEMM through an XLA FFI call
+  (``cublaslt``) on a GPU; ``FP8_BLOCKED_PALLAS`` runs the same re-blocked GEMM with the Pallas
+  kernel of ``fp8_blocked_kernel`` instead. On the CPU both run the exact fp32 dot of the
+  re-blocked values (the same numbers up to the order of fp32 sums). Not the MXFP8 values
+  exactly: elements that the shift makes e4m3 subnormal or zero change (bounded in
+  tests/jax_side/mxfp8/test_fp8_blocked.py).
 
 The ``te`` backend runs Transformer Engine's own GEMM instead (``te_backend.matmul``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +37,10 @@ from jax import lax
 
 from common.gemm_roles import ROLES, GemmRole, RoleSpec
 from common.kernels import GemmImpl
+from jax_side.mxfp8 import cublaslt, reblock
 from jax_side.mxfp8.dequantize import dequantize
-from jax_side.mxfp8.tensor import MXFP8Tensor, Plane
+from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
+from jax_side.mxfp8.tensor import MXFP8Tensor, Plane, scale_bytes
 
 __all__ = ["run_gemm"]
 
@@ -78,10 +90,48 @@ def _scaled(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     return out[0]
 
 
-_IMPLS = {
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _reblocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec
+               ) -> tuple[reblock.Reblocked, reblock.Reblocked, int]:
+    """a in 1x128 blocks and b in 128x128 tiles, both padded with zero codes to whole blocks
+    (K and b's rows to multiples of 128, a's rows to 16); and b's row count before padding."""
+    ad, as_ = _contract_last(a, spec.a_plane, spec.a_contract)
+    bd, bs = _contract_last(b, spec.b_plane, spec.b_contract)
+    (m, k), n = ad.shape, bd.shape[0]
+    kp = _round_up(k, reblock.GROUP)
+    as_ = scale_bytes(as_, as_.shape, "fp8_blocked: a's scale")
+    bs = scale_bytes(bs, bs.shape, "fp8_blocked: b's scale")
+    ra = reblock.reblock_rows(*reblock.pad_to(ad, as_, _round_up(m, 16), kp))
+    rb = reblock.reblock_tiles(*reblock.pad_to(bd, bs, _round_up(n, reblock.GROUP), kp))
+    return ra, rb, n
+
+
+def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, *, pallas: bool = False
+                 ) -> jax.Array:
+    m = a.shape[1 - spec.a_contract]
+    ra, rb, n = _reblocked(a, b, spec)
+    if jax.devices()[0].platform != "gpu":
+        out = reblock.blocked_dot_reference(ra, rb)
+    elif pallas:
+        out = blocked_matmul(ra, rb)
+    else:
+        out = cublaslt.blocked_gemm(ra, rb)
+    return out[:m, :n]
+
+
+def _fp8_blocked_pallas(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
+    return _fp8_blocked(a, b, spec, pallas=True)
+
+
+_IMPLS: dict[GemmImpl, Callable[[MXFP8Tensor, MXFP8Tensor, RoleSpec], jax.Array]] = {
     GemmImpl.DEQUANT_DOT: _dequant_dot,
     GemmImpl.DEQUANT_BF16_DOT: _dequant_bf16_dot,
     GemmImpl.SCALED_MATMUL: _scaled,
+    GemmImpl.FP8_BLOCKED: _fp8_blocked,
+    GemmImpl.FP8_BLOCKED_PALLAS: _fp8_blocked_pallas,
 }
 
 

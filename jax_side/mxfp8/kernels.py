@@ -156,7 +156,28 @@ def _gemm(config: KernelConfig, platform: Platform) -> tuple[GemmImpl, str]:
             f"gemm {gemm.value!r} needs a GPU (jax.nn.scaled_matmul has no CPU lowering); this "
             f"work runs on {platform.value}: use gemm='dequant_dot' (or leave it None)"
         )
+    if gemm in _REBLOCKED_GEMMS:
+        why += "; " + _reblocked_why(gemm, platform)
     return gemm, f"gemm {gemm.value}: {why}"
+
+
+_REBLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
+
+
+def _reblocked_why(gemm: GemmImpl, platform: Platform) -> str:
+    """What runs the re-blocked FP8 GEMM on ``platform`` (DESIGN.md 11); refuses where its
+    kernel cannot run, with the reason."""
+    if platform is not Platform.GPU:
+        return "re-blocked operands, emulated by an exact fp32 dot on the CPU"
+    if gemm is GemmImpl.FP8_BLOCKED_PALLAS:
+        return "re-blocked operands, Pallas (Triton) FP8 kernel"
+    from jax_side.mxfp8 import cublaslt
+
+    st = cublaslt.status()
+    if not st.ok:
+        raise ValueError(f"gemm 'fp8_blocked' cannot run here: {st.reason}; use "
+                         f"gemm='fp8_blocked_pallas' or the default")
+    return f"re-blocked operands, {st.reason}"
 
 
 @functools.lru_cache(maxsize=64)

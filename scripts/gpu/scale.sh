@@ -4,7 +4,8 @@
 # usual recipe, eager and compiled, and torchao float8 rowwise), GPU time by kernel category.
 # Logs and JSON under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/scale.sh ours1300 peers1300
-# RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b).
+# RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b); GEMM=fp8_blocked (any
+# common.kernels.GemmImpl) sets the GEMM of this project's runs.
 set -u
 OUT=${OUT:-$PWD/out/scale}
 mkdir -p "$OUT"
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/../.."
 step() {  # step NAME CONFIG RUNS
   timeout 540 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 --config "$2" \
     --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 --profile --runs "$3" \
-    --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1
+    ${GEMM:+--gemm "$GEMM"} --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1
   grep -A40 "^device cuda" "$OUT/$1.log"
 }
 parts=("$@")

@@ -17,3 +17,11 @@ def test_the_step_benchmark_runs_ours_beside_fsdp2_on_the_cpu(tmp_path, capsys):
     assert rows["fsdp2"]["ratio_to_fsdp2"] == 1.0 and rows["mxfp8"]["ratio_to_fsdp2"] > 0
     assert (rows["mxfp8"]["peak_torch_gib"], rows["mxfp8"]["peak_jax_gib"]) == (0.0, 0.0)
     assert "| mxfp8 |" in capsys.readouterr().out
+
+
+def test_an_unknown_gemm_is_refused_by_name(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench_train_step.main(["--gemm", "fp9"])
+    assert "fp9" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""The ``fp8_blocked`` GEMMs (DESIGN.md 11, issue 33) against bf16 and today's MXFP8 GEMM.
+
+Per GEMM shape (M, K, N: out (M, N) = a (M, K) @ b (N, K)^T), TFLOP/s and the ratio to the bf16
+dot in the same run:
+
+- ``bf16``: ``lax.dot_general`` of bf16 operands, fp32 accumulation (cuBLAS on a GPU);
+- ``dequant_bf16_dot``: today's GPU default on MXFP8 operands (dequantize to bf16 + bf16 dot);
+- ``cublaslt``: cuBLASLt's block-scaled FP8 GEMM alone (``jax_side.mxfp8.cublaslt``) on operands
+  already re-blocked;
+- ``kernel[bm,bn,w,s]``: the Pallas FP8 kernel alone on operands already re-blocked, for each
+  tile configuration of ``--tiles``;
+- ``fp8_blocked`` / ``fp8_blocked_pallas``: ``matmul(..., impl=...)`` on MXFP8 operands,
+  re-blocking included (what a training step pays when nothing is re-blocked ahead).
+
+And for the 1.3B GPT's linear layers, the three training roles through ``matmul``: fp8_blocked
+(both kernels) against dequant_bf16_dot (re-block and transposes included). Each time is the mean of
+``--iters`` calls after warm-up, dispatched back to back (the host does not wait between calls).
+
+    python3 benchmarks/bench_fp8_gemm.py --out fp8_gemm.json          # GPU
+    python3 benchmarks/bench_fp8_gemm.py --smoke                      # CPU: tiny, interpreted
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+
+from jax_side import mxfp8  # noqa: E402
+from jax_side.mxfp8 import cublaslt  # noqa: E402
+from jax_side.mxfp8.fp8_blocked_kernel import Tile, blocked_matmul  # noqa: E402
+from jax_side.mxfp8.reblock import reblock_rows, reblock_tiles  # noqa: E402
+
+SHAPES = [  # (M, K, N): issue 33's table and the 1.3B GPT's linears at 8 x 1024 tokens
+    (16384, 768, 3072), (16384, 3072, 768), (3072, 16384, 768), (16384, 1024, 4096),
+    (16384, 4096, 1024), (8192, 8192, 8192), (8192, 2048, 6144), (8192, 2048, 8192),
+    (8192, 8192, 2048),
+]
+TILES = ["128,128,8,3"]  # the best of 128x128/128x256/256x128, 4/8 warps, 3/4 stages on an H200
+ROLE_SHAPES = {"d2048_ff8192": (8192, 2048, 8192)}  # tokens, d_model, d_ff of the 1.3B fc1
+
+
+def _timed(fn: Any, *args: Any, iters: int) -> float:
+    out = fn(*args)
+    jax.block_until_ready(out)
+    for _ in range(2):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters
+
+
+def _operands(m: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (jax.random.normal(kb, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    return a, b
+
+
+def _rowwise(t: mxfp8.MXFP8Tensor) -> tuple[jax.Array, jax.Array]:
+    d, s = t.plane("rowwise")
+    return d, lax.bitcast_convert_type(s, jnp.uint8)
+
+
+def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
+              interpret: bool) -> list[dict[str, Any]]:
+    rows = []
+    for m, k, n in shapes:
+        a, b = _operands(m, k, n)
+        qa, qb = mxfp8.quantize(a), mxfp8.quantize(b)
+        ra, rb = reblock_rows(*_rowwise(qa)), reblock_tiles(*_rowwise(qb))
+        flops = 2.0 * m * k * n
+        row: dict[str, Any] = {"shape": [m, k, n]}
+        bf16 = jax.jit(lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                    preferred_element_type=jnp.float32))
+        row["bf16_ms"] = _timed(bf16, a, b, iters=iters) * 1e3
+        fns = {}
+        if not interpret:
+            fns["dequant_bf16_dot"] = (jax.jit(
+                lambda x, y: mxfp8.matmul(x, y, "forward", impl="dequant_bf16_dot")), (qa, qb))
+            for impl in ("fp8_blocked", "fp8_blocked_pallas"):
+                fns[impl] = (jax.jit(
+                    lambda x, y, i=impl: mxfp8.matmul(x, y, "forward", impl=i)), (qa, qb))
+            fns["cublaslt"] = (jax.jit(lambda x, y: cublaslt.blocked_gemm(x, y)), (ra, rb))
+        for tile in tiles:
+            name = "kernel[{},{},{},{}]".format(*tile.key())
+            fns[name] = (jax.jit(lambda x, y, t=tile: blocked_matmul(
+                x, y, tile=t, interpret=interpret)), (ra, rb))
+        for name, (fn, args) in fns.items():
+            try:
+                row[f"{name}_ms"] = _timed(fn, *args, iters=iters) * 1e3
+            except Exception as e:  # a tile that does not compile is recorded, not fatal
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for key in [k_ for k_ in row if k_.endswith("_ms")]:
+            row[key.replace("_ms", "_tflops")] = flops / (row[key] * 1e-3) / 1e12
+            row[key.replace("_ms", "_vs_bf16")] = row["bf16_ms"] / row[key]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def role_rows(iters: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, (t, d, f) in ROLE_SHAPES.items():
+        x, w = _operands(t, d, f)
+        dy = _operands(t, f, 1)[0]
+        qx, qw, qdy = mxfp8.quantize(x), mxfp8.quantize(w), mxfp8.quantize(dy)
+        for role, (a, b) in {"forward": (qx, qw), "dgrad": (qdy, qw),
+                             "wgrad": (qdy, qx)}.items():
+            row: dict[str, Any] = {"layer": name, "role": role}
+            for impl in ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas"):
+                fn = jax.jit(lambda p, q, r=role, i=impl: mxfp8.matmul(p, q, r, impl=i))
+                row[f"{impl}_ms"] = _timed(fn, a, b, iters=iters) * 1e3
+            for impl in ("fp8_blocked", "fp8_blocked_pallas"):
+                row[f"{impl}_vs_dequant_bf16_dot"] = row["dequant_bf16_dot_ms"] / row[
+                    f"{impl}_ms"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tiles", default=";".join(TILES),
+                   help="';'-separated bm,bn,warps,stages of the kernel configurations to time")
+    p.add_argument("--smoke", action="store_true",
+                   help="one 128x128x128 shape, the kernel interpreted (runs on a CPU)")
+    args = p.parse_args(argv)
+    tiles = [Tile(*map(int, t.split(","))) for t in args.tiles.split(";") if t]
+    gpu = jax.devices()[0].platform == "gpu"
+    if args.smoke:
+        result = {"gemm": gemm_rows([(128, 128, 128)], tiles[:1], 1, interpret=not gpu)}
+    elif not gpu:
+        p.error("no GPU: the timings mean nothing on a CPU; run with --smoke to check the script")
+    else:
+        result = {"cublaslt": cublaslt.status().reason,
+                  "gemm": gemm_rows(SHAPES, tiles, args.iters, interpret=False),
+                  "roles": role_rows(args.iters)}
+    result["device"] = str(jax.devices()[0])
+    result["jax"] = jax.__version__
+    result["numpy"] = np.__version__
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
