@@ -5,7 +5,8 @@
 # Logs and JSON under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/scale.sh ours1300 peers1300
 # RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b); GEMM=fp8_blocked (any
-# common.kernels.GemmImpl) sets the GEMM of this project's runs.
+# common.kernels.GemmImpl) sets the GEMM of this project's runs; BATCH (default 8) the sequences
+# of 1024 tokens per step.
 set -u
 OUT=${OUT:-$PWD/out/scale}
 mkdir -p "$OUT"
@@ -14,7 +15,7 @@ cd "$(dirname "$0")/../.."
 . scripts/gpu/torchao_wheel.sh
 step() {  # step NAME CONFIG RUNS
   timeout 540 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 --config "$2" \
-    --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 --profile --runs "$3" \
+    --batch-size "${BATCH:-8}" --seq-len 1024 --steps 6 --warmup 2 --profile --runs "$3" \
     ${GEMM:+--gemm "$GEMM"} --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1
   grep -A40 "^device cuda" "$OUT/$1.log"
 }
