@@ -6,8 +6,10 @@ collectives), ``checkpoint/`` sharded checkpoint files, ``instruments/`` telemet
 
 Public API (user guide: docs/fsdp.md):
 - ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
-  init_sync=..., overlap=...)`` -> ``FSDPModel`` (``InitSync``, ``Overlap``: prefetch depth
-  and asynchronous gradient reductions);
+  init_sync=..., overlap=..., init=..., device=...)`` -> ``FSDPModel`` (``InitSync``,
+  ``Overlap``: prefetch depth and asynchronous gradient reductions; ``init``: a ``ParamInit``
+  that materialises each rank's shard of a model built on the meta device, ``materialize``
+  its whole-model twin);
   ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
   (global norm over every shard)
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,
@@ -44,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "FSDPModel": "torch_side.fsdp.fsdp_model",
     "fully_shard": "torch_side.fsdp.fsdp_model",
     "InitSync": "torch_side.fsdp.init_sync",
+    "ParamInit": "torch_side.fsdp.meta_init",
+    "materialize": "torch_side.fsdp.meta_init",
     "Overlap": "torch_side.fsdp.overlap",
     "FSDPOptimizer": "torch_side.fsdp.optimizer",
     "clip_grad_norm_": "torch_side.fsdp.optimizer",

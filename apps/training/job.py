@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # imported where used: the parser (mxfp8-train --help) needs 
 __all__ = [
     "DEFAULT_ACTIVATIONS",
     "MARKOV_MAX_VOCAB",
+    "Init",
     "RECIPES",
     "OnNonFinite",
     "Recipe",
@@ -106,6 +107,13 @@ RECIPES: dict[Weights, Recipe] = {
 DEFAULT_ACTIVATIONS = {"cpu": Activations.FP32, "cuda": Activations.BF16}  # by TrainJob.device
 
 
+class Init(enum.Enum):
+    """How the model's initial weights are made (``--init``)."""
+
+    SEEDED = "seeded"  # TorchGPT(seed): built whole on every rank, rank 0's values broadcast
+    META = "meta"  # built on the meta device, each rank fills its own shard (models.init_rule)
+
+
 class Recompute(enum.Enum):
     """Activation checkpointing of the transformer blocks."""
 
@@ -138,6 +146,12 @@ class TrainJob:
              "bytes either way (--weights mxfp8 only)")
     recompute: Recompute = option(Recompute.NONE, Group.MODEL,
                                   help="activation checkpointing of the transformer blocks")
+    init: Init = option(
+        Init.SEEDED, Group.MODEL,
+        help="seeded: every rank builds the whole model from --seed and FSDP shards rank 0's; "
+             "meta: the model is built on the meta device and each rank materialises only its "
+             "own shard (initial values by position, models.init_rule.GPTInit: other values "
+             "than seeded, the same at every world size)")
     compute: Compute = option(
         Compute.UNIT, Group.MODEL,
         help="unit: each block's forward and backward, and the head with the loss, as one JAX "
@@ -198,6 +212,7 @@ class TrainJob:
         object.__setattr__(self, "gather", GatherMode.parse(self.gather))
         object.__setattr__(self, "lr_schedule", LRSchedule.parse(self.lr_schedule))
         object.__setattr__(self, "recompute", Recompute(self.recompute))
+        object.__setattr__(self, "init", Init(self.init))
         object.__setattr__(self, "compute", Compute.parse(self.compute))
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"{owner}.device={self.device!r}: expected 'cpu' or 'cuda'")

@@ -19,6 +19,7 @@ in a log), writes the metrics (``apps.training.metrics``) and the checkpoint met
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -35,7 +36,14 @@ from apps import environment
 from apps.training import checkpoint as ckpt
 from apps.training.data import Corpus, DataPosition, Split, advance, heldout_ids, sample_ids
 from apps.training.instruments import StepInstruments
-from apps.training.job import MARKOV_MAX_VOCAB, OnNonFinite, Recompute, RunOptions, TrainJob
+from apps.training.job import (
+    MARKOV_MAX_VOCAB,
+    Init,
+    OnNonFinite,
+    Recompute,
+    RunOptions,
+    TrainJob,
+)
 from apps.training.lr_schedule import LRScheduler
 from apps.training.metrics import MetricsWriter, eval_record, run_record, step_record
 from apps.training.progress import Progress, progress
@@ -43,6 +51,7 @@ from bridge.compile_ahead import AheadReport
 from bridge.determinism import make_deterministic
 from common import trace
 from common.modes import Compute
+from models.init_rule import GPTInit
 from models.torch_gpt import TorchGPT
 from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
 from torch_side.comm.collectives import Collective, all_reduce_on
@@ -112,11 +121,13 @@ class _Model:
         self.cfg = job.model_config(self.corpus.vocab_size)
         unit = job.compute is Compute.UNIT
         kernels = environment.kernels(job.kernels)  # MXFP8_BACKEND / MXFP8_GEMM fill its Nones
-        model = TorchGPT(
-            self.cfg, job.linear_mode, seed=job.seed, device=job.device, kernels=kernels,
-            activations=job.resolved_activations, compute=job.compute,
-            recompute=unit and job.recompute is Recompute.BLOCK,  # inside the backward program
-        )
+        meta = job.init is Init.META
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = TorchGPT(
+                self.cfg, job.linear_mode, seed=job.seed, device="meta" if meta else job.device,
+                kernels=kernels, activations=job.resolved_activations, compute=job.compute,
+                recompute=unit and job.recompute is Recompute.BLOCK,  # inside the backward program
+            )
         if job.recompute is Recompute.BLOCK and not unit:
             for block in model.blocks:
                 # per instance, as nn.Module allows (the class forward stays for the others)
@@ -125,6 +136,7 @@ class _Model:
             model, unit_modules=model.block_units(job.blocks_per_unit), strategy=job.strategy,
             policy=job.policy(), kernels=kernels, overlap=overlap,
             check_collectives=environment.check_collectives(),
+            init=GPTInit(self.cfg, job.seed) if meta else None, device=job.device,
         )
         # one fused kernel pass over every fp32 main shard on CUDA (as FSDP2's recipe runs
         # AdamW); the single-tensor loop on the CPU, the arithmetic the Flax replay mirrors

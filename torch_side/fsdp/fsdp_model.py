@@ -47,6 +47,7 @@ from torch_side.fsdp.bucket_allocator import BucketAllocator
 from torch_side.fsdp.fsdp_state import FSDPState
 from torch_side.fsdp.fsdp_unit import FSDPUnit, GradCheck
 from torch_side.fsdp.init_sync import InitSync, initial_values
+from torch_side.fsdp.meta_init import ParamInit, check_meta, stand_in_for_meta
 from torch_side.fsdp.overlap import Overlap
 from torch_side.fsdp.param_group import ParamGroup
 from torch_side.fsdp.param_guard import mark
@@ -72,6 +73,21 @@ def _check_group(group: dist.ProcessGroup | None, what: str) -> None:
         )
 
 
+def _initialise(groups: list[ParamGroup], init: ParamInit | None, init_sync: InitSync) -> None:
+    """Main weights from rank 0's values (or, for a meta-device model, ``init``'s values of each
+    rank's own pieces), model weights refreshed from them, parameters given their storage."""
+    for g in groups:  # the same order on every rank: collectives match
+        if init is not None:
+            g.load_main_pieces(init)
+        else:
+            g.load_main_from(initial_values(g, init_sync))
+    refresh_groups(groups, Phase.STATE)  # MXFP8 groups quantized in batches
+    for g in groups:
+        g.install_params()
+        for e in g.entries:
+            mark(e.param, e.name)
+
+
 class FSDPModel(nn.Module):
     """The wrapped model. ``module`` is the original model (its parameters now hold working
     storage only; the truth is in the groups' main weights)."""
@@ -90,8 +106,12 @@ class FSDPModel(nn.Module):
         init_sync: InitSync | str,
         check_collectives: bool = False,
         overlap: Overlap | None = None,
+        init: ParamInit | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
+        if check_meta(module, init):
+            stand_in_for_meta(module, torch.device("cpu" if device is None else device))
         _check_group(group, "data-parallel")
         if expert_modules:
             _check_group(expert_group, "expert data-parallel")
@@ -123,14 +143,7 @@ class FSDPModel(nn.Module):
         self.units: list[FSDPUnit] = build_units(
             module, unit_modules, expert_modules, cfg, self.state
         )
-        groups = self.param_groups  # the same order on every rank: collectives match
-        for g in groups:
-            g.load_main_from(initial_values(g, self.init_sync))
-        refresh_groups(groups, Phase.STATE)  # MXFP8 groups quantized in batches
-        for g in groups:
-            g.install_params()
-            for e in g.entries:
-                mark(e.param, e.name)
+        _initialise(self.param_groups, init, self.init_sync)
         self._planes_handles = install_plane_hooks(self.units)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,6 +290,8 @@ def fully_shard(
     init_sync: InitSync | str = InitSync.BROADCAST,
     check_collectives: bool = False,
     overlap: Overlap | None = None,
+    init: ParamInit | None = None,
+    device: torch.device | str | None = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
 
@@ -296,6 +311,10 @@ def fully_shard(
     overlap: how far
     all-gathers run ahead of the compute and whether gradient reductions are asynchronous
     (``torch_side.Overlap``; None: one unit ahead, asynchronous reductions).
+    init, device: for a model built on the meta device, the ``ParamInit`` that fills each rank's
+    shard of the main weights (only the shard is ever materialised; no initial values are
+    broadcast, ``init_sync`` does not apply) and the device FSDP allocates on (default cpu);
+    ``torch_side.fsdp.meta_init``.
     """
     return FSDPModel(
         module,
@@ -310,4 +329,6 @@ def fully_shard(
         init_sync,
         check_collectives,
         overlap,
+        init,
+        device,
     )

@@ -33,6 +33,7 @@ from common.kernels import KernelConfig
 from torch_side.comm.collectives import Communicator, Phase
 from torch_side.fsdp.distributed_quantize import GroupImages
 from torch_side.fsdp.flat_layout import FlatLayout, OwnedPiece
+from torch_side.fsdp.meta_init import ParamInit
 from torch_side.fsdp.strategy import StrategyFacts
 from torch_side.fsdp.weight_codecs import BlockScaledCodec, CodecContext, WeightCodec
 
@@ -102,6 +103,13 @@ class GroupBuffers:
             self.main[p.shard_offset : p.shard_offset + p.numel].copy_(
                 src[p.param_offset : p.param_offset + p.numel].to(torch.float32)
             )
+
+    def load_main_pieces(self, init: ParamInit) -> None:
+        """main <- ``init``'s values of the owned pieces, written in place (nothing full)."""
+        for p in self.pieces():
+            slot = self.layout.slots[p.slot_index]
+            init.fill(slot.name, tuple(slot.shape), p.param_offset,
+                      self.main[p.shard_offset : p.shard_offset + p.numel])
 
     def codec_context(self) -> CodecContext:
         """The narrow view of these buffers that ``WeightCodec.fill`` works on."""

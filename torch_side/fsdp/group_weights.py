@@ -22,6 +22,7 @@ from torch_side.comm.collectives import Communicator, Phase
 from torch_side.fsdp.distributed_quantize import GroupImages
 from torch_side.fsdp.flat_layout import OwnedPiece
 from torch_side.fsdp.group_buffers import GroupBuffers
+from torch_side.fsdp.meta_init import ParamInit
 from torch_side.fsdp.weight_codecs import CodecContext, WeightCodec
 
 __all__ = ["GroupWeights"]
@@ -42,6 +43,11 @@ class GroupWeights:
     def load_main_from(self, full_values: list[torch.Tensor]) -> None:
         """main <- fp32 of the owned parts of each parameter's full value (one per slot)."""
         self._buffers.load_main(full_values)
+
+    def load_main_pieces(self, init: ParamInit) -> None:
+        """main <- ``init``'s values of the owned pieces of each parameter (a model built on the
+        meta device: ``torch_side.fsdp.meta_init``)."""
+        self._buffers.load_main_pieces(init)
 
     def full_main(self, phase: Phase = Phase.STATE) -> torch.Tensor:
         """The full padded fp32 main weights (all-gathered when sharded)."""
