@@ -109,7 +109,7 @@ class _Recording(GPTInit):
         super().fill(name, shape, start, out)
 
 
-BIG = GPTConfig(vocab_size=4096, max_seq_len=256, n_layer=4, n_head=8, d_model=1024, d_ff=4096)
+BIG = GPTConfig(vocab_size=2048, max_seq_len=256, n_layer=5, n_head=8, d_model=768, d_ff=3072)
 WORLD = 4
 
 
