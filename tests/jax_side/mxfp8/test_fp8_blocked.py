@@ -230,3 +230,43 @@ def test_cublaslt_kernel_equals_the_exact_dot_of_reblocked_values(out_dtype):
     err = np.abs(got - ref) / (mag + 1e-30)
     assert np.all(np.abs(got - ref) <= CUBLASLT_ELEMENT * mag + ulp * np.abs(ref) + 1e-30), (
         f"largest error {err.max():.2e} of the sum of |products|")
+
+
+def test_a_training_step_with_fp8_blocked_stays_near_the_exact_one(single_rank_world,
+                                                                    monkeypatch):
+    # the whole unit-program path (every role, padded token counts, the head) with the re-blocked
+    # GEMM: on the CPU the exact dot of the re-blocked values, so the losses differ from the exact
+    # MXFP8 run only by the re-block's changes to small elements
+    import torch
+
+    from common.model_config import GPTConfig
+    from models.torch_gpt import TorchGPT
+    from torch_side import FSDPOptimizer, fully_shard
+
+    cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=2, d_model=128, d_ff=256)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def losses(gemm):
+        net = TorchGPT(cfg, seed=1, kernels=KernelConfig(gemm=gemm))
+        model = fully_shard(net, unit_modules=net.block_units(2), kernels=KernelConfig(gemm=gemm))
+        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
+        out = []
+        for _ in range(2):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return np.array(out)
+
+    from jax_side.mxfp8 import reblock
+
+    exact = losses("dequant_dot")
+    traced = []
+    real = reblock.blocked_dot_reference
+    monkeypatch.setattr(reblock, "blocked_dot_reference",
+                        lambda a, b: traced.append(a.data.shape) or real(a, b))
+    blocked = losses("fp8_blocked")
+    assert len(traced) >= 3 * 2 * 4, traced  # 3 roles of 4 linears per block: the path ran
+    rel = np.abs(blocked - exact) / exact
+    assert rel.max() < 1e-4, rel
