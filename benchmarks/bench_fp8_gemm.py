@@ -10,7 +10,10 @@ dot in the same run:
 - ``kernel[bm,bn,w,s]``: the Pallas FP8 kernel alone on operands already re-blocked, for each
   tile configuration of ``--tiles``;
 - ``fp8_blocked`` / ``fp8_blocked_pallas``: ``matmul(..., impl=...)`` on MXFP8 operands,
-  re-blocking included (what a training step pays when nothing is re-blocked ahead).
+  re-blocking included (what a training step pays when nothing is re-blocked ahead);
+- ``*_from_bf16``: the same from the bf16 operands, their MXFP8 quantization (the rowwise plane,
+  the one the forward GEMM reads) counted too: ``dequant_bf16_dot_from_bf16`` and
+  ``fp8_blocked_from_bf16``.
 
 And for the 1.3B GPT's linear layers, the three training roles through ``matmul``: fp8_blocked
 (both kernels) against dequant_bf16_dot (re-block and transposes included). Each time is the mean of
@@ -95,6 +98,11 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
                 fns[impl] = (jax.jit(
                     lambda x, y, i=impl: mxfp8.matmul(x, y, "forward", impl=i)), (qa, qb))
             fns["cublaslt"] = (jax.jit(lambda x, y: cublaslt.blocked_gemm(x, y)), (ra, rb))
+            for impl in ("dequant_bf16_dot", "fp8_blocked"):
+                fns[f"{impl}_from_bf16"] = (jax.jit(
+                    lambda x, y, i=impl: mxfp8.matmul(mxfp8.quantize(x, planes="rowwise"),
+                                                      mxfp8.quantize(y, planes="rowwise"),
+                                                      "forward", impl=i)), (a, b))
         for tile in tiles:
             name = "kernel[{},{},{},{}]".format(*tile.key())
             fns[name] = (jax.jit(lambda x, y, t=tile: blocked_matmul(
