@@ -167,3 +167,27 @@ def test_planes_of_a_run_without_mxfp8_linears_are_refused(tmp_path):
     with pytest.raises(ex.ExportError, match="--weights 'bf16'.*no MXFP8 planes"):
         ex.export(tmp_path / "ck", tmp_path / "out", planes=True)
     ex.export(tmp_path / "ck", tmp_path / "out2")  # the weights themselves export
+
+
+def _save_at_world(ctx, root: Path, out: dict) -> None:
+    m = _trained(JOB)
+    _save(m, JOB, root / "ck2")
+    full = m.fsdp.full_state_dict()
+    if ctx.rank == 0:
+        out.update(full)
+
+
+def test_a_checkpoint_saved_by_two_ranks_exports_whole(tmp_path):
+    from tests.torch_side.threaded_world import run_world
+
+    full: dict[str, torch.Tensor] = {}
+    run_world(2, _save_at_world, tmp_path, full)
+    meta, _ = ex.read_main_weights(tmp_path / "ck2")
+    assert meta["world_size"] == 2
+    ex.export(tmp_path / "ck2", tmp_path / "out")
+    got, _ = ex.read_safetensors(tmp_path / "out" / ex.WEIGHTS_FILE)
+    cfg, flat = ex.load_export(tmp_path / "out")
+    assert set(flat) == set(full)
+    for name, value in full.items():  # every parameter assembled from both ranks' pieces
+        assert torch.equal(torch.from_numpy(flat[name]), value), name
+    assert torch.equal(got["lm_head.weight"], full["lm_head.weight"])
