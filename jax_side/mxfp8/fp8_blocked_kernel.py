@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from common.formats import round_up
 from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = ["TILE_DEFAULT", "Tile", "blocked_matmul"]
@@ -65,17 +66,13 @@ def _fp8_blocked_gemm_kernel(a_ref: Any, b_ref: Any, sa_ref: Any, sb_ref: Any, o
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 @functools.partial(jax.jit, static_argnames=("tile_key", "interpret", "out_dtype"))
 def _run(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale: jax.Array, *,
          tile_key: tuple[int, int, int, int], interpret: bool, out_dtype: Any) -> jax.Array:
     bm, bn, warps, stages = tile_key
     m, k = a_data.shape
     n = b_data.shape[0]
-    mp, np_ = _round_up(m, bm), _round_up(n, max(bn, GROUP))
+    mp, np_ = round_up(m, bm), round_up(n, max(bn, GROUP))
     a = jnp.pad(a_data, ((0, mp - m), (0, 0)))
     b = jnp.pad(b_data, ((0, np_ - n), (0, 0)))
     sa = jnp.pad(scale_fp32(a_scale), ((0, mp - m), (0, 0)))  # (Mp, K/128)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from common.formats import round_up
 from common.gemm_roles import ROLES, GemmRole, RoleSpec
 from common.kernels import GemmImpl
 from jax_side.mxfp8 import cublaslt, reblock
@@ -90,10 +91,6 @@ def _scaled(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     return out[0]
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _reblocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec
                ) -> tuple[reblock.Reblocked, reblock.Reblocked, int]:
     """a in 1x128 blocks and b in 128x128 tiles, both padded with zero codes to whole blocks
@@ -101,11 +98,11 @@ def _reblocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec
     ad, as_ = _contract_last(a, spec.a_plane, spec.a_contract)
     bd, bs = _contract_last(b, spec.b_plane, spec.b_contract)
     (m, k), n = ad.shape, bd.shape[0]
-    kp = _round_up(k, reblock.GROUP)
+    kp = round_up(k, reblock.GROUP)
     as_ = scale_bytes(as_, as_.shape, "fp8_blocked: a's scale")
     bs = scale_bytes(bs, bs.shape, "fp8_blocked: b's scale")
-    ra = reblock.reblock_rows(*reblock.pad_to(ad, as_, _round_up(m, 16), kp))
-    rb = reblock.reblock_tiles(*reblock.pad_to(bd, bs, _round_up(n, reblock.GROUP), kp))
+    ra = reblock.reblock_rows(*reblock.pad_to(ad, as_, round_up(m, 16), kp))
+    rb = reblock.reblock_tiles(*reblock.pad_to(bd, bs, round_up(n, reblock.GROUP), kp))
     return ra, rb, n
 
 
