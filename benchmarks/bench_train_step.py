@@ -493,7 +493,8 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
     return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
         + "\n--- the same step, top 25 by self host time\n" + host
-        + "\n--- the same step, GPU ms by category and kernel\n" + _kernels_by_category(by_kernel))
+        + "\n--- the same step, GPU ms by category and kernel\n"
+        + _kernels_by_category(by_kernel, args.profile_top))
 
 
 def _kernels_by_category(by_kernel: dict[str, list], top: int = 8) -> str:
@@ -648,6 +649,8 @@ def main(argv=None) -> int:
                         f"blocks per FSDP unit (e.g. mxfp8:u4)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
+    p.add_argument("--profile-top", type=int, default=8,
+                   help="kernels listed per category in --profile's table")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
     p.add_argument("--compile-cache", default="",
                    help="persistent JAX compilation cache directory (a second launch is warm)")

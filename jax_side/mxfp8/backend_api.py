@@ -30,6 +30,7 @@ import enum
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, GemmImpl, Platform
@@ -219,3 +220,10 @@ class KernelBackend(abc.ABC):
                gemm: GemmImpl | None) -> jax.Array:
         """fp32 GEMM of one role (``common.gemm_roles``) of validated operands. ``gemm`` is the
         implementation to run, None exactly for a backend with ``own_gemm``."""
+
+    def matmul_rounded(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
+                       gemm: GemmImpl | None, out_dtype: jnp.dtype) -> jax.Array:
+        """``matmul`` rounded once to ``out_dtype`` (float32 or bfloat16). A backend whose kernel
+        can write bf16 itself overrides this (the ``fp8_blocked`` GEMM does: no fp32 pass over
+        its output); the result must equal ``matmul(...).astype(out_dtype)``."""
+        return self.matmul(a, b, role, gemm).astype(out_dtype)

@@ -71,5 +71,5 @@ def matmul(
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise TypeError(f"matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
     resolved = resolve_call("matmul", kernels, backend, impl)
-    out = backend_impl(resolved.backend).matmul(a, b, role, resolved.gemm)
-    return out.astype(out_dtype)
+    return backend_impl(resolved.backend).matmul_rounded(a, b, role, resolved.gemm,
+                                                         jnp.dtype(out_dtype))

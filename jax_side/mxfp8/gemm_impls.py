@@ -19,10 +19,12 @@ fp32 accumulation, in the three roles of ``common.gemm_roles`` (DESIGN.md 4).
   (``reblock``: a in 1x128 blocks, b in 128x128 tiles, codes of smaller sub-blocks shifted with
   round-to-nearest-even), then cuBLASLt's block-scaled FP8 GEMM through an XLA FFI call
   (``cublaslt``) on a GPU; ``FP8_BLOCKED_PALLAS`` runs the same re-blocked GEMM with the Pallas
-  kernel of ``fp8_blocked_kernel`` instead. On the CPU both run the exact fp32 dot of the
-  re-blocked values (the same numbers up to the order of fp32 sums). Not the MXFP8 values
-  exactly: elements that the shift makes e4m3 subnormal or zero change (bounded in
-  tests/jax_side/mxfp8/test_fp8_blocked.py).
+  kernel of ``fp8_blocked_kernel`` instead. On the CPU (also a program placed on the CPU of a
+  GPU machine: ``lax.platform_dependent``) both run the exact fp32 dot of the re-blocked values
+  (the same numbers up to the order of fp32 sums). The cuBLASLt kernel writes a bf16 result
+  itself (``out_dtype``: the same bytes as rounding its fp32 result, tested on the GPU). Not
+  the MXFP8 values exactly: elements that the shift makes e4m3 subnormal or zero change
+  (bounded in tests/jax_side/mxfp8/test_fp8_blocked.py).
 
 The ``te`` backend runs Transformer Engine's own GEMM instead (``te_backend.matmul``).
 """
@@ -44,6 +46,8 @@ from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane, scale_bytes
 
 __all__ = ["run_gemm"]
+
+_F32 = jnp.dtype(jnp.float32)
 
 
 def _dequant_dot(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
@@ -106,32 +110,49 @@ def _reblocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec
     return ra, rb, n
 
 
-def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, *, pallas: bool = False
-                 ) -> jax.Array:
+def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, out_dtype: jnp.dtype = _F32,
+                 *, pallas: bool = False) -> jax.Array:
     m = a.shape[1 - spec.a_contract]
     ra, rb, n = _reblocked(a, b, spec)
+
+    def exact(ra: reblock.Reblocked, rb: reblock.Reblocked) -> jax.Array:
+        return reblock.blocked_dot_reference(ra, rb).astype(out_dtype)
+
+    def kernel(ra: reblock.Reblocked, rb: reblock.Reblocked) -> jax.Array:
+        if pallas:
+            return blocked_matmul(ra, rb).astype(out_dtype)
+        # cuBLASLt rounds its fp32 accumulator to out_dtype itself: no fp32 pass over the output
+        return cublaslt.blocked_gemm(ra, rb, out_dtype=out_dtype)
+
     if jax.devices()[0].platform != "gpu":
-        out = reblock.blocked_dot_reference(ra, rb)
-    elif pallas:
-        out = blocked_matmul(ra, rb)
-    else:
-        out = cublaslt.blocked_gemm(ra, rb)
+        out = exact(ra, rb)
+    else:  # by where the program runs: operands placed on the CPU of a GPU machine take exact
+        out = lax.platform_dependent(ra, rb, cuda=kernel, default=exact)
     return out[:m, :n]
 
 
-def _fp8_blocked_pallas(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
-    return _fp8_blocked(a, b, spec, pallas=True)
+def _fp8_blocked_pallas(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec,
+                        out_dtype: jnp.dtype = _F32) -> jax.Array:
+    return _fp8_blocked(a, b, spec, out_dtype, pallas=True)
 
 
 _IMPLS: dict[GemmImpl, Callable[[MXFP8Tensor, MXFP8Tensor, RoleSpec], jax.Array]] = {
     GemmImpl.DEQUANT_DOT: _dequant_dot,
     GemmImpl.DEQUANT_BF16_DOT: _dequant_bf16_dot,
     GemmImpl.SCALED_MATMUL: _scaled,
+}
+_ROUNDING: dict[GemmImpl, Callable[[MXFP8Tensor, MXFP8Tensor, RoleSpec, jnp.dtype], jax.Array]] = {
     GemmImpl.FP8_BLOCKED: _fp8_blocked,
     GemmImpl.FP8_BLOCKED_PALLAS: _fp8_blocked_pallas,
 }
 
 
-def run_gemm(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole, gemm: GemmImpl) -> jax.Array:
-    """fp32 (rows, cols) of role ``role`` on validated operands, by implementation ``gemm``."""
-    return _IMPLS[gemm](a, b, ROLES[role])
+def run_gemm(a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole, gemm: GemmImpl,
+             out_dtype: jnp.dtype = _F32) -> jax.Array:
+    """(rows, cols) of role ``role`` on validated operands, by implementation ``gemm``: the fp32
+    accumulator rounded once to ``out_dtype`` (float32 or bfloat16). The ``fp8_blocked`` GEMM
+    rounds inside its kernel on a GPU (the same round-to-nearest-even of the same fp32 sums);
+    the others return fp32, rounded here."""
+    if gemm in _ROUNDING:
+        return _ROUNDING[gemm](a, b, ROLES[role], out_dtype)
+    return _IMPLS[gemm](a, b, ROLES[role]).astype(out_dtype)

@@ -169,5 +169,10 @@ class PallasBackend(KernelBackend):
         assert gemm is not None  # the resolver names one for a backend without its own GEMM
         return run_gemm(a, b, role, gemm)
 
+    def matmul_rounded(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
+                       gemm: GemmImpl | None, out_dtype: jnp.dtype) -> jax.Array:
+        assert gemm is not None
+        return run_gemm(a, b, role, gemm, out_dtype)
+
 
 BACKEND = PallasBackend()

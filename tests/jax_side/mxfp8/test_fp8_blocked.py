@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from jax import lax
 
+from common.gemm_roles import ROLES
 from common.kernels import KernelConfig
 from jax_side import mxfp8
-from jax_side.mxfp8 import GemmRole, cublaslt, kernel_report
+from jax_side.mxfp8 import GemmRole, cublaslt, gemm_impls, kernel_report
 from jax_side.mxfp8.fp8_blocked_kernel import Tile, blocked_matmul
 from jax_side.mxfp8.reblock import (
     blocked_dot_reference,
@@ -159,6 +160,19 @@ def test_matmul_fp8_blocked_stays_near_the_exact_mxfp8_gemm(role):
     assert 0 < rel < bound, rel  # > 0: re-blocking does change small elements
 
 
+@pytest.mark.parametrize("role", list(GemmRole), ids=[r.value for r in GemmRole])
+def test_matmul_fp8_blocked_bf16_output_is_its_fp32_output_rounded(role):
+    """The GEMM rounds its own output (cuBLASLt's epilogue on a GPU): the bytes of rounding the
+    fp32 result afterwards, so the unit programs may ask for bf16 directly."""
+    a_shape, b_shape = (GPU_OPERANDS if _gpu() else ROLE_OPERANDS)[role]
+    a = mxfp8.quantize(jnp.asarray(_data(a_shape, 18)))
+    b = mxfp8.quantize(jnp.asarray(_data(b_shape, 19) * 0.02))
+    f32 = mxfp8.matmul(a, b, role, impl="fp8_blocked")
+    bf16 = mxfp8.matmul(a, b, role, impl="fp8_blocked", out_dtype=jnp.bfloat16)
+    assert f32.dtype == jnp.float32 and bf16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bf16), np.asarray(f32.astype(jnp.bfloat16)))
+
+
 def _gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
@@ -270,3 +284,18 @@ def test_a_training_step_with_fp8_blocked_stays_near_the_exact_one(single_rank_w
     assert len(traced) >= 3 * 2 * 4, traced  # 3 roles of 4 linears per block: the path ran
     rel = np.abs(blocked - exact) / exact
     assert rel.max() < 1e-4, rel
+
+
+@pytest.mark.gpu
+def test_operands_placed_on_the_cpu_of_a_gpu_machine_take_the_exact_emulation():
+    """The kernel is chosen by where the program runs, not by JAX's default device: a program
+    lowered for the CPU (Torch's CPU tensors on a GPU machine) runs the exact fp32 dot."""
+    cpu = jax.devices("cpu")[0]
+    a_shape, b_shape = ROLE_OPERANDS[GemmRole.FORWARD]
+    a = mxfp8.quantize(jax.device_put(jnp.asarray(_data(a_shape, 20)), cpu))
+    b = mxfp8.quantize(jax.device_put(jnp.asarray(_data(b_shape, 21) * 0.02), cpu))
+    got = jax.jit(lambda a, b: mxfp8.matmul(a, b, impl="fp8_blocked"))(a, b)
+    assert got.devices() == {cpu}
+    ra, rb, n = gemm_impls._reblocked(a, b, ROLES[GemmRole.FORWARD])
+    ref = jax.jit(blocked_dot_reference)(ra, rb)[: a.shape[0], :n]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
