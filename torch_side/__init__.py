@@ -6,10 +6,11 @@ collectives), ``checkpoint/`` sharded checkpoint files, ``instruments/`` telemet
 
 Public API (user guide: docs/fsdp.md):
 - ``fully_shard(module, unit_modules=..., group=..., strategy=..., policy=..., kernels=...,
-  init_sync=..., overlap=..., init=..., device=...)`` -> ``FSDPModel`` (``InitSync``,
+  init_sync=..., overlap=..., init=..., device=..., mesh=...)`` -> ``FSDPModel`` (``InitSync``,
   ``Overlap``: prefetch depth and asynchronous gradient reductions; ``init``: a ``ParamInit``
   that materialises each rank's shard of a model built on the meta device, ``materialize``
-  its whole-model twin);
+  its whole-model twin; ``mesh``: a 2-D (replicate, shard) ``DeviceMesh`` for HSDP,
+  ``torch_side.fsdp.hybrid_mesh``);
   ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
   (global norm over every shard)
 - ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,

@@ -82,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"mxfp8 (with --compare for the fp32 control), or drop --telemetry")
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else 1
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    if world % args.replicas:
+        p.error(f"--replicas {args.replicas} must divide the world size {world} (each replica is "
+                f"sharded over world / replicas ranks); use --nproc (or torchrun's ranks) a "
+                f"multiple of it")
     if args.plot:  # checked now, not after a training that has nothing to draw it with
         if not args.metrics:
             p.error("--plot needs --metrics (the curves are drawn from the metrics file)")

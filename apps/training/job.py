@@ -392,6 +392,12 @@ class RunOptions:
         help="units whose weight all-gathers are issued ahead of the compute, forward and "
              "backward (0: gather each unit when it runs); up to N + 1 units' weights are "
              "gathered at once. Never changes the numbers")
+    replicas: int = option(  # torch_side.fsdp.hybrid_mesh
+        1, Group.WHERE, parse=positive(int),
+        help="HSDP: R replicas of the model, each sharded over world / R ranks (a 2-D device "
+             "mesh, replicate x shard: --strategy runs inside each shard group, gradients are "
+             "also all-reduced across the replicas); R must divide the world size. 1: plain "
+             "FSDP over every rank. A checkpoint resumes at any --replicas and world size")
     collective_timeout: float = option(
         300.0, Group.WHERE, parse=positive(float),
         help="seconds a collective may wait for the other ranks; a checkpoint load gives up "
@@ -436,6 +442,7 @@ class RunOptions:
         _positive_int("RunOptions", "telemetry_every", self.telemetry_every)
         _positive_int("RunOptions", "progress_every", self.progress_every)
         _positive_int("RunOptions", "trace_steps", self.trace_steps)
+        _positive_int("RunOptions", "replicas", self.replicas)
         if not (isinstance(self.collective_timeout, (int, float))
                 and math.isfinite(self.collective_timeout) and self.collective_timeout > 0):
             raise ValueError(f"RunOptions.collective_timeout={self.collective_timeout!r}: "

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from apps import environment
@@ -115,7 +116,7 @@ class _Model:
     """The wrapped model, its optimizer, its learning-rate scheduler (at step 0) and the corpus
     of one job."""
 
-    def __init__(self, job: TrainJob, overlap: Overlap | None = None):
+    def __init__(self, job: TrainJob, overlap: Overlap | None = None, replicas: int = 1):
         self.corpus: Corpus = job.corpus()
         self.corpus.check_fits(job.seq_len)  # not at the held-out evaluation after training
         self.cfg = job.model_config(self.corpus.vocab_size)
@@ -137,6 +138,7 @@ class _Model:
             policy=job.policy(), kernels=kernels, overlap=overlap,
             check_collectives=environment.check_collectives(),
             init=GPTInit(self.cfg, job.seed) if meta else None, device=job.device,
+            mesh=hsdp_mesh(replicas, job.device),
         )
         # one fused kernel pass over every fp32 main shard on CUDA (as FSDP2's recipe runs
         # AdamW); the single-tensor loop on the CPU, the arithmetic the Flax replay mirrors
@@ -146,6 +148,19 @@ class _Model:
             fused=cuda, foreach=None if cuda else False,
         )
         self.schedule = LRScheduler(self.opt, job.schedule())
+
+
+def hsdp_mesh(replicas: int, device: str) -> DeviceMesh | None:
+    """The (replicate, shard) device mesh of ``--replicas`` (None for 1: plain FSDP); refuses a
+    count that does not divide the world size."""
+    if replicas == 1:
+        return None
+    world = dist.get_world_size()
+    if world % replicas:
+        raise ValueError(f"RunOptions.replicas={replicas}: the replica count must divide the world "
+                         f"size {world} (each replica is sharded over world / replicas ranks)")
+    return init_device_mesh(device, (replicas, world // replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def _checkpointed(
@@ -305,7 +320,7 @@ class Trainer:
         try:
             if job.deterministic:
                 make_deterministic()  # before the first JAX computation (XLA reads its flags once)
-            self.parts = _Model(job, opts.overlap())
+            self.parts = _Model(job, opts.overlap(), opts.replicas)
             self.desc = job.describe()
             self.start_step, self.position = 0, DataPosition(0)
             if opts.resume:

@@ -40,6 +40,7 @@ import jax
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tests.torch_side.threaded_world import run_world
 from tests.torch_side.toy_models import Recompute, make_batch, make_net, mse
@@ -116,15 +117,20 @@ class _Reference:
 def _train_and_compare(
     ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32,
     tokens: int = T, precompiled: bool = False, gather: GatherMode = GatherMode.MXFP8,
-) -> None:
+    replicas: int = 1,
+):
     """precompiled: ``torch_side.precompile`` runs first (a dry micro-batch); the comparison with
-    the reference then shows it changed nothing, and the steps after it compile nothing."""
+    the reference then shows it changed nothing, and the steps after it compile nothing.
+    replicas > 1: HSDP over a (replicas, world / replicas) mesh (tests/torch_side/fsdp/
+    test_hsdp.py). Returns the model (its wire log holds the steps' collectives)."""
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     net = make_net(0, recompute=recompute, device=ctx.device).to(dtype)
     ref = _Reference(net, precision)
     policy = dataclasses.replace(POLICIES[precision], gather=gather)
+    mesh = None if replicas == 1 else init_device_mesh(
+        "cpu", (replicas, ctx.world_size // replicas), mesh_dim_names=("replicate", "shard"))
     model = fully_shard(net, unit_modules=(type(net.blocks[0]),), strategy=strategy,
-                        policy=policy)
+                        policy=policy, mesh=mesh)
     cls, kwargs = OPTIMIZERS[precision]
     opt = FSDPOptimizer(model, cls, **kwargs)
     w, r = ctx.world_size, ctx.rank
@@ -170,6 +176,7 @@ def _train_and_compare(
     for name, p in ref.master.named_parameters():
         _assert_close(name, state[name], p.detach(), exact, precision)
     assert model.allocator.live_keys() == [], model.allocator.live_keys()
+    return model
 
 
 def _compiles() -> int:

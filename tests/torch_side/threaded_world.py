@@ -53,7 +53,7 @@ from tests.torch_side.multiprocess import WorkerContext
 
 __all__ = ["MAX_WORLD", "RankFailed", "RankWarnings", "WorldStalled", "run_ranks", "run_world"]
 
-MAX_WORLD = 4  # more threads than that on a 2-core box: use a spawned world
+MAX_WORLD = 8  # threads of one process (tiny models: HSDP meshes of 2 x 4 and 4 x 2 fit)
 STALL_S = 60.0  # a rank waiting this long in one collective fails the world
 _POLL_S = 0.05
 

@@ -46,6 +46,7 @@ from torch_side.fsdp.batched_refresh import refresh_groups
 from torch_side.fsdp.bucket_allocator import BucketAllocator
 from torch_side.fsdp.fsdp_state import FSDPState
 from torch_side.fsdp.fsdp_unit import FSDPUnit, GradCheck
+from torch_side.fsdp.hybrid_mesh import mesh_groups
 from torch_side.fsdp.init_sync import InitSync, initial_values
 from torch_side.fsdp.meta_init import ParamInit, check_meta, stand_in_for_meta
 from torch_side.fsdp.overlap import Overlap
@@ -108,11 +109,14 @@ class FSDPModel(nn.Module):
         overlap: Overlap | None = None,
         init: ParamInit | None = None,
         device: torch.device | str | None = None,
+        mesh: Any = None,
     ):
         super().__init__()
         if check_meta(module, init):
             stand_in_for_meta(module, torch.device("cpu" if device is None else device))
         _check_group(group, "data-parallel")
+        groups = mesh_groups(mesh, group, bool(expert_modules))
+        group = groups.shard
         if expert_modules:
             _check_group(expert_group, "expert data-parallel")
         if not isinstance(policy, MixedPrecisionPolicy):
@@ -133,6 +137,10 @@ class FSDPModel(nn.Module):
         overlap = Overlap() if overlap is None else overlap
         streams = overlap.streams_at_world_1
         self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), streams)}
+        self.mesh_shape = groups.shape  # (replicas, shards): (1, DP size) without a mesh
+        if groups.replicate is not None:  # HSDP (torch_side.fsdp.hybrid_mesh)
+            self.comms["replicate"] = Communicator(groups.replicate, "replicate",
+                                                   bool(check_collectives), streams)
         if expert_modules:
             self.comms["expert_dp"] = Communicator(expert_group, "expert_dp",
                                                    bool(check_collectives), streams)
@@ -292,6 +300,7 @@ def fully_shard(
     overlap: Overlap | None = None,
     init: ParamInit | None = None,
     device: torch.device | str | None = None,
+    mesh: Any = None,
 ) -> FSDPModel:
     """Wrap ``module`` for sharded data-parallel training (see the module docstring).
 
@@ -314,7 +323,9 @@ def fully_shard(
     init, device: for a model built on the meta device, the ``ParamInit`` that fills each rank's
     shard of the main weights (only the shard is ever materialised; no initial values are
     broadcast, ``init_sync`` does not apply) and the device FSDP allocates on (default cpu);
-    ``torch_side.fsdp.meta_init``.
+    ``torch_side.fsdp.meta_init``. mesh: a 2-D ``DeviceMesh`` (replicate, shard) for HSDP instead
+    of ``group``: each strategy runs inside the shard groups, gradients are all-reduced across
+    the replicas (``torch_side.fsdp.hybrid_mesh``).
     """
     return FSDPModel(
         module,
@@ -331,4 +342,5 @@ def fully_shard(
         overlap,
         init,
         device,
+        mesh,
     )

@@ -26,6 +26,10 @@ optimizer, clipping, state dicts, ``zero_grad``), an abort; and the model's ``Sc
 ``Overlap.reductions_in_flight`` are in flight, which bounds the gradient buckets alive at
 once. Until then the bucket is not written (``stage`` makes a new one).
 
+**HSDP** (``replicate``, ``torch_side.fsdp.hybrid_mesh``): the reduced result is all-reduced
+over the replicate group (in the comm dtype, synchronously, where the result is added) before it
+is added into ``main_grad``; ``grad_divisor`` is then the whole DP size, replicas included.
+
 Gradients are divided by the dense DP size (``grad_divisor``) for every group, expert groups
 included (they reduce over the smaller expert-DP group): each rank's loss is its own mean, so the
 gradient of the mean loss over all DP ranks is sum(local grads) / DP (Megatron's expert gradient
@@ -57,8 +61,10 @@ class GradReducer:
         grad_divisor: int,
         comm: Communicator,
         allocator: BucketAllocator,
+        replicate: Communicator | None = None,
     ):
         self.label, self.layout, self.main_grad = label, layout, main_grad
+        self.replicate = replicate
         self.comm_dtype, self.grads_sharded, self.grad_divisor = (
             comm_dtype, grads_sharded, grad_divisor
         )
@@ -133,6 +139,9 @@ class GradReducer:
         self._inflight = (handle, out)
 
     def _finish(self, out: torch.Tensor, purpose: str) -> None:
+        if self.replicate is not None:  # HSDP: the shard group's result summed over replicas
+            self.replicate.all_reduce(out, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE,
+                                      f"{self.label}/grad/replicas")
         self.main_grad.add_(out.to(self.main_grad.dtype))
         self.allocator.free(self.label, purpose)
 

@@ -17,6 +17,10 @@ Megatron-FSDP broadcasts its parameters at wrap time:
   collective for a rank that raised. Nothing is broadcast into the model then: a model that passes
   holds exactly what each rank built.
 
+Under HSDP (``torch_side.fsdp.hybrid_mesh``) the broadcast runs over the shard group, then over
+the replicate group, so every rank starts from global rank 0's values; VERIFY compares every rank
+with them and its all-reduce runs over both groups, so every rank of the mesh raises together.
+
 Cost: one collective per group (two with VERIFY), moving one fp32 copy of the group; a rank holds
 that copy (two with VERIFY) next to the module's values while it is wrapped. Module buffers are
 not FSDP's (it neither shards nor replicates them): they stay what each rank built.
@@ -27,12 +31,13 @@ label ``<group>/init``), so they are in the wire log and under the collective ch
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
 
 from common.enums import Parseable
-from torch_side.comm.collectives import Collective, Phase
+from torch_side.comm.collectives import Collective, Communicator, Phase
 from torch_side.fsdp.param_group import ParamGroup
 
 __all__ = ["InitSync", "initial_values"]
@@ -50,19 +55,25 @@ def initial_values(group: ParamGroup, mode: InitSync) -> list[torch.Tensor]:
     order): rank 0's of the group's process group (collective over it), fp32 views of one flat
     buffer; the module's own values when the group has one rank."""
     values = [e.param.detach() for e in group.entries]
-    comm, slots = group.comm, group.slots
-    if comm.world_size == 1:
+    comms, slots = _comms(group), group.slots
+    if all(c.world_size == 1 for c in comms):
         return values
     flat = torch.zeros(group.layout.padded_numel, dtype=torch.float32, device=group.device)
-    if comm.rank == 0 or mode is InitSync.VERIFY:
+    if all(c.rank == 0 for c in comms) or mode is InitSync.VERIFY:
         for v, s in zip(values, slots, strict=True):
             flat[s.start : s.end].copy_(v.reshape(-1))
     mine = flat.clone() if mode is InitSync.VERIFY else None
-    comm.broadcast(flat, Phase.STATE, f"{group.label}/init")
+    for c in comms:  # HSDP: the shard group's rank 0 holds global rank 0's values after the first
+        c.broadcast(flat, Phase.STATE, f"{group.label}/init")
     if mine is None:
         return [flat[s.start : s.end].view(s.shape) for s in slots]
     _verify(group, mine, flat)
     return values
+
+
+def _comms(group: ParamGroup) -> list[Communicator]:
+    """The group's data-parallel communicator, then (HSDP) its replicate one."""
+    return [group.comm] + ([group.replicate] if group.replicate is not None else [])
 
 
 def _first_difference(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> int:
@@ -75,24 +86,29 @@ def _first_difference(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor
 
 
 def _verify(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> None:
-    comm, slots = group.comm, group.slots
-    firsts = torch.zeros(comm.world_size, dtype=torch.int64, device=group.device)
-    firsts[comm.rank] = _first_difference(group, mine, rank0)
-    # SUM of one entry per rank: every rank's first difference
-    comm.all_reduce(firsts, Collective.ALL_REDUCE_SUM, Phase.STATE, f"{group.label}/init")
-    firsts = firsts.tolist()
+    comms, slots = _comms(group), group.slots
+    # one entry per rank, indexed (replica, shard rank) under HSDP; the SUM over each
+    # communicator in turn gives every rank every rank's first difference
+    # (and each rank's global rank, to name it)
+    table = torch.zeros(2, math.prod(c.world_size for c in comms), dtype=torch.int64,
+                        device=group.device)
+    position = group.comm.rank + (0 if len(comms) == 1 else comms[1].rank * group.comm.world_size)
+    table[0, position] = _first_difference(group, mine, rank0)
+    table[1, position] = dist.get_rank()
+    for c in comms:
+        c.all_reduce(table, Collective.ALL_REDUCE_SUM, Phase.STATE, f"{group.label}/init")
+    firsts, ranks = table.tolist()
     first = min(firsts)
     if first == len(slots):
         return
-    pg = dist.group.WORLD if comm.group is None else comm.group
-    ranks = [dist.get_global_rank(pg, r) for r in range(comm.world_size)]
+    names = " and ".join(repr(c.name) for c in comms)
     at = [ranks[r] for r, f in enumerate(firsts) if f == first]
     elsewhere = [ranks[r] for r, f in enumerate(firsts) if first < f < len(slots)]
     also = f" (ranks {elsewhere} differ in a later parameter)" if elsewhere else ""
     raise ValueError(
         f"rank {dist.get_rank()}: fully_shard(init_sync=InitSync.VERIFY): parameter "
         f"{slots[first].name!r} (group {group.label!r}) on ranks {at} differs from its value on "
-        f"rank {ranks[0]}, rank 0 of its {comm.name!r} process group{also}; the ranks "
+        f"rank {ranks[0]}, rank 0 of its {names} process groups{also}; the ranks "
         f"built different models. Seed every rank the same before building the model "
         f"(torch.manual_seed), load the same checkpoint on every rank, or let fully_shard "
         f"broadcast rank 0's values (init_sync=InitSync.BROADCAST, the default)"

@@ -136,10 +136,12 @@ class ParamGroup(GroupWeights, GroupGrads):
         grad_divisor: int,
         codec: WeightCodec,
         kernels: KernelConfig | None = None,
+        replicate: Communicator | None = None,
     ):
         self.label, self.key, self.entries = label, key, entries
         self.facts = STRATEGY_FACTS[strategy]
         self.comm, self._allocator = comm, allocator
+        self.replicate = replicate  # HSDP's replicate group (torch_side.fsdp.hybrid_mesh)
         self.format, self.codec, self.kernels = key.weight_format, codec, kernels
         self.planes = codec.planes
         # The block-scaled facts of the planes the layers read (None: unscaled weights)
@@ -174,7 +176,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         if b.main_grad is not None:
             self._grads = GradReducer(
                 label, self.layout, b.main_grad, policy.grad_comm_dtype,
-                self.facts.grads_sharded, grad_divisor, comm, allocator,
+                self.facts.grads_sharded, grad_divisor, comm, allocator, replicate,
             )
 
     @property

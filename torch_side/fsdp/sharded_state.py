@@ -193,8 +193,10 @@ class _Piece(NamedTuple):
 def _pieces(groups: Sequence[ParamGroup]) -> list[_Piece]:
     out = []
     for g in groups:
-        # no_shard: every rank of the group holds every piece; only its rank 0 writes them
-        writes = g.facts.main_weights_sharded or g.comm.rank == 0
+        # no_shard: every rank of the group holds every piece; only its rank 0 writes them.
+        # HSDP: the replicas hold the same pieces; replica 0 writes them
+        writes = ((g.facts.main_weights_sharded or g.comm.rank == 0)
+                  and (g.replicate is None or g.replicate.rank == 0))
         for p in g.main_pieces():
             name = g.slots[p.slot_index].name
             out.append(_Piece(name, p.param_offset, g, p.shard_offset,

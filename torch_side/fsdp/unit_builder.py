@@ -50,7 +50,7 @@ class UnitConfig(NamedTuple):
 
     policy: MixedPrecisionPolicy
     strategy: ShardingStrategy
-    comms: dict[str, Communicator]  # "dp" and, with experts, "expert_dp"
+    comms: dict[str, Communicator]  # "dp"; with experts "expert_dp"; with HSDP "replicate"
     allocator: BucketAllocator
     grad_check: GradCheck
     kernels: KernelConfig | None
@@ -259,6 +259,8 @@ def _build_groups(uname: str, params: list[_Owned], expert_prefixes: Sequence[st
         key = GroupKey(p.device, fmt, p.requires_grad, "expert_dp" if is_expert else "dp")
         by_key.setdefault(key, []).append(ParamEntry(qual, mod, p, tuple(p.shape), p.dtype))
     groups = []
+    replicate = cfg.comms.get("replicate")  # HSDP: gradients all-reduced across the replicas
+    divisor = cfg.comms["dp"].world_size * (1 if replicate is None else replicate.world_size)
     for key, entries in by_key.items():
         label = key.label(uname)
         groups.append(
@@ -270,9 +272,10 @@ def _build_groups(uname: str, params: list[_Owned], expert_prefixes: Sequence[st
                 cfg.strategy,
                 cfg.comms[key.dp_group],
                 cfg.allocator,
-                grad_divisor=cfg.comms["dp"].world_size,
+                grad_divisor=divisor,
                 codec=codec_for(key.weight_format, cfg.policy.gather),
                 kernels=cfg.kernels,
+                replicate=replicate,
             )
         )
     return groups

@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[3]
         (["--trace-steps", "3"], "--trace-steps would do nothing here: it sets how many steps"),
         (["--max-consecutive-skips", "3"], "add --on-nonfinite skip"),
         (["--no-progress", "--progress-every", "5"], "--progress-every would do nothing here"),
+        (["--replicas", "3"], "--replicas 3 must divide the world size 2"),
+        (["--replicas", "0"], "expected a finite number > 0"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, message, capsys):
