@@ -197,7 +197,10 @@ def status(cache_dir: Path | None = None) -> Status:
                 lib = _build(cache_dir)
                 handler = getattr(ctypes.cdll.LoadLibrary(str(lib)), _SYMBOL)
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
-                layout, errors = _self_check()
+                # eagerly, also when the first use is inside a traced program (a jit's trace
+                # stages every jnp op; the check needs concrete numbers)
+                with jax.ensure_compile_time_eval():
+                    layout, errors = _self_check()
                 result = (Status(True, f"cuBLASLt block-scaled FP8 GEMM ({lib.name}, scale "
                                  f"layouts {layout[0]}/{layout[1]}, self-check {errors})", lib,
                                  layout)

@@ -292,9 +292,10 @@ def test_operands_placed_on_the_cpu_of_a_gpu_machine_take_the_exact_emulation():
     lowered for the CPU (Torch's CPU tensors on a GPU machine) runs the exact fp32 dot."""
     cpu = jax.devices("cpu")[0]
     a_shape, b_shape = ROLE_OPERANDS[GemmRole.FORWARD]
-    a = mxfp8.quantize(jax.device_put(jnp.asarray(_data(a_shape, 20)), cpu))
-    b = mxfp8.quantize(jax.device_put(jnp.asarray(_data(b_shape, 21) * 0.02), cpu))
-    got = jax.jit(lambda a, b: mxfp8.matmul(a, b, impl="fp8_blocked"))(a, b)
+    a = mxfp8.quantize(jax.device_put(jnp.asarray(_data(a_shape, 20)), cpu), backend="xla")
+    b = mxfp8.quantize(jax.device_put(jnp.asarray(_data(b_shape, 21) * 0.02), cpu),
+                       backend="xla")
+    got = jax.jit(lambda a, b: mxfp8.matmul(a, b, impl="fp8_blocked", backend="xla"))(a, b)
     assert got.devices() == {cpu}
     ra, rb, n = gemm_impls._reblocked(a, b, ROLES[GemmRole.FORWARD])
     ref = jax.jit(blocked_dot_reference)(ra, rb)[: a.shape[0], :n]
