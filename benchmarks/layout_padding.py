@@ -10,6 +10,11 @@ per model and world size, the padding ratio (buffer elements / parameter element
 model and of its worst group, as a markdown table (docs/fsdp.md, "Flat layout and buffers").
 
     python -m benchmarks.layout_padding
+
+A second table compares the two shard layouts of MXFP8 groups (``ShardLayout``, issue 34):
+``lcm`` (rows whole) and ``block_atomic`` (whole 32-row scale blocks: unit
+``lcm(256, 32 x row sizes)``) on GPT-2 124M / 350M and GPT 1.3B at world sizes 2-64, one unit per
+block: the padding ratio of the MXFP8 groups (the fp32 groups are the same in both).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from common.model_config import GPT2_124M, TINY, GPTConfig
+from common.model_config import GPT2_124M, GPT2_350M, GPT_1_3B, TINY, GPTConfig
 from torch_side.fsdp.flat_layout import FlatLayout
 
 Shape = tuple[int, ...]
@@ -86,11 +91,24 @@ def small_cnn(one_unit: bool = True) -> Model:
     return {"<root>": {"fp32": head}, **{c: {"fp32": ps} for c, ps in convs.items()}}
 
 
-def layouts(model: Model, world_size: int) -> Iterator[tuple[str, FlatLayout]]:
+def layouts(model: Model, world_size: int, mxfp8_row_block: int = 1
+            ) -> Iterator[tuple[str, FlatLayout]]:
+    """Each group's layout; ``mxfp8_row_block`` 32: block-atomic shards for the MXFP8 groups."""
     for unit, groups in model.items():
         for group, params in groups.items():
             names, shapes = zip(*params, strict=True)
-            yield f"{unit}/{group}", FlatLayout.build(names, shapes, world_size)
+            rows = mxfp8_row_block if group == "mxfp8" else 1
+            yield f"{unit}/{group}", FlatLayout.build(names, shapes, world_size, rows)
+
+
+def mxfp8_padding(model: Model, world_size: int, row_block: int) -> float:
+    """Buffer elements / parameter elements of the MXFP8 groups only."""
+    real = padded = 0
+    for label, layout in layouts(model, world_size, row_block):
+        if label.endswith("/mxfp8"):
+            real += layout.real_numel
+            padded += layout.padded_numel
+    return padded / real
 
 
 def padding(model: Model, world_size: int) -> tuple[float, str, float, int]:
@@ -115,6 +133,25 @@ MODELS = {
 }
 
 
+LAYOUT_MODELS = {
+    "GPT-2 124M": gpt(GPT2_124M),
+    "GPT-2 350M": gpt(GPT2_350M),
+    "GPT 1.3B": gpt(GPT_1_3B),
+}
+LAYOUT_WORLD_SIZES = (2, 4, 8, 16, 32, 64)
+
+
+def layout_table() -> str:
+    """MXFP8 groups' padding, lcm / block_atomic, per model and world size (markdown)."""
+    lines = ["| model (MXFP8 groups) | " + " | ".join(f"W={w}" for w in LAYOUT_WORLD_SIZES)
+             + " |", "|---|" + "---|" * len(LAYOUT_WORLD_SIZES)]
+    for name, model in LAYOUT_MODELS.items():
+        cells = [f"{mxfp8_padding(model, w, 1):.3f} / {mxfp8_padding(model, w, 32):.3f}"
+                 for w in LAYOUT_WORLD_SIZES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     print("| model | params | " + " | ".join(f"W={w}" for w in WORLD_SIZES) + " | worst group "
           "(W=2): ratio, unit U |")
@@ -125,6 +162,8 @@ def main() -> None:
         _, label, ratio, unit = padding(model, 2)
         print(f"| {name} | {n / 1e6:.2f} M | " + " | ".join(cells)
               + f" | `{label}`: {ratio:.1f}x, U = {unit} |")
+    print("\nMXFP8 groups, padding ratio lcm / block_atomic (one unit per block):\n")
+    print(layout_table())
 
 
 if __name__ == "__main__":

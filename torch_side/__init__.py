@@ -13,8 +13,8 @@ Public API (user guide: docs/fsdp.md):
   ``torch_side.fsdp.hybrid_mesh``);
   ``FSDPOptimizer(fsdp_model, torch.optim.AdamW, lr=...)``; ``clip_grad_norm_(model, max_norm)``
   (global norm over every shard)
-- ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode``,
-  ``ShardingStrategy``
+- ``MixedPrecisionPolicy`` / ``WeightFormat`` / ``UnalignedLinear`` / ``GatherMode`` /
+  ``ShardLayout`` (block-atomic MXFP8 shards), ``ShardingStrategy``
 - ``distributed_mxfp8_quantize(main_shards, shapes, start_offsets, group)``
 - ``FlatLayout`` / ``check_layout``, ``BucketAllocator``, ``WireRecord`` (wire accounting)
 - ``CollectiveMismatchError``: raised by ``fully_shard(..., check_collectives=True)`` when the
@@ -59,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "UnalignedLinear": "torch_side.fsdp.policy",
     "WeightFormat": "torch_side.fsdp.policy",
     "ShardingStrategy": "torch_side.fsdp.strategy",
+    "ShardLayout": "torch_side.fsdp.flat_layout",
 }
 
 __all__ = sorted(_EXPORTS)

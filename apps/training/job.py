@@ -47,6 +47,7 @@ from common.formats import WeightFormat
 from common.kernels import KernelConfig
 from common.model_config import PRESETS, GPTConfig
 from common.modes import Activations, Compute, GatherMode, LinearMode
+from torch_side.fsdp.flat_layout import ShardLayout
 from torch_side.fsdp.strategy import ShardingStrategy
 
 if TYPE_CHECKING:  # imported where used: the parser (mxfp8-train --help) needs no torch
@@ -144,6 +145,12 @@ class TrainJob:
         help="what the MXFP8 weights' all-gathers carry: their MXFP8 planes (1 byte/element) or "
              "bf16 (2 bytes/element) that every rank quantizes itself; the GEMMs read the same "
              "bytes either way (--weights mxfp8 only)")
+    shard_layout: ShardLayout = option(
+        ShardLayout.LCM, Group.MODEL,
+        help="where the MXFP8 weights' shard boundaries may fall: lcm (rows whole) or "
+             "block_atomic (whole 32-row scale blocks, as upstream Megatron-FSDP v2 shards; more "
+             "padding at large world sizes). The same bytes either way; a checkpoint resumes "
+             "in either layout")
     recompute: Recompute = option(Recompute.NONE, Group.MODEL,
                                   help="activation checkpointing of the transformer blocks")
     init: Init = option(
@@ -210,6 +217,7 @@ class TrainJob:
         object.__setattr__(self, "weights", Weights(self.weights))
         object.__setattr__(self, "strategy", ShardingStrategy.parse(self.strategy))
         object.__setattr__(self, "gather", GatherMode.parse(self.gather))
+        object.__setattr__(self, "shard_layout", ShardLayout.parse(self.shard_layout))
         object.__setattr__(self, "lr_schedule", LRSchedule.parse(self.lr_schedule))
         object.__setattr__(self, "recompute", Recompute(self.recompute))
         object.__setattr__(self, "init", Init(self.init))
@@ -296,7 +304,7 @@ class TrainJob:
 
         other = self.recipe.other_format[self.resolved_activations]
         return MixedPrecisionPolicy(other_format=other, main_grad_dtype=torch.float32,
-                                    gather=self.gather)
+                                    gather=self.gather, shard_layout=self.shard_layout)
 
     def corpus(self) -> Corpus:
         """The job's corpus. The model's vocabulary follows it: bytes for text, the preset's

@@ -50,6 +50,7 @@ from torch_side import (
     GatherMode,
     MixedPrecisionPolicy,
     ShardingStrategy,
+    ShardLayout,
     WeightFormat,
     fully_shard,
 )
@@ -117,16 +118,17 @@ class _Reference:
 def _train_and_compare(
     ctx, strategy, recompute=Recompute.NONE, micro_batches=1, precision=Precision.FP32,
     tokens: int = T, precompiled: bool = False, gather: GatherMode = GatherMode.MXFP8,
-    replicas: int = 1,
+    replicas: int = 1, shard_layout: ShardLayout = ShardLayout.LCM,
 ):
     """precompiled: ``torch_side.precompile`` runs first (a dry micro-batch); the comparison with
     the reference then shows it changed nothing, and the steps after it compile nothing.
     replicas > 1: HSDP over a (replicas, world / replicas) mesh (tests/torch_side/fsdp/
-    test_hsdp.py). Returns the model (its wire log holds the steps' collectives)."""
+    test_hsdp.py). shard_layout: block-atomic shards (test_block_atomic.py). Returns the model
+    (its wire log holds the steps' collectives)."""
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     net = make_net(0, recompute=recompute, device=ctx.device).to(dtype)
     ref = _Reference(net, precision)
-    policy = dataclasses.replace(POLICIES[precision], gather=gather)
+    policy = dataclasses.replace(POLICIES[precision], gather=gather, shard_layout=shard_layout)
     mesh = None if replicas == 1 else init_device_mesh(
         "cpu", (replicas, ctx.world_size // replicas), mesh_dim_names=("replicate", "shard"))
     model = fully_shard(net, unit_modules=(type(net.blocks[0]),), strategy=strategy,

@@ -14,6 +14,18 @@ weights, main grads) shares ONE element-index layout:
 
 Padding elements belong to no parameter; they are zero in every buffer and never quantized.
 
+**Block-atomic shards** (``ShardLayout.BLOCK_ATOMIC``, chosen per model by
+``MixedPrecisionPolicy.shard_layout``): for a block-scaled group the unit becomes
+``lcm(256, 32 x row sizes)`` (``row_block`` = the format's block size), so every shard boundary
+falls on a multiple of 32 rows of every parameter: each MXFP8 scale block -- a rowwise 1x32 block
+and a columnwise 32x1 block -- is owned by one rank, its scales with its rows (upstream
+Megatron-FSDP v2's MXFP8 shards). The default ``ShardLayout.LCM`` keeps rows whole only (a
+columnwise block may span two ranks; the distributed quantization's amax reduction makes the
+bytes the same either way). The trade-off is padding: the block-atomic unit is 32x larger for
+2-D parameters, which costs more at large world sizes (``benchmarks/layout_padding.py``).
+Parameter offsets do not depend on the layout, so checkpoints (keyed by offsets within each
+parameter) load into either layout at any world size.
+
 Padding overhead: ``padding_ratio`` = buffer elements / parameter elements. Row sizes that
 share few factors with 256 and with each other (conv kernels ``in * kh * kw`` = 147, 576, ...)
 make ``U`` large, and the layout can then be mostly padding (ResNet-18 as one unit: 2.05x; the
@@ -28,11 +40,13 @@ KiB of padding, which is not worth a warning.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from common.enums import Parseable
 from common.formats import round_up
 
 __all__ = [
@@ -45,10 +59,18 @@ __all__ = [
     "LayoutStats",
     "OwnedPiece",
     "ParamSlot",
+    "ShardLayout",
     "check_layout",
 ]
 
 ALIGN_ELEMENTS = 256  # >= 256 bytes for every element size >= 1 byte
+
+
+class ShardLayout(Parseable, enum.Enum, what="shard layout"):
+    """Where a block-scaled group's shard boundaries may fall (module note)."""
+
+    LCM = "lcm"  # rows whole: unit lcm(256, row sizes)
+    BLOCK_ATOMIC = "block_atomic"  # whole 32-row scale blocks: unit lcm(256, 32 x row sizes)
 PADDING_WARN_RATIO = 1.25  # buffer elements / parameter elements above which check_layout warns
 PADDING_WARN_MIN_ELEMENTS = 1 << 20  # ... when the padding is at least this many elements
 
@@ -119,22 +141,27 @@ class FlatLayout:
     unit: int
     shard_numel: int
     world_size: int
+    row_block: int = 1  # rows no shard boundary splits (32: block-atomic MXFP8 shards)
 
     @classmethod
     def build(cls, names: Sequence[str], shapes: Iterable[Iterable[int]],
-              world_size: int) -> FlatLayout:
+              world_size: int, row_block: int = 1) -> FlatLayout:
+        """row_block: rows that no shard boundary may split (32 for block-atomic MXFP8 shards;
+        1: rows whole)."""
         if world_size < 1:
             raise ValueError(f"FlatLayout: world_size must be >= 1, got {world_size}")
+        if isinstance(row_block, bool) or not isinstance(row_block, int) or row_block < 1:
+            raise ValueError(f"FlatLayout: row_block must be an int >= 1, got {row_block!r}")
         dims = [tuple(int(d) for d in s) for s in shapes]
         rows = [math.prod(s[1:]) if len(s) > 1 else 1 for s in dims]
-        unit = math.lcm(ALIGN_ELEMENTS, *[r for r in rows if r > 0])
+        unit = math.lcm(ALIGN_ELEMENTS, *[r * row_block for r in rows if r > 0])
         slots, cursor = [], 0
         for name, shape in zip(names, dims, strict=True):
             start = round_up(cursor, unit)
             slots.append(ParamSlot(name, shape, start, math.prod(shape)))
             cursor = start + math.prod(shape)
         shard = max(unit, round_up(cursor, world_size * unit) // world_size)  # >= 1 unit
-        return cls(tuple(slots), unit, shard, world_size)
+        return cls(tuple(slots), unit, shard, world_size, row_block)
 
     @property
     def padded_numel(self) -> int:
@@ -170,7 +197,8 @@ class FlatLayout:
 
 def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:
     """Raise :class:`LayoutError` unless: slots are aligned and disjoint, inside the padded
-    buffer; every element of every parameter is owned by exactly one rank; no shard splits a row.
+    buffer; every element of every parameter is owned by exactly one rank; no shard splits a row
+    (with ``row_block`` > 1: a block of that many rows; a parameter's last block may be short).
 
     Returns the layout's :class:`LayoutStats`, and warns (:class:`LayoutPaddingWarning`, naming
     ``label``, the group) when the buffers are mostly padding (module note).
@@ -187,24 +215,7 @@ def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:
             f"padded size {layout.padded_numel} (shard {layout.shard_numel}) does not hold the "
             f"{prev_end} laid-out elements in unit multiples of {layout.unit}"
         )
-    owned = [0] * len(layout.slots)
-    for rank in range(layout.world_size):
-        for p in layout.owned(rank):
-            s = layout.slots[p.slot_index]
-            if p.param_offset != owned[p.slot_index]:
-                raise LayoutError(
-                    f"rank {rank} owns {s.name!r} from element {p.param_offset}, but elements "
-                    f"[0, {owned[p.slot_index]}) are already owned: overlap or gap"
-                )
-            if p.param_offset % s.row_size or p.numel % s.row_size:
-                raise LayoutError(
-                    f"rank {rank}'s piece of {s.name!r} [{p.param_offset}, "
-                    f"{p.param_offset + p.numel}) splits a row of {s.row_size} elements"
-                )
-            owned[p.slot_index] += p.numel
-    for s, n in zip(layout.slots, owned, strict=True):
-        if n != s.numel:
-            raise LayoutError(f"{s.name!r}: {n} of {s.numel} elements owned by some rank")
+    _check_ownership(layout)
     stats = layout.stats
     if (
         stats.padding_ratio > PADDING_WARN_RATIO
@@ -225,3 +236,29 @@ def check_layout(layout: FlatLayout, label: str = "") -> LayoutStats:
             stacklevel=2,
         )
     return stats
+
+
+def _check_ownership(layout: FlatLayout) -> None:
+    """Every element owned by exactly one rank, no piece splitting a row (or a row block)."""
+    owned = [0] * len(layout.slots)
+    for rank in range(layout.world_size):
+        for p in layout.owned(rank):
+            s = layout.slots[p.slot_index]
+            if p.param_offset != owned[p.slot_index]:
+                raise LayoutError(
+                    f"rank {rank} owns {s.name!r} from element {p.param_offset}, but elements "
+                    f"[0, {owned[p.slot_index]}) are already owned: overlap or gap"
+                )
+            block = s.row_size * layout.row_block
+            if p.param_offset % block or (p.numel % block
+                                          and p.param_offset + p.numel < s.numel):
+                what = (f"a row of {s.row_size} elements" if layout.row_block == 1 else
+                        f"a block of {layout.row_block} rows of {s.row_size} elements")
+                raise LayoutError(
+                    f"rank {rank}'s piece of {s.name!r} [{p.param_offset}, "
+                    f"{p.param_offset + p.numel}) splits {what}"
+                )
+            owned[p.slot_index] += p.numel
+    for s, n in zip(layout.slots, owned, strict=True):
+        if n != s.numel:
+            raise LayoutError(f"{s.name!r}: {n} of {s.numel} elements owned by some rank")

@@ -60,7 +60,13 @@ from common.formats import FormatKey, Plane, ScaleBlocks, format_spec
 from common.kernels import KernelConfig
 from torch_side.comm.collectives import Communicator, Phase
 from torch_side.fsdp.bucket_allocator import BucketAllocator
-from torch_side.fsdp.flat_layout import FlatLayout, OwnedPiece, ParamSlot, check_layout
+from torch_side.fsdp.flat_layout import (
+    FlatLayout,
+    OwnedPiece,
+    ParamSlot,
+    ShardLayout,
+    check_layout,
+)
 from torch_side.fsdp.grad_reducer import GradReducer
 from torch_side.fsdp.group_buffers import GroupBuffers
 from torch_side.fsdp.group_grads import GroupGrads
@@ -150,8 +156,11 @@ class ParamGroup(GroupWeights, GroupGrads):
         # The plane backward reads: columnwise for MXFP8, the (only) weights otherwise.
         self.backward_plane: Plane = codec.spec.backward_plane
         self.device = key.device
+        # block-atomic shards: no boundary inside a scale block's rows (flat_layout's note)
+        row_block = (self.blocks.block_size if self.blocks is not None
+                     and policy.shard_layout is ShardLayout.BLOCK_ATOMIC else 1)
         self.layout = FlatLayout.build(
-            [e.name for e in entries], [e.shape for e in entries], comm.world_size
+            [e.name for e in entries], [e.shape for e in entries], comm.world_size, row_block
         )
         self.slots: tuple[ParamSlot, ...] = self.layout.slots
         self.layout_stats = check_layout(self.layout, label)

@@ -36,6 +36,7 @@ from common.formats import (
     format_spec,
 )
 from common.modes import GatherMode
+from torch_side.fsdp.flat_layout import ShardLayout
 
 __all__ = [
     "GatherMode",
@@ -79,6 +80,9 @@ class MixedPrecisionPolicy:
     (default) or bf16(main), quantized after the gather; BF16 needs a block-scaled
     ``linear_weight_format``. Either way dW arrives in the parameter's dtype (fp32), never
     rounded to the gather's dtype.
+    shard_layout: where block-scaled groups' shard boundaries may fall (``ShardLayout``): LCM
+    (default, rows whole) or BLOCK_ATOMIC (whole 32-row scale blocks; more padding at large world
+    sizes; ``torch_side.fsdp.flat_layout``). The bytes of every plane are the same either way.
     """
 
     linear_weight_format: FormatKey = WeightFormat.MXFP8_E4M3
@@ -88,6 +92,7 @@ class MixedPrecisionPolicy:
     grad_comm_dtype: torch.dtype = torch.float32
     unaligned_linear: UnalignedLinear = UnalignedLinear.RAISE
     gather: GatherMode = GatherMode.MXFP8
+    shard_layout: ShardLayout = ShardLayout.LCM
 
     def __post_init__(self) -> None:
         for name in ("linear_weight_format", "other_format"):
@@ -121,6 +126,7 @@ class MixedPrecisionPolicy:
             )
         gather = parse_enum(GatherMode, self.gather, what="MixedPrecisionPolicy.gather")
         object.__setattr__(self, "gather", gather)
+        object.__setattr__(self, "shard_layout", ShardLayout.parse(self.shard_layout))
         if gather is GatherMode.BF16 and FORMATS[self.linear_weight_format].blocks is None:
             raise ValueError(
                 f"MixedPrecisionPolicy(gather=GatherMode.BF16, linear_weight_format="

@@ -4,7 +4,8 @@ in threads of this process (``run_ranks``), slow:
 - 2 replicas x 2 shards trains the same steps as plain FSDP over the 4 ranks (the same global
   batch: losses agree to fp32 summation order);
 - its checkpoint (written by replica 0) resumes as plain FSDP on 2 ranks and as 4 replicas of
-  one shard, continuing the same curve to summation order;
+  one shard with block-atomic MXFP8 shards (``--shard-layout block_atomic``), continuing the same
+  curve to summation order;
 - a replica count that does not divide the world size is refused before anything is built.
 """
 
@@ -30,7 +31,9 @@ def _losses(result) -> dict[int, float]:
 def _runs(root: str) -> dict:
     full = train_rank(JOB, RunOptions(save_dir=root, save_every=2, progress=False, replicas=2))
     plain = train_rank(JOB, RunOptions(progress=False))
-    four = train_rank(JOB, RunOptions(resume=f"{root}/step_000002", progress=False, replicas=4))
+    # and in the other shard layout (block-atomic MXFP8 shards): checkpoints convert
+    four = train_rank(dataclasses.replace(JOB, shard_layout="block_atomic"),
+                      RunOptions(resume=f"{root}/step_000002", progress=False, replicas=4))
     return {"hsdp": _losses(full), "plain": _losses(plain), "four": _losses(four)}
 
 
