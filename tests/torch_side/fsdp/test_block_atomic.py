@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from common.model_config import GPT2_124M
+from tests.torch_side.fsdp.full_state import full_optimizer_state
 from tests.torch_side.test_training_parity import _train_and_compare
 from tests.torch_side.threaded_world import run_world
 from tests.torch_side.toy_models import Block, make_batch, make_net, mse
@@ -152,24 +153,6 @@ def test_both_layouts_quantize_to_the_same_bytes():
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def _full_optim(model, opt) -> dict[str, torch.Tensor]:
-    out = {}
-    dp = model.comms["dp"]
-    for g in model.param_groups:
-        for k, v in opt.optimizer.state.get(g.main, {}).items():
-            if v.dim() == 0:
-                out[f"{g.label}/{k}"] = v.clone()
-                continue
-            full = v
-            if g.facts.main_weights_sharded and dp.world_size > 1:
-                parts = [torch.empty_like(v) for _ in range(dp.world_size)]
-                dist.all_gather(parts, v, group=dp.group)
-                full = torch.cat(parts)
-            for slot in g.slots:
-                out[f"{slot.name}/{k}"] = full[slot.start:slot.end].clone()
-    return out
-
-
 @pytest.mark.parametrize(
     ("saved", "loaded"),
     [((ShardLayout.LCM, 2), (ShardLayout.BLOCK_ATOMIC, 3)),
@@ -183,7 +166,8 @@ def test_checkpoints_convert_between_layouts_and_world_sizes(saved, loaded, tmp_
         model, opt = _wrapped(saved[0])
         _step(model, opt, 1)
         save_parts(path, [model.sharded_state(), opt.sharded_state()], run_id="layout", step=1)
-        full, optim, planes = model.full_state_dict(), _full_optim(model, opt), _planes(model)
+        full, optim = model.full_state_dict(), full_optimizer_state(model, opt)
+        planes = _planes(model)
         if ctx.rank == 0:
             want.update(main=full, optim=optim, planes=planes)
 
@@ -193,7 +177,7 @@ def test_checkpoints_convert_between_layouts_and_world_sizes(saved, loaded, tmp_
         load_parts(path, [model.sharded_state(), opt.sharded_state()])
         full = model.full_state_dict()
         assert all(torch.equal(full[n], v) for n, v in want["main"].items())
-        optim = _full_optim(model, opt)
+        optim = full_optimizer_state(model, opt)
         assert all(torch.equal(optim[k], v) for k, v in want["optim"].items()), [
             k for k, v in want["optim"].items() if not torch.equal(optim[k], v)][:3]
         assert _planes(model) == want["planes"]  # the planes re-derived: the same bytes

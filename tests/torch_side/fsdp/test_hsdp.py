@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from tests.torch_side.fsdp.full_state import full_optimizer_state
 from tests.torch_side.test_training_parity import _train_and_compare
 from tests.torch_side.threaded_world import run_world
 from tests.torch_side.toy_models import Block, make_batch, make_net, mse
@@ -196,26 +197,6 @@ def _wrapped(mesh=None, seed: int = 0):
     return model, FSDPOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
 
 
-def _full_optim(model, opt) -> dict[str, torch.Tensor]:
-    """Every optimizer state per parameter (all-gathered over the shard group, padding cut:
-    layouts differ between world sizes)."""
-    out = {}
-    dp = model.comms["dp"]
-    for g in model.param_groups:
-        for k, v in opt.optimizer.state.get(g.main, {}).items():
-            if v.dim() == 0:
-                out[f"{g.label}/{k}"] = v.clone()
-                continue
-            full = v
-            if g.facts.main_weights_sharded and dp.world_size > 1:
-                parts = [torch.empty_like(v) for _ in range(dp.world_size)]
-                dist.all_gather(parts, v, group=dp.group)
-                full = torch.cat(parts)
-            for slot in g.slots:
-                out[f"{slot.name}/{k}"] = full[slot.start:slot.end].clone()
-    return out
-
-
 def test_a_checkpoint_saved_at_2x2_resumes_at_4x1_and_at_a_plain_world_of_2(tmp_path):
     path = tmp_path / "step_2"
     saved = {}
@@ -224,7 +205,7 @@ def test_a_checkpoint_saved_at_2x2_resumes_at_4x1_and_at_a_plain_world_of_2(tmp_
         model, opt = _wrapped(_mesh(2))
         _train(model, opt)
         save_parts(path, [model.sharded_state(), opt.sharded_state()], run_id="hsdp", step=2)
-        full, optim = model.full_state_dict(), _full_optim(model, opt)
+        full, optim = model.full_state_dict(), full_optimizer_state(model, opt)
         if ctx.rank == 0:
             saved.update(main=full, optim=optim)
         # replicas > 0 wrote no pieces of their own
@@ -243,7 +224,7 @@ def test_a_checkpoint_saved_at_2x2_resumes_at_4x1_and_at_a_plain_world_of_2(tmp_
             full = model.full_state_dict()
             for name, value in saved["main"].items():
                 assert torch.equal(full[name], value), name
-            optim = _full_optim(model, opt)
+            optim = full_optimizer_state(model, opt)
             for key, value in saved["optim"].items():
                 assert torch.equal(optim[key], value), key
         return case
