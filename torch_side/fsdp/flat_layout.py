@@ -18,11 +18,12 @@ Padding elements belong to no parameter; they are zero in every buffer and never
 ``MixedPrecisionPolicy.shard_layout``): for a block-scaled group the unit becomes
 ``lcm(256, 32 x row sizes)`` (``row_block`` = the format's block size), so every shard boundary
 falls on a multiple of 32 rows of every parameter: each MXFP8 scale block -- a rowwise 1x32 block
-and a columnwise 32x1 block -- is owned by one rank, its scales with its rows (upstream
-Megatron-FSDP v2's MXFP8 shards). The default ``ShardLayout.LCM`` keeps rows whole only (a
-columnwise block may span two ranks; the distributed quantization's amax reduction makes the
-bytes the same either way). The trade-off is padding: the block-atomic unit is 32x larger for
-2-D parameters, which costs more at large world sizes (``benchmarks/layout_padding.py``).
+and a columnwise 32x1 block -- is owned by one rank (upstream Megatron-FSDP v2's MXFP8 shards,
+which also shard each block's scale with its rows; here the scale buffers stay full and
+replicated, written from the amax reduction). The default ``ShardLayout.LCM`` keeps rows whole
+only (a columnwise block may span two ranks; the distributed quantization's amax reduction makes the
+bytes the same either way). The trade-off is padding: the block-atomic unit is up to 32x larger
+for 2-D parameters, which costs more at large world sizes (``benchmarks/layout_padding.py``).
 Parameter offsets do not depend on the layout, so checkpoints (keyed by offsets within each
 parameter) load into either layout at any world size.
 
