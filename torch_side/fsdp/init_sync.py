@@ -101,14 +101,15 @@ def _verify(group: ParamGroup, mine: torch.Tensor, rank0: torch.Tensor) -> None:
     first = min(firsts)
     if first == len(slots):
         return
-    names = " and ".join(repr(c.name) for c in comms)
+    names = " and ".join(repr(c.name) for c in comms) + (
+        " process groups" if len(comms) > 1 else " process group")
     at = [ranks[r] for r, f in enumerate(firsts) if f == first]
     elsewhere = [ranks[r] for r, f in enumerate(firsts) if first < f < len(slots)]
     also = f" (ranks {elsewhere} differ in a later parameter)" if elsewhere else ""
     raise ValueError(
         f"rank {dist.get_rank()}: fully_shard(init_sync=InitSync.VERIFY): parameter "
         f"{slots[first].name!r} (group {group.label!r}) on ranks {at} differs from its value on "
-        f"rank {ranks[0]}, rank 0 of its {names} process groups{also}; the ranks "
+        f"rank {ranks[0]}, rank 0 of its {names}{also}; the ranks "
         f"built different models. Seed every rank the same before building the model "
         f"(torch.manual_seed), load the same checkpoint on every rank, or let fully_shard "
         f"broadcast rank 0's values (init_sync=InitSync.BROADCAST, the default)"
