@@ -148,9 +148,9 @@ class TrainJob:
     shard_layout: ShardLayout = option(
         ShardLayout.LCM, Group.MODEL,
         help="where the MXFP8 weights' shard boundaries may fall: lcm (rows whole) or "
-             "block_atomic (whole 32-row scale blocks, as upstream Megatron-FSDP v2 shards; more "
-             "padding at large world sizes). The same bytes either way; a checkpoint resumes "
-             "in either layout")
+             "block_atomic (whole 32-row scale blocks, as upstream Megatron-FSDP v2 shards: each "
+             "rank makes its blocks' scales, all-gathered; more padding at large world sizes). "
+             "The same bytes either way; a checkpoint resumes in either layout")
     recompute: Recompute = option(Recompute.NONE, Group.MODEL,
                                   help="activation checkpointing of the transformer blocks")
     init: Init = option(

@@ -16,14 +16,17 @@ Padding elements belong to no parameter; they are zero in every buffer and never
 
 **Block-atomic shards** (``ShardLayout.BLOCK_ATOMIC``, chosen per model by
 ``MixedPrecisionPolicy.shard_layout``): for a block-scaled group the unit becomes
-``lcm(256, 32 x row sizes)`` (``row_block`` = the format's block size), so every shard boundary
+``32 x lcm(256, row sizes)`` (``row_block`` = the format's block size), so every shard boundary
 falls on a multiple of 32 rows of every parameter: each MXFP8 scale block -- a rowwise 1x32 block
-and a columnwise 32x1 block -- is owned by one rank (upstream Megatron-FSDP v2's MXFP8 shards,
-which also shard each block's scale with its rows; here the scale buffers stay full and
-replicated, written from the amax reduction). The default ``ShardLayout.LCM`` keeps rows whole
-only (a columnwise block may span two ranks; the distributed quantization's amax reduction makes the
-bytes the same either way). The trade-off is padding: the block-atomic unit is up to 32x larger
-for 2-D parameters, which costs more at large world sizes (``benchmarks/layout_padding.py``).
+and a columnwise 32x1 block -- is owned by one rank, and its scale travels with its rows
+(upstream Megatron-FSDP v2's MXFP8 shards): the group's scale buffers are laid out like the
+group divided by 32 (parameter i's scales at ``slot.start / 32``, 256-aligned), so rank r's
+scales of both planes are the slice ``[r * shard / 32, (r + 1) * shard / 32)`` and the
+distributed quantization all-gathers those uint8 slices instead of all-reducing the fp32 amax
+(``weight_codecs.BlockScaledCodec``). The default ``ShardLayout.LCM`` keeps rows whole only (a
+columnwise block may span two ranks; the amax reduction makes the bytes the same either way).
+The trade-off is padding: the block-atomic unit is 32x larger, which costs more at large world
+sizes (``benchmarks/layout_padding.py``).
 Parameter offsets do not depend on the layout, so checkpoints (keyed by offsets within each
 parameter) load into either layout at any world size.
 
@@ -155,7 +158,9 @@ class FlatLayout:
             raise ValueError(f"FlatLayout: row_block must be an int >= 1, got {row_block!r}")
         dims = [tuple(int(d) for d in s) for s in shapes]
         rows = [math.prod(s[1:]) if len(s) > 1 else 1 for s in dims]
-        unit = math.lcm(ALIGN_ELEMENTS, *[r * row_block for r in rows if r > 0])
+        # row_block > 1: also every parameter's scales (one per row_block elements) start at a
+        # multiple of 256 in a scale buffer laid out like the group / row_block
+        unit = row_block * math.lcm(ALIGN_ELEMENTS, *[r for r in rows if r > 0])
         slots, cursor = [], 0
         for name, shape in zip(names, dims, strict=True):
             start = round_up(cursor, unit)

@@ -67,7 +67,11 @@ class GroupBuffers:
             self.main_grad = torch.zeros(
                 self._local(facts.grads_sharded), dtype=main_grad_dtype, device=device
             )
-        scales = codec.make_scales([s.shape for s in layout.slots], device)
+        # block-atomic shards: scales laid out like the group / block size (flat_layout's note)
+        rb = layout.row_block
+        placed = (None if rb == 1 else
+                  ([s.start // rb for s in layout.slots], layout.padded_numel // rb))
+        scales = codec.make_scales([s.shape for s in layout.slots], device, placed)
         self.scales, self.scale_buffers, self.scale_offsets = (
             scales.views, scales.buffers, scales.offsets
         )
@@ -125,7 +129,18 @@ class GroupBuffers:
             amax_observer=self.amax_observer,
             scale_buffers=self.scale_buffers,
             scale_offsets=self.scale_offsets,
+            scale_shard=self._scale_shard(),
         )
+
+    def _scale_shard(self) -> tuple[int, int] | None:
+        """This rank's slice of each scale buffer under block-atomic shards of a sharded main
+        (its own blocks' scales, ``CodecContext.scale_shard``); None otherwise."""
+        rb = self.layout.row_block
+        if (rb == 1 or not self.facts.main_weights_sharded
+                or not isinstance(self.codec, BlockScaledCodec)):
+            return None
+        lo, hi = self.layout.shard_range(self.comm.rank)
+        return lo // rb, hi // rb
 
     def refresh(self, phase: Phase) -> None:
         """Model weight buffers (and scales) from ``main``; all-gathered where replicated."""
@@ -139,7 +154,7 @@ class GroupBuffers:
         then the all-gathers where replicated, as ``refresh`` does."""
         targets = self._targets()
         assert isinstance(self.codec, BlockScaledCodec), self.codec  # batched: block-scaled
-        self.codec.write_images(self.codec_context(), images, amax, targets)
+        self.codec.write_images(self.codec_context(), images, amax, targets, phase)
         self._publish(targets, phase)
 
     def _staged(self) -> bool:

@@ -125,6 +125,9 @@ class CodecContext(NamedTuple):
     # reads it there, so that nothing keeps the buffer alive
     # (torch_side.instruments.numerics_telemetry). None: nobody listens.
     amax_observer: Callable[[torch.Tensor], None] | None = None
+    # Block-atomic shards of a sharded main (torch_side.fsdp.flat_layout): the slice [lo, hi) of
+    # each scale buffer that holds exactly this rank's blocks' scales. None: blocks may span ranks.
+    scale_shard: tuple[int, int] | None = None
 
 
 class WeightCodec:
@@ -153,8 +156,10 @@ class WeightCodec:
         """The stored plane whose gather makes compute plane ``plane`` readable."""
         return plane
 
-    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
-        """Scale tensors per plane, one per parameter (none for unscaled formats)."""
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device,
+                    placed: tuple[Sequence[int], int] | None = None) -> Scales:
+        """Scale tensors per plane, one per parameter (none for unscaled formats). ``placed``:
+        (offsets, total) of the buffers when the layout fixes them (block-atomic shards)."""
         return _NO_SCALES
 
     def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
@@ -184,11 +189,14 @@ class BlockScaledCodec(WeightCodec):
 
     This class owns what is the same for every block-scaled format: the scale buffers, laid out
     by the format's ``ScaleBlocks`` (one flat uint8 buffer per plane, each parameter's scales at
-    an offset aligned to 256 bytes), the ONE amax all-reduce MAX per group or per batch of groups
-    (skipped when every rank holds whole parameters), the copies of the results into the
-    group's buffers and the telemetry hand-off. A subclass supplies ``quantize_images``. FSDP
-    stores one byte per element and per-block scales only: a format that packs elements or adds
-    a tensor-level scale (``NVFP4``) is refused here by name.
+    an offset aligned to 256 bytes; with block-atomic shards laid out like the group / block
+    size), the ONE amax all-reduce MAX per group or per batch of groups (skipped when every rank
+    holds whole parameters; with block-atomic shards replaced by an all-gather of each scale
+    buffer from the slices of the blocks each rank owns, unless telemetry reads the reduced
+    amax), the copies of the results into the group's buffers and the telemetry hand-off. A
+    subclass supplies ``quantize_images``. FSDP stores one byte per element and per-block scales
+    only: a format that packs elements or adds a tensor-level scale (``NVFP4``) is refused here
+    by name.
     """
 
     param_storage = ParamStorage.PLACEHOLDER
@@ -204,12 +212,16 @@ class BlockScaledCodec(WeightCodec):
             )
         self.blocks: ScaleBlocks = blocks
 
-    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device,
+                    placed: tuple[Sequence[int], int] | None = None) -> Scales:
         b, offsets, total = self.blocks, [], 0
         dims = [_2d(s) for s in shapes]
-        for s in dims:
-            offsets.append(total)
-            total += round_up(b.scale_numel(s), 256)  # aligned
+        if placed is not None:  # block-atomic shards: laid out like the group / block size
+            offsets, total = list(placed[0]), placed[1]
+        else:
+            for s in dims:
+                offsets.append(total)
+                total += round_up(b.scale_numel(s), 256)  # aligned
         buffers = {p: torch.zeros(total, dtype=torch.uint8, device=device) for p in self.planes}
         views = {
             p: [buffers[p][o:o + b.scale_numel(s)].view(b.scale_shape(s, p))
@@ -256,8 +268,14 @@ class BlockScaledCodec(WeightCodec):
         assert all(c.comm is first.comm and c.main.device == first.main.device
                    and c.kernels == first.kernels for c in ctxs), [c.label for c in ctxs]
 
+        # block-atomic shards: every block's amax is whole on its owner, whose scales are then
+        # all-gathered (write_images), unless telemetry reads every block's reduced amax
+        own_blocks = all(_gathers_scales(c) for c in ctxs)
+
         def reduce_max(packed: torch.Tensor) -> None:
             reductions.append(label)
+            if own_blocks:
+                return
             if any(c.main_sharded for c in ctxs):  # else every rank holds whole parameters
                 first.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, label)
 
@@ -275,11 +293,12 @@ class BlockScaledCodec(WeightCodec):
 
     def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         made = self.quantize_batch([ctx], phase, f"{ctx.label}/amax")
-        self.write_images(ctx, made.images[0], made.amax[0], targets)
+        self.write_images(ctx, made.images[0], made.amax[0], targets, phase)
 
     def write_images(self, ctx: CodecContext, images: GroupImages, amax: torch.Tensor,
-                     targets: dict[Plane, torch.Tensor]) -> None:
-        """Copy a group's images into its targets and scale buffers (one ``copy_`` each), then
+                     targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
+        """Copy a group's images into its targets and scale buffers (one ``copy_`` each); with
+        block-atomic shards, all-gather each scale buffer from every rank's own slice; then
         show its reduced packed amax to ``ctx.amax_observer``."""
         data = {Plane.ROWWISE: (images.rowwise, images.rowwise_scale),
                 Plane.COLWISE: (images.colwise, images.colwise_scale)}
@@ -287,6 +306,13 @@ class BlockScaledCodec(WeightCodec):
         for plane in self.planes:
             targets[plane].copy_(data[plane][0])
             ctx.scale_buffers[plane].copy_(data[plane][1])
+        if _gathers_scales(ctx):
+            assert ctx.scale_shard is not None
+            lo, hi = ctx.scale_shard
+            for plane in self.planes:  # the slice is this rank's own blocks' scales
+                buf = ctx.scale_buffers[plane]
+                ctx.comm.all_gather(buf, buf[lo:hi].clone(), phase,
+                                    f"{ctx.label}/scales/{plane.value}")
         if ctx.amax_observer is not None:
             ctx.amax_observer(amax)
 
@@ -322,6 +348,12 @@ def _pieces(ctx: CodecContext) -> list[Piece]:
         pieces.append(Piece(shape, 0, 0, 0) if p is None
                       else Piece(shape, p.param_offset, p.shard_offset, p.numel))
     return pieces
+
+
+def _gathers_scales(ctx: CodecContext) -> bool:
+    """Whether the group's scales are made by their owners and all-gathered (block-atomic shards
+    of a sharded main, and no telemetry reading every block's reduced amax)."""
+    return ctx.scale_shard is not None and ctx.amax_observer is None
 
 
 def _2d(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -362,8 +394,9 @@ class BF16GatherCodec(WeightCodec):
     def stored_plane(self, plane: Plane) -> Plane:
         return self.spec.forward_plane
 
-    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Scales:
-        return self.compute.make_scales(shapes, device)  # written by quantize_gathered
+    def make_scales(self, shapes: Sequence[tuple[int, ...]], device: torch.device,
+                    placed: tuple[Sequence[int], int] | None = None) -> Scales:
+        return self.compute.make_scales(shapes, device, placed)  # written by quantize_gathered
 
     def fill(self, ctx: CodecContext, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
         (plane,) = self.planes

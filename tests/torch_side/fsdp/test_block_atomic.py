@@ -7,7 +7,10 @@
   ZeRO-3 also at 4; at 3 ranks Adam amplifies the rounding of gradients divided by 3 beyond the
   reference's tolerance, in either layout);
 - the distributed quantization writes the same bytes in both layouts: the gathered MXFP8 planes
-  and scales of one model wrapped both ways are identical, before and after a step;
+  and scales of one model wrapped both ways are identical, before and after a step; with
+  block-atomic shards each rank makes its own blocks' scales and the scale buffers are
+  all-gathered (uint8, a 32nd of the shard per plane) instead of all-reducing the fp32 amax,
+  unless telemetry reads every block's amax (then reduced, and its report is the same);
 - checkpoints convert: saved in one layout at one world size, loaded in the other at another,
   with the same main weights and optimizer state.
 """
@@ -26,6 +29,7 @@ from tests.torch_side.test_training_parity import _train_and_compare
 from tests.torch_side.threaded_world import run_world
 from tests.torch_side.toy_models import Block, make_batch, make_net, mse
 from torch_side import (
+    Collective,
     FlatLayout,
     FSDPOptimizer,
     MixedPrecisionPolicy,
@@ -35,6 +39,7 @@ from torch_side import (
 )
 from torch_side.fsdp.flat_layout import LayoutError, check_layout
 from torch_side.fsdp.sharded_state import load_parts, save_parts
+from torch_side.instruments.numerics_telemetry import NumericsTelemetry
 
 BLOCK = 32
 T = 32
@@ -189,3 +194,56 @@ def test_checkpoints_convert_between_layouts_and_world_sizes(saved, loaded, tmp_
 def test_dataclass_replace_keeps_the_layout():
     policy = dataclasses.replace(MixedPrecisionPolicy(shard_layout="block_atomic"), gather="bf16")
     assert policy.shard_layout is ShardLayout.BLOCK_ATOMIC
+
+
+# ------------------------------------------------------------- scales travel with their rows
+
+
+def _records(model, op, suffix: str):
+    return [r for r in model.comms["dp"].records if r.op is op and r.label.endswith(suffix)]
+
+
+def test_owners_make_their_scales_and_all_gather_them_instead_of_reducing_the_amax():
+    """Block-atomic ZeRO-3: per refresh and group, no amax all-reduce, one uint8 all-gather of
+    each plane's scale buffer (its rank slice: a 32nd of the shard); LCM: the fp32 amax
+    all-reduce."""
+
+    def case(ctx):
+        lcm, lcm_opt = _wrapped(ShardLayout.LCM)
+        atomic, atomic_opt = _wrapped(ShardLayout.BLOCK_ATOMIC)
+        for model, opt in ((lcm, lcm_opt), (atomic, atomic_opt)):
+            model.clear_wire_log()
+            _step(model, opt, 1)
+        mx = [g for g in atomic.param_groups if g.blocks is not None]
+        assert not _records(atomic, Collective.ALL_REDUCE_MAX, "/amax")
+        assert _records(lcm, Collective.ALL_REDUCE_MAX, "/amax")
+        for plane in ("rowwise", "colwise"):
+            gathers = _records(atomic, Collective.ALL_GATHER, f"/scales/{plane}")
+            assert len(gathers) == len(mx), [r.label for r in gathers]
+            for r, g in zip(gathers, mx, strict=True):
+                assert r.label == f"{g.label}/scales/{plane}" and r.dtype == torch.uint8
+                assert r.numel == g.layout.padded_numel // BLOCK
+                assert r.bytes_sent == g.layout.shard_numel // BLOCK
+            assert not _records(lcm, Collective.ALL_GATHER, f"/scales/{plane}")
+        assert _planes(lcm) == _planes(atomic)
+
+    run_world(2, case)
+
+
+def test_telemetry_reads_every_blocks_amax_in_either_layout():
+    """With telemetry attached the amax is reduced again (it summarises every block), and what
+    it reports is the same in both layouts."""
+
+    def case(ctx):
+        got = []
+        for layout in (ShardLayout.LCM, ShardLayout.BLOCK_ATOMIC):
+            model, opt = _wrapped(layout)
+            tel = NumericsTelemetry(model)
+            _step(model, opt, 1)
+            got.append({g: {p: v.as_record() for p, v in planes.items()}
+                        for g, planes in tel.collect().items()})
+            assert _records(model, Collective.ALL_REDUCE_MAX, "/amax")
+            tel.close()
+        assert got[0] == got[1]
+
+    run_world(2, case)

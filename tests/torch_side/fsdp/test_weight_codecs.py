@@ -216,7 +216,7 @@ def test_a_batch_of_groups_reduces_once_and_writes_each_groups_own_bytes(single_
     made = codec.quantize_batch([ctx for _, ctx, _ in groups], Phase.OPTIMIZER, "*/amax")
     assert [(r.op, r.label) for r in comm.records] == [(Collective.ALL_REDUCE_MAX, "*/amax")]
     for (values, ctx, targets), images, amax in zip(groups, made.images, made.amax, strict=True):
-        codec.write_images(ctx, images, amax, targets)
+        codec.write_images(ctx, images, amax, targets, Phase.OPTIMIZER)
         for i, (v, s) in enumerate(zip(values, layout.slots, strict=True)):
             ref = _oracle(v)
             got = targets[Plane.COLWISE][s.start : s.end].view(s.shape).numpy()
