@@ -348,6 +348,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.opts.metrics, append=bool(self.opts.resume))
         self.metrics.write(run_record(
             job=self.desc, world_size=dist.get_world_size(), label=self.opts.label,
+            mesh=list(m.fsdp.mesh_shape),  # (replicas, shards): --replicas
             corpus=m.corpus.describe(), loss_floor=m.corpus.loss_floor(self.job.seq_len),
             resumed_from=self.start_step, params=m.cfg.num_parameters(), **extra,
         ))

@@ -161,6 +161,7 @@ def test_job_validation():
 
 @pytest.mark.slow
 def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
+    """torchrun's rendezvous, a text directory, --plot, and HSDP (--replicas 2)."""
     data = tmp_path / "text"
     (data / "sub").mkdir(parents=True)
     (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 3000)
@@ -171,7 +172,8 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
     out = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "apps.training",
          "--data", str(data), "--steps", "3", "--batch-size", "2", "--micro-batches", "1",
-         "--metrics", str(metrics), "--plot", str(tmp_path / "run.png"), "--no-progress"],
+         "--metrics", str(metrics), "--plot", str(tmp_path / "run.png"), "--no-progress",
+         "--replicas", "2"],  # HSDP: 2 replicas of one shard
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT),
              "MXFP8_JAX_CACHE": str(tmp_path / "cache")},
@@ -180,6 +182,7 @@ def test_the_command_under_torchrun_with_gloo_on_a_directory_of_text(tmp_path):
     assert "held-out loss" in out.stdout and "vocab 256" in out.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["world_size"] == 2 and records[0]["job"]["data"] == str(data)
+    assert records[0]["mesh"] == [2, 1]  # (replicas, shards)
     assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((tmp_path / "cache").iterdir()), "the persistent compilation cache was not written"
