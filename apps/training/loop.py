@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from apps import environment
@@ -56,6 +55,7 @@ from models.init_rule import GPTInit
 from models.torch_gpt import TorchGPT
 from torch_side import FSDPOptimizer, Overlap, clip_grad_norm_, fully_shard
 from torch_side.comm.collectives import Collective, all_reduce_on
+from torch_side.fsdp.hybrid_mesh import hsdp_mesh
 from torch_side.fsdp.precompiling import precompile
 
 __all__ = [
@@ -148,19 +148,6 @@ class _Model:
             fused=cuda, foreach=None if cuda else False,
         )
         self.schedule = LRScheduler(self.opt, job.schedule())
-
-
-def hsdp_mesh(replicas: int, device: str) -> DeviceMesh | None:
-    """The (replicate, shard) device mesh of ``--replicas`` (None for 1: plain FSDP); refuses a
-    count that does not divide the world size."""
-    if replicas == 1:
-        return None
-    world = dist.get_world_size()
-    if world % replicas:
-        raise ValueError(f"RunOptions.replicas={replicas}: the replica count must divide the world "
-                         f"size {world} (each replica is sharded over world / replicas ranks)")
-    return init_device_mesh(device, (replicas, world // replicas),
-                            mesh_dim_names=("replicate", "shard"))
 
 
 def _checkpointed(

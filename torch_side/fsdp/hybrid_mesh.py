@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["MeshGroups", "mesh_groups"]
+__all__ = ["MeshGroups", "hsdp_mesh", "mesh_groups"]
 
 REPLICATE, SHARD = 0, 1  # the mesh dimensions (FSDP2's HSDP order)
 NAMES = ("replicate", "shard")
@@ -85,3 +85,21 @@ def mesh_groups(mesh: Any, group: dist.ProcessGroup | None, experts: bool) -> Me
                          "expert_group= instead")
     shape = (int(mesh.shape[REPLICATE]), int(mesh.shape[SHARD]))
     return MeshGroups(mesh.get_group(SHARD), mesh.get_group(REPLICATE), shape)
+
+
+def hsdp_mesh(replicas: int, device: str) -> Any:
+    """The ``(replicas, world / replicas)`` mesh named ``("replicate", "shard")`` over every rank
+    (``device``: "cpu" or "cuda"), or None for ``replicas == 1`` (plain FSDP); what
+    ``mxfp8-train --replicas`` passes to ``fully_shard(mesh=...)``. Refuses a count that does not
+    divide the world size."""
+    if replicas == 1:
+        return None
+    world = dist.get_world_size()
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 or (
+            world % replicas):
+        raise ValueError(f"hsdp_mesh: replicas={replicas!r}: the replica count must divide the "
+                         f"world size {world} (each replica is sharded over world / replicas "
+                         f"ranks)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (replicas, world // replicas), mesh_dim_names=NAMES)

@@ -62,5 +62,6 @@ def test_the_checkpoint_resumes_at_another_mesh_shape_and_layout(runs):
 
 
 def test_a_replica_count_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(RankFailed, match="replicas=3: the replica count must divide the world"):
+    with pytest.raises(RankFailed,
+                       match="replicas=3: the replica count must divide the world size 2"):
         run_ranks(train_rank, 2, (JOB, RunOptions(replicas=3, progress=False)))

@@ -36,6 +36,7 @@ from torch_side import (
     fully_shard,
 )
 from torch_side.checkpoint.step_dirs import rank_files
+from torch_side.fsdp.hybrid_mesh import hsdp_mesh
 from torch_side.fsdp.sharded_state import load_parts, save_parts
 
 MESH_NAMES = ("replicate", "shard")
@@ -257,3 +258,17 @@ def test_bad_meshes_are_refused_by_name(kwargs, exc, match):
             fully_shard(make_net(0), unit_modules=(Block,), **kwargs())
 
     run_world(4, case)
+
+
+def test_hsdp_mesh_builds_the_named_mesh_or_refuses_the_count():
+    results = {}
+
+    def case(ctx):
+        mesh = hsdp_mesh(2, "cpu")
+        results[ctx.rank] = (tuple(mesh.shape), mesh.mesh_dim_names, hsdp_mesh(1, "cpu"))
+        with pytest.raises(ValueError, match="replicas=3: the replica count must divide the "
+                                             "world size 4"):
+            hsdp_mesh(3, "cpu")
+
+    run_world(4, case)
+    assert set(results.values()) == {((2, 2), MESH_NAMES, None)}
