@@ -195,10 +195,6 @@ def _out(dtype: DTypeLike) -> jnp.dtype:
     return d if d in _MXFP8_DTYPES else jnp.dtype(jnp.float32)
 
 
-def _rounded(y: jax.Array, dtype: DTypeLike) -> jax.Array:
-    return y if y.dtype == jnp.dtype(dtype) else y.astype(dtype)
-
-
 def _gemm(a: MXFP8Tensor, b: MXFP8Tensor | FlatPlane, role: GemmRole, kernels: ResolvedKernels,
           out_dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``a`` (a quantized activation or gradient) times ``b``: an ``MXFP8Tensor``, or a weight's
@@ -282,10 +278,10 @@ def backward(
     dyq = quantize(pad_tokens(dy2d), planes=planes, kernels=kernels)
     dx = dw = None
     if w_colwise is not None:
-        dx = _rounded(_gemm(dyq, w_colwise, GemmRole.DGRAD, kernels, _out(dx_dtype)), dx_dtype)
-        dx = dx[: dy2d.shape[0]]
+        dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels, _out(dx_dtype))
+        dx = dx[: dy2d.shape[0]].astype(dx_dtype)  # a no-op where the GEMM wrote dx_dtype
     if x_colwise is not None:
-        dw = _rounded(_gemm(dyq, x_colwise, GemmRole.WGRAD, kernels, _out(dw_dtype)), dw_dtype)
+        dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels, _out(dw_dtype)).astype(dw_dtype)
     out = BackwardOut(dx, dw)
     return _packed(out) if packed else out
 

@@ -15,7 +15,8 @@ numerics between the same collective):
 2. ONE ``all_reduce(MAX)`` of the batch's concatenated packed amax on the communicator, labelled
    ``"*/<format>/<communicator name>/amax"`` (e.g. ``"*/mxfp8_e4m3/dp/amax"``: a group label
    with ``*`` for the unit; numel: the sum of the groups' packed amax), issued when some group of
-   the batch holds a sharded main;
+   the batch holds a sharded main (not with block-atomic shards, whose owners make their blocks'
+   scales: step 4 all-gathers those instead, ``BlockScaledCodec.write_images``);
 3. one program turns the reduced amax into every group's scales and bytes (one crossing each
    way), as images of each group's buffers;
 4. per group, in ``param_groups`` order: its four ``copy_`` (``GroupBuffers.refresh_from``), its

@@ -10,8 +10,9 @@ Tensors owned (DESIGN.md 5 glossary; every buffer uses the group's ``FlatLayout`
   else the full replicated buffer.
 - **scale tensors** (``scales[plane][i]``, shaped by the format's ``ScaleBlocks``; MXFP8:
   rowwise (M, K/32), columnwise (M/32, K), uint8): full and replicated, recomputed identically by
-  every rank at each quantization; views of one flat buffer per plane (``scale_buffers``,
-  parameter i at ``scale_offsets[i]``).
+  every rank at each quantization (with block-atomic shards each rank computes its own blocks'
+  and the buffers are all-gathered: ``flat_layout``'s note); views of one flat buffer per plane
+  (``scale_buffers``, parameter i at ``scale_offsets[i]``).
 - **main grad** (``main_grad``): the reduced gradient, shard (ZeRO-2/3) or full, policy dtype;
   None for a group that takes no gradients.
 
