@@ -13,7 +13,12 @@ dot in the same run:
   re-blocking included (what a training step pays when nothing is re-blocked ahead);
 - ``*_from_bf16``: the same from the bf16 operands, their MXFP8 quantization (the rowwise plane,
   the one the forward GEMM reads) counted too: ``dequant_bf16_dot_from_bf16`` and
-  ``fp8_blocked_from_bf16``.
+  ``fp8_blocked_from_bf16``;
+- ``torch_scaled_mm``: PyTorch's block-scaled FP8 GEMM (``torch.nn.functional.scaled_mm``,
+  ``BlockWise1x128`` x ``BlockWise128x128``, bf16 out) on the same re-blocked bytes, shared with
+  Torch through DLPack (a comparison, not a product path: issue 33); beside its time, its largest
+  difference to the ``cublaslt`` GEMM's bf16 result relative to that result's largest magnitude
+  (``torch_scaled_mm_rel_diff``), or the error Torch raised (``torch_scaled_mm_error``).
 
 And for the 1.3B GPT's linear layers, the three training roles through ``matmul``: fp8_blocked
 (both kernels) against dequant_bf16_dot (re-block and transposes included). Each time is the mean of
@@ -42,7 +47,12 @@ from jax import lax  # noqa: E402
 from jax_side import mxfp8  # noqa: E402
 from jax_side.mxfp8 import cublaslt  # noqa: E402
 from jax_side.mxfp8.fp8_blocked_kernel import Tile, blocked_matmul  # noqa: E402
-from jax_side.mxfp8.reblock import reblock_rows, reblock_tiles  # noqa: E402
+from jax_side.mxfp8.reblock import (  # noqa: E402
+    Reblocked,
+    reblock_rows,
+    reblock_tiles,
+    scale_fp32,
+)
 
 SHAPES = [  # (M, K, N): issue 33's table and the 1.3B GPT's linears at 8 x 1024 tokens
     (16384, 768, 3072), (16384, 3072, 768), (3072, 16384, 768), (16384, 1024, 4096),
@@ -78,8 +88,56 @@ def _rowwise(t: mxfp8.MXFP8Tensor) -> tuple[jax.Array, jax.Array]:
     return d, lax.bitcast_convert_type(s, jnp.uint8)
 
 
+def torch_blockwise(ra: Reblocked, rb: Reblocked) -> tuple[Any, Any, Any, Any]:
+    """The operands of ``torch.nn.functional.scaled_mm`` for ``ra @ rb^T`` (a in 1x128 blocks, b
+    in 128x128 tiles): a (M, K) and b^T (K, N) as float8_e4m3fn views of the same device bytes
+    (DLPack), and fp32 scales laid out as Torch's blockwise recipes ask -- a's (M, K/128)
+    outer-dim-major (stride 1 along M), b's tile scales (N/128, K/128) with K/128 padded to a
+    multiple of 4, transposed to (K/128 padded, N/128)."""
+    import torch
+
+    def shared(x: jax.Array) -> Any:
+        return torch.from_dlpack(x)
+
+    a = shared(lax.bitcast_convert_type(ra.data, jnp.uint8)).view(torch.float8_e4m3fn)
+    b = shared(lax.bitcast_convert_type(rb.data, jnp.uint8)).view(torch.float8_e4m3fn)
+    sa = shared(scale_fp32(ra.scale)).t().contiguous().t()
+    sb = scale_fp32(rb.scale)
+    sb = shared(jnp.pad(sb, ((0, 0), (0, -sb.shape[1] % 4)), constant_values=1.0)).t()
+    return a, b.t(), sa, sb
+
+
+def _torch_scaled_mm(ra: Reblocked, rb: Reblocked, iters: int) -> dict[str, Any]:
+    """``torch_scaled_mm_ms`` and its difference to the cuBLASLt GEMM, or the error."""
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        a, bt, sa, sb = torch_blockwise(ra, rb)
+
+        def run() -> Any:
+            return F.scaled_mm(a, bt, sa, F.ScalingType.BlockWise1x128, sb,
+                               F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+        out = run()
+        ref = torch.from_dlpack(cublaslt.blocked_gemm(ra, rb, out_dtype=jnp.bfloat16)).float()
+        rel = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        torch.cuda.synchronize()
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+        return {"torch_scaled_mm_ms": (time.perf_counter() - t0) / iters * 1e3,
+                "torch_scaled_mm_rel_diff": rel}
+    except Exception as e:  # this Torch or device has no blockwise FP8 GEMM: recorded, not fatal
+        return {"torch_scaled_mm_error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
-              interpret: bool) -> list[dict[str, Any]]:
+              interpret: bool, torch_too: bool = True) -> list[dict[str, Any]]:
     rows = []
     for m, k, n in shapes:
         a, b = _operands(m, k, n)
@@ -103,6 +161,8 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
                     lambda x, y, i=impl: mxfp8.matmul(mxfp8.quantize(x, planes="rowwise"),
                                                       mxfp8.quantize(y, planes="rowwise"),
                                                       "forward", impl=i)), (a, b))
+        if not interpret and torch_too:
+            row.update(_torch_scaled_mm(ra, rb, iters))
         for tile in tiles:
             name = "kernel[{},{},{},{}]".format(*tile.key())
             fns[name] = (jax.jit(lambda x, y, t=tile: blocked_matmul(
@@ -146,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tiles", default=";".join(TILES),
                    help="';'-separated bm,bn,warps,stages of the kernel configurations to time")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out the torch_scaled_mm column (PyTorch's blockwise FP8 GEMM)")
     p.add_argument("--smoke", action="store_true",
                    help="one 128x128x128 shape, the kernel interpreted (runs on a CPU)")
     args = p.parse_args(argv)
@@ -157,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no GPU: the timings mean nothing on a CPU; run with --smoke to check the script")
     else:
         result = {"cublaslt": cublaslt.status().reason,
-                  "gemm": gemm_rows(SHAPES, tiles, args.iters, interpret=False),
+                  "gemm": gemm_rows(SHAPES, tiles, args.iters, interpret=False,
+                                   torch_too=not args.no_torch),
                   "roles": role_rows(args.iters)}
     result["device"] = str(jax.devices()[0])
     result["jax"] = jax.__version__

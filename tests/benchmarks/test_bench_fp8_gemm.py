@@ -26,3 +26,29 @@ def test_a_timed_run_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         bench_fp8_gemm.main([])
     assert "no GPU" in capsys.readouterr().err
+
+
+def test_the_torch_operands_mean_the_same_gemm():
+    """``torch_blockwise`` lays the re-blocked bytes out as ``torch.nn.functional.scaled_mm``'s
+    BlockWise1x128 x BlockWise128x128 recipe reads them (a's scales stride 1 along M, b's tile
+    scales padded along K/128 to a multiple of 4 and transposed): its product, emulated in Torch
+    as that recipe defines it, equals the exact GEMM of the re-blocked operands."""
+    import numpy as np
+    import torch
+
+    from jax_side import mxfp8
+    from jax_side.mxfp8.reblock import blocked_dot_reference, reblock_rows, reblock_tiles
+
+    a, b = bench_fp8_gemm._operands(128, 256, 384)
+    ra = reblock_rows(*bench_fp8_gemm._rowwise(mxfp8.quantize(a)))
+    rb = reblock_tiles(*bench_fp8_gemm._rowwise(mxfp8.quantize(b)))
+    ta, tbt, sa, sb = bench_fp8_gemm.torch_blockwise(ra, rb)
+    assert ta.dtype == tbt.dtype == torch.float8_e4m3fn
+    assert (tuple(ta.shape), tuple(tbt.shape)) == ((128, 256), (256, 384))
+    assert tuple(sa.shape) == (128, 2) and sa.stride(0) == 1
+    assert tuple(sb.shape) == (4, 3)  # K/128 = 2 padded to 4, by N/128 = 3
+    a32 = ta.float() * sa.repeat_interleave(128, dim=1)
+    b32 = tbt.float() * sb[:2].repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
+    got = (a32.double() @ b32.double()).numpy()
+    want = np.asarray(blocked_dot_reference(ra, rb), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
