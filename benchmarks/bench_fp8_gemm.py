@@ -18,7 +18,12 @@ dot in the same run:
   ``BlockWise1x128`` x ``BlockWise128x128``, bf16 out) on the same re-blocked bytes, shared with
   Torch through DLPack (a comparison, not a product path: issue 33); beside its time, its largest
   difference to the ``cublaslt`` GEMM's bf16 result relative to that result's largest magnitude
-  (``torch_scaled_mm_rel_diff``), or the error Torch raised (``torch_scaled_mm_error``).
+  (``torch_scaled_mm_rel_diff``), or the error Torch raised (``torch_scaled_mm_error``);
+  ``torch_bf16``: ``torch.mm`` of the bf16 operands, timed the same way (Torch's eager dispatch
+  costs less per call than a jitted JAX call, which the small shapes' JAX columns include);
+- ``*_kernel_ms``: GPU kernel time per call from torch.profiler (which sees XLA's kernels too)
+  for ``bf16``, ``cublaslt``, ``torch_bf16`` and ``torch_scaled_mm``: the GEMMs themselves,
+  without any host dispatch.
 
 And for the 1.3B GPT's linear layers, the three training roles through ``matmul``: fp8_blocked
 (both kernels) against dequant_bf16_dot (re-block and transposes included). Each time is the mean of
@@ -107,31 +112,71 @@ def torch_blockwise(ra: Reblocked, rb: Reblocked) -> tuple[Any, Any, Any, Any]:
     return a, b.t(), sa, sb
 
 
-def _torch_scaled_mm(ra: Reblocked, rb: Reblocked, iters: int) -> dict[str, Any]:
-    """``torch_scaled_mm_ms`` and its difference to the cuBLASLt GEMM, or the error."""
+def _kernel_ms(run: Any, iters: int) -> float:
+    """GPU kernel time per call of ``run()`` (ms; torch.profiler, which sees XLA's kernels too):
+    what the GEMM costs inside a program, without the host's dispatch of each call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def call_and_wait() -> None:
+        out = run()
+        if isinstance(out, jax.Array):
+            out.block_until_ready()
+        torch.cuda.synchronize()
+
+    call_and_wait()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            out = run()
+        if isinstance(out, jax.Array):
+            out.block_until_ready()
+        torch.cuda.synchronize()
+    spans = [e.time_range.end - e.time_range.start for e in prof.events()
+             if str(getattr(e, "device_type", "")).endswith("CUDA")
+             and not getattr(e, "is_user_annotation", False)]
+    return sum(spans) / iters / 1e3
+
+
+def _torch_scaled_mm(a16: jax.Array, b16: jax.Array, ra: Reblocked, rb: Reblocked,
+                     iters: int) -> dict[str, Any]:
+    """``torch_scaled_mm_ms`` and its difference to the cuBLASLt GEMM, ``torch_bf16_ms``
+    (``torch.mm`` of the bf16 operands), and the kernel times of those two, of cuBLASLt and of the
+    JAX bf16 dot (``*_kernel_ms``); or the error Torch raised."""
     import torch
     import torch.nn.functional as F
 
     try:
         a, bt, sa, sb = torch_blockwise(ra, rb)
+        ta, tb = torch.from_dlpack(a16), torch.from_dlpack(b16)
 
         def run() -> Any:
             return F.scaled_mm(a, bt, sa, F.ScalingType.BlockWise1x128, sb,
                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
+        def bf16() -> Any:
+            return torch.mm(ta, tb.t())
+
         out = run()
         ref = torch.from_dlpack(cublaslt.blocked_gemm(ra, rb, out_dtype=jnp.bfloat16)).float()
         rel = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        torch.cuda.synchronize()
-        for _ in range(2):
-            run()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-        return {"torch_scaled_mm_ms": (time.perf_counter() - t0) / iters * 1e3,
-                "torch_scaled_mm_rel_diff": rel}
+        row: dict[str, Any] = {"torch_scaled_mm_rel_diff": rel}
+        for name, fn in (("torch_scaled_mm", run), ("torch_bf16", bf16)):
+            torch.cuda.synchronize()
+            for _ in range(2):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            row[f"{name}_ms"] = (time.perf_counter() - t0) / iters * 1e3
+        lt = jax.jit(lambda x, y: cublaslt.blocked_gemm(x, y, out_dtype=jnp.bfloat16))
+        dot = jax.jit(lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())),
+                                                   preferred_element_type=jnp.float32))
+        for name, fn in (("torch_scaled_mm", run), ("torch_bf16", bf16),
+                         ("cublaslt", lambda: lt(ra, rb)), ("bf16", lambda: dot(a16, b16))):
+            row[f"{name}_kernel_ms"] = _kernel_ms(fn, iters)
+        return row
     except Exception as e:  # this Torch or device has no blockwise FP8 GEMM: recorded, not fatal
         return {"torch_scaled_mm_error": f"{type(e).__name__}: {str(e)[:300]}"}
 
@@ -152,7 +197,7 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
         if not interpret:
             fns["dequant_bf16_dot"] = (jax.jit(
                 lambda x, y: mxfp8.matmul(x, y, "forward", impl="dequant_bf16_dot")), (qa, qb))
-            for impl in ("fp8_blocked", "fp8_blocked_pallas"):
+            for impl in ("fp8_blocked", "fp8_blocked_pallas")[: 2 if tiles else 1]:
                 fns[impl] = (jax.jit(
                     lambda x, y, i=impl: mxfp8.matmul(x, y, "forward", impl=i)), (qa, qb))
             fns["cublaslt"] = (jax.jit(lambda x, y: cublaslt.blocked_gemm(x, y)), (ra, rb))
@@ -162,7 +207,7 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
                                                       mxfp8.quantize(y, planes="rowwise"),
                                                       "forward", impl=i)), (a, b))
         if not interpret and torch_too:
-            row.update(_torch_scaled_mm(ra, rb, iters))
+            row.update(_torch_scaled_mm(a, b, ra, rb, iters))
         for tile in tiles:
             name = "kernel[{},{},{},{}]".format(*tile.key())
             fns[name] = (jax.jit(lambda x, y, t=tile: blocked_matmul(
@@ -180,7 +225,7 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
     return rows
 
 
-def role_rows(iters: int) -> list[dict[str, Any]]:
+def role_rows(iters: int, pallas: bool = True) -> list[dict[str, Any]]:
     rows = []
     for name, (t, d, f) in ROLE_SHAPES.items():
         x, w = _operands(t, d, f)
@@ -189,10 +234,11 @@ def role_rows(iters: int) -> list[dict[str, Any]]:
         for role, (a, b) in {"forward": (qx, qw), "dgrad": (qdy, qw),
                              "wgrad": (qdy, qx)}.items():
             row: dict[str, Any] = {"layer": name, "role": role}
-            for impl in ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas"):
+            for impl in ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas")[: 3 if pallas
+                                                                                 else 2]:
                 fn = jax.jit(lambda p, q, r=role, i=impl: mxfp8.matmul(p, q, r, impl=i))
                 row[f"{impl}_ms"] = _timed(fn, a, b, iters=iters) * 1e3
-            for impl in ("fp8_blocked", "fp8_blocked_pallas"):
+            for impl in ("fp8_blocked", "fp8_blocked_pallas")[: 2 if pallas else 1]:
                 row[f"{impl}_vs_dequant_bf16_dot"] = row["dequant_bf16_dot_ms"] / row[
                     f"{impl}_ms"]
             print(json.dumps(row), flush=True)
@@ -205,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tiles", default=";".join(TILES),
-                   help="';'-separated bm,bn,warps,stages of the kernel configurations to time")
+                   help="';'-separated bm,bn,warps,stages of the kernel configurations to time "
+                        "('' leaves the Pallas kernel out, fp8_blocked_pallas too)")
     p.add_argument("--no-torch", action="store_true",
                    help="leave out the torch_scaled_mm column (PyTorch's blockwise FP8 GEMM)")
     p.add_argument("--smoke", action="store_true",
@@ -221,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"cublaslt": cublaslt.status().reason,
                   "gemm": gemm_rows(SHAPES, tiles, args.iters, interpret=False,
                                    torch_too=not args.no_torch),
-                  "roles": role_rows(args.iters)}
+                  "roles": role_rows(args.iters, pallas=bool(tiles))}
     result["device"] = str(jax.devices()[0])
     result["jax"] = jax.__version__
     result["numpy"] = np.__version__

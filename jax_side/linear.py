@@ -63,7 +63,9 @@ from common.gemm_roles import GemmRole
 from common.kernels import GemmImpl, KernelConfig
 from common.modes import LinearMode
 from jax_side import block_scaled
+from jax_side.bf16_linear import bf16_linear
 from jax_side.mxfp8 import MXFP8Tensor, matmul, quantize
+from jax_side.mxfp8 import blocked_operands as blocked
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_kernels
 
 __all__ = [
@@ -156,7 +158,9 @@ _MXFP8_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 class ForwardOut(NamedTuple):
     y: jax.Array  # (T, N), out_dtype
-    x_colwise: MXFP8Tensor | None  # colwise plane of the padded x (T_pad, K), for wgrad
+    # for wgrad: the colwise plane of the padded x (T_pad, K); with an fp8_blocked GEMM, x^T in
+    # the GEMM's 128x128 tiles instead (jax_side.mxfp8.blocked_operands)
+    x_colwise: MXFP8Tensor | blocked.KeptTiles | None
 
 
 class BackwardOut(NamedTuple):
@@ -249,17 +253,31 @@ def forward(
 ) -> ForwardOut:
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
+    if _blocked(kernels, w_rowwise):
+        return ForwardOut(*blocked.forward(x2d, _planes(w_rowwise), jnp.dtype(out_dtype),
+                                           _out(out_dtype), keep_x_colwise, kernels))
     planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
     xq = quantize(pad_tokens(x2d), planes=planes, kernels=kernels)
     y = _gemm(xq, w_rowwise, GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
 
+def _blocked(kernels: ResolvedKernels, w: MXFP8Tensor | FlatPlane | None) -> bool:
+    """Whether x and dy are quantized straight into the fp8_blocked GEMM's operands: with that
+    GEMM and MXFP8 weight planes (planes of another block format take the reference GEMM)."""
+    return kernels.gemm in blocked.BLOCKED_GEMMS and not (
+        isinstance(w, FlatPlane) and not w.is_mxfp8)
+
+
+def _planes(w: MXFP8Tensor | FlatPlane) -> MXFP8Tensor:
+    return w.tensor() if isinstance(w, FlatPlane) else w
+
+
 @functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels", "packed"))
 def backward(
     dy2d: jax.Array,
     w_colwise: MXFP8Tensor | FlatPlane | None,
-    x_colwise: MXFP8Tensor | None,
+    x_colwise: MXFP8Tensor | blocked.KeptTiles | None,
     *,
     dx_dtype: DTypeLike,
     dw_dtype: DTypeLike,
@@ -269,9 +287,17 @@ def backward(
     """dgrad (if ``w_colwise`` is given) and wgrad (if ``x_colwise`` is given).
 
     dy2d (T, N) bf16/fp32; w_colwise: colwise plane of W (N, K); x_colwise: colwise plane of the
-    padded x (T_pad, K) from ``forward``. dx (T, K) dx_dtype, dW (N, K) dw_dtype; with
-    ``packed`` their bytes come back in one uint8 array (``BackwardOut.packed``).
+    padded x (T_pad, K) from ``forward`` (with an fp8_blocked GEMM: its x^T tiles). dx (T, K)
+    dx_dtype, dW (N, K) dw_dtype; with ``packed`` their bytes come back in one uint8 array
+    (``BackwardOut.packed``).
     """
+    if isinstance(x_colwise, blocked.KeptTiles) or (x_colwise is None
+                                                     and _blocked(kernels, w_colwise)):
+        out = BackwardOut(*blocked.backward(
+            dy2d, None if w_colwise is None else _planes(w_colwise), x_colwise,
+            (jnp.dtype(dx_dtype), _out(dx_dtype)), (jnp.dtype(dw_dtype), _out(dw_dtype)),
+            kernels))
+        return _packed(out) if packed else out
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     # dgrad reads dy rowwise, wgrad dy colwise (common.gemm_roles)
     planes = tuple(p for p, need in ((Plane.ROWWISE, need_dx), (Plane.COLWISE, need_dw)) if need)
@@ -435,7 +461,7 @@ def high_precision_linear(
     tensor_cores = (kernels is not None and kernels.gemm is not GemmImpl.DEQUANT_DOT
                     and x.dtype == jnp.bfloat16)
     if tensor_cores:
-        return _bf16_linear(x, w)
+        return bf16_linear(x, w)
     y = lax.dot_general(
         x,
         w,
@@ -444,37 +470,6 @@ def high_precision_linear(
         preferred_element_type=jnp.float32,
     )
     return y.astype(x.dtype)
-
-
-_XW_T = (((1,), (1,)), ((), ()))  # x (T, K) . w (N, K) -> (T, N)
-_DY_W = (((1,), (0,)), ((), ()))  # dy (T, N) . w (N, K) -> (T, K)
-_DY_T_X = (((0,), (0,)), ((), ()))  # dy (T, N) . x (T, K) -> (N, K)
-
-
-@jax.custom_vjp
-def _bf16_linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """bf16 ``y = x W^T`` whose three GEMMs all run on bf16 operands (fp32 accumulation).
-    JAX's own transpose of an fp32-accumulating dot hands the backward an fp32 cotangent and
-    so runs dgrad and wgrad as fp32 (TF32 on Hopper) GEMMs; here dy is the cotangent of a bf16
-    output (bf16 values exactly), so dgrad and wgrad take it as bf16: the same exact products,
-    fp32 accumulation, only the accumulation order differs."""
-    return lax.dot_general(x, w, _XW_T, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _bf16_linear_fwd(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _bf16_linear(x, w), (x, w)
-
-
-def _bf16_linear_bwd(res: tuple[jax.Array, jax.Array],
-                     dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, w = res
-    dy = dy.astype(jnp.bfloat16)  # already bf16: the cotangent of y (bf16)
-    dx = lax.dot_general(dy, w, _DY_W, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = lax.dot_general(dy, x, _DY_T_X, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
-
-
-_bf16_linear.defvjp(_bf16_linear_fwd, _bf16_linear_bwd)
 
 
 def linear_fn(

@@ -45,7 +45,7 @@ from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane, scale_bytes
 
-__all__ = ["run_gemm"]
+__all__ = ["b_tiles", "blocked_product", "run_gemm"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -95,25 +95,30 @@ def _scaled(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec) -> jax.Array:
     return out[0]
 
 
-def _reblocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec
-               ) -> tuple[reblock.Reblocked, reblock.Reblocked, int]:
-    """a in 1x128 blocks and b in 128x128 tiles, both padded with zero codes to whole blocks
-    (K and b's rows to multiples of 128, a's rows to 16); and b's row count before padding."""
-    ad, as_ = _contract_last(a, spec.a_plane, spec.a_contract)
+def b_tiles(b: MXFP8Tensor, spec: RoleSpec) -> tuple[reblock.Reblocked, int]:
+    """b re-blocked into 128x128 tiles, padded with zero codes to whole tiles (rows and K to
+    multiples of 128), and b's row count (the GEMM's N) before padding."""
     bd, bs = _contract_last(b, spec.b_plane, spec.b_contract)
-    (m, k), n = ad.shape, bd.shape[0]
-    kp = round_up(k, reblock.GROUP)
-    as_ = scale_bytes(as_, as_.shape, "fp8_blocked: a's scale")
+    n, k = bd.shape
     bs = scale_bytes(bs, bs.shape, "fp8_blocked: b's scale")
-    ra = reblock.reblock_rows(*reblock.pad_to(ad, as_, round_up(m, 16), kp))
-    rb = reblock.reblock_tiles(*reblock.pad_to(bd, bs, round_up(n, reblock.GROUP), kp))
-    return ra, rb, n
+    return reblock.reblock_tiles(*reblock.pad_to(bd, bs, round_up(n, reblock.GROUP),
+                                                 round_up(k, reblock.GROUP))), n
 
 
-def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, out_dtype: jnp.dtype = _F32,
-                 *, pallas: bool = False) -> jax.Array:
-    m = a.shape[1 - spec.a_contract]
-    ra, rb, n = _reblocked(a, b, spec)
+def _a_rows(a: MXFP8Tensor, spec: RoleSpec) -> reblock.Reblocked:
+    """a in 1x128 blocks, padded with zero codes (K to a multiple of 128, rows to 16)."""
+    ad, as_ = _contract_last(a, spec.a_plane, spec.a_contract)
+    m, k = ad.shape
+    as_ = scale_bytes(as_, as_.shape, "fp8_blocked: a's scale")
+    return reblock.reblock_rows(*reblock.pad_to(ad, as_, round_up(m, 16),
+                                                round_up(k, reblock.GROUP)))
+
+
+def blocked_product(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n: int,
+                    out_dtype: jnp.dtype = _F32, *, pallas: bool = False) -> jax.Array:
+    """(m, n) of ``ra @ rb^T`` for re-blocked operands (a in 1x128 blocks, b in 128x128 tiles,
+    the same padded K): cuBLASLt's (or, ``pallas``, the Pallas kernel's) FP8 GEMM where the
+    program runs on a GPU, the exact fp32 dot of the same values elsewhere."""
 
     def exact(ra: reblock.Reblocked, rb: reblock.Reblocked) -> jax.Array:
         return reblock.blocked_dot_reference(ra, rb).astype(out_dtype)
@@ -129,6 +134,13 @@ def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, out_dtype: jnp.
     else:  # by where the program runs: operands placed on the CPU of a GPU machine take exact
         out = lax.platform_dependent(ra, rb, cuda=kernel, default=exact)
     return out[:m, :n]
+
+
+def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, out_dtype: jnp.dtype = _F32,
+                 *, pallas: bool = False) -> jax.Array:
+    rb, n = b_tiles(b, spec)
+    return blocked_product(_a_rows(a, spec), rb, a.shape[1 - spec.a_contract], n, out_dtype,
+                           pallas=pallas)
 
 
 def _fp8_blocked_pallas(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec,

@@ -297,6 +297,7 @@ def test_operands_placed_on_the_cpu_of_a_gpu_machine_take_the_exact_emulation():
                        backend="xla")
     got = jax.jit(lambda a, b: mxfp8.matmul(a, b, impl="fp8_blocked", backend="xla"))(a, b)
     assert got.devices() == {cpu}
-    ra, rb, n = gemm_impls._reblocked(a, b, ROLES[GemmRole.FORWARD])
+    spec = ROLES[GemmRole.FORWARD]
+    ra, (rb, n) = gemm_impls._a_rows(a, spec), gemm_impls.b_tiles(b, spec)
     ref = jax.jit(blocked_dot_reference)(ra, rb)[: a.shape[0], :n]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))

@@ -1,0 +1,173 @@
+"""Activations and gradients quantized straight into the ``fp8_blocked`` GEMM's operand layouts
+(DESIGN.md 11, issue 33), and the GEMMs of the linear layer's three roles on them.
+
+``jax_side.linear`` calls these when its kernels' GEMM is ``fp8_blocked`` (or
+``fp8_blocked_pallas``): x and dy are quantized once into what the GEMMs read -- 1x128 blocks for
+the ``a`` operands, x^T in 128x128 tiles kept from the forward for wgrad -- instead of MXFP8
+planes that every GEMM then re-blocks (and, for wgrad, transposes). Weights stay MXFP8 planes
+(FSDP's gathered bytes) and are re-blocked into tiles inside the GEMM as before
+(``gemm_impls.b_tiles``).
+
+The bytes are those of quantize-then-re-block (:func:`from_planes`, the reference): on the
+``pallas`` backend one kernel (``pallas_blocked``) makes them, x read once; on any other backend
+the backend's own quantize runs, then ``reblock`` (the composition itself).
+
+Padding: x (T, C) is zero-padded to multiples of 128 in both dims before it is quantized (the
+token dim to ``blocked_tokens(T)``, at least 128). Zero rows and columns quantize to zero codes
+and zero scale bytes, exactly what ``reblock.pad_to`` appends, so every GEMM sees the operands the
+MXFP8-plane path gives it; outputs are cut back to the real rows and columns. (Padding tokens to
+128 rather than 16 can change which cuBLASLt kernel runs for token counts that are not a multiple
+of 128: the order of fp32 sums only.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from common.formats import ALL_PLANES, Plane, round_up
+from common.gemm_roles import ROLES, GemmRole
+from common.kernels import Backend, GemmImpl
+from jax_side.mxfp8 import reblock
+from jax_side.mxfp8.gemm_impls import b_tiles, blocked_product
+from jax_side.mxfp8.kernels import ResolvedKernels
+from jax_side.mxfp8.pallas_blocked import BlockedPlanes, quantize_blocked_2d
+from jax_side.mxfp8.quantize import quantize
+from jax_side.mxfp8.tensor import MXFP8Tensor
+
+__all__ = [
+    "BLOCKED_GEMMS",
+    "BlockedPlanes",
+    "KeptTiles",
+    "backward",
+    "blocked_gemm",
+    "blocked_tokens",
+    "forward",
+    "from_planes",
+    "quantize_operands",
+]
+
+BLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
+_G = reblock.GROUP
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTiles:
+    """What the forward keeps of x for wgrad: x^T (K, T) in 128x128 tiles, padded to multiples of
+    128 (``tiles``), and K before padding (``cols``, static)."""
+
+    tiles: reblock.Reblocked
+    cols: int
+
+
+jax.tree_util.register_dataclass(KeptTiles, data_fields=["tiles"], meta_fields=["cols"])
+
+Dtypes = tuple[jnp.dtype, jnp.dtype]  # (the result's dtype, the dtype the GEMM writes)
+
+
+def blocked_tokens(tokens: int) -> int:
+    """Token count after zero-padding for the blocked operands: a multiple of 128, >= 128."""
+    return max(_G, round_up(tokens, _G))
+
+
+def _padded(x: jax.Array) -> jax.Array:
+    t, c = x.shape
+    return jnp.pad(x, ((0, blocked_tokens(t) - t), (0, round_up(c, _G) - c)))
+
+
+def _bytes(scale: jax.Array) -> jax.Array:
+    return scale if scale.dtype == jnp.uint8 else lax.bitcast_convert_type(scale, jnp.uint8)
+
+
+def from_planes(t: MXFP8Tensor, *, rows: bool, rows_t: bool, tiles_t: bool) -> BlockedPlanes:
+    """The reference: the operands re-blocked from the MXFP8 planes of an (M, K) tensor whose
+    dims are multiples of 128 (rows from the rowwise plane; rows_t / tiles_t from the colwise
+    plane, transposed to (K, M))."""
+    r = rt = tt = None
+    if rows:
+        d, s = t.plane(Plane.ROWWISE)
+        r = reblock.reblock_rows(d, _bytes(s))
+    if rows_t or tiles_t:
+        d, s = t.plane(Plane.COLWISE)
+        dt, st = d.T, _bytes(s).T
+        rt = reblock.reblock_rows(dt, st) if rows_t else None
+        tt = reblock.reblock_tiles(dt, st) if tiles_t else None
+    return BlockedPlanes(r, rt, tt)
+
+
+def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t: bool = False,
+                      kernels: ResolvedKernels) -> BlockedPlanes:
+    """The blocked operands of a (T, C) bf16/fp32 activation or gradient, padded (module
+    docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128)."""
+    xp = _padded(x)
+    if kernels.backend is Backend.PALLAS:
+        from jax_side.mxfp8.pallas_backend import interpret_mode
+
+        interpret = interpret_mode()
+        if rows_t and tiles_t:  # one transposed output per kernel call
+            first = quantize_blocked_2d(xp, rows=rows, rows_t=True, tiles_t=False,
+                                        interpret=interpret)
+            second = quantize_blocked_2d(xp, rows=False, rows_t=False, tiles_t=True,
+                                         interpret=interpret)
+            return BlockedPlanes(first.rows, first.rows_t, second.tiles_t)
+        return quantize_blocked_2d(xp, rows=rows, rows_t=rows_t, tiles_t=tiles_t,
+                                   interpret=interpret)
+    planes = tuple(p for p, need in ((Plane.ROWWISE, rows), (Plane.COLWISE, rows_t or tiles_t))
+                   if need) or ALL_PLANES
+    return from_planes(quantize(xp, planes=planes, kernels=kernels), rows=rows, rows_t=rows_t,
+                       tiles_t=tiles_t)
+
+
+def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role: GemmRole,
+                 kernels: ResolvedKernels, m: int, n: int,
+                 out_dtype: jnp.dtype = jnp.dtype(jnp.float32)) -> jax.Array:
+    """(m, n) of one role's GEMM: ``a`` from :func:`quantize_operands` (``rows`` for forward and
+    dgrad, ``rows_t`` for wgrad); ``b`` a weight's MXFP8 planes (re-blocked into tiles here, as
+    the role reads them) or wgrad's ``tiles_t``."""
+    if kernels.gemm not in BLOCKED_GEMMS:
+        raise ValueError(f"blocked_gemm: kernels' GEMM is {kernels.gemm}, not one of "
+                         f"{[g.value for g in BLOCKED_GEMMS]}")
+    rb = b if isinstance(b, reblock.Reblocked) else b_tiles(b, ROLES[role])[0]
+    if a.data.shape[1] != rb.data.shape[1]:
+        raise ValueError(f"blocked_gemm({role.value}): a has K = {a.data.shape[1]}, b "
+                         f"{rb.data.shape[1]} (both padded to multiples of {_G})")
+    return blocked_product(a, rb, m, n, jnp.dtype(out_dtype),
+                           pallas=kernels.gemm is GemmImpl.FP8_BLOCKED_PALLAS)
+
+
+def _made(r: reblock.Reblocked | None) -> reblock.Reblocked:
+    if r is None:
+        raise AssertionError("internal: quantize_operands did not make an operand it was asked for")
+    return r
+
+
+def forward(x2d: jax.Array, w: MXFP8Tensor, out_dtype: jnp.dtype, gemm_dtype: jnp.dtype,
+            keep: bool, kernels: ResolvedKernels) -> tuple[jax.Array, KeptTiles | None]:
+    """y = x W^T (T, N) in ``out_dtype`` (the GEMM writes ``gemm_dtype``), and, if ``keep``,
+    x's tiles for wgrad."""
+    ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
+    y = blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0], w.shape[0],
+                     gemm_dtype).astype(out_dtype)
+    kept = KeptTiles(ops.tiles_t, x2d.shape[1]) if keep and ops.tiles_t is not None else None
+    return y, kept
+
+
+def backward(dy2d: jax.Array, w: MXFP8Tensor | None, kept: KeptTiles | None, dx: Dtypes,
+             dw: Dtypes, kernels: ResolvedKernels) -> tuple[jax.Array | None, jax.Array | None]:
+    """dgrad (T, K) if the weight's colwise planes ``w`` are given, wgrad (N, K) if x's tiles
+    are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows."""
+    t, n = dy2d.shape
+    if w is None and kept is None:
+        return None, None
+    ops = quantize_operands(dy2d, rows=w is not None, rows_t=kept is not None, kernels=kernels)
+    gx = gw = None
+    if w is not None:
+        gx = blocked_gemm(_made(ops.rows), w, GemmRole.DGRAD, kernels, t, w.shape[1],
+                          dx[1]).astype(dx[0])
+    if kept is not None:
+        gw = blocked_gemm(_made(ops.rows_t), kept.tiles, GemmRole.WGRAD, kernels, n, kept.cols,
+                          dw[1]).astype(dw[0])
+    return gx, gw

@@ -1,0 +1,165 @@
+"""One Pallas kernel that quantizes a bf16/fp32 (M, K) activation or gradient straight into the
+``fp8_blocked`` GEMM's operand layouts (DESIGN.md 11; issue 33), x read once.
+
+Today's path quantizes to MXFP8 planes (1x32 and 32x1 blocks), then a second pass re-blocks each
+plane for the GEMM (``reblock``), transposing the colwise one for wgrad. This kernel does both
+in registers: per 128x128 tile of x it computes the MXFP8 codes exactly as the quantize kernel
+does (``pallas_elements``: the block's own E8M0 scale, e4m3 round-to-nearest-even), then shifts
+them to the merged block's largest scale with round-to-nearest-even, as ``reblock`` does, and
+writes
+
+- ``rows``: (M, K) e4m3 in 1x128 blocks along K, scales (M, K/128) -- the ``a`` operand of the
+  forward and dgrad GEMMs (``reblock_rows`` of the rowwise plane);
+- ``rows_t``: (K, M) e4m3 in 1x128 blocks along M, scales (K, M/128) -- wgrad's ``a`` (dy^T:
+  ``reblock_rows`` of the transposed colwise plane);
+- ``tiles_t``: (K, M) e4m3 in 128x128 tiles, scales (K/128, M/128) -- wgrad's ``b`` (x^T:
+  ``reblock_tiles`` of the transposed colwise plane).
+
+Bytes: those of quantize-then-re-block (``blocked_operands.from_planes``), tested in interpret
+mode on the CPU (the FTZ-proof element path) and compiled on the GPU (the native path). The
+shift: an e4m3 magnitude (never subnormal in fp32) times 2**d, d in [-30, 0] (a normal power of
+two), rounded by the e4m3 cast; the sign byte is or-ed back, NaN codes are kept as they are.
+
+M and K must be multiples of 128 (``blocked_operands`` pads with zero rows and columns first,
+which quantize to zero codes and zero scale bytes, as ``reblock.pad_to`` pads).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_side.mxfp8.pallas_elements import (
+    ElementPath,
+    element_fns,
+    fp32_bits,
+    scale_bytes_of_bits,
+)
+from jax_side.mxfp8.pallas_impl import element_path
+from jax_side.mxfp8.pallas_tiles import triton_params
+from jax_side.mxfp8.reblock import GROUP, Reblocked
+
+__all__ = ["BlockedPlanes", "quantize_blocked_2d", "shift_codes"]
+
+_BS = 32  # MXFP8 block
+_PER = GROUP // _BS  # 1x32 blocks per 1x128 block
+_MIN_SHIFT = -30  # as reblock: every e4m3 code times 2**-30 rounds to zero
+_NUM_WARPS = 8
+
+
+class BlockedPlanes(NamedTuple):
+    """What ``quantize_blocked_2d`` made; an output not asked for is None."""
+
+    rows: Reblocked | None  # (M, K), scales (M, K/128)
+    rows_t: Reblocked | None  # (K, M), scales (K, M/128)
+    tiles_t: Reblocked | None  # (K, M), scales (K/128, M/128)
+
+
+def shift_codes(codes: jax.Array, diff: jax.Array) -> jax.Array:
+    """uint8 e4m3 ``codes * 2**diff`` rounded to nearest even, int32 ``diff <= 0`` (broadcast):
+    ``reblock``'s shift on bytes, with the sign or-ed back and NaN codes kept."""
+    c = codes.astype(jnp.int32)
+    mag = c & jnp.int32(0x7F)
+    v = lax.bitcast_convert_type(mag.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    d = jnp.maximum(diff, jnp.int32(_MIN_SHIFT))
+    factor = lax.bitcast_convert_type(lax.shift_left(d + jnp.int32(127), jnp.int32(23)),
+                                      jnp.float32)
+    shifted = lax.bitcast_convert_type((v * factor).astype(jnp.float8_e4m3fn), jnp.uint8)
+    out = shifted.astype(jnp.int32) | (c & jnp.int32(0x80))
+    return jnp.where(mag == jnp.int32(0x7F), c, out).astype(jnp.uint8)
+
+
+def _row_blocks(v: jax.Array) -> jax.Array:
+    """(32, 128) -> (32, 4): max over each 1x32 block."""
+    return jnp.max(v.reshape(_BS, _PER, _BS), axis=2)
+
+
+def _row_expand(e: jax.Array) -> jax.Array:
+    """(32, 4) -> (32, 128): each block's value over its 32 elements."""
+    return jnp.broadcast_to(e[:, :, None], (_BS, _PER, _BS)).reshape(_BS, GROUP)
+
+
+def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
+            path: ElementPath) -> None:
+    queue = list(refs)
+    rd: Any = queue.pop(0) if rows else None
+    rs: Any = queue.pop(0) if rows else None
+    td: Any = queue.pop(0) if cols else None
+    ts: Any = queue.pop(0) if cols else None
+    elements, cast = element_fns(path, any_scale=False)
+    els = [elements(fp32_bits(x_ref[pl.ds(i * _BS, _BS), :])) for i in range(_PER)]
+    if rows:
+        for i, el in enumerate(els):
+            e = scale_bytes_of_bits(_row_blocks(el.amax_in), any_bits=False)  # (32, 4)
+            top = jnp.max(e, axis=1, keepdims=True)  # (32, 1)
+            codes = cast(el, _row_expand(e))
+            rd[pl.ds(i * _BS, _BS), :] = shift_codes(codes, _row_expand(e - top))
+            rs[pl.ds(i * _BS, _BS), :] = top.astype(jnp.uint8)
+    if cols:
+        ec = [scale_bytes_of_bits(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
+              for el in els]  # (1, 128) per 32-row band: the colwise scales
+        top = functools.reduce(jnp.maximum, ec)  # (1, 128): per column over the 128 rows
+        if tiles:
+            top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
+        for i, el in enumerate(els):
+            codes = shift_codes(cast(el, ec[i]), ec[i] - top)  # (32, 128)
+            td[:, pl.ds(i * _BS, _BS)] = codes.astype(jnp.int32).T.astype(jnp.uint8)
+        ts[...] = top.astype(jnp.uint8)
+
+
+def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool,
+                        interpret: bool = False,
+                        e4m3_cast: ElementPath | str | None = None) -> BlockedPlanes:
+    """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
+    of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call)."""
+    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
+                        f"{x.dtype}{tuple(x.shape)}")
+    m, k = x.shape
+    if m % GROUP or k % GROUP:
+        raise ValueError(f"quantize_blocked_2d: (M, K) = {(m, k)} must be multiples of {GROUP}; "
+                         f"pad with zeros first (blocked_operands.quantize_operands does)")
+    if rows_t and tiles_t:
+        raise ValueError("quantize_blocked_2d: rows_t and tiles_t in one call; make them in two")
+    if not (rows or rows_t or tiles_t):
+        raise ValueError("quantize_blocked_2d: rows, rows_t and tiles_t all False asks for "
+                         "nothing")
+    path = element_path(e4m3_cast, bool(interpret))
+    return _quantize_blocked(x, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
+                             bool(interpret), path)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpret: bool,
+                      path: ElementPath) -> BlockedPlanes:
+    m, k = x.shape
+    gm, gk = m // GROUP, k // GROUP
+    u8 = jnp.uint8
+    outs: list[tuple[Any, Any]] = []
+    if rows:
+        outs += [(pl.BlockSpec((GROUP, GROUP), lambda i, j: (i, j)),
+                  jax.ShapeDtypeStruct((m, k), u8)),
+                 (pl.BlockSpec((GROUP, 1), lambda i, j: (i, j)),
+                  jax.ShapeDtypeStruct((m, gk), u8))]
+    if cols:  # scales written (M/128, K) or (M/128, K/128), transposed below (small)
+        width = 1 if tiles else GROUP
+        outs += [(pl.BlockSpec((GROUP, GROUP), lambda i, j: (j, i)),
+                  jax.ShapeDtypeStruct((k, m), u8)),
+                 (pl.BlockSpec((1, width), lambda i, j: (i, j)),
+                  jax.ShapeDtypeStruct((gm, k if width == GROUP else gk), u8))]
+    kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path)
+    res = list(pl.pallas_call(
+        kernel, out_shape=[o[1] for o in outs], grid=(gm, gk),
+        in_specs=[pl.BlockSpec((GROUP, GROUP), lambda i, j: (i, j))],
+        out_specs=[o[0] for o in outs], compiler_params=triton_params(_NUM_WARPS),
+        interpret=interpret, name="mxfp8_quantize_blocked",
+    )(x))
+    e4 = jnp.float8_e4m3fn
+    r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
+    t = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0).T) if cols else None
+    return BlockedPlanes(r, None if tiles else t, t if tiles else None)

@@ -1,0 +1,181 @@
+"""Activations and gradients quantized straight into the ``fp8_blocked`` GEMM's operands
+(``blocked_operands``, ``pallas_blocked``; issue 33):
+
+- the Pallas kernel (interpreted here, compiled on the GPU) writes the bytes of
+  quantize-then-re-block (``from_planes``) for 1x128 rows, transposed 1x128 rows and transposed
+  128x128 tiles, bf16 and fp32 inputs, NaN, Inf, zeros, subnormals and rows many binades apart;
+- the padding to multiples of 128 gives the operands ``reblock.pad_to`` gives;
+- the linear layer on this path returns the bytes of the MXFP8-plane path with the same GEMM
+  (forward, dgrad, wgrad; both backends; a token count that is not a multiple of 32);
+- shapes and requests that cannot be served are refused by name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from common.formats import Plane
+from common.kernels import KernelConfig
+from jax_side import linear as L
+from jax_side import mxfp8
+from jax_side.mxfp8 import blocked_operands as blocked
+from jax_side.mxfp8 import reblock
+from jax_side.mxfp8.kernels import resolve_kernels
+from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d, shift_codes
+
+
+def _hostile(shape, seed):
+    """Rows and columns many binades apart, NaN, +-Inf, a zero block, subnormal and tiny rows."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= np.exp2(rng.integers(-20, 10, (shape[0], 1))).astype(np.float32)
+    x *= np.exp2(rng.integers(-8, 8, (1, shape[1]))).astype(np.float32)
+    x[3, 5], x[7, 9], x[8, 10] = np.nan, -np.inf, np.inf
+    x[40:72, 100] = 0.0
+    x[100, :] = 1e-42  # fp32 subnormal (bf16: flushed to its own subnormal or zero)
+    x[101, :] = -3e-39
+    x[130, 0:32] = 448.0 * 2.0**-126  # a block whose scale is tiny
+    return x
+
+
+def _u8(a):
+    return np.asarray(lax.bitcast_convert_type(a, jnp.uint8) if a.dtype != jnp.uint8 else a)
+
+
+def _assert_same(got, want, what):
+    for name in ("rows", "rows_t", "tiles_t"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert (g is None) == (w is None), (what, name)
+        if g is None:
+            continue
+        assert g.data.shape == w.data.shape and g.scale.shape == w.scale.shape, (what, name)
+        assert g.data.dtype == jnp.float8_e4m3fn and g.scale.dtype == jnp.uint8
+        np.testing.assert_array_equal(_u8(g.data), _u8(w.data), err_msg=f"{what} {name} data")
+        np.testing.assert_array_equal(_u8(g.scale), _u8(w.scale), err_msg=f"{what} {name} scale")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_the_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
+    x = jnp.asarray(_hostile((256, 384), 0)).astype(dtype)
+    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=True, rows_t=True,
+                               tiles_t=True)
+    first = quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False, interpret=True)
+    second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True, interpret=True)
+    assert second.rows is None and second.rows_t is None
+    _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
+                 jnp.dtype(dtype).name)
+    assert first.rows_t.scale.shape == (384, 2) and second.tiles_t.scale.shape == (3, 2)
+
+
+def test_the_shift_keeps_signs_nan_and_rounds_to_nearest_even():
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    for diff in (0, -1, -3, -9, -40):
+        want = reblock._shift(lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
+                              jnp.int32(diff))
+        got = shift_codes(codes, jnp.int32(diff))
+        np.testing.assert_array_equal(_u8(got), _u8(want), err_msg=f"diff {diff}")
+
+
+@pytest.mark.parametrize("shape", [(70, 96), (200, 256), (1, 32)], ids=str)
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_padding_gives_the_operands_pad_to_gives(shape, backend):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(shape), jnp.bfloat16)
+    k = resolve_kernels(KernelConfig(backend=backend, gemm="fp8_blocked"))
+    got = blocked.quantize_operands(x, rows=True, rows_t=True, tiles_t=True, kernels=k)
+    t = blocked.blocked_tokens(shape[0])
+    c = -(-shape[1] // 128) * 128
+    q = mxfp8.quantize(L.pad_tokens(x), backend="xla")
+    rd, rs = q.plane(Plane.ROWWISE)
+    cd, cs = q.plane(Plane.COLWISE)
+    rows = reblock.reblock_rows(*reblock.pad_to(rd, _u8(rs), t, c))
+    cdt, cst = reblock.pad_to(cd.T, _u8(cs).T, c, t)
+    want = blocked.BlockedPlanes(rows, reblock.reblock_rows(cdt, cst),
+                                 reblock.reblock_tiles(cdt, cst))
+    _assert_same(got, want, f"{backend} {shape}")
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_the_linear_layer_gives_the_bytes_of_the_plane_path(backend):
+    rng = np.random.default_rng(2)
+    t, k_, n = 200, 256, 384
+    x = jnp.asarray(rng.standard_normal((t, k_)), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((t, n)), jnp.bfloat16)
+    k = resolve_kernels(KernelConfig(backend=backend, gemm="fp8_blocked"))
+    wq = L.quantize_weight(jnp.asarray(rng.standard_normal((n, k_)) * 0.05, jnp.float32),
+                           kernels=k)
+    out = L.forward(x, wq.only(Plane.ROWWISE), out_dtype=jnp.bfloat16, keep_x_colwise=True,
+                    kernels=k)
+    assert isinstance(out.x_colwise, blocked.KeptTiles) and out.x_colwise.cols == k_
+    assert out.x_colwise.tiles.data.shape == (256, 256)  # x^T: K by 200 tokens padded to 256
+    got = L.backward(dy, wq.only(Plane.COLWISE), out.x_colwise, dx_dtype=jnp.bfloat16,
+                     dw_dtype=jnp.float32, kernels=k)
+    xq, dyq = mxfp8.quantize(L.pad_tokens(x), kernels=k), mxfp8.quantize(L.pad_tokens(dy),
+                                                                         kernels=k)
+    want = {
+        "y": mxfp8.matmul(xq, wq, "forward", out_dtype=jnp.bfloat16, kernels=k)[:t],
+        "dx": mxfp8.matmul(dyq, wq, "dgrad", out_dtype=jnp.bfloat16, kernels=k)[:t],
+        "dw": mxfp8.matmul(dyq, xq, "wgrad", out_dtype=jnp.float32, kernels=k),
+    }
+    for name, value in (("y", out.y), ("dx", got.dx), ("dw", got.dw)):
+        assert value.shape == want[name].shape and value.dtype == want[name].dtype, name
+        np.testing.assert_array_equal(np.asarray(value, np.float32),
+                                      np.asarray(want[name], np.float32), err_msg=name)
+    only_dw = L.backward(dy, None, out.x_colwise, dx_dtype=jnp.bfloat16, dw_dtype=jnp.float32,
+                         kernels=k)
+    assert only_dw.dx is None
+    np.testing.assert_array_equal(np.asarray(only_dw.dw), np.asarray(got.dw))
+
+
+def test_the_flax_twin_differentiates_through_the_blocked_path():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, jnp.float32)
+
+    def loss(x, w, gemm):
+        return jnp.sum(L.mxfp8_linear(x, w, kernels=KernelConfig(gemm=gemm)) ** 2)
+
+    fast = jax.grad(loss, argnums=(0, 1))(x, w, "fp8_blocked")
+    exact = jax.grad(loss, argnums=(0, 1))(x, w, "dequant_dot")
+    for f, e in zip(fast, exact, strict=True):
+        rel = float(jnp.linalg.norm(f - e) / jnp.linalg.norm(e))
+        assert rel < 1e-3, rel  # the re-block changes only small elements
+
+
+def test_requests_that_cannot_be_served_are_refused():
+    x = jnp.zeros((128, 96), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=False, interpret=True)
+    x = jnp.zeros((128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rows_t and tiles_t in one call"):
+        quantize_blocked_2d(x, rows=False, rows_t=True, tiles_t=True, interpret=True)
+    with pytest.raises(ValueError, match="asks for nothing"):
+        quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=False, interpret=True)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        quantize_blocked_2d(x.astype(jnp.float16), rows=True, rows_t=False, tiles_t=False)
+    k = resolve_kernels(KernelConfig(gemm="dequant_dot"))
+    ops = blocked.quantize_operands(x, rows=True, kernels=k)
+    w = mxfp8.quantize(jnp.zeros((128, 256), jnp.float32))
+    with pytest.raises(ValueError, match="not one of"):
+        blocked.blocked_gemm(ops.rows, w, mxfp8.GemmRole.FORWARD, k, 128, 128)
+    kb = resolve_kernels(KernelConfig(gemm="fp8_blocked"))
+    with pytest.raises(ValueError, match="a has K = 128, b 256"):
+        blocked.blocked_gemm(ops.rows, w, mxfp8.GemmRole.FORWARD, kb, 128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
+    """On the GPU: the native element path, compiled, against the xla quantize then re-block
+    (XLA keeps subnormals there), on hostile data and a larger tensor."""
+    for shape, seed in (((256, 384), 0), ((1024, 2048), 5)):
+        x = jnp.asarray(_hostile(shape, seed)).astype(dtype)
+        want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=True, rows_t=True,
+                                   tiles_t=True)
+        first = quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False)
+        second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True)
+        _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
+                     f"{jnp.dtype(dtype).name} {shape}")
