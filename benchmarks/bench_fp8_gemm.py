@@ -68,7 +68,7 @@ TILES = ["128,128,8,3"]  # the best of 128x128/128x256/256x128, 4/8 warps, 3/4 s
 ROLE_SHAPES = {"d2048_ff8192": (8192, 2048, 8192)}  # tokens, d_model, d_ff of the 1.3B fc1
 
 
-def _timed(fn: Any, *args: Any, iters: int) -> float:
+def timed(fn: Any, *args: Any, iters: int) -> float:
     out = fn(*args)
     jax.block_until_ready(out)
     for _ in range(2):
@@ -192,7 +192,7 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
         row: dict[str, Any] = {"shape": [m, k, n]}
         bf16 = jax.jit(lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ())),
                                                     preferred_element_type=jnp.float32))
-        row["bf16_ms"] = _timed(bf16, a, b, iters=iters) * 1e3
+        row["bf16_ms"] = timed(bf16, a, b, iters=iters) * 1e3
         fns = {}
         if not interpret:
             fns["dequant_bf16_dot"] = (jax.jit(
@@ -214,7 +214,7 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
                 x, y, tile=t, interpret=interpret)), (ra, rb))
         for name, (fn, args) in fns.items():
             try:
-                row[f"{name}_ms"] = _timed(fn, *args, iters=iters) * 1e3
+                row[f"{name}_ms"] = timed(fn, *args, iters=iters) * 1e3
             except Exception as e:  # a tile that does not compile is recorded, not fatal
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         for key in [k_ for k_ in row if k_.endswith("_ms")]:
@@ -237,7 +237,7 @@ def role_rows(iters: int, pallas: bool = True) -> list[dict[str, Any]]:
             for impl in ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas")[: 3 if pallas
                                                                                  else 2]:
                 fn = jax.jit(lambda p, q, r=role, i=impl: mxfp8.matmul(p, q, r, impl=i))
-                row[f"{impl}_ms"] = _timed(fn, a, b, iters=iters) * 1e3
+                row[f"{impl}_ms"] = timed(fn, a, b, iters=iters) * 1e3
             for impl in ("fp8_blocked", "fp8_blocked_pallas")[: 2 if pallas else 1]:
                 row[f"{impl}_vs_dequant_bf16_dot"] = row["dequant_bf16_dot_ms"] / row[
                     f"{impl}_ms"]

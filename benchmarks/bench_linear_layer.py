@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from benchmarks.bench_fp8_gemm import timed  # noqa: E402
 from common.formats import Plane  # noqa: E402
 from common.kernels import KernelConfig  # noqa: E402
 from jax_side import linear as L  # noqa: E402
@@ -48,15 +48,7 @@ _BF16 = jnp.bfloat16
 
 
 def _timed(fn: Any, *args: Any, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    for _ in range(2):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3
+    return timed(fn, *args, iters=iters) * 1e3  # ms
 
 
 def _bf16_programs() -> tuple[Any, Any]:

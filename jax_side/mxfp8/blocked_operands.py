@@ -9,8 +9,8 @@ planes that every GEMM then re-blocks (and, for wgrad, transposes). Weights stay
 (``gemm_impls.b_tiles``).
 
 The bytes are those of quantize-then-re-block (:func:`from_planes`, the reference): on the
-``pallas`` backend one kernel (``pallas_blocked``) makes them, x read once; on any other backend
-the backend's own quantize runs, then ``reblock`` (the composition itself).
+``pallas`` backend the kernel of ``pallas_blocked`` makes them (one call per output); on any
+other backend the backend's own quantize runs, then ``reblock`` (the composition itself).
 
 Padding: x (T, C) is zero-padded to multiples of 128 in both dims before it is quantized (the
 token dim to ``blocked_tokens(T)``, at least 128). Zero rows and columns quantize to zero codes
@@ -51,7 +51,10 @@ __all__ = [
 ]
 
 BLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
+ROWS_WARPS = 8  # Triton warps per program of the rows kernel (H200, bench_blocked_operands.py)
+TRANSPOSED_WARPS = 4  # of the transposed outputs' kernel
 _G = reblock.GROUP
+_F32 = jnp.dtype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +107,35 @@ def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t
     docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128)."""
     xp = _padded(x)
     if kernels.backend is Backend.PALLAS:
-        from jax_side.mxfp8.pallas_backend import interpret_mode
-
-        interpret = interpret_mode()
-        if rows_t and tiles_t:  # one transposed output per kernel call
-            first = quantize_blocked_2d(xp, rows=rows, rows_t=True, tiles_t=False,
-                                        interpret=interpret)
-            second = quantize_blocked_2d(xp, rows=False, rows_t=False, tiles_t=True,
-                                         interpret=interpret)
-            return BlockedPlanes(first.rows, first.rows_t, second.tiles_t)
-        return quantize_blocked_2d(xp, rows=rows, rows_t=rows_t, tiles_t=tiles_t,
-                                   interpret=interpret)
+        return _pallas_operands(xp, rows, rows_t, tiles_t)
     planes = tuple(p for p, need in ((Plane.ROWWISE, rows), (Plane.COLWISE, rows_t or tiles_t))
                    if need) or ALL_PLANES
     return from_planes(quantize(xp, planes=planes, kernels=kernels), rows=rows, rows_t=rows_t,
                        tiles_t=tiles_t)
 
 
+def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> BlockedPlanes:
+    """One kernel call per output: each alone keeps less of x in registers than all together
+    (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192 bf16 the rows take
+    83 us with 8 warps and the x^T tiles 144 us with 4, both together 296 us)."""
+    from jax_side.mxfp8.pallas_backend import interpret_mode
+
+    interpret = interpret_mode()
+    r = rt = tt = None
+    if rows:
+        r = quantize_blocked_2d(xp, rows=True, rows_t=False, tiles_t=False, interpret=interpret,
+                                num_warps=ROWS_WARPS).rows
+    for wanted, tiles in ((rows_t, False), (tiles_t, True)):
+        if wanted:
+            made = quantize_blocked_2d(xp, rows=False, rows_t=not tiles, tiles_t=tiles,
+                                       interpret=interpret, num_warps=TRANSPOSED_WARPS)
+            rt, tt = (rt, made.tiles_t) if tiles else (made.rows_t, tt)
+    return BlockedPlanes(r, rt, tt)
+
+
 def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role: GemmRole,
                  kernels: ResolvedKernels, m: int, n: int,
-                 out_dtype: jnp.dtype = jnp.dtype(jnp.float32)) -> jax.Array:
+                 out_dtype: jnp.dtype = _F32) -> jax.Array:
     """(m, n) of one role's GEMM: ``a`` from :func:`quantize_operands` (``rows`` for forward and
     dgrad, ``rows_t`` for wgrad); ``b`` a weight's MXFP8 planes (re-blocked into tiles here, as
     the role reads them) or wgrad's ``tiles_t``."""

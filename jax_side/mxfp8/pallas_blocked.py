@@ -44,12 +44,12 @@ from jax_side.mxfp8.pallas_impl import element_path
 from jax_side.mxfp8.pallas_tiles import triton_params
 from jax_side.mxfp8.reblock import GROUP, Reblocked
 
-__all__ = ["BlockedPlanes", "quantize_blocked_2d", "shift_codes"]
+__all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d", "shift_codes"]
 
 _BS = 32  # MXFP8 block
 _PER = GROUP // _BS  # 1x32 blocks per 1x128 block
 _MIN_SHIFT = -30  # as reblock: every e4m3 code times 2**-30 rounds to zero
-_NUM_WARPS = 8
+NUM_WARPS = 8  # Triton warps per program (the default of quantize_blocked_2d)
 
 
 class BlockedPlanes(NamedTuple):
@@ -114,9 +114,11 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
 
 def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool,
                         interpret: bool = False,
-                        e4m3_cast: ElementPath | str | None = None) -> BlockedPlanes:
+                        e4m3_cast: ElementPath | str | None = None,
+                        num_warps: int = NUM_WARPS) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
-    of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call)."""
+    of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
+    ``num_warps``: Triton warps per 128x128 program (benchmarks/bench_blocked_operands.py)."""
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
                         f"{x.dtype}{tuple(x.shape)}")
@@ -131,12 +133,12 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
                          "nothing")
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(x, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
-                             bool(interpret), path)
+                             bool(interpret), path, int(num_warps))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpret: bool,
-                      path: ElementPath) -> BlockedPlanes:
+                      path: ElementPath, num_warps: int) -> BlockedPlanes:
     m, k = x.shape
     gm, gk = m // GROUP, k // GROUP
     u8 = jnp.uint8
@@ -156,7 +158,7 @@ def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpr
     res = list(pl.pallas_call(
         kernel, out_shape=[o[1] for o in outs], grid=(gm, gk),
         in_specs=[pl.BlockSpec((GROUP, GROUP), lambda i, j: (i, j))],
-        out_specs=[o[0] for o in outs], compiler_params=triton_params(_NUM_WARPS),
+        out_specs=[o[0] for o in outs], compiler_params=triton_params(num_warps),
         interpret=interpret, name="mxfp8_quantize_blocked",
     )(x))
     e4 = jnp.float8_e4m3fn
