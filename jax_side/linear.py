@@ -10,6 +10,11 @@ the two stacks agree by construction: same programs, same bytes.
 | dgrad   | dx = dy W   | dy rowwise, W colwise                           | x's dtype    |
 | wgrad   | dW = dy^T x | dy colwise, x colwise                           | W's dtype    |
 
+With an ``fp8_blocked`` GEMM (Hopper's FP8 tensor cores), x and dy are quantized straight into
+that GEMM's operand layouts instead (``jax_side.mxfp8.blocked_operands``: the bytes the plane path
+would re-block, so the same results) and the forward keeps x^T in 128x128 tiles (``KeptTiles``)
+in place of x's colwise plane.
+
 W is either given as MXFP8 planes (e.g. FSDP's all-gathered planes, used as they are) or
 quantized here as ``quantize(bf16(weight))`` (DESIGN.md 3: master weights are quantized from their
 bf16 rounding). Given planes are an ``MXFP8Tensor`` or a ``FlatPlane``: one plane of the weight
@@ -252,7 +257,8 @@ def forward(
     kernels: ResolvedKernels,
 ) -> ForwardOut:
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
-    if ``keep_x_colwise``, the colwise plane of the padded x for wgrad."""
+    if ``keep_x_colwise``, the colwise plane of the padded x for wgrad (with an fp8_blocked GEMM,
+    its x^T tiles: ``blocked_operands.KeptTiles``)."""
     if _blocked(kernels, w_rowwise):
         return ForwardOut(*blocked.forward(x2d, _planes(w_rowwise), jnp.dtype(out_dtype),
                                            _out(out_dtype), keep_x_colwise, kernels))
