@@ -6,7 +6,9 @@
   128x128 tiles, bf16 and fp32 inputs, NaN, Inf, zeros, subnormals and rows many binades apart;
 - the padding to multiples of 128 gives the operands ``reblock.pad_to`` gives;
 - the linear layer on this path returns the bytes of the MXFP8-plane path with the same GEMM
-  (forward, dgrad, wgrad; both backends; a token count that is not a multiple of 32);
+  (forward, dgrad, wgrad; both backends; a token count that is not a multiple of 32), and a
+  training step through FSDP's unit programs gives the same losses on the kernel as on the
+  composition;
 - shapes and requests that cannot be served are refused by name.
 """
 
@@ -179,3 +181,40 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
         second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True)
         _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
                      f"{jnp.dtype(dtype).name} {shape}")
+
+
+@pytest.mark.slow
+def test_unit_programs_on_the_pallas_kernel_train_as_on_the_composition(single_rank_world,
+                                                                        monkeypatch):
+    """A training step through FSDP's unit programs with ``fp8_blocked``: the Pallas kernel
+    (interpreted here) and the xla backend's quantize-then-re-block give the same losses, bit for
+    bit (the same operand bytes reach the same GEMM)."""
+    import torch
+
+    from common.model_config import GPTConfig
+    from models.torch_gpt import TorchGPT
+    from torch_side import FSDPOptimizer, fully_shard
+
+    cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=2, d_model=128, d_ff=256)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def losses(backend):
+        kernels = KernelConfig(backend=backend, gemm="fp8_blocked")
+        net = TorchGPT(cfg, seed=1, kernels=kernels)
+        model = fully_shard(net, unit_modules=net.block_units(2), kernels=kernels)
+        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
+        out = []
+        for _ in range(2):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    calls = []
+    monkeypatch.setattr(blocked, "quantize_blocked_2d",
+                        lambda *a, **k: calls.append(k) or quantize_blocked_2d(*a, **k))
+    on_kernel = losses("pallas")
+    assert calls, "the unit programs did not run the blocked-operand kernel"
+    assert on_kernel == losses("xla")
