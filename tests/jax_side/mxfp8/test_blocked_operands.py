@@ -28,6 +28,7 @@ from jax_side.mxfp8 import blocked_operands as blocked
 from jax_side.mxfp8 import reblock
 from jax_side.mxfp8.kernels import resolve_kernels
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d, shift_codes
+from tests.jax_side.mxfp8.tiny_training import two_step_losses
 
 
 def _hostile(shape, seed):
@@ -189,28 +190,8 @@ def test_unit_programs_on_the_pallas_kernel_train_as_on_the_composition(single_r
     """A training step through FSDP's unit programs with ``fp8_blocked``: the Pallas kernel
     (interpreted here) and the xla backend's quantize-then-re-block give the same losses, bit for
     bit (the same operand bytes reach the same GEMM)."""
-    import torch
-
-    from common.model_config import GPTConfig
-    from models.torch_gpt import TorchGPT
-    from torch_side import FSDPOptimizer, fully_shard
-
-    cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=2, d_model=128, d_ff=256)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-
     def losses(backend):
-        kernels = KernelConfig(backend=backend, gemm="fp8_blocked")
-        net = TorchGPT(cfg, seed=1, kernels=kernels)
-        model = fully_shard(net, unit_modules=net.block_units(2), kernels=kernels)
-        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
-        out = []
-        for _ in range(2):
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
+        return two_step_losses(KernelConfig(backend=backend, gemm="fp8_blocked"))
 
     calls = []
     monkeypatch.setattr(blocked, "quantize_blocked_2d",

@@ -27,6 +27,7 @@ from jax_side.mxfp8.reblock import (
     reblock_rows,
     reblock_tiles,
 )
+from tests.jax_side.mxfp8.tiny_training import two_step_losses
 from tests.oracle import mxfp8_ref
 
 # Relative Frobenius distance of an fp8_blocked GEMM from the exact MXFP8 GEMM on ordinary data
@@ -251,27 +252,8 @@ def test_a_training_step_with_fp8_blocked_stays_near_the_exact_one(single_rank_w
     # the whole unit-program path (every role, padded token counts, the head) with the re-blocked
     # GEMM: on the CPU the exact dot of the re-blocked values, so the losses differ from the exact
     # MXFP8 run only by the re-block's changes to small elements
-    import torch
-
-    from common.model_config import GPTConfig
-    from models.torch_gpt import TorchGPT
-    from torch_side import FSDPOptimizer, fully_shard
-
-    cfg = GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=2, d_model=128, d_ff=256)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-
     def losses(gemm):
-        net = TorchGPT(cfg, seed=1, kernels=KernelConfig(gemm=gemm))
-        model = fully_shard(net, unit_modules=net.block_units(2), kernels=KernelConfig(gemm=gemm))
-        opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-2, foreach=False)
-        out = []
-        for _ in range(2):
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return np.array(out)
+        return np.array(two_step_losses(KernelConfig(gemm=gemm)))
 
     from jax_side.mxfp8 import reblock
 
