@@ -1,12 +1,13 @@
 """One Pallas kernel that quantizes a bf16/fp32 (M, K) activation or gradient straight into the
-``fp8_blocked`` GEMM's operand layouts (DESIGN.md 11; issue 33), x read once.
+``fp8_blocked`` GEMM's operand layouts (DESIGN.md 11; issue 33), x read once per call.
 
-Today's path quantizes to MXFP8 planes (1x32 and 32x1 blocks), then a second pass re-blocks each
-plane for the GEMM (``reblock``), transposing the colwise one for wgrad. This kernel does both
-in registers: per 128x128 tile of x it computes the MXFP8 codes exactly as the quantize kernel
+The plane path quantizes to MXFP8 planes (1x32 and 32x1 blocks), then a second pass re-blocks
+each plane for the GEMM (``reblock``), transposing the colwise one for wgrad. This kernel does
+both in registers: per 128x128 tile of x it computes the MXFP8 codes exactly as the quantize kernel
 does (``pallas_elements``: the block's own E8M0 scale, e4m3 round-to-nearest-even), then shifts
 them to the merged block's largest scale with round-to-nearest-even, as ``reblock`` does, and
-writes
+writes (one call may make several; ``blocked_operands`` makes one per call, which measured
+faster on the H200)
 
 - ``rows``: (M, K) e4m3 in 1x128 blocks along K, scales (M, K/128) -- the ``a`` operand of the
   forward and dgrad GEMMs (``reblock_rows`` of the rowwise plane);
