@@ -189,7 +189,8 @@ def test_unit_programs_on_the_pallas_kernel_train_as_on_the_composition(single_r
                                                                         monkeypatch):
     """A training step through FSDP's unit programs with ``fp8_blocked``: the Pallas kernel
     (interpreted here) and the xla backend's quantize-then-re-block give the same losses, bit for
-    bit (the same operand bytes reach the same GEMM)."""
+    bit (the same operand bytes reach the same GEMMs; the second loss depends on the first step's
+    gradients, so dgrad and wgrad are compared too)."""
     def losses(backend):
         return two_step_losses(KernelConfig(backend=backend, gemm="fp8_blocked"))
 
