@@ -182,6 +182,10 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
         second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True)
         _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
                      f"{jnp.dtype(dtype).name} {shape}")
+        # and as the linear layer calls it: one call per output, its own warps per output
+        k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
+        _assert_same(blocked.quantize_operands(x, rows=True, rows_t=True, tiles_t=True,
+                                               kernels=k), want, f"layer's calls {shape}")
 
 
 @pytest.mark.slow
