@@ -3,7 +3,7 @@
 # JAX on the GPU (bit-exactness of the xla backend against the numpy oracle on CUDA, where XLA keeps
 # subnormals), plus the gpu-marked GEMM tests (jax.nn.scaled_matmul vs dequantize + dot).
 # Repo root, machine python3 (jax 0.11.2), no install; logs under $OUT; < ~7 minutes (the
-# fp8_blocked and blocked-operand tests took about 4 of them on the H200, 2026-12-04).
+# test_fp8_blocked.py alone took 137 s on the H200, 2026-12-04).
 set -u
 OUT=${OUT:-$PWD/out/jax_side}
 mkdir -p "$OUT"
