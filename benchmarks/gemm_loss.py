@@ -29,7 +29,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,12 +41,14 @@ __all__ = ["Curve", "compare", "load", "main", "table"]
 _SAME = ("corpus", "params", "world_size", "mesh", "loss_floor")
 
 
-class Curve:
-    """One run's step losses (step -> loss; a null loss is NaN) and its last held-out loss."""
+class Curve(NamedTuple):
+    """One run's step losses (step -> loss; a null loss is NaN), its last held-out loss and its
+    last run record."""
 
-    def __init__(self, path: Path, loss: dict[int, float], heldout: float | None,
-                 run: dict[str, Any]) -> None:
-        self.path, self.loss, self.heldout, self.run = path, loss, heldout, run
+    path: Path
+    loss: dict[int, float]
+    heldout: float | None
+    run: dict[str, Any]
 
 
 def load(path: str | Path) -> Curve:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import ALL_PLANES, Plane, round_up
+from common.formats import Plane, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
 from jax_side.mxfp8 import reblock
@@ -105,11 +105,13 @@ def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t
                       kernels: ResolvedKernels) -> BlockedPlanes:
     """The blocked operands of a (T, C) bf16/fp32 activation or gradient, padded (module
     docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128)."""
+    if not (rows or rows_t or tiles_t):
+        raise ValueError("quantize_operands: rows, rows_t and tiles_t all False asks for nothing")
     xp = _padded(x)
     if kernels.backend is Backend.PALLAS:
         return _pallas_operands(xp, rows, rows_t, tiles_t)
     planes = tuple(p for p, need in ((Plane.ROWWISE, rows), (Plane.COLWISE, rows_t or tiles_t))
-                   if need) or ALL_PLANES
+                   if need)
     return from_planes(quantize(xp, planes=planes, kernels=kernels), rows=rows, rows_t=rows_t,
                        tiles_t=tiles_t)
 
@@ -121,16 +123,16 @@ def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> 
     from jax_side.mxfp8.pallas_backend import interpret_mode
 
     interpret = interpret_mode()
-    r = rt = tt = None
-    if rows:
-        r = quantize_blocked_2d(xp, rows=True, rows_t=False, tiles_t=False, interpret=interpret,
-                                num_warps=ROWS_WARPS).rows
-    for wanted, tiles in ((rows_t, False), (tiles_t, True)):
-        if wanted:
-            made = quantize_blocked_2d(xp, rows=False, rows_t=not tiles, tiles_t=tiles,
-                                       interpret=interpret, num_warps=TRANSPOSED_WARPS)
-            rt, tt = (rt, made.tiles_t) if tiles else (made.rows_t, tt)
-    return BlockedPlanes(r, rt, tt)
+
+    def one(output: str, warps: int) -> reblock.Reblocked:
+        made = quantize_blocked_2d(xp, rows=output == "rows", rows_t=output == "rows_t",
+                                   tiles_t=output == "tiles_t", interpret=interpret,
+                                   num_warps=warps)
+        return _made(getattr(made, output))
+
+    return BlockedPlanes(one("rows", ROWS_WARPS) if rows else None,
+                         one("rows_t", TRANSPOSED_WARPS) if rows_t else None,
+                         one("tiles_t", TRANSPOSED_WARPS) if tiles_t else None)
 
 
 def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role: GemmRole,
@@ -163,8 +165,7 @@ def forward(x2d: jax.Array, w: MXFP8Tensor, out_dtype: jnp.dtype, gemm_dtype: jn
     ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
     y = blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0], w.shape[0],
                      gemm_dtype).astype(out_dtype)
-    kept = KeptTiles(ops.tiles_t, x2d.shape[1]) if keep and ops.tiles_t is not None else None
-    return y, kept
+    return y, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
 
 
 def backward(dy2d: jax.Array, w: MXFP8Tensor | None, kept: KeptTiles | None, dx: Dtypes,

@@ -157,6 +157,8 @@ def test_requests_that_cannot_be_served_are_refused():
         quantize_blocked_2d(x, rows=False, rows_t=True, tiles_t=True, interpret=True)
     with pytest.raises(ValueError, match="asks for nothing"):
         quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=False, interpret=True)
+    with pytest.raises(ValueError, match="asks for nothing"):
+        blocked.quantize_operands(x, rows=False, kernels=resolve_kernels(KernelConfig()))
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         quantize_blocked_2d(x.astype(jnp.float16), rows=True, rows_t=False, tiles_t=False)
     k = resolve_kernels(KernelConfig(gemm="dequant_dot"))
