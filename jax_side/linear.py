@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import jax
@@ -280,29 +281,34 @@ def _planes(w: MXFP8Tensor | FlatPlane) -> MXFP8Tensor:
 
 
 @functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels", "packed"))
-def backward(
-    dy2d: jax.Array,
-    w_colwise: MXFP8Tensor | FlatPlane | None,
-    x_colwise: MXFP8Tensor | blocked.KeptTiles | None,
-    *,
-    dx_dtype: DTypeLike,
-    dw_dtype: DTypeLike,
-    kernels: ResolvedKernels,
-    packed: bool = False,
-) -> BackwardOut:
-    """dgrad (if ``w_colwise`` is given) and wgrad (if ``x_colwise`` is given).
+def backward(dy2d: jax.Array, w_colwise: MXFP8Tensor | FlatPlane | None,
+             x_colwise: MXFP8Tensor | blocked.KeptTiles | None, *, dx_dtype: DTypeLike,
+             dw_dtype: DTypeLike, kernels: ResolvedKernels, packed: bool = False) -> BackwardOut:
+    """dgrad (if ``w_colwise`` is given) and wgrad (if ``x_colwise`` is given), jitted.
 
     dy2d (T, N) bf16/fp32; w_colwise: colwise plane of W (N, K); x_colwise: colwise plane of the
     padded x (T_pad, K) from ``forward`` (with an fp8_blocked GEMM: its x^T tiles). dx (T, K)
     dx_dtype, dW (N, K) dw_dtype; with ``packed`` their bytes come back in one uint8 array
     (``BackwardOut.packed``).
     """
+    return backward_traced(dy2d, w_colwise, x_colwise, dx_dtype=dx_dtype, dw_dtype=dw_dtype,
+                           kernels=kernels, packed=packed)
+
+
+def backward_traced(dy2d: jax.Array, w_colwise: MXFP8Tensor | FlatPlane | None,
+                    x_colwise: MXFP8Tensor | blocked.KeptTiles | None, *, dx_dtype: DTypeLike,
+                    dw_dtype: DTypeLike, kernels: ResolvedKernels, packed: bool = False,
+                    on_wgrad: Callable[[blocked.WgradOperands], None] | None = None,
+                    ) -> BackwardOut:
+    """``backward`` without a jit of its own, traced into the caller's program; ``on_wgrad``
+    (an fp8_blocked GEMM only): also given wgrad's operands (``blocked_operands.backward``), as
+    values of the caller's trace."""
     if isinstance(x_colwise, blocked.KeptTiles) or (x_colwise is None
                                                      and _blocked(kernels, w_colwise)):
         out = BackwardOut(*blocked.backward(
             dy2d, None if w_colwise is None else _planes(w_colwise), x_colwise,
             (jnp.dtype(dx_dtype), _out(dx_dtype)), (jnp.dtype(dw_dtype), _out(dw_dtype)),
-            kernels))
+            kernels, on_wgrad))
         return _packed(out) if packed else out
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     # dgrad reads dy rowwise, wgrad dy colwise (common.gemm_roles)

@@ -23,6 +23,8 @@ of 128: the order of fp32 sums only.)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ from common.formats import Plane, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
 from jax_side.mxfp8 import reblock
-from jax_side.mxfp8.gemm_impls import b_tiles, blocked_product
+from jax_side.mxfp8.gemm_impls import b_tiles, blocked_product, blocked_product_into
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.pallas_blocked import BlockedPlanes, quantize_blocked_2d
 from jax_side.mxfp8.quantize import quantize
@@ -42,6 +44,7 @@ __all__ = [
     "BLOCKED_GEMMS",
     "BlockedPlanes",
     "KeptTiles",
+    "WgradOperands",
     "backward",
     "blocked_gemm",
     "blocked_tokens",
@@ -69,6 +72,28 @@ class KeptTiles:
 jax.tree_util.register_dataclass(KeptTiles, data_fields=["tiles"], meta_fields=["cols"])
 
 Dtypes = tuple[jnp.dtype, jnp.dtype]  # (the result's dtype, the dtype the GEMM writes)
+
+
+class WgradOperands(NamedTuple):
+    """One wgrad GEMM's operands, handed to ``backward``'s ``on_wgrad``: dW (n, k) = the first
+    (n, k) of ``a @ b^T`` (a: dy^T in 1x128 rows, b: x^T in 128x128 tiles, both padded), in
+    ``dtype`` (the GEMM writes it: no rounding after). ``into`` writes it into a flat buffer."""
+
+    a: reblock.Reblocked
+    b: reblock.Reblocked
+    n: int
+    k: int
+    dtype: jnp.dtype
+    pallas: bool
+
+    def into(self, buf: jax.Array, start: int) -> jax.Array:
+        """``buf`` (1-D, of ``dtype``) with dW written row-major at element ``start``: the bytes
+        of ``lax.dynamic_update_slice(buf, dW.reshape(-1), (start,))``, written by the GEMM
+        itself where it can (``gemm_impls.blocked_product_into``)."""
+        if buf.dtype != self.dtype:
+            raise ValueError(f"WgradOperands.into: buf is {buf.dtype}, dW is {self.dtype}")
+        return blocked_product_into(buf, start, self.a, self.b, self.n, self.k,
+                                    pallas=self.pallas)
 
 
 def blocked_tokens(tokens: int) -> int:
@@ -169,9 +194,13 @@ def forward(x2d: jax.Array, w: MXFP8Tensor, out_dtype: jnp.dtype, gemm_dtype: jn
 
 
 def backward(dy2d: jax.Array, w: MXFP8Tensor | None, kept: KeptTiles | None, dx: Dtypes,
-             dw: Dtypes, kernels: ResolvedKernels) -> tuple[jax.Array | None, jax.Array | None]:
+             dw: Dtypes, kernels: ResolvedKernels,
+             on_wgrad: Callable[[WgradOperands], None] | None = None,
+             ) -> tuple[jax.Array | None, jax.Array | None]:
     """dgrad (T, K) if the weight's colwise planes ``w`` are given, wgrad (N, K) if x's tiles
-    are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows."""
+    are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows. ``on_wgrad`` (where
+    dW's two dtypes agree) also gets wgrad's operands: a caller that writes dW with them
+    elsewhere (``WgradOperands.into``) leaves the returned dW unused, and XLA drops its GEMM."""
     t, n = dy2d.shape
     if w is None and kept is None:
         return None, None
@@ -183,4 +212,7 @@ def backward(dy2d: jax.Array, w: MXFP8Tensor | None, kept: KeptTiles | None, dx:
     if kept is not None:
         gw = blocked_gemm(_made(ops.rows_t), kept.tiles, GemmRole.WGRAD, kernels, n, kept.cols,
                           dw[1]).astype(dw[0])
+        if on_wgrad is not None and dw[0] == dw[1]:
+            on_wgrad(WgradOperands(_made(ops.rows_t), kept.tiles, n, kept.cols, dw[1],
+                                   kernels.gemm is GemmImpl.FP8_BLOCKED_PALLAS))
     return gx, gw

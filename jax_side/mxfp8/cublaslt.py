@@ -7,6 +7,13 @@ Hopper (DESIGN.md 11; the C++ handler is ``ffi/fp8_blocked_gemm.cc``).
 capability 9.x): FP8 tensor cores, fp32 accumulation promoted every 128 of K, each block's scale
 applied exactly (powers of two).
 
+``blocked_gemm_into(buf, start, a, b)`` is the same GEMM written straight into a flat float32 or
+bfloat16 buffer at element ``start`` (a second handler, ``Mxfp8Fp8BlockedGemmInto``, whose output
+is aliased to ``buf``): the unit programs use it to put each weight gradient where the gradient
+bucket holds it (``unit_grads.pack_grads``), with no (M, N) temporary and no copy. Its bytes
+equal ``lax.dynamic_update_slice`` of ``blocked_gemm``'s result; ``start`` must be
+``INTO_ALIGN_BYTES``-aligned.
+
 **Building.** Nothing is compiled at install time. The first call in a process builds the handler
 (one ``g++`` run, about 5 s) against the installed jaxlib's FFI headers and the CUDA toolkit's
 (or the ``nvidia-*`` wheels') cuBLASLt and runtime headers, into a private cache directory
@@ -43,18 +50,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_side.compile_cache import check_private
 from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = [
-    "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "WORKSPACE_BYTES", "Status",
-    "blocked_gemm", "default_cache_dir", "raw_call", "status",
+    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_INTO",
+    "WORKSPACE_BYTES", "Status", "blocked_gemm", "blocked_gemm_into", "default_cache_dir",
+    "raw_call", "raw_call_into", "status",
 ]
 
 SOURCE = Path(__file__).with_name("ffi") / "fp8_blocked_gemm.cc"
 TARGET = "mxfp8_fp8_blocked_gemm"
-_SYMBOL = "Mxfp8Fp8BlockedGemm"
+TARGET_INTO = "mxfp8_fp8_blocked_gemm_into"  # the same GEMM written into a flat buffer
+_SYMBOLS = {TARGET: "Mxfp8Fp8BlockedGemm", TARGET_INTO: "Mxfp8Fp8BlockedGemmInto"}
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w")
 
 
@@ -195,8 +205,10 @@ def status(cache_dir: Path | None = None) -> Status:
         else:
             try:
                 lib = _build(cache_dir)
-                handler = getattr(ctypes.cdll.LoadLibrary(str(lib)), _SYMBOL)
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="CUDA")
+                loaded = ctypes.cdll.LoadLibrary(str(lib))
+                for target, symbol in _SYMBOLS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)),
+                                                platform="CUDA")
                 # eagerly, also when the first use is inside a traced program (a jit's trace
                 # stages every jnp op; the check needs concrete numbers)
                 with jax.ensure_compile_time_eval():
@@ -264,6 +276,17 @@ def raw_call(a_data: jax.Array, b_data: jax.Array, a_scale: jax.Array, b_scale: 
     return call(a_data, b_data, a_scale, b_scale)[0]
 
 
+def raw_call_into(buf: jax.Array, start: int, a_data: jax.Array, b_data: jax.Array,
+                  a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
+    """``buf`` (1-D, float32 or bfloat16) with a_data @ b_data^T written row-major at element
+    ``start`` and nothing else changed; ``buf`` is aliased to the result (XLA writes in place
+    where ``buf`` is not needed afterwards, else it copies it first)."""
+    call = jax.ffi.ffi_call(TARGET_INTO, (jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+                                          jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
+                            input_output_aliases={4: 0})
+    return call(a_data, b_data, a_scale, b_scale, buf, offset=np.int64(start))[0]
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "layout"))
 def _call(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale: jax.Array, *,
           out_dtype: Any, layout: tuple[str, str]) -> jax.Array:
@@ -275,12 +298,39 @@ def blocked_gemm(a: Reblocked, b: Reblocked, *, out_dtype: Any = jnp.float32) ->
     """(M, N) = a (M, K; 1x128 blocks) @ b (N, K; 128x128 tiles)^T through cuBLASLt. K and N must
     be multiples of 128 and M of 16 (the fp8_blocked GEMM pads). Raises with ``status()``'s
     reason where the kernel cannot run."""
+    layout = _checked_layout("blocked_gemm", a, b)
+    return _call(a.data, a.scale, b.data, b.scale, out_dtype=jnp.dtype(out_dtype), layout=layout)
+
+
+def _checked_layout(name: str, a: Reblocked, b: Reblocked) -> tuple[str, str]:
+    """The scale layout this GPU's cuBLASLt reads, after checking that the kernel runs here and
+    that a and b have shapes it takes; raises naming ``name`` otherwise."""
     st = status()
-    if not st.ok:
+    if not st.ok or st.layout is None:
         raise RuntimeError(f"the cuBLASLt fp8_blocked kernel cannot run here: {st.reason}")
     (m, k), (n, kb) = a.data.shape, b.data.shape
     if k != kb or k % GROUP or n % GROUP or m % 16:
-        raise ValueError(f"blocked_gemm: a is {(m, k)}, b is {(n, kb)}; K must agree, K and N be "
+        raise ValueError(f"{name}: a is {(m, k)}, b is {(n, kb)}; K must agree, K and N be "
                          f"multiples of {GROUP} and M of 16")
-    return _call(a.data, a.scale, b.data, b.scale, out_dtype=jnp.dtype(out_dtype),
-                 layout=st.layout)
+    return st.layout
+
+
+INTO_ALIGN_BYTES = 256  # where blocked_gemm_into may start writing (cuBLASLt's default for D)
+
+
+def blocked_gemm_into(buf: jax.Array, start: int, a: Reblocked, b: Reblocked) -> jax.Array:
+    """``buf`` with ``blocked_gemm(a, b, out_dtype=buf.dtype)`` written (row-major, M*N
+    elements) at element ``start``: the same bytes as ``lax.dynamic_update_slice`` of that
+    result (``tests/jax_side/mxfp8/test_fp8_blocked.py``), with no (M, N) temporary and no copy.
+    ``start`` must be a static int whose byte offset is a multiple of ``INTO_ALIGN_BYTES``."""
+    layout = _checked_layout("blocked_gemm_into", a, b)
+    m, n = a.data.shape[0], b.data.shape[0]
+    if buf.ndim != 1 or buf.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"blocked_gemm_into: buf must be a 1-D float32 or bfloat16 array, got "
+                         f"{buf.dtype}{list(buf.shape)}")
+    if (start < 0 or start + m * n > buf.shape[0]
+            or start * buf.dtype.itemsize % INTO_ALIGN_BYTES):
+        raise ValueError(f"blocked_gemm_into: {m} x {n} elements at {start} do not fit in "
+                         f"{buf.shape[0]}, or start is not {INTO_ALIGN_BYTES}-byte aligned")
+    sa, sb = _scales(a, b, layout)
+    return raw_call_into(buf, start, a.data, b.data, sa, sb)

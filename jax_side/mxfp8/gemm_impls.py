@@ -45,7 +45,7 @@ from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane, scale_bytes
 
-__all__ = ["b_tiles", "blocked_product", "run_gemm"]
+__all__ = ["b_tiles", "blocked_product", "blocked_product_into", "run_gemm"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -134,6 +134,29 @@ def blocked_product(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n: int
     else:  # by where the program runs: operands placed on the CPU of a GPU machine take exact
         out = lax.platform_dependent(ra, rb, cuda=kernel, default=exact)
     return out[:m, :n]
+
+
+def blocked_product_into(buf: jax.Array, start: int, ra: reblock.Reblocked,
+                         rb: reblock.Reblocked, m: int, n: int, *,
+                         pallas: bool = False) -> jax.Array:
+    """``buf`` (1-D) with ``blocked_product(ra, rb, m, n, buf.dtype)`` written row-major at
+    element ``start``: the same bytes as ``lax.dynamic_update_slice`` of it. On a GPU, where
+    the product needs no cut (m and n are the padded dims), cuBLASLt writes it there itself
+    (``cublaslt.blocked_gemm_into``: no temporary, no copy; a weight gradient straight into its
+    grad bucket); otherwise the product, then the update."""
+    aligned = start * buf.dtype.itemsize % cublaslt.INTO_ALIGN_BYTES == 0
+    direct = (not pallas and aligned and (m, n) == (ra.data.shape[0], rb.data.shape[0])
+              and buf.dtype in (jnp.float32, jnp.bfloat16))
+
+    def update(buf: jax.Array, ra: reblock.Reblocked, rb: reblock.Reblocked) -> jax.Array:
+        out = blocked_product(ra, rb, m, n, buf.dtype, pallas=pallas)
+        return lax.dynamic_update_slice(buf, out.reshape(-1), (start,))
+
+    if not direct or jax.devices()[0].platform != "gpu":
+        return update(buf, ra, rb)
+    return lax.platform_dependent(
+        buf, ra, rb, cuda=lambda buf, ra, rb: cublaslt.blocked_gemm_into(buf, start, ra, rb),
+        default=update)
 
 
 def _fp8_blocked(a: MXFP8Tensor, b: MXFP8Tensor, spec: RoleSpec, out_dtype: jnp.dtype = _F32,

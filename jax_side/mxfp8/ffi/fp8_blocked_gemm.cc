@@ -7,6 +7,8 @@
 //   b's fp32 scales: one per 128x128 tile (cuBLASLt BLK128x128_32F);
 //   out bfloat16 or float32; fp32 accumulation, promoted every 128 of K by cuBLASLt;
 //   a second result, a uint8 buffer, is cuBLASLt's workspace (XLA allocates it, JAX drops it).
+// "mxfp8_fp8_blocked_gemm_into" (Mxfp8Fp8BlockedGemmInto): the same GEMM written into a flat
+//   buffer at an element offset (a weight gradient straight into its grad bucket).
 //
 // cuBLASLt is column-major: it computes D (N x M, col-major == out row-major) = op(A) op(B) with
 // A = b seen as a K x N col-major matrix, transposed (TN), and B = a seen as K x M col-major. The
@@ -66,30 +68,38 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-ffi::Error Fp8BlockedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                          ffi::Buffer<ffi::F32> a_scale,
-                          ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> workspace) {
+// The GEMM into `out_ptr` (M x N row-major of `out_elem`, leading dimension N): shared by both
+// handlers. `out_capacity`: elements available at out_ptr.
+ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                   ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
+                   ffi::DataType out_elem, void* out_ptr, int64_t out_capacity,
+                   ffi::Result<ffi::AnyBuffer>& workspace) {
   if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN)
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: a and b must be float8_e4m3fn");
-  auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
-  if (ad.size() != 2 || bd.size() != 2 || od.size() != 2)
-    return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: a, b and out must be 2-D");
+  auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: a and b must be 2-D");
   const int64_t m = ad[0], k = ad[1], n = bd[0];
-  if (bd[1] != k || od[0] != m || od[1] != n)
+  if (bd[1] != k)
     return ffi::Error::InvalidArgument(
-        "mxfp8_fp8_blocked_gemm: shapes do not chain: a (M, K), b (N, K), out (M, N)");
+        "mxfp8_fp8_blocked_gemm: shapes do not chain: a (M, K), b (N, K)");
+  if (m * n > out_capacity)
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm: the output (M x N elements at its offset) overflows out");
   if (k % 128 || n % 128 || m % 16)
     return ffi::Error::InvalidArgument(
         "mxfp8_fp8_blocked_gemm: K and N must be multiples of 128 and M of 16 (pad first)");
+  if (reinterpret_cast<uintptr_t>(out_ptr) % 256)
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm: the output must start 256-byte aligned");
   if (a_scale.element_count() < static_cast<size_t>(m * (k / 128)) ||
       b_scale.element_count() < static_cast<size_t>((n / 128) * (k / 128)))
     return ffi::Error::InvalidArgument(
         "mxfp8_fp8_blocked_gemm: a_scale needs M*K/128 and b_scale (N/128)*(K/128) values");
   cudaDataType_t out_type;
-  if (out->element_type() == ffi::DataType::BF16) {
+  if (out_elem == ffi::DataType::BF16) {
     out_type = CUDA_R_16BF;
-  } else if (out->element_type() == ffi::DataType::F32) {
+  } else if (out_elem == ffi::DataType::F32) {
     out_type = CUDA_R_32F;
   } else {
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: out must be bf16 or f32");
@@ -148,9 +158,41 @@ ffi::Error Fp8BlockedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer 
   const size_t workspace_bytes = workspace->size_bytes();
   const float alpha = 1.0f, beta = 0.0f;
   LT_TRY(cublasLtMatmul(lt, desc.d, &alpha, b.untyped_data(), la.d, a.untyped_data(), lb.d, &beta,
-                        out->untyped_data(), ld.d, out->untyped_data(), ld.d, &found->second,
+                        out_ptr, ld.d, out_ptr, ld.d, &found->second,
                         workspace->untyped_data(), workspace_bytes, stream));
   return ffi::Error::Success();
+}
+
+ffi::Error Fp8BlockedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                          ffi::Buffer<ffi::F32> a_scale,
+                          ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> workspace) {
+  auto od = out->dimensions();
+  if (od.size() != 2 || od[0] != a.dimensions()[0] || od[1] != b.dimensions()[0])
+    return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: out must be (M, N)");
+  return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), out->untyped_data(),
+                 static_cast<int64_t>(out->element_count()), workspace);
+}
+
+// The same GEMM written into a flat buffer at element `offset` (row-major M x N there; the rest
+// of the buffer untouched): `buf` is aliased to `out` (the Python side's input_output_aliases),
+// so a gradient lands in its grad bucket without a copy.
+ffi::Error Fp8BlockedGemmInto(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
+                              ffi::AnyBuffer buf, int64_t offset,
+                              ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace) {
+  if (out->untyped_data() != buf.untyped_data())
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm_into: out must alias buf (input_output_aliases)");
+  const int64_t total = static_cast<int64_t>(out->element_count());
+  if (out->dimensions().size() != 1 || offset < 0 || offset > total)
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm_into: buf must be 1-D and offset inside it");
+  const size_t elem = out->element_type() == ffi::DataType::F32 ? 4 : 2;
+  char* base = static_cast<char*>(out->untyped_data()) + offset * elem;
+  return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), base, total - offset,
+                 workspace);
 }
 
 }  // namespace
@@ -163,4 +205,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemm, Fp8BlockedGemm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()    // out
+                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()    // buf (aliased to out)
+                                  .Attr<int64_t>("offset")
+                                  .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
                                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
