@@ -15,11 +15,15 @@ buffer is built by in-place ``dynamic_update_slice`` of each gradient into a zer
 (``flat_group``), byte for byte the concatenation ``flat_group_reference`` writes; on one H200
 the update costs 0.50 ms per 4-block 1.3B unit against 0.65 ms for the concatenation and 1.59 ms
 when the buffer was also packed into the uint8 array (``benchmarks/bench_grad_layout.py``).
+
+A gradient may come with a **writer** instead (``Writer``: its GEMM writing it into the buffer
+itself -- the ``fp8_blocked`` wgrad, ``blocked_operands.WgradOperands.into``): the same bytes as
+its update, without the (N, K) temporary or the copy (``unit_program._deferrable`` says which).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -29,12 +33,13 @@ from jax.typing import DTypeLike
 
 from common.formats import round_up
 
-__all__ = ["ALIGN", "GradGroup", "GradLayout", "Grads", "Segment", "flat_group",
+__all__ = ["ALIGN", "GradGroup", "GradLayout", "Grads", "Segment", "Writer", "flat_group",
            "flat_group_reference", "grad_layout", "pack_grads"]
 
 ALIGN = 16  # byte alignment of every segment of the packed gradients
 
 Segment = tuple[int, tuple[int, ...], str]  # (byte offset, shape, dtype name)
+Writer = Callable[[jax.Array, int], jax.Array]  # (buffer, start) -> buffer, the gradient written
 
 
 class GradGroup(NamedTuple):
@@ -98,8 +103,8 @@ def grad_layout(inputs: Sequence[tuple[tuple[int, ...], DTypeLike]],
     return GradLayout(dxs, params, mx, cursor)
 
 
-def _placed(group: GradGroup, grads: Sequence[jax.Array]) -> list[tuple[int, jax.Array]]:
-    """(start, flat gradient cast to the group's dtype), by start; an overlap or overflow
+def _placed(group: GradGroup, grads: Sequence[jax.Array]) -> list[tuple[int, int, jax.Array]]:
+    """(index, start, flat gradient cast to the group's dtype), by start; an overlap or overflow
     raises, naming the gradient and the group."""
     dt = jnp.dtype(group.dtype)
     out, cursor = [], 0
@@ -107,17 +112,28 @@ def _placed(group: GradGroup, grads: Sequence[jax.Array]) -> list[tuple[int, jax
         g = grads[i].reshape(-1).astype(dt)
         if start < cursor or start + g.shape[0] > group.numel:
             raise ValueError(f"GradGroup: gradient {i} at {start} overlaps or overflows {group}")
-        out.append((start, g))
+        out.append((i, start, g))
         cursor = start + g.shape[0]
     return out
 
 
-def flat_group(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:
+def flat_group(group: GradGroup, grads: Sequence[jax.Array],
+               writers: Mapping[int, Writer] | None = None) -> jax.Array:
     """The group's flat buffer: each gradient cast and written at its start into a zero buffer
-    (one in-place ``dynamic_update_slice`` each: module docstring)."""
+    (one in-place ``dynamic_update_slice`` each), or, for a gradient with a writer in
+    ``writers`` (by gradient index, applied in their order), written by it (module
+    docstring)."""
     buf = jnp.zeros((group.numel,), group.dtype)
-    for start, g in _placed(group, grads):
-        buf = lax.dynamic_update_slice(buf, g, (start,))
+    placed = _placed(group, grads)
+    starts = {i: start for i, start, _ in placed}
+    written = set()
+    for i, write in (writers or {}).items():
+        if i in starts:
+            buf = write(buf, starts[i])
+            written.add(i)
+    for i, start, g in placed:
+        if i not in written:
+            buf = lax.dynamic_update_slice(buf, g, (start,))
     return buf
 
 
@@ -126,7 +142,7 @@ def flat_group_reference(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Ar
     reference the tests compare it with, byte for byte)."""
     dt = jnp.dtype(group.dtype)
     parts, cursor = [], 0
-    for start, g in _placed(group, grads):
+    for _, start, g in _placed(group, grads):
         if start > cursor:
             parts.append(jnp.zeros((start - cursor,), dt))
         parts.append(g)
@@ -148,10 +164,12 @@ def _pack(arrays: Iterable[jax.Array]) -> jax.Array:
 
 
 def pack_grads(dx: jax.Array | tuple[jax.Array, ...], grads: Sequence[jax.Array],
-               groups: tuple[GradGroup, ...]) -> Grads:
+               groups: tuple[GradGroup, ...],
+               writers: Mapping[int, Writer] | None = None) -> Grads:
     """``Grads``: the packed array of ``grad_layout`` (dx -- an array, or a tuple of one per
-    input -- then the gradients not in a group) and each group's flat buffer."""
+    input -- then the gradients not in a group) and each group's flat buffer (``writers``:
+    ``flat_group``'s, by gradient index)."""
     grouped = _grouped(groups)
     alone = [g for i, g in enumerate(grads) if i not in grouped]
     dxs = dx if isinstance(dx, tuple) else (dx,)
-    return Grads(_pack([*dxs, *alone]), tuple(flat_group(g, grads) for g in groups))
+    return Grads(_pack([*dxs, *alone]), tuple(flat_group(g, grads, writers) for g in groups))

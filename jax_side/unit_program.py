@@ -37,25 +37,33 @@ quantizes as ``bf16(weight)`` (both planes, as the Flax twin does without planes
 its colwise plane, gathered only for the backward (FSDP's phase rule), or None when the forward
 quantized it. A parameter is an array or a ``FlatTensor`` (a slice of a shared buffer).
 
-How the colwise planes reach the backward, and the weight gradients leave it: each MXFP8 linear
-is a ``jax.custom_vjp`` whose residual is its x colwise plane only; its backward rule runs when
-``unit_backward`` applies the saved linearization -- i.e. while ``unit_backward`` is traced -- and
-reads the weight's colwise plane from ``_BackwardScope``, a read-only trace-time table that
-``unit_backward`` opens around that call (the plane exists only then: FSDP gathers it for the
-backward). dW leaves through autodiff, explicitly: each linear also takes a **gradient carrier**,
-zeros of the weight's shape in dW's dtype that the forward does not read (XLA drops them), and
-its rule returns dW as the carrier's cotangent. So dW is an output of ``jax.vjp`` like any other
-gradient -- summed by autodiff where a layer is called twice, and correct where the rule runs in
-an inner trace (a unit function under ``jax.checkpoint``, whose rules run while its backward is
-re-traced: ``tests/jax_side/test_unit_program.py``). A rule running outside such a scope is an
-internal error and says so.
+How the colwise planes reach the backward, and the weight gradients leave it
+(``jax_side.unit_linear``): each MXFP8 linear is a ``jax.custom_vjp`` whose residual is its x
+colwise plane only; its backward rule runs when ``unit_backward`` applies the saved
+linearization -- i.e. while ``unit_backward`` is traced -- and reads the weight's colwise plane
+from a read-only trace-time table that ``unit_backward`` opens around that call (the plane exists
+only then: FSDP gathers it for the backward). dW leaves through autodiff, explicitly: each linear
+also takes a **gradient carrier**, zeros of the weight's shape in dW's dtype that the forward does
+not read (XLA drops them), and its rule returns dW as the carrier's cotangent. So dW is an output
+of ``jax.vjp`` like any other gradient -- summed by autodiff where a layer is called twice, and
+correct where the rule runs in an inner trace (a unit function under ``jax.checkpoint``, whose
+rules run while its backward is re-traced: ``tests/jax_side/test_unit_program.py``). A rule
+running outside such a scope is an internal error and says so.
+
+**dW in the gradient bucket.** With the ``fp8_blocked`` GEMM, a linear whose dW goes into a
+``GradGroup`` of dW's own dtype has its wgrad GEMM write dW straight into the group's buffer
+(``cublaslt.blocked_gemm_into`` on the GPU; the product and a ``dynamic_update_slice``, the same
+bytes, elsewhere), so no (M, N) dW temporary and no copy into the bucket remain. This needs the
+unit function to declare ``linears_at_top = True`` (a class attribute, as ``gpt_math.GPTBlockFn``
+does): it calls no linear under a transformation of its own (``jax.checkpoint``, ``vmap``, ...),
+so every rule runs in ``unit_backward``'s own trace. Undeclared functions keep dW via autodiff
+and a copy (``_deferrable``; docs/extending.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeAlias, cast
 
@@ -64,10 +72,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from common.formats import ALL_PLANES, Plane
-from jax_side.linear import FlatPlane, backward, forward, high_precision_linear, quantize_weight
+from jax_side.linear import FlatPlane, high_precision_linear, quantize_weight
 from jax_side.mxfp8 import MXFP8Tensor
+from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.unit_grads import GradGroup, GradLayout, Grads, grad_layout, pack_grads
+from jax_side.unit_linear import backward_scope, unit_linear
 
 __all__ = [
     "FlatTensor",
@@ -134,6 +144,11 @@ class SpanFn:
 
     fns: tuple[Callable, ...]
 
+    @property
+    def linears_at_top(self) -> bool:
+        """``linears_at_top`` of every block (``_deferrable``)."""
+        return all(getattr(f, "linears_at_top", False) for f in self.fns)
+
     def block(self, i: int, params: dict[str, Any], linear: Callable, x: jax.Array) -> Out:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
         pre = f"{i}."
@@ -142,50 +157,6 @@ class SpanFn:
 
 
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
-
-
-class _BackwardScope:
-    """The colwise planes of one ``unit_backward`` trace (read by the rules, never written)."""
-
-    def __init__(self, cols: Cols) -> None:
-        self.cols = cols
-
-
-_SCOPES = threading.local()
-
-
-def _scope() -> _BackwardScope:
-    stack = getattr(_SCOPES, "stack", None)
-    if not stack:
-        raise AssertionError(
-            "unit_program: an MXFP8 linear's backward rule ran outside unit_backward (its colwise "
-            "weight plane comes from there); differentiate a unit function only through "
-            "unit_forward / unit_backward"
-        )
-    return stack[-1]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _unit_linear(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
-                 kernels: ResolvedKernels) -> jax.Array:
-    """y = x2d @ w^T (the forward reads ``w_row``); ``carrier``: zeros of dW's shape and dtype,
-    whose cotangent is dW (module docstring)."""
-    return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
-
-
-def _unit_linear_fwd(x2d, w_row, carrier, index, kernels):
-    out = forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=True, kernels=kernels)
-    return out.y, (out.x_colwise, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
-
-
-def _unit_linear_bwd(index, kernels, res, dy):
-    x_colwise, x_dtype, dw_dtype = res
-    out = backward(dy, _scope().cols[index], x_colwise, dx_dtype=x_dtype.dtype,
-                   dw_dtype=dw_dtype.dtype, kernels=kernels)
-    return out.dx, None, out.dw
-
-
-_unit_linear.defvjp(_unit_linear_fwd, _unit_linear_bwd)
 
 
 def _weights(rows, kernels):
@@ -208,7 +179,7 @@ def _values(params: Params) -> tuple:
 
 def _carriers(spec: UnitSpec, row_planes: Rows, linears: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """Gradient carriers of the MXFP8 linears ``linears`` (indices into ``spec.mxfp8``): zeros of
-    each weight's shape in its dW dtype, whose cotangents are the dW (``_unit_linear``)."""
+    each weight's shape in its dW dtype, whose cotangents are the dW (``unit_linear``)."""
     return tuple(jnp.zeros(row_planes[i].shape, jnp.dtype(spec.dw_dtypes[i])) for i in linears)
 
 
@@ -236,7 +207,7 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
             h2 = h.reshape(-1, h.shape[-1])
             if name in index:
                 i = index[name]
-                y2 = _unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
+                y2 = unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
             elif name in hp_lin:
                 y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
             else:
@@ -416,6 +387,21 @@ def unit_forward(params: Params, rows: Rows, x: Out, aux: tuple, *,
     return out, Saved(vjp, own_cols, forwarded)
 
 
+def _deferrable(spec: UnitSpec) -> frozenset[int]:
+    """MXFP8 linears whose dW its wgrad GEMM can write into a gradient group itself: an
+    ``fp8_blocked`` GEMM, a group of dW's own dtype (no cast between), and a unit function that
+    declares ``linears_at_top = True``: it calls no linear under a transformation of its own
+    (``jax.checkpoint``, ``vmap``, ...), so every rule runs in ``unit_backward``'s own trace and
+    the operands it records are values of that trace (a rule run in an ended inner trace would
+    hand over values that fail only when the program runs). Undeclared: dW via autodiff."""
+    if spec.kernels.gemm not in BLOCKED_GEMMS or not getattr(spec.fn, "linears_at_top", False):
+        return frozenset()
+    n = len(spec.params)
+    dtype = {i: g.dtype for g in spec.grad_groups for i, _ in g.slots}
+    return frozenset(j for j, dw in enumerate(spec.dw_dtypes)
+                     if jnp.dtype(dtype.get(n + j, "bool")) == jnp.dtype(dw))
+
+
 def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec) -> Grads:
     cols = tuple(c if c is not None else o for c, o in zip(cols, own_cols, strict=True))
     missing = [spec.mxfp8[i] for i, c in enumerate(cols) if c is None]
@@ -424,16 +410,11 @@ def _gradients(vjp: Any, own_cols: tuple, dout: Out, cols: Cols, spec: UnitSpec)
             f"unit_backward: no colwise plane for the MXFP8 linears {missing}: pass each "
             f"weight's colwise plane (or quantize it in the forward by passing the weight)"
         )
-    stack = _SCOPES.__dict__.setdefault("stack", [])
-    stack.append(_BackwardScope(cols))
-    try:
-        # Library backward rules (jax.nn.dot_product_attention's) mix bf16 and fp32 internally;
-        # under jax_numpy_dtype_promotion="strict" (the tests) they need the standard rules.
-        with jax.numpy_dtype_promotion("standard"):
-            d_params, dws, dx = _pullback(spec, vjp, dout)
-    finally:
-        stack.pop()
-    return pack_grads(dx, [*d_params, *dws], spec.grad_groups)
+    # Library backward rules (jax.nn.dot_product_attention's) mix bf16 and fp32 internally;
+    # under jax_numpy_dtype_promotion="strict" (the tests) they need the standard rules.
+    with backward_scope(cols, _deferrable(spec)) as scope, jax.numpy_dtype_promotion("standard"):
+        d_params, dws, dx = _pullback(spec, vjp, dout)
+    return pack_grads(dx, [*d_params, *dws], spec.grad_groups, scope.writers(len(spec.params)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,8 @@ class GPTBlockFn:
     cfg: GPTConfig
     activations: Activations
     fused_attention: bool = False  # cuDNN attention (bf16 activations on a GPU)
+    # its linears run under no transformation of their own (jax_side.unit_program._deferrable)
+    linears_at_top: ClassVar[bool] = True
 
     def __call__(
         self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array
@@ -157,6 +160,7 @@ class GPTHeadFn:
     ``ln_f.bias``), LM head (``lm_head``) and loss."""
 
     cfg: GPTConfig
+    linears_at_top: ClassVar[bool] = True  # (as GPTBlockFn's)
 
     def __call__(self, params: Mapping[str, jax.Array], linear: Linear, x: jax.Array,
                  targets: jax.Array) -> jax.Array:

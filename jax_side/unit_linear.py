@@ -1,0 +1,111 @@
+"""The MXFP8 linear inside a unit program (``jax_side.unit_program``), and the trace-time scope
+its backward rule reads.
+
+``unit_linear(x2d, w_row, carrier, index, kernels)`` is a ``jax.custom_vjp``: its forward is
+``jax_side.linear.forward`` on the weight's rowwise plane; its residual is the x colwise plane
+only. Its backward rule runs while ``unit_backward`` applies the saved linearization, and reads
+the weight's colwise plane (which FSDP gathers for the backward only) from the innermost
+``backward_scope`` -- a table opened around that call and read, never written, by the rules.
+dW leaves as the cotangent of ``carrier`` (zeros of the weight's shape in dW's dtype that the
+forward does not read), so autodiff sums it where a layer is called twice.
+
+**dW written in place.** For the linears a scope is opened with in ``defer``, the rule also
+records its wgrad operands (``blocked_operands.WgradOperands``) in the scope; ``writers`` then
+hands the gradient groups one writer per linear whose rule ran exactly once, and
+``unit_grads.pack_grads`` lets that GEMM write dW where the group's buffer holds it (the
+``fp8_blocked`` GEMM's in-place variant, ``cublaslt.blocked_gemm_into``) instead of copying a
+returned dW there. The autodiff dW of such a linear is then unused and XLA drops its GEMM. A
+linear called twice keeps the autodiff sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_side.linear import backward, backward_traced, forward
+from jax_side.mxfp8.blocked_operands import WgradOperands
+from jax_side.mxfp8.kernels import ResolvedKernels
+from jax_side.unit_grads import Writer
+
+__all__ = ["backward_scope", "unit_linear"]
+
+class BackwardScope:
+    """The colwise planes of one ``unit_backward`` trace (read by the rules, never written),
+    and the wgrad operands of the linears in ``defer`` (``unit_program._deferrable``),
+    recorded by their rules for the gradient groups to write dW in place
+    (``unit_grads.Writer``)."""
+
+    def __init__(self, cols: Sequence[Any], defer: frozenset[int] = frozenset()) -> None:
+        self.cols = cols
+        self.defer = defer
+        self.wgrads: dict[int, list[WgradOperands]] = {}
+
+    def on_wgrad(self, index: int) -> Callable[[WgradOperands], None] | None:
+        if index not in self.defer:
+            return None
+        return lambda ops: self.wgrads.setdefault(index, []).append(ops)
+
+    def writers(self, n_params: int) -> dict[int, Writer]:
+        """Gradient index -> writer, for each linear whose rule ran once (a linear called twice
+        has its dW summed by autodiff: no writer)."""
+        return {n_params + i: ops[0].into for i, ops in self.wgrads.items() if len(ops) == 1}
+
+
+_SCOPES = threading.local()
+
+
+def _scope() -> BackwardScope:
+    stack = getattr(_SCOPES, "stack", None)
+    if not stack:
+        raise AssertionError(
+            "unit_program: an MXFP8 linear's backward rule ran outside unit_backward (its colwise "
+            "weight plane comes from there); differentiate a unit function only through "
+            "unit_forward / unit_backward"
+        )
+    return stack[-1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def unit_linear(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                kernels: ResolvedKernels) -> jax.Array:
+    """y = x2d @ w^T (the forward reads ``w_row``); ``carrier``: zeros of dW's shape and dtype,
+    whose cotangent is dW (module docstring)."""
+    return forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=False, kernels=kernels).y
+
+
+def _unit_linear_fwd(x2d, w_row, carrier, index, kernels):
+    out = forward(x2d, w_row, out_dtype=x2d.dtype, keep_x_colwise=True, kernels=kernels)
+    return out.y, (out.x_colwise, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
+
+
+def _unit_linear_bwd(index, kernels, res, dy):
+    x_colwise, x_dtype, dw_dtype = res
+    scope = _scope()
+    on_wgrad = scope.on_wgrad(index)
+    run = backward if on_wgrad is None else functools.partial(backward_traced, on_wgrad=on_wgrad)
+    out = run(dy, scope.cols[index], x_colwise, dx_dtype=x_dtype.dtype, dw_dtype=dw_dtype.dtype,
+              kernels=kernels)
+    return out.dx, None, out.dw
+
+
+unit_linear.defvjp(_unit_linear_fwd, _unit_linear_bwd)
+
+
+@contextlib.contextmanager
+def backward_scope(cols: Sequence[Any],
+                   defer: frozenset[int] = frozenset()) -> Iterator[BackwardScope]:
+    """Open a ``BackwardScope`` for the backward rules traced inside the ``with`` block."""
+    stack = _SCOPES.__dict__.setdefault("stack", [])
+    scope = BackwardScope(cols, defer)
+    stack.append(scope)
+    try:
+        yield scope
+    finally:
+        stack.pop()

@@ -1,0 +1,213 @@
+"""Weight gradients written by their wgrad GEMM straight into the gradient group's buffer (the
+FSDP grad bucket), issue 33: ``gemm_impls.blocked_product_into``, ``cublaslt.blocked_gemm_into``,
+``blocked_operands.WgradOperands.into`` and the unit program's writers (``unit_grads.flat_group``,
+``unit_program._deferrable``).
+
+Every path gives the bytes of the plain one it replaces: the product, then an in-place
+``dynamic_update_slice`` into the zero buffer. On the CPU the product is the exact dot of the
+re-blocked values; on the GPU cuBLASLt writes it at its offset (the ``gpu`` tests compare it with
+``blocked_gemm`` + the update, byte for byte, and count the in-place calls in the compiled unit
+program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from common.formats import Plane
+from common.kernels import KernelConfig
+from common.model_config import SMALL
+from common.modes import Activations
+from jax_side import mxfp8
+from jax_side import unit_program as U
+from jax_side.linear import quantize_weight
+from jax_side.mxfp8 import blocked_operands, cublaslt, gemm_impls, resolve_kernels
+from jax_side.mxfp8.reblock import reblock_rows, reblock_tiles
+from models.gpt_math import GPTBlockFn
+
+NORMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias")
+# SMALL's linears: every dim a multiple of 128, so on the GPU each wgrad is written in place
+LINEARS = {"attn.qkv": (3 * SMALL.d_model, SMALL.d_model), "attn.proj": (SMALL.d_model,) * 2,
+           "mlp.fc": (SMALL.d_ff, SMALL.d_model), "mlp.proj": (SMALL.d_model, SMALL.d_ff)}
+
+
+def _pair(m, n, k, seed):
+    rng = np.random.default_rng(seed)
+
+    def rows(shape):
+        t = mxfp8.quantize(jnp.asarray(rng.standard_normal(shape), jnp.float32))
+        d, s = t.plane("rowwise")
+        return d, lax.bitcast_convert_type(s, jnp.uint8)
+
+    return reblock_rows(*rows((m, k))), reblock_tiles(*rows((n, k)))
+
+
+def _updated(buf, start, ra, rb, m, n):
+    out = gemm_impls.blocked_product(ra, rb, m, n, buf.dtype)
+    return lax.dynamic_update_slice(buf, out.reshape(-1), (start,))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", ["whole", "cut", "unaligned"])
+def test_blocked_product_into_is_the_update_of_the_product(dtype, case):
+    ra, rb = _pair(256, 384, 256, 1)
+    m, n = (200, 300) if case == "cut" else (256, 384)
+    start = 67 if case == "unaligned" else 128  # 128 elements: 256-byte aligned in both dtypes
+    buf = jnp.full((start + m * n + 77,), 7, dtype)  # what is not written stays as it was
+    got = jax.jit(lambda b: gemm_impls.blocked_product_into(b, start, ra, rb, m, n))(buf)
+    want = _updated(buf, start, ra, rb, m, n)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def test_wgrad_operands_refuse_a_buffer_of_another_dtype():
+    ra, rb = _pair(128, 128, 128, 2)
+    ops = blocked_operands.WgradOperands(ra, rb, 128, 128, jnp.dtype(jnp.float32), False)
+    with pytest.raises(ValueError, match="buf is bfloat16, dW is float32"):
+        ops.into(jnp.zeros((128 * 128,), jnp.bfloat16), 0)
+
+
+# ----------------------------------------------------------------------- the unit program
+
+
+def _grouped_spec(spec):
+    """All four dW of the tiny block and the LayerNorm parameters in one fp32 group, each
+    start 256-element aligned (as FSDP's FlatLayout places them)."""
+    slots, cursor = [], 0
+    for i in range(4):
+        slots.append((i, cursor))
+        cursor += 256
+    for j, shape in enumerate(LINEARS.values()):
+        slots.append((4 + j, cursor))
+        cursor += -(-int(np.prod(shape)) // 256) * 256
+    return spec._replace(grad_groups=(U.GradGroup(cursor, "float32", tuple(slots)),))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undeclared:
+    """The block without ``linears_at_top``: its dW leave through autodiff."""
+
+    fn: object
+
+    def __call__(self, params, linear, x):
+        return self.fn(params, linear, x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwiceProj:
+    """The block, then attn.proj applied once more (a linear called twice: autodiff sums its
+    two dW, so it takes no writer)."""
+
+    fn: object
+    linears_at_top = True
+
+    def __call__(self, params, linear, x):
+        h = self.fn(params, linear, x)
+        return h + linear("attn.proj", h)
+
+
+def _grads(spec, params, rows, cols, x):
+    _, saved = U.unit_forward(params, rows, x, (), spec=spec)
+    kept = saved.forwarded.kept(params, rows, x, ())
+    dout = (0.5 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
+    return U.unit_backward(saved, kept, dout, cols, spec=spec)
+
+
+def _placed_reference(spec, grads, x, params):
+    """The group's bytes from the ungrouped run: each gradient at its start, zeros elsewhere."""
+    (group,) = _grouped_spec(spec).grad_groups
+    layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
+                           list(LINEARS.values()), spec.dw_dtypes)
+    raw = np.asarray(grads.packed)
+    want = np.zeros(group.numel, np.float32)
+    for i, start in group.slots:
+        offset, shape, _ = (*layout.params, *layout.mxfp8)[i]
+        n = int(np.prod(shape))
+        want[start:start + n] = raw[offset:offset + 4 * n].view(np.float32)
+    return want
+
+
+def _fp8_blocked_inputs():
+    keys = jax.random.split(jax.random.key(0), 6)
+    params = tuple(1.0 + 0.1 * jax.random.normal(keys[4], (SMALL.d_model,)) if n.endswith("weight")
+                   else jnp.zeros(SMALL.d_model) for n in NORMS)
+    weights = [0.05 * jax.random.normal(k, s) for k, s in zip(keys[:4], LINEARS.values(),
+                                                               strict=True)]
+    x = jax.random.normal(keys[5], (2, 64, SMALL.d_model)).astype(jnp.bfloat16)
+    spec = U.UnitSpec(GPTBlockFn(SMALL, Activations.BF16), NORMS, tuple(LINEARS), (),
+                      ("float32",) * 4, resolve_kernels(KernelConfig(gemm="fp8_blocked")))
+    planes = [quantize_weight(w) for w in weights]
+    rows = tuple(p.only(Plane.ROWWISE) for p in planes)
+    cols = tuple(p.only(Plane.COLWISE) for p in planes)
+    return spec, params, rows, cols, x
+
+
+@pytest.mark.parametrize("fn", ["declared", "undeclared", "twice"])
+def test_unit_backward_writes_wgrads_into_the_group_with_the_plain_bytes(fn, monkeypatch):
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    spec = spec._replace(fn={"declared": spec.fn, "undeclared": _Undeclared(spec.fn),
+                             "twice": _TwiceProj(spec.fn)}[fn])
+    written = []
+    real = blocked_operands.blocked_product_into
+    monkeypatch.setattr(blocked_operands, "blocked_product_into",
+                        lambda buf, start, *a, **k: written.append(start) or real(buf, start,
+                                                                                   *a, **k))
+    plain = _grads(spec, params, rows, cols, x)
+    assert written == [], "an ungrouped backward writes no group"
+    grouped = _grads(_grouped_spec(spec), params, rows, cols, x)
+    (flat,) = grouped.groups
+    (group,) = _grouped_spec(spec).grad_groups
+    starts = {i: s for i, s in group.slots}
+    want = {"declared": [starts[4 + j] for j in (3, 2, 1, 0)],  # in the backward's order
+            "undeclared": [],
+            "twice": [starts[4 + j] for j in (3, 2, 0)]}[fn]  # attn.proj (1) called twice
+    assert written == want
+    assert np.asarray(flat).tobytes() == _placed_reference(spec, plain, x, params).tobytes()
+
+
+def test_a_group_of_another_dtype_takes_the_update():
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    (group,) = _grouped_spec(spec).grad_groups
+    bf16 = spec._replace(grad_groups=(group._replace(dtype="bfloat16"),))
+    assert U._deferrable(bf16) == frozenset()
+    assert U._deferrable(_grouped_spec(spec)) == frozenset(range(4))
+    exact = _grouped_spec(spec)._replace(kernels=resolve_kernels(KernelConfig(gemm="dequant_dot")))
+    assert U._deferrable(exact) == frozenset()
+
+
+# ------------------------------------------------------------------------------ on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cublaslt_writes_into_the_buffer_the_bytes_of_gemm_then_update(dtype):
+    assert cublaslt.status().ok, cublaslt.status().reason
+    ra, rb = _pair(512, 768, 1024, 3)
+    start = 1024
+    buf = jnp.full((start + 512 * 768 + 300,), 3, dtype)
+    got = jax.jit(lambda b: cublaslt.blocked_gemm_into(b, start, ra, rb))(buf)
+    out = cublaslt.blocked_gemm(ra, rb, out_dtype=dtype)
+    want = lax.dynamic_update_slice(buf, out.reshape(-1), (start,))
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    for bad in (start + 3, buf.shape[0] - 100):  # unaligned; overflowing
+        with pytest.raises(ValueError, match="do not fit|aligned"):
+            cublaslt.blocked_gemm_into(buf, bad, ra, rb)
+
+
+@pytest.mark.gpu
+def test_the_unit_program_writes_each_wgrad_in_place_on_the_gpu():
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    plain = _grads(spec, params, rows, cols, x)
+    grouped_spec = _grouped_spec(spec)
+    (flat,) = _grads(grouped_spec, params, rows, cols, x).groups
+    assert np.asarray(flat).tobytes() == _placed_reference(spec, plain, x, params).tobytes()
+    _, saved = U.unit_forward(params, rows, x, (), spec=grouped_spec)
+    kept = saved.forwarded.kept(params, rows, x, ())
+    hlo = U.unit_backward.lower(saved, kept, jnp.ones_like(x), cols,
+                                spec=grouped_spec).compile().as_text()
+    assert hlo.count(f'custom_call_target="{cublaslt.TARGET_INTO}"') == 4
