@@ -25,8 +25,10 @@ dot in the same run:
   for ``bf16``, ``cublaslt``, ``torch_bf16`` and ``torch_scaled_mm``: the GEMMs themselves,
   without any host dispatch.
 
-And for the 1.3B GPT's linear layers, the three training roles through ``matmul``: fp8_blocked
-(both kernels) against dequant_bf16_dot (re-block and transposes included). Each time is the mean of
+And for each linear layer of the 350M and 1.3B GPTs (qkv, proj, fc1, fc2 at 8 x 1024 tokens), the
+three training roles (forward, dgrad, wgrad) through ``matmul`` on MXFP8 operands: fp8_blocked
+(both kernels; re-block and transposes included) and dequant_bf16_dot, each beside the bf16 dot
+of the same role from the bf16 sources (``*_vs_bf16``). Each time is the mean of
 ``--iters`` calls after warm-up, dispatched back to back (the host does not wait between calls).
 
     python3 benchmarks/bench_fp8_gemm.py --out fp8_gemm.json          # GPU
@@ -65,7 +67,15 @@ SHAPES = [  # (M, K, N): issue 33's table and the 1.3B GPT's linears at 8 x 1024
     (8192, 8192, 2048),
 ]
 TILES = ["128,128,8,3"]  # the best of 128x128/128x256/256x128, 4/8 warps, 3/4 stages on an H200
-ROLE_SHAPES = {"d2048_ff8192": (8192, 2048, 8192)}  # tokens, d_model, d_ff of the 1.3B fc1
+# The 350M and 1.3B GPT linears at 8 x 1024 tokens: (tokens, in features, out features)
+ROLE_SHAPES = {f"{name}.{layer}": (8192, i, o)
+               for name, d, ff in (("350m", 1024, 4096), ("1.3b", 2048, 8192))
+               for layer, (i, o) in {"qkv": (d, 3 * d), "proj": (d, d), "fc1": (d, ff),
+                                     "fc2": (ff, d)}.items()}
+# Each role as a bf16 dot (fp32 accumulation, cuBLAS through XLA) of x (T, I), w (O, I), dy (T, O)
+BF16_ROLES = {"forward": (lambda x, w, dy: (x, w), (((1,), (1,)), ((), ()))),
+              "dgrad": (lambda x, w, dy: (dy, w), (((1,), (0,)), ((), ()))),
+              "wgrad": (lambda x, w, dy: (dy, x), (((0,), (0,)), ((), ())))}
 
 
 def timed(fn: Any, *args: Any, iters: int) -> float:
@@ -226,21 +236,25 @@ def gemm_rows(shapes: list[tuple[int, int, int]], tiles: list[Tile], iters: int,
 
 
 def role_rows(iters: int, pallas: bool = True) -> list[dict[str, Any]]:
+    """Each ``ROLE_SHAPES`` linear in its three roles through ``mxfp8.matmul`` (MXFP8 operands in;
+    the fp8_blocked columns count their re-block passes), beside the bf16 dot of the sources."""
     rows = []
-    for name, (t, d, f) in ROLE_SHAPES.items():
-        x, w = _operands(t, d, f)
-        dy = _operands(t, f, 1)[0]
+    impls = ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas")[: 3 if pallas else 2]
+    for name, (t, i, o) in ROLE_SHAPES.items():
+        x, w = _operands(t, i, o)
+        dy = _operands(t, o, 1)[0]
         qx, qw, qdy = mxfp8.quantize(x), mxfp8.quantize(w), mxfp8.quantize(dy)
         for role, (a, b) in {"forward": (qx, qw), "dgrad": (qdy, qw),
                              "wgrad": (qdy, qx)}.items():
             row: dict[str, Any] = {"layer": name, "role": role}
-            for impl in ("dequant_bf16_dot", "fp8_blocked", "fp8_blocked_pallas")[: 3 if pallas
-                                                                                 else 2]:
-                fn = jax.jit(lambda p, q, r=role, i=impl: mxfp8.matmul(p, q, r, impl=i))
+            pick, dims = BF16_ROLES[role]
+            bf16 = jax.jit(lambda p, q, d=dims: lax.dot_general(
+                p, q, d, preferred_element_type=jnp.float32))
+            row["bf16_ms"] = timed(bf16, *pick(x, w, dy), iters=iters) * 1e3
+            for impl in impls:
+                fn = jax.jit(lambda p, q, r=role, m=impl: mxfp8.matmul(p, q, r, impl=m))
                 row[f"{impl}_ms"] = timed(fn, a, b, iters=iters) * 1e3
-            for impl in ("fp8_blocked", "fp8_blocked_pallas")[: 2 if pallas else 1]:
-                row[f"{impl}_vs_dequant_bf16_dot"] = row["dequant_bf16_dot_ms"] / row[
-                    f"{impl}_ms"]
+                row[f"{impl}_vs_bf16"] = row["bf16_ms"] / row[f"{impl}_ms"]
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows

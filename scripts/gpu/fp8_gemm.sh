@@ -2,7 +2,8 @@
 # The fp8_blocked GEMMs on the GPU machine (issue 33): the cuBLASLt handler built (g++ against
 # jaxlib's FFI headers and the CUDA toolkit) and self-checked, the tests with JAX on
 # the GPU (re-block bytes against the oracle where XLA keeps subnormals, both kernels against
-# their exact reference and the exact MXFP8 GEMM), then benchmarks/bench_fp8_gemm.py.
+# their exact reference and the exact MXFP8 GEMM, the in-place wgrad GEMM), then
+# benchmarks/bench_fp8_gemm.py.
 # Repo root, machine python3 (jax 0.11.2), no install; results under $OUT; < ~8 minutes.
 # TILES=... (bm,bn,warps,stages;...) widens the Pallas tile sweep; ITERS=... the timed calls.
 set -u
@@ -17,6 +18,7 @@ timeout 120 python3 -c "from jax_side.mxfp8 import cublaslt; print(cublaslt.stat
   | tail -20 | tee "$OUT/status.log"
 t0=$SECONDS
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/jax_side/mxfp8/test_fp8_blocked.py \
+  tests/jax_side/mxfp8/test_wgrad_into.py \
   2>&1 | tail -30 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 echo "fp8_blocked gpu tests: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/pytest.log"

@@ -52,3 +52,29 @@ def test_the_torch_operands_mean_the_same_gemm():
     got = (a32.double() @ b32.double()).numpy()
     want = np.asarray(blocked_dot_reference(ra, rb), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("role", ["forward", "dgrad", "wgrad"])
+def test_the_bf16_column_of_each_role_is_that_roles_product(role):
+    """The role table's bf16 dot picks the operands and contraction of ``mxfp8.matmul``'s role:
+    on the same (bf16-exact) values the two agree to fp32 rounding."""
+    import jax
+    import numpy as np
+    from jax import lax
+
+    from jax_side import mxfp8
+
+    t, i, o = 64, 96, 128
+    x, w = bench_fp8_gemm._operands(t, i, o)
+    dy = bench_fp8_gemm._operands(t, o, 1)[0]
+    qx, qw, qdy = mxfp8.quantize(x), mxfp8.quantize(w), mxfp8.quantize(dy)
+    a, b = {"forward": (qx, qw), "dgrad": (qdy, qw), "wgrad": (qdy, qx)}[role]
+    want = np.asarray(mxfp8.matmul(a, b, role, impl="dequant_bf16_dot"), np.float32)
+    pick, dims = bench_fp8_gemm.BF16_ROLES[role]
+    deq = {id(x): qx, id(w): qw, id(dy): qdy}
+    ops = [mxfp8.dequantize(deq[id(v)], "rowwise").astype(jax.numpy.bfloat16)
+           for v in pick(x, w, dy)]
+    got = np.asarray(lax.dot_general(*ops, dims, preferred_element_type=jax.numpy.float32))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert {n.rsplit(".", 1)[0] for n in bench_fp8_gemm.ROLE_SHAPES} == {"350m", "1.3b"}
