@@ -19,8 +19,9 @@ timeout 120 python3 -c "from jax_side.mxfp8 import cublaslt; print(cublaslt.stat
 t0=$SECONDS
 timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/jax_side/mxfp8/test_fp8_blocked.py \
   tests/jax_side/mxfp8/test_wgrad_into.py \
-  2>&1 | tail -30 | tee "$OUT/pytest.log"
-rc=${PIPESTATUS[0]}
+  > "$OUT/pytest.log" 2>&1
+rc=$?
+grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest.log"
 echo "fp8_blocked gpu tests: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/pytest.log"
 args=(--out "$OUT/fp8_gemm.json" --iters "${ITERS:-20}")
 [ -n "${TILES:-}" ] && args+=(--tiles "$TILES")

@@ -44,9 +44,9 @@ std::string LtError(const char* what, cublasStatus_t s) {
 struct Handles {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> by_device;
-  // (device, M, N, K, out dtype) -> the heuristic's first algorithm (for the workspace size
-  // jax_side/mxfp8/cublaslt.py passes, which is fixed)
-  std::map<std::tuple<int, int64_t, int64_t, int64_t, int>, cublasLtMatmulAlgo_t> algos;
+  // (device, M, N, K, out dtype, output alignment) -> the heuristic's first algorithm (for the
+  // workspace size jax_side/mxfp8/cublaslt.py passes, which is fixed)
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, int, uint32_t>, cublasLtMatmulAlgo_t> algos;
 };
 
 Handles& handles() {
@@ -89,9 +89,6 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (k % 128 || n % 128 || m % 16)
     return ffi::Error::InvalidArgument(
         "mxfp8_fp8_blocked_gemm: K and N must be multiples of 128 and M of 16 (pad first)");
-  if (reinterpret_cast<uintptr_t>(out_ptr) % 256)
-    return ffi::Error::InvalidArgument(
-        "mxfp8_fp8_blocked_gemm: the output must start 256-byte aligned");
   if (a_scale.element_count() < static_cast<size_t>(m * (k / 128)) ||
       b_scale.element_count() < static_cast<size_t>((n / 128) * (k / 128)))
     return ffi::Error::InvalidArgument(
@@ -103,6 +100,30 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     out_type = CUDA_R_32F;
   } else {
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: out must be bf16 or f32");
+  }
+  // cuBLASLt's heuristic assumes 256-byte aligned C and D unless told otherwise. An output XLA
+  // placed inside a larger buffer (the _into handler's bucket; XLA's own in-place
+  // dynamic-update-slice of this call's result) may be aligned less: ask for kernels that take
+  // the alignment it has, down to 16 bytes (what cuBLASLt's FP8 kernels need); below that, write
+  // a stream-ordered scratch buffer and copy it into place.
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(out_ptr);
+  const uint32_t align = addr % 256 == 0 ? 256 : static_cast<uint32_t>(addr & (~addr + 1));
+  if (align < 16) {  // stream-ordered scratch: rare (odd offsets), never on FSDP's buckets
+    const size_t bytes = static_cast<size_t>(m * n) * (out_elem == ffi::DataType::F32 ? 4 : 2);
+    void* tmp = nullptr;
+    if (cudaMallocAsync(&tmp, bytes, stream) != cudaSuccess)
+      return ffi::Error::Internal(
+          "mxfp8_fp8_blocked_gemm: cudaMallocAsync of a scratch output failed (the output is "
+          "aligned below 16 bytes)");
+    ffi::Error err = RunGemm(stream, a, b, a_scale, b_scale, out_elem, tmp, m * n, workspace);
+    const bool copied = err.success() && cudaMemcpyAsync(out_ptr, tmp, bytes,
+                                                         cudaMemcpyDeviceToDevice,
+                                                         stream) == cudaSuccess;
+    cudaFreeAsync(tmp, stream);
+    if (err.failure()) return err;
+    if (!copied)
+      return ffi::Error::Internal("mxfp8_fp8_blocked_gemm: cudaMemcpyAsync into place failed");
+    return ffi::Error::Success();
   }
 
   int device = 0;
@@ -136,7 +157,7 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   LT_TRY(cublasLtMatrixLayoutCreate(&lb.d, CUDA_R_8F_E4M3, k, m, k));
   LT_TRY(cublasLtMatrixLayoutCreate(&ld.d, out_type, n, m, n));
 
-  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type));
+  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type), align);
   auto found = h.algos.find(key);
   if (found == h.algos.end()) {
     Pref pref;
@@ -144,6 +165,10 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     const uint64_t ws = workspace->size_bytes();
     LT_TRY(cublasLtMatmulPreferenceSetAttribute(
         pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+        pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align)));
+    LT_TRY(cublasLtMatmulPreferenceSetAttribute(
+        pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)));
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
     LT_TRY(cublasLtMatmulAlgoGetHeuristic(lt, desc.d, la.d, lb.d, ld.d, ld.d, pref.d, 1, &result,
@@ -151,7 +176,8 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     if (returned == 0)
       return ffi::Error::Internal(
           "mxfp8_fp8_blocked_gemm: cuBLASLt has no block-scaled FP8 algorithm for this GEMM "
-          "on this GPU (it needs compute capability 9.x and CUDA >= 12.9)");
+          "on this GPU (it needs compute capability 9.x and CUDA >= 12.9) with its output "
+          "aligned to " + std::to_string(align) + " bytes");
     found = h.algos.emplace(key, result.algo).first;
   }
 

@@ -180,6 +180,30 @@ def test_a_group_of_another_dtype_takes_the_update():
     assert U._deferrable(exact) == frozenset()
 
 
+@dataclasses.dataclass(frozen=True)
+class _CheckpointedButDeclared:
+    """Breaks ``linears_at_top``: the block runs under ``jax.checkpoint``, so its rules run in an
+    inner trace that has ended when the group would take their operands."""
+
+    fn: object
+    linears_at_top = True
+
+    def __call__(self, params, linear, x):
+        return jax.checkpoint(lambda p, h: self.fn(p, linear, h))(params, x)
+
+
+def test_a_declared_function_that_breaks_the_promise_fails_loudly():
+    """docs/extending.md: a function declaring ``linears_at_top`` that calls its linears under a
+    transformation of its own is refused by JAX (a leaked tracer), never run with wrong bytes."""
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    undeclared = _grouped_spec(spec._replace(fn=_Undeclared(_CheckpointedButDeclared(spec.fn))))
+    (fine,) = _grads(undeclared, params, rows, cols, x).groups  # undeclared: autodiff, fine
+    assert np.isfinite(np.asarray(fine)).all()
+    broken = _grouped_spec(spec._replace(fn=_CheckpointedButDeclared(spec.fn)))
+    with pytest.raises(jax.errors.UnexpectedTracerError):
+        jax.block_until_ready(_grads(broken, params, rows, cols, x).groups)
+
+
 # ------------------------------------------------------------------------------ on the GPU
 
 
@@ -197,6 +221,22 @@ def test_cublaslt_writes_into_the_buffer_the_bytes_of_gemm_then_update(dtype):
     for bad in (start + 3, buf.shape[0] - 100):  # unaligned; overflowing
         with pytest.raises(ValueError, match="do not fit|aligned"):
             cublaslt.blocked_gemm_into(buf, bad, ra, rb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", [16, 4, 2, 67], ids=["64B", "16B", "8B", "4B"])
+def test_the_handler_writes_at_an_output_aligned_less_than_256_bytes(start):
+    """An output XLA places less than 256-byte aligned (in a bucket, or its own in-place
+    dynamic-update-slice of the GEMM's result): the handler asks cuBLASLt for kernels that take
+    that alignment, down to 16 bytes, and below it writes a scratch buffer and copies it into
+    place; the bytes are the same every time."""
+    assert cublaslt.status().ok, cublaslt.status().reason
+    ra, rb = _pair(256, 384, 512, 4)
+    sa, sb = cublaslt._scales(ra, rb, cublaslt.status().layout)
+    buf = jnp.full((start + 256 * 384 + 64,), 5, jnp.float32)
+    got = jax.jit(lambda b: cublaslt.raw_call_into(b, start, ra.data, rb.data, sa, sb))(buf)
+    want = lax.dynamic_update_slice(buf, cublaslt.blocked_gemm(ra, rb).reshape(-1), (start,))
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 @pytest.mark.gpu
