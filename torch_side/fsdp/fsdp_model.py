@@ -174,8 +174,7 @@ class FSDPModel(nn.Module):
         ``param.grad`` cleared (``FSDPState.reset_iteration``)."""
         self.state.reset_iteration()
         for g in self.param_groups:
-            if g.main_grad is not None:
-                g.main_grad.zero_()
+            g.zero_main_grad()  # written by the next reduction, or by a reader (GradReducer)
 
     def refresh_model_weights(self) -> None:
         """After the main weights changed: requantize / recast the model weight buffers (the

@@ -17,6 +17,14 @@ Tensors owned:
 the strategy shards gradients (ZeRO-2/3), else an all-reduce of the full buffer. Parameters that
 got no gradient this micro-batch leave zeros in the bucket, so every rank joins the collective.
 
+**Zeroing without a pass** (``clear``, what ``zero_grad`` calls): ``main_grad`` is marked as
+holding zeros instead of being filled with them. The first reduction after it writes
+``out + 0.0`` into ``main_grad`` (one read of the reduced result, one write: the bytes of
+``0 + out``, signed zeros and NaNs included, since IEEE addition commutes) instead of adding
+into a zero-filled buffer (a fill, then two reads and a write); a reader (``ready``: the
+optimizer, clipping, state dicts, any ``ParamGroup.main_grad``) of a group no reduction wrote
+since gets the zeros filled in first.
+
 **Asynchronous reduction** (``reduce(async_op=True)``, FSDP's default): the collective is issued
 and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
 for it and adds the result into ``main_grad``. ``settle`` runs where the result is read: the
@@ -71,6 +79,7 @@ class GradReducer:
         self.comm, self.allocator = comm, allocator
         # (Handle, reduced output) of the reduction in flight
         self._inflight: tuple[Handle, torch.Tensor] | None = None
+        self._zeros_pending = False  # main_grad means zeros not written yet (``clear``)
 
     @property
     def in_flight(self) -> bool:
@@ -142,8 +151,26 @@ class GradReducer:
         if self.replicate is not None:  # HSDP: the shard group's result summed over replicas
             self.replicate.all_reduce(out, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE,
                                       f"{self.label}/grad/replicas")
-        self.main_grad.add_(out.to(self.main_grad.dtype))
+        if self._zeros_pending:  # 0 + out, written without reading main_grad (module note)
+            torch.add(out, 0.0, out=self.main_grad)
+            self._zeros_pending = False
+        else:
+            self.main_grad.add_(out.to(self.main_grad.dtype))
         self.allocator.free(self.label, purpose)
+
+    def clear(self) -> None:
+        """Zero ``main_grad`` (lazily: module note), a reduction in flight settled first."""
+        self.settle()
+        self._zeros_pending = True
+
+    def ready(self) -> torch.Tensor:
+        """``main_grad`` as a reader must see it: the reduction in flight added, pending zeros
+        written."""
+        self.settle()
+        if self._zeros_pending:
+            self.main_grad.zero_()
+            self._zeros_pending = False
+        return self.main_grad
 
     def settle(self) -> None:
         """Wait for the reduction in flight (if any) and add its result into ``main_grad``."""

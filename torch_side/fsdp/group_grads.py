@@ -8,8 +8,8 @@ buffer of its ``GroupBuffers`` (``_buffers``):
   place ``grad_target`` names;
 - the unit's post-backward ``reduce_grads`` (returning the reduction left in flight, for the
   schedule to settle), an aborted backward ``drop_grads``;
-- the readers: ``main_grad`` (a reduction in flight settled first), ``main_grad_for_optimizer``,
-  ``full_main_grad``.
+- the readers: ``main_grad`` (a reduction in flight settled first, zeros that ``zero_main_grad``
+  left pending written), ``main_grad_for_optimizer``, ``full_main_grad``.
 """
 
 from __future__ import annotations
@@ -57,17 +57,22 @@ class GroupGrads:
         (``GradReducer.settle``): every reader sees the finished gradient. None for a group
         that takes no gradients."""
         if self._grads is not None:
-            self._grads.settle()
+            self._grads.ready()
         return self._buffers.main_grad
+
+    def zero_main_grad(self) -> None:
+        """Zero ``main_grad`` (``GradReducer.clear``: written lazily); a no-op without grads."""
+        if self._grads is not None:
+            self._grads.clear()
 
     def main_grad_for_optimizer(self) -> torch.Tensor:
         """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""
-        self._reducer().settle()
+        self._reducer().ready()
         return self._buffers.grad_for_optimizer()
 
     def full_main_grad(self, phase: Phase = Phase.STATE) -> torch.Tensor:
         """The full padded reduced gradient (all-gathered when sharded), in its policy dtype."""
-        self._reducer().settle()
+        self._reducer().ready()
         return self._buffers.full_main_grad(phase)
 
     def grad_slot(self, index: int) -> GradSlot | None:

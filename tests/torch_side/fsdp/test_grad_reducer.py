@@ -232,3 +232,42 @@ def test_a_flat_buffer_that_is_not_the_bucket_is_refused_by_name(bad):
                                          r"match the grad bucket"):
         red.stage_flat(flat)
     assert alloc.live_keys() == []
+
+
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_clear_zeroes_lazily_with_the_bytes_of_adding_into_zeros(main_dtype, comm_dtype):
+    """``clear`` writes nothing; the next reduction writes ``out + 0.0`` -- the bytes of adding
+    into a zero-filled main grad, -0.0 becoming +0.0 and NaN/Inf kept -- and a second
+    micro-batch adds on top; a reader of a cleared group that no reduction wrote sees zeros."""
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    special = torch.tensor([-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5])
+
+    def run(lazy: bool) -> list[torch.Tensor]:
+        comm = _PeerComm(0, torch.zeros(layout.padded_numel))
+        red, _ = _reducer(layout, comm, sharded=False, dtype=comm_dtype, divisor=1)
+        red.main_grad = torch.full_like(red.main_grad, 7.0, dtype=main_dtype)  # stale values
+        if lazy:
+            red.clear()
+        else:
+            red.main_grad.zero_()
+        seen = []
+        for mb in range(2):
+            g = _grads(mb)
+            g[0].view(-1)[: special.numel()] = special
+            for i, t in enumerate(g):
+                red.stage(i, t)
+            red.reduce()
+            seen.append(red.ready().clone())
+        return seen
+
+    for lazy_bytes, eager_bytes in zip(run(True), run(False), strict=True):
+        assert lazy_bytes.view(torch.uint8).equal(eager_bytes.view(torch.uint8))
+    assert torch.signbit(run(True)[0][0]).item() is False  # -0.0 staged, +0.0 reduced
+
+    comm = _PeerComm(0, torch.zeros(layout.padded_numel))
+    red, _ = _reducer(layout, comm, sharded=False)
+    red.main_grad.fill_(7.0)
+    red.clear()
+    assert red.main_grad.eq(7.0).all(), "clear writes nothing"
+    assert red.ready().eq(0).all() and red.main_grad.eq(0).all()
