@@ -32,6 +32,7 @@ of the same role from the bf16 sources (``*_vs_bf16``). Each time is the mean of
 ``--iters`` calls after warm-up, dispatched back to back (the host does not wait between calls).
 
     python3 benchmarks/bench_fp8_gemm.py --out fp8_gemm.json          # GPU
+    python3 benchmarks/bench_fp8_gemm.py --role-gemms --tiles "" --no-torch  # GEMMs by role
     python3 benchmarks/bench_fp8_gemm.py --smoke                      # CPU: tiny, interpreted
 """
 
@@ -72,6 +73,17 @@ ROLE_SHAPES = {f"{name}.{layer}": (8192, i, o)
                for name, d, ff in (("350m", 1024, 4096), ("1.3b", 2048, 8192))
                for layer, (i, o) in {"qkv": (d, 3 * d), "proj": (d, d), "fc1": (d, ff),
                                      "fc2": (ff, d)}.items()}
+# The GEMM (M, K, N) of each role of a linear of T tokens, I in and O out features
+ROLE_GEMM = {"forward": lambda t, i, o: (t, i, o), "dgrad": lambda t, i, o: (t, o, i),
+             "wgrad": lambda t, i, o: (o, t, i)}
+
+
+def role_gemm_shapes() -> list[tuple[int, int, int]]:
+    """Every distinct GEMM shape of ``ROLE_SHAPES`` in the three roles, in order."""
+    shapes = [f(*dims) for dims in ROLE_SHAPES.values() for f in ROLE_GEMM.values()]
+    return list(dict.fromkeys(shapes))
+
+
 # Each role as a bf16 dot (fp32 accumulation, cuBLAS through XLA) of x (T, I), w (O, I), dy (T, O)
 BF16_ROLES = {"forward": (lambda x, w, dy: (x, w), (((1,), (1,)), ((), ()))),
               "dgrad": (lambda x, w, dy: (dy, w), (((1,), (0,)), ((), ()))),
@@ -269,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                         "('' leaves the Pallas kernel out, fp8_blocked_pallas too)")
     p.add_argument("--no-torch", action="store_true",
                    help="leave out the torch_scaled_mm column (PyTorch's blockwise FP8 GEMM)")
+    p.add_argument("--role-gemms", action="store_true",
+                   help="the GEMM table over every 350M / 1.3B linear's forward, dgrad and "
+                        "wgrad shape (role_gemm_shapes) instead of SHAPES; no matmul role table")
     p.add_argument("--smoke", action="store_true",
                    help="one 128x128x128 shape, the kernel interpreted (runs on a CPU)")
     args = p.parse_args(argv)
@@ -279,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     elif not gpu:
         p.error("no GPU: the timings mean nothing on a CPU; run with --smoke to check the script")
     else:
+        shapes = role_gemm_shapes() if args.role_gemms else SHAPES
         result = {"cublaslt": cublaslt.status().reason,
-                  "gemm": gemm_rows(SHAPES, tiles, args.iters, interpret=False,
-                                   torch_too=not args.no_torch),
-                  "roles": role_rows(args.iters, pallas=bool(tiles))}
+                  "gemm": gemm_rows(shapes, tiles, args.iters, interpret=False,
+                                    torch_too=not args.no_torch)}
+        if not args.role_gemms:
+            result["roles"] = role_rows(args.iters, pallas=bool(tiles))
     result["device"] = str(jax.devices()[0])
     result["jax"] = jax.__version__
     result["numpy"] = np.__version__

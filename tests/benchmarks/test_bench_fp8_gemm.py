@@ -78,3 +78,13 @@ def test_the_bf16_column_of_each_role_is_that_roles_product(role):
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert {n.rsplit(".", 1)[0] for n in bench_fp8_gemm.ROLE_SHAPES} == {"350m", "1.3b"}
+
+
+def test_the_role_gemm_table_has_every_linears_three_gemms_once():
+    shapes = bench_fp8_gemm.role_gemm_shapes()
+    assert len(shapes) == len(set(shapes))
+    # 1.3B fc2 (8192 tokens, 8192 in, 2048 out): forward (T, I, O), dgrad (T, O, I), wgrad (O, T, I)
+    assert {(8192, 8192, 2048), (8192, 2048, 8192), (2048, 8192, 8192)} <= set(shapes)
+    want = {f(*d) for d in bench_fp8_gemm.ROLE_SHAPES.values()
+            for f in bench_fp8_gemm.ROLE_GEMM.values()}
+    assert set(shapes) == want and len(bench_fp8_gemm.ROLE_SHAPES) == 8
