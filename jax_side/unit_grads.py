@@ -126,6 +126,12 @@ def flat_group(group: GradGroup, grads: Sequence[jax.Array],
     buf = jnp.zeros((group.numel,), group.dtype)
     placed = _placed(group, grads)
     starts = {i: start for i, start, _ in placed}
+    if not any(i in starts for i in writers or {}):
+        # Left alone, XLA turns zeros + the first update into one pad of the whole buffer
+        # (with the cast widening all of it), several times slower than a fill and an
+        # in-place update (a 429 MB group: 1.6 ms against ~0.15 ms on the H200); a
+        # writer's custom call keeps the fill apart by itself.
+        buf = lax.optimization_barrier(buf)
     written = set()
     for i, write in (writers or {}).items():
         if i in starts:
