@@ -11,9 +11,11 @@ Pure functions of arrays and callables (no Linen, no parameters of their own):
 - ``block``: the pre-norm residual block ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``;
 - ``head_loss``: final norm, LM head and the mean token cross-entropy (fp32) in one function.
 
-Memory: LayerNorm, GELU and the loss are ``jax.checkpoint``-ed: their backward keeps only their
-inputs (in the activation dtype) and recomputes the fp32 intermediates, which would otherwise be
-kept in fp32 (GPT-2 124M, 8 x 1024 tokens: 2.4 GB of GELU and 1.6 GB of log-softmax residuals).
+Memory: LayerNorm and GELU are ``jax.checkpoint``-ed: their backward keeps only their inputs (in
+the activation dtype) and recomputes the fp32 intermediates, which would otherwise be kept in
+fp32 (GPT-2 124M, 8 x 1024 tokens: 2.4 GB of GELU residuals); the loss (``cross_entropy``, a
+``custom_vjp``) keeps only the logits and recomputes the rest in one pass (1.6 GB of
+log-softmax residuals otherwise).
 
 A linear is any callable ``(..., in) -> (..., out)``: a Linen ``Linear`` in the Flax twin, an
 MXFP8 linear on FSDP's planes in a unit program (``jax_side.unit_program``). Activations enter in
@@ -43,6 +45,7 @@ __all__ = [
     "attention",
     "block",
     "cross_entropy",
+    "cross_entropy_reference",
     "head_loss",
     "layer_norm",
     "mlp",
@@ -101,13 +104,48 @@ def block(x: jax.Array, *, ln_1: Fn, attn: Fn, ln_2: Fn, mlp: Fn) -> jax.Array:
     return x + mlp(ln_2(x))
 
 
-@jax.checkpoint
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean token cross-entropy, fp32 scalar. logits (B, S, V) (bf16 widened to fp32 first),
-    targets int (B, S)."""
+def cross_entropy_reference(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean token cross-entropy, fp32 scalar, by plain autodiff: ``-mean(log_softmax(logits)
+    [target])``, logits (B, S, V) widened to fp32 first, targets int (B, S). ``cross_entropy``
+    returns its bytes, forward and backward (``tests/models/test_gpt_math.py``)."""
     logp = jax.nn.log_softmax(logits.astype(_F32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return -jnp.mean(picked)
+
+
+@jax.custom_vjp
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean token cross-entropy, fp32 scalar (``cross_entropy_reference``'s bytes). Its backward
+    keeps only the logits (in their own dtype) and writes d logits in one elementwise pass,
+    ``onehot(target) * c + exp(shifted) * (-c / sum exp(shifted))`` with c = -g / N, the target
+    found by comparing an iota: autodiff's version scatters into an fp32 zero array of the
+    logits' shape first (1.6 GB at 8 x 1024 tokens of a 50k vocabulary) and reads it back."""
+    return cross_entropy_reference(logits, targets)
+
+
+def _cross_entropy_fwd(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
+    return cross_entropy_reference(logits, targets), (logits, targets)
+
+
+def _cross_entropy_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+    logits, targets = res
+    z = logits.astype(_F32)
+    shifted = z - jnp.max(z, axis=-1, initial=-jnp.inf, keepdims=True)
+    e = jnp.exp(shifted)
+    # autodiff's cotangents, in its order: -mean -> c at each target (take_along_axis wraps a
+    # negative target once and drops one out of range); log_softmax's "- log(sum)" -> -c, / sum
+    c = jax.lax.div(-g, jnp.asarray(targets.size, _F32))
+    v = z.shape[-1]
+    t = targets.astype(jnp.int32)
+    t = jnp.where(t < 0, t + v, t)[..., None]
+    onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1) == t
+    ct_lse = jnp.where((t >= 0) & (t < v), -c, jnp.zeros((), _F32))
+    ct_s = ct_lse / jnp.sum(e, axis=-1, keepdims=True)
+    dz = jnp.where(onehot, c, jnp.zeros((), _F32)) + ct_s * e
+    return dz.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def head_loss(x: jax.Array, targets: jax.Array, *, ln_f: Fn, lm_head: Fn) -> jax.Array:
