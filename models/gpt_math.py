@@ -104,10 +104,12 @@ def block(x: jax.Array, *, ln_1: Fn, attn: Fn, ln_2: Fn, mlp: Fn) -> jax.Array:
     return x + mlp(ln_2(x))
 
 
+@jax.checkpoint
 def cross_entropy_reference(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean token cross-entropy, fp32 scalar, by plain autodiff: ``-mean(log_softmax(logits)
-    [target])``, logits (B, S, V) widened to fp32 first, targets int (B, S). ``cross_entropy``
-    returns its bytes, forward and backward (``tests/models/test_gpt_math.py``)."""
+    """Mean token cross-entropy, fp32 scalar, by autodiff: ``-mean(log_softmax(logits)
+    [target])``, logits (B, S, V) widened to fp32 first, targets int (B, S); checkpointed (its
+    backward recomputes the fp32 intermediates). ``cross_entropy`` returns its bytes, forward
+    and backward (``tests/models/test_gpt_math.py``)."""
     logp = jax.nn.log_softmax(logits.astype(_F32), axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return -jnp.mean(picked)
@@ -128,7 +130,11 @@ def _cross_entropy_fwd(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array
 
 
 def _cross_entropy_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
-    logits, targets = res
+    # The barrier keeps this recomputation apart from the forward's in a program holding both
+    # (the Flax twin's whole-model gradient), as jax.checkpoint's does: otherwise XLA shares
+    # exp and the sum with the forward's fusions there and not in a unit program's backward,
+    # and the two differ in the last bit.
+    logits, targets = jax.lax.optimization_barrier(res)
     z = logits.astype(_F32)
     shifted = z - jnp.max(z, axis=-1, initial=-jnp.inf, keepdims=True)
     e = jnp.exp(shifted)
