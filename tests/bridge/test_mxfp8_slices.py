@@ -1,0 +1,65 @@
+"""``bridge.mxfp8_slices``: the refresh's images, written in place into one zero array, hold the
+bytes of the concatenating program (``_scales_and_cast``) at the caller's offsets, zeros between
+pieces; and the zero array is filled, not padded (XLA's pad of the whole array is several times
+slower)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge import mxfp8_slices as S
+
+SHAPES = [(64, 96), (32, 64), (128, 32)]
+
+
+def _case(world_rank: int):
+    """Pieces of SHAPES in one buffer with gaps; on rank 1 of 2 each piece is its second half."""
+    pieces, offset = [], 0
+    for m, k in SHAPES:
+        n = m * k // 2 if world_rank else m * k
+        start = m * k - n
+        pieces.append(S.Piece((m, k), start, offset, n))
+        offset += n + 40
+    scale_at, total = [], 0
+    for m, k in SHAPES:
+        scale_at.append(total)
+        total += m * k // 32 + 8
+    buf = jax.random.normal(jax.random.key(world_rank), (offset,), jnp.float32)
+    amax = jnp.abs(jax.random.normal(jax.random.key(9), (S.amax_numel(pieces),))) + 0.25
+    return buf, amax, tuple(pieces), S.ScaleLayout(tuple(scale_at), total)
+
+
+def _placed(buf, amax, pieces, layout) -> np.ndarray:
+    """The reference: ``_scales_and_cast``'s concatenated bytes put at the images' offsets."""
+    packed = np.asarray(S._scales_and_cast(buf, amax, pieces, None, jnp.bfloat16))
+    n = buf.shape[0]
+    want = np.zeros(2 * n + 2 * layout.total, np.uint8)
+    at = 0
+    for p in pieces:  # the data: row then col bytes of each piece
+        want[p.offset:p.offset + p.numel] = packed[at:at + p.numel]
+        want[n + p.offset:n + p.offset + p.numel] = packed[at + p.numel:at + 2 * p.numel]
+        at += 2 * p.numel
+    for p, s in zip(pieces, layout.offsets, strict=True):  # then each piece's two scales
+        k = p.shape[0] * p.shape[1] // 32
+        want[2 * n + s:2 * n + s + k] = packed[at:at + k]
+        want[2 * n + layout.total + s:2 * n + layout.total + s + k] = packed[at + k:at + 2 * k]
+        at += 2 * k
+    assert at == packed.shape[0]
+    return want
+
+
+def test_batched_images_are_the_concatenated_bytes_in_place_with_a_fill_not_a_pad():
+    cases = [_case(0), _case(1)]
+    args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
+            tuple(c[2] for c in cases), None, jnp.bfloat16, tuple(c[3] for c in cases))
+    got = np.asarray(S._batched_scales_and_cast_images(*args))
+    want = np.concatenate([_placed(*c) for c in cases])
+    assert got.tobytes() == want.tobytes()
+    single = np.asarray(S._scales_and_cast_images(cases[1][0], cases[1][1], cases[1][2], None,
+                                                  jnp.bfloat16, cases[1][3]))
+    assert single.tobytes() == _placed(*cases[1]).tobytes()
+    hlo = S._batched_scales_and_cast_images.lower(*args).compile().as_text()
+    assert f"u8[{want.shape[0]}]{{0}} pad(" not in hlo, "the images array is padded, not filled"
+    assert f"u8[{want.shape[0]}]{{0}} broadcast(" in hlo and "dynamic-update-slice(" in hlo
