@@ -324,7 +324,7 @@ INTO_ALIGN_BYTES = 256  # where blocked_gemm_into may start writing (cuBLASLt's 
 def blocked_gemm_into(buf: jax.Array, start: int, a: Reblocked, b: Reblocked) -> jax.Array:
     """``buf`` with ``blocked_gemm(a, b, out_dtype=buf.dtype)`` written (row-major, M*N
     elements) at element ``start``: the same bytes as ``lax.dynamic_update_slice`` of that
-    result (``tests/jax_side/mxfp8/test_fp8_blocked.py``), with no (M, N) temporary and no copy.
+    result (``tests/jax_side/mxfp8/test_wgrad_into.py``), with no (M, N) temporary and no copy.
     ``start`` must be a static int whose byte offset is a multiple of ``INTO_ALIGN_BYTES``."""
     layout = _checked_layout("blocked_gemm_into", a, b)
     m, n = a.data.shape[0], b.data.shape[0]

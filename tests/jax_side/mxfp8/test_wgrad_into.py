@@ -75,15 +75,21 @@ def test_wgrad_operands_refuse_a_buffer_of_another_dtype():
 # ----------------------------------------------------------------------- the unit program
 
 
+def _shapes(spec):
+    """The linears' weight shapes of ``spec`` (one block, or a span of blocks)."""
+    return [LINEARS[name.split(".", 1)[1] if name[0].isdigit() else name] for name in spec.mxfp8]
+
+
 def _grouped_spec(spec):
-    """All four dW of the tiny block and the LayerNorm parameters in one fp32 group, each
-    start 256-element aligned (as FSDP's FlatLayout places them)."""
+    """All dW of the block(s) and the LayerNorm parameters in one fp32 group, each start
+    256-element aligned (as FSDP's FlatLayout places them)."""
     slots, cursor = [], 0
-    for i in range(4):
+    n = len(spec.params)
+    for i in range(n):
         slots.append((i, cursor))
         cursor += 256
-    for j, shape in enumerate(LINEARS.values()):
-        slots.append((4 + j, cursor))
+    for j, shape in enumerate(_shapes(spec)):
+        slots.append((n + j, cursor))
         cursor += -(-int(np.prod(shape)) // 256) * 256
     return spec._replace(grad_groups=(U.GradGroup(cursor, "float32", tuple(slots)),))
 
@@ -112,17 +118,19 @@ class _TwiceProj:
 
 
 def _grads(spec, params, rows, cols, x):
-    _, saved = U.unit_forward(params, rows, x, (), spec=spec)
-    kept = saved.forwarded.kept(params, rows, x, ())
+    out, saved = U.unit_forward(params, rows, x, (), spec=spec)
+    kept = saved.forwarded.kept(params, rows, x, (), out)
     dout = (0.5 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
+    if isinstance(spec.fn, U.SpanFn):  # a cotangent for the last block's output only
+        dout = (None,) * (len(spec.fn.fns) - 1) + (dout,)
     return U.unit_backward(saved, kept, dout, cols, spec=spec)
 
 
 def _placed_reference(spec, grads, x, params):
     """The group's bytes from the ungrouped run: each gradient at its start, zeros elsewhere."""
     (group,) = _grouped_spec(spec).grad_groups
-    layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params], ["float32"] * 4,
-                           list(LINEARS.values()), spec.dw_dtypes)
+    layout = U.grad_layout([(x.shape, x.dtype)], [p.shape for p in params],
+                           ["float32"] * len(params), _shapes(spec), spec.dw_dtypes)
     raw = np.asarray(grads.packed)
     want = np.zeros(group.numel, np.float32)
     for i, start in group.slots:
@@ -168,6 +176,27 @@ def test_unit_backward_writes_wgrads_into_the_group_with_the_plain_bytes(fn, mon
             "twice": [starts[4 + j] for j in (3, 2, 0)]}[fn]  # attn.proj (1) called twice
     assert written == want
     assert np.asarray(flat).tobytes() == _placed_reference(spec, plain, x, params).tobytes()
+
+
+def test_a_span_of_blocks_writes_each_wgrad_into_the_group_with_the_plain_bytes(monkeypatch):
+    """An FSDP unit of two blocks (``SpanFn``, one program): all eight wgrads are written by
+    their GEMMs, each at its own start, with the bytes of the ungrouped run."""
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    span = spec._replace(fn=U.SpanFn((spec.fn, spec.fn)),
+                         params=tuple(f"{b}.{n}" for b in range(2) for n in spec.params),
+                         mxfp8=tuple(f"{b}.{n}" for b in range(2) for n in spec.mxfp8),
+                         dw_dtypes=spec.dw_dtypes * 2)
+    params2, rows2, cols2 = params * 2, rows * 2, cols * 2
+    written = []
+    real = blocked_operands.blocked_product_into
+    monkeypatch.setattr(blocked_operands, "blocked_product_into",
+                        lambda buf, start, *a, **k: written.append(start) or real(buf, start,
+                                                                                   *a, **k))
+    plain = _grads(span, params2, rows2, cols2, x)
+    (flat,) = _grads(_grouped_spec(span), params2, rows2, cols2, x).groups
+    starts = dict(_grouped_spec(span).grad_groups[0].slots)
+    assert sorted(written) == sorted(starts[8 + j] for j in range(8))
+    assert np.asarray(flat).tobytes() == _placed_reference(span, plain, x, params2).tobytes()
 
 
 def test_a_group_of_another_dtype_takes_the_update():
