@@ -12,10 +12,11 @@ bfloat16 buffer at element ``start`` (a second handler, ``Mxfp8Fp8BlockedGemmInt
 is aliased to ``buf``): the unit programs use it to put each weight gradient where the gradient
 bucket holds it (``unit_grads.pack_grads``), with no (M, N) temporary and no copy. Its bytes
 equal ``lax.dynamic_update_slice`` of ``blocked_gemm``'s result; ``start`` must be
-``INTO_ALIGN_BYTES``-aligned. Both handlers take an output at any address: where XLA places it
-less than 256-byte aligned (a buffer of its own choosing, or its in-place dynamic-update-slice
-of a GEMM's result at an odd offset), they ask cuBLASLt for kernels that take the alignment it
-has, down to 16 bytes, and below that write an aligned scratch buffer and copy it into place.
+``INTO_ALIGN_BYTES``-aligned. Both handlers take an output at any address and run one cuBLASLt
+algorithm per shape, picked for 256-byte aligned outputs, so the bytes never depend on where the
+output lies: an output XLA places less aligned (its in-place dynamic-update-slice of a GEMM's
+result at an odd offset) is written to an aligned stream-ordered scratch buffer and copied into
+place.
 
 **Building.** Nothing is compiled at install time. The first call in a process builds the handler
 (one ``g++`` run, about 5 s) against the installed jaxlib's FFI headers and the CUDA toolkit's

@@ -44,9 +44,9 @@ std::string LtError(const char* what, cublasStatus_t s) {
 struct Handles {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> by_device;
-  // (device, M, N, K, out dtype, output alignment) -> the heuristic's first algorithm (for the
-  // workspace size jax_side/mxfp8/cublaslt.py passes, which is fixed)
-  std::map<std::tuple<int, int64_t, int64_t, int64_t, int, uint32_t>, cublasLtMatmulAlgo_t> algos;
+  // (device, M, N, K, out dtype) -> the heuristic's first algorithm (for the workspace size
+  // jax_side/mxfp8/cublaslt.py passes, which is fixed, and 256-byte aligned outputs)
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, int>, cublasLtMatmulAlgo_t> algos;
 };
 
 Handles& handles() {
@@ -101,21 +101,21 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   } else {
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: out must be bf16 or f32");
   }
-  // cuBLASLt's heuristic assumes 256-byte aligned C and D unless told otherwise. An output XLA
-  // placed inside a larger buffer (the _into handler's bucket; XLA's own in-place
-  // dynamic-update-slice of this call's result) may be aligned less: ask for kernels that take
-  // the alignment it has, down to 16 bytes (what cuBLASLt's FP8 kernels need); below that, write
-  // a stream-ordered scratch buffer and copy it into place.
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(out_ptr);
-  const uint32_t align = addr % 256 == 0 ? 256 : static_cast<uint32_t>(addr & (~addr + 1));
-  if (align < 16) {  // stream-ordered scratch: rare (odd offsets), never on FSDP's buckets
+  // cuBLASLt's kernels are picked for 256-byte aligned C and D (its default preference), one
+  // algorithm per shape whatever the output's address, so a GEMM's bytes never depend on where
+  // XLA placed its output. An output aligned less (XLA's own in-place dynamic-update-slice of
+  // this call's result at an odd offset; FSDP's buckets never are) is written to a 256-byte
+  // aligned stream-ordered scratch buffer and copied into place.
+  if (reinterpret_cast<uintptr_t>(out_ptr) % 256) {
     const size_t bytes = static_cast<size_t>(m * n) * (out_elem == ffi::DataType::F32 ? 4 : 2);
     void* tmp = nullptr;
     if (cudaMallocAsync(&tmp, bytes, stream) != cudaSuccess)
       return ffi::Error::Internal(
           "mxfp8_fp8_blocked_gemm: cudaMallocAsync of a scratch output failed (the output is "
-          "aligned below 16 bytes)");
-    ffi::Error err = RunGemm(stream, a, b, a_scale, b_scale, out_elem, tmp, m * n, workspace);
+          "not 256-byte aligned)");
+    ffi::Error err = reinterpret_cast<uintptr_t>(tmp) % 256
+        ? ffi::Error::Internal("mxfp8_fp8_blocked_gemm: a scratch output not 256-byte aligned")
+        : RunGemm(stream, a, b, a_scale, b_scale, out_elem, tmp, m * n, workspace);
     const bool copied = err.success() && cudaMemcpyAsync(out_ptr, tmp, bytes,
                                                          cudaMemcpyDeviceToDevice,
                                                          stream) == cudaSuccess;
@@ -157,7 +157,7 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   LT_TRY(cublasLtMatrixLayoutCreate(&lb.d, CUDA_R_8F_E4M3, k, m, k));
   LT_TRY(cublasLtMatrixLayoutCreate(&ld.d, out_type, n, m, n));
 
-  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type), align);
+  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type));
   auto found = h.algos.find(key);
   if (found == h.algos.end()) {
     Pref pref;
@@ -165,10 +165,6 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     const uint64_t ws = workspace->size_bytes();
     LT_TRY(cublasLtMatmulPreferenceSetAttribute(
         pref.d, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-    LT_TRY(cublasLtMatmulPreferenceSetAttribute(
-        pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align)));
-    LT_TRY(cublasLtMatmulPreferenceSetAttribute(
-        pref.d, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)));
     cublasLtMatmulHeuristicResult_t result = {};
     int returned = 0;
     LT_TRY(cublasLtMatmulAlgoGetHeuristic(lt, desc.d, la.d, lb.d, ld.d, ld.d, pref.d, 1, &result,
@@ -176,8 +172,7 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     if (returned == 0)
       return ffi::Error::Internal(
           "mxfp8_fp8_blocked_gemm: cuBLASLt has no block-scaled FP8 algorithm for this GEMM "
-          "on this GPU (it needs compute capability 9.x and CUDA >= 12.9) with its output "
-          "aligned to " + std::to_string(align) + " bytes");
+          "on this GPU (it needs compute capability 9.x and CUDA >= 12.9)");
     found = h.algos.emplace(key, result.algo).first;
   }
 
@@ -194,6 +189,8 @@ ffi::Error Fp8BlockedGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer 
                           ffi::Buffer<ffi::F32> b_scale, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> workspace) {
   auto od = out->dimensions();
+  if (a.dimensions().size() != 2 || b.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: a and b must be 2-D");
   if (od.size() != 2 || od[0] != a.dimensions()[0] || od[1] != b.dimensions()[0])
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: out must be (M, N)");
   return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), out->untyped_data(),
