@@ -17,14 +17,14 @@ the update costs 0.50 ms per 4-block 1.3B unit against 0.65 ms for the concatena
 when the buffer was also packed into the uint8 array (``benchmarks/bench_grad_layout.py``).
 
 A gradient may come with a **writer** instead (``Writer``: its GEMM writing it into the buffer
-itself -- the ``fp8_blocked`` wgrad, ``blocked_operands.WgradOperands.into``): the same bytes as
+itself -- the ``fp8_blocked`` wgrad, ``blocked_operands.WgradOperands``): the same bytes as
 its update, without the (N, K) temporary or the copy (``unit_program._deferrable`` says which).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,20 @@ __all__ = ["ALIGN", "GradGroup", "GradLayout", "Grads", "Segment", "Writer", "fl
 ALIGN = 16  # byte alignment of every segment of the packed gradients
 
 Segment = tuple[int, tuple[int, ...], str]  # (byte offset, shape, dtype name)
-Writer = Callable[[jax.Array, int], jax.Array]  # (buffer, start) -> buffer, the gradient written
+
+
+class Writer(Protocol):
+    """Writes one gradient into a group's flat buffer itself (module docstring;
+    ``blocked_operands.WgradOperands``)."""
+
+    def into(self, buf: jax.Array, start: int) -> jax.Array:
+        """``buf`` with the gradient written at element ``start`` (the bytes of its update)."""
+        ...
+
+    def direct(self, dtype: jnp.dtype, start: int) -> bool:
+        """Whether ``into`` is a kernel writing in place (then it takes the zero buffer as it
+        is), rather than the gradient's product and an update."""
+        ...
 
 
 class GradGroup(NamedTuple):
@@ -126,17 +139,17 @@ def flat_group(group: GradGroup, grads: Sequence[jax.Array],
     buf = jnp.zeros((group.numel,), group.dtype)
     placed = _placed(group, grads)
     starts = {i: start for i, start, _ in placed}
-    if not any(i in starts for i in writers or {}):
+    mine = {i: w for i, w in (writers or {}).items() if i in starts}
+    if not any(w.direct(buf.dtype, starts[i]) for i, w in mine.items()):
         # Left alone, XLA turns zeros + the first update into one pad of the whole buffer
         # (the cast widening all of it), several times slower than a fill and in-place
         # updates (CPU, a 256 MB group: 496 against 58 ms); a writer's custom call keeps
         # the fill apart by itself (tests/jax_side/test_unit_program.py reads the HLO).
         buf = lax.optimization_barrier(buf)
     written = set()
-    for i, write in (writers or {}).items():
-        if i in starts:
-            buf = write(buf, starts[i])
-            written.add(i)
+    for i, w in mine.items():
+        buf = w.into(buf, starts[i])
+        written.add(i)
     for i, start, g in placed:
         if i not in written:
             buf = lax.dynamic_update_slice(buf, g, (start,))

@@ -55,7 +55,7 @@ class BackwardScope:
     def writers(self, n_params: int) -> dict[int, Writer]:
         """Gradient index -> writer, for each linear whose rule ran once (a linear called twice
         has its dW summed by autodiff: no writer)."""
-        return {n_params + i: ops[0].into for i, ops in self.wgrads.items() if len(ops) == 1}
+        return {n_params + i: ops[0] for i, ops in self.wgrads.items() if len(ops) == 1}
 
 
 _SCOPES = threading.local()

@@ -34,7 +34,12 @@ from common.formats import Plane, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
 from jax_side.mxfp8 import reblock
-from jax_side.mxfp8.gemm_impls import b_tiles, blocked_product, blocked_product_into
+from jax_side.mxfp8.gemm_impls import (
+    b_tiles,
+    blocked_product,
+    blocked_product_into,
+    writes_directly,
+)
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.pallas_blocked import BlockedPlanes, quantize_blocked_2d
 from jax_side.mxfp8.quantize import quantize
@@ -94,6 +99,11 @@ class WgradOperands(NamedTuple):
             raise ValueError(f"WgradOperands.into: buf is {buf.dtype}, dW is {self.dtype}")
         return blocked_product_into(buf, start, self.a, self.b, self.n, self.k,
                                     pallas=self.pallas)
+
+    def direct(self, dtype: jnp.dtype, start: int) -> bool:
+        """Whether ``into`` at ``start`` of a ``dtype`` buffer is the GEMM writing in place (a
+        custom call that takes the whole buffer), not a product and an update."""
+        return writes_directly(dtype, start, self.a, self.b, self.n, self.k, pallas=self.pallas)
 
 
 def blocked_tokens(tokens: int) -> int:

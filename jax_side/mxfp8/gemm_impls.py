@@ -45,7 +45,7 @@ from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
 from jax_side.mxfp8.tensor import MXFP8Tensor, Plane, scale_bytes
 
-__all__ = ["b_tiles", "blocked_product", "blocked_product_into", "run_gemm"]
+__all__ = ["b_tiles", "blocked_product", "blocked_product_into", "run_gemm", "writes_directly"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -136,6 +136,17 @@ def blocked_product(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n: int
     return out[:m, :n]
 
 
+def writes_directly(dtype: jnp.dtype, start: int, ra: reblock.Reblocked, rb: reblock.Reblocked,
+                    m: int, n: int, *, pallas: bool = False) -> bool:
+    """Whether ``blocked_product_into`` of these operands into a ``dtype`` buffer at ``start``
+    may be written by cuBLASLt itself (on a GPU: the compiled program's CUDA branch), rather than
+    computed and then copied in by an update."""
+    aligned = start * jnp.dtype(dtype).itemsize % cublaslt.INTO_ALIGN_BYTES == 0
+    return (not pallas and aligned and (m, n) == (ra.data.shape[0], rb.data.shape[0])
+            and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+            and jax.devices()[0].platform == "gpu")
+
+
 def blocked_product_into(buf: jax.Array, start: int, ra: reblock.Reblocked,
                          rb: reblock.Reblocked, m: int, n: int, *,
                          pallas: bool = False) -> jax.Array:
@@ -144,15 +155,11 @@ def blocked_product_into(buf: jax.Array, start: int, ra: reblock.Reblocked,
     the product needs no cut (m and n are the padded dims), cuBLASLt writes it there itself
     (``cublaslt.blocked_gemm_into``: no temporary, no copy; a weight gradient straight into its
     grad bucket); otherwise the product, then the update."""
-    aligned = start * buf.dtype.itemsize % cublaslt.INTO_ALIGN_BYTES == 0
-    direct = (not pallas and aligned and (m, n) == (ra.data.shape[0], rb.data.shape[0])
-              and buf.dtype in (jnp.float32, jnp.bfloat16))
-
     def update(buf: jax.Array, ra: reblock.Reblocked, rb: reblock.Reblocked) -> jax.Array:
         out = blocked_product(ra, rb, m, n, buf.dtype, pallas=pallas)
         return lax.dynamic_update_slice(buf, out.reshape(-1), (start,))
 
-    if not direct or jax.devices()[0].platform != "gpu":
+    if not writes_directly(buf.dtype, start, ra, rb, m, n, pallas=pallas):
         return update(buf, ra, rb)
     return lax.platform_dependent(
         buf, ra, rb, cuda=lambda buf, ra, rb: cublaslt.blocked_gemm_into(buf, start, ra, rb),

@@ -199,6 +199,23 @@ def test_a_span_of_blocks_writes_each_wgrad_into_the_group_with_the_plain_bytes(
     assert np.asarray(flat).tobytes() == _placed_reference(span, plain, x, params2).tobytes()
 
 
+def test_writers_that_update_leave_the_group_a_fill_not_a_pad():
+    """Where the writers take the product-and-update path (the CPU here), the group's zero
+    buffer keeps its barrier: a fill and in-place updates, not one pad of the whole buffer."""
+    spec, params, rows, cols, x = _fp8_blocked_inputs()
+    grouped = _grouped_spec(spec)
+    ra, rb = _pair(128, 128, 128, 2)
+    ops = blocked_operands.WgradOperands(ra, rb, 128, 128, jnp.dtype(jnp.float32), False)
+    assert ops.direct(jnp.dtype(jnp.float32), 0) == (jax.devices()[0].platform == "gpu")
+    _, saved = U.unit_forward(params, rows, x, (), spec=grouped)
+    kept = saved.forwarded.kept(params, rows, x, ())
+    hlo = U.unit_backward.lower(saved, kept, jnp.ones_like(x), cols,
+                                spec=grouped).compile().as_text()
+    numel = grouped.grad_groups[0].numel
+    if jax.devices()[0].platform != "gpu":
+        assert f"f32[{numel}]{{0}} pad(" not in hlo and f"f32[{numel}]{{0}} broadcast(" in hlo
+
+
 def test_a_group_of_another_dtype_takes_the_update():
     spec, params, rows, cols, x = _fp8_blocked_inputs()
     (group,) = _grouped_spec(spec).grad_groups
@@ -255,10 +272,9 @@ def test_cublaslt_writes_into_the_buffer_the_bytes_of_gemm_then_update(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("start", [16, 4, 2, 67], ids=["64B", "16B", "8B", "4B"])
 def test_the_handler_writes_at_an_output_aligned_less_than_256_bytes(start):
-    """An output XLA places less than 256-byte aligned (in a bucket, or its own in-place
-    dynamic-update-slice of the GEMM's result): the handler asks cuBLASLt for kernels that take
-    that alignment, down to 16 bytes, and below it writes a scratch buffer and copies it into
-    place; the bytes are the same every time."""
+    """An output XLA places less than 256-byte aligned (its own in-place dynamic-update-slice
+    of the GEMM's result at an odd offset): the handler writes an aligned scratch buffer with
+    the same algorithm and copies it into place; the bytes are the same every time."""
     assert cublaslt.status().ok, cublaslt.status().reason
     ra, rb = _pair(256, 384, 512, 4)
     sa, sb = cublaslt._scales(ra, rb, cublaslt.status().layout)
