@@ -121,11 +121,21 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     keeps only the logits (in their own dtype) and writes d logits in one elementwise pass,
     ``onehot(target) * c + exp(shifted) * (-c / sum exp(shifted))`` with c = -g / N, the target
     found by comparing an iota: autodiff's version scatters into an fp32 zero array of the
-    logits' shape first (1.6 GB at 8 x 1024 tokens of a 50k vocabulary) and reads it back."""
+    logits' shape first (1.6 GB at 8 x 1024 tokens of a 50k vocabulary) and reads it back.
+    ``targets`` must have the logits' shape without the vocabulary axis (no broadcasting)."""
+    _check_targets(logits, targets)
     return cross_entropy_reference(logits, targets)
 
 
+def _check_targets(logits: jax.Array, targets: jax.Array) -> None:
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: targets {tuple(targets.shape)} must have the logits' "
+                         f"shape {tuple(logits.shape)} without the vocabulary axis, i.e. "
+                         f"{tuple(logits.shape[:-1])}; reshape or broadcast them first")
+
+
 def _cross_entropy_fwd(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
+    _check_targets(logits, targets)
     return cross_entropy_reference(logits, targets), (logits, targets)
 
 

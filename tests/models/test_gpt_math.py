@@ -60,3 +60,15 @@ def test_the_backward_scatters_nothing():
     hlo = jax.jit(jax.grad(cross_entropy)).lower(logits, targets).compile().as_text()
     ref = jax.jit(jax.grad(cross_entropy_reference)).lower(logits, targets).compile().as_text()
     assert "scatter(" not in hlo and "scatter(" in ref
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (2, 1), (5,), (2, 5, 1)])
+def test_targets_that_would_broadcast_are_refused(shape):
+    """The backward divides by the number of targets: targets that only broadcast against the
+    logits would scale the gradient wrongly, so they are refused, naming both shapes."""
+    logits = jnp.zeros((2, 5, 37), jnp.float32)
+    targets = jnp.zeros(shape, jnp.int32)
+    with pytest.raises(ValueError, match=r"targets .* must have the logits' shape"):
+        jax.grad(cross_entropy)(logits, targets)
+    with pytest.raises(ValueError, match=r"targets .* must have the logits' shape"):
+        cross_entropy(logits, targets)

@@ -152,7 +152,8 @@ class GradReducer:
             self.replicate.all_reduce(out, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE,
                                       f"{self.label}/grad/replicas")
         if self._zeros_pending:  # 0 + out, written without reading main_grad (module note)
-            torch.add(out, 0.0, out=self.main_grad)
+            torch.add(out.to(self.main_grad.dtype), 0.0, out=self.main_grad)  # (cast first,
+            # as the add did: a cast inside the add writes other NaN bits)
             self._zeros_pending = False
         else:
             self.main_grad.add_(out.to(self.main_grad.dtype))

@@ -241,7 +241,8 @@ def test_clear_zeroes_lazily_with_the_bytes_of_adding_into_zeros(main_dtype, com
     into a zero-filled main grad, -0.0 becoming +0.0 and NaN/Inf kept -- and a second
     micro-batch adds on top; a reader of a cleared group that no reduction wrote sees zeros."""
     layout = FlatLayout.build(NAMES, SHAPES, 2)
-    special = torch.tensor([-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5])
+    special = torch.tensor([-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5,
+                            -float("nan")] * 8)  # a NaN of either sign, spread over 64 lanes
 
     def run(lazy: bool) -> list[torch.Tensor]:
         comm = _PeerComm(0, torch.zeros(layout.padded_numel))
@@ -255,6 +256,7 @@ def test_clear_zeroes_lazily_with_the_bytes_of_adding_into_zeros(main_dtype, com
         for mb in range(2):
             g = _grads(mb)
             g[0].view(-1)[: special.numel()] = special
+            g[2].fill_(float("nan"))  # a whole parameter of NaN (vectorised lanes)
             for i, t in enumerate(g):
                 red.stage(i, t)
             red.reduce()
@@ -271,3 +273,31 @@ def test_clear_zeroes_lazily_with_the_bytes_of_adding_into_zeros(main_dtype, com
     red.clear()
     assert red.main_grad.eq(7.0).all(), "clear writes nothing"
     assert red.ready().eq(0).all() and red.main_grad.eq(0).all()
+
+
+class _SoloComm:
+    """World 1: the all-reduce of one rank leaves the bucket as it is."""
+
+    world_size = 1
+
+    def all_reduce(self, t, op, phase, label, async_op=False):
+        return None
+
+
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_the_lazy_zero_keeps_the_nan_bits_of_adding_into_zeros(main_dtype, comm_dtype):
+    """Whole runs of NaN in the reduced bucket (vectorised lanes): the same NaN bits as the
+    cast-then-add into zeros, in every pair of bucket and main-grad dtypes."""
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    flat = torch.full((layout.padded_numel,), float("nan"), dtype=comm_dtype)
+    flat[::3] = -float("inf")
+    got = []
+    for lazy in (True, False):
+        red, _ = _reducer(layout, _SoloComm(), sharded=False, dtype=comm_dtype, divisor=1)
+        red.main_grad = torch.full((layout.padded_numel,), 7.0, dtype=main_dtype)
+        red.clear() if lazy else red.main_grad.zero_()
+        red.stage_flat(flat.clone())
+        red.reduce()
+        got.append(red.ready().view(torch.uint8).clone())
+    assert got[0].equal(got[1])
