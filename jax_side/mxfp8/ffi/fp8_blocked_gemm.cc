@@ -104,8 +104,9 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   // cuBLASLt's kernels are picked for 256-byte aligned C and D (its default preference), one
   // algorithm per shape whatever the output's address, so a GEMM's bytes never depend on where
   // XLA placed its output. An output aligned less (XLA's own in-place dynamic-update-slice of
-  // this call's result at an odd offset; FSDP's buckets never are) is written to a 256-byte
-  // aligned stream-ordered scratch buffer and copied into place.
+  // this call's result at an odd offset; the Python side asks the _into handler only for
+  // 256-byte aligned offsets) is written to a 256-byte aligned stream-ordered scratch buffer and
+  // copied into place.
   if (reinterpret_cast<uintptr_t>(out_ptr) % 256) {
     const size_t bytes = static_cast<size_t>(m * n) * (out_elem == ffi::DataType::F32 ? 4 : 2);
     void* tmp = nullptr;
