@@ -15,8 +15,9 @@ two <= 1) and rounded to nearest even in e4m3. The shift is exact while the resu
 normal (>= 2**-6), so only small elements of blocks well below their group's largest scale change
 (measured, issue 33: 0.003-0.2 % of elements of ordinary tensors). The shift is computed on fp32
 values that stay normal (the exponent difference is clamped at -30, where every e4m3 code already
-rounds to zero), so the bytes do not depend on a platform's flushing of subnormals; NaN codes stay
-NaN, and a block whose scale byte is 0xFF (NaN) makes its merged scale NaN.
+rounds to zero), so the bytes do not depend on a platform's flushing of subnormals; NaN codes keep
+their byte, sign included (``shift_codes``), and a block whose scale byte is 0xFF (NaN) makes
+its merged scale NaN.
 
 Shapes: K must be a multiple of 128 and, for tiles, rows too (``pad_to``, used by the GEMM, pads
 with zero codes and zero scale bytes, which are never a group's maximum over real data and add
@@ -44,6 +45,7 @@ __all__ = [
     "reblock_rows",
     "reblock_tiles",
     "scale_fp32",
+    "shift_codes",
 ]
 
 GROUP = 128  # elements along K of one re-blocked block; rows of one tile
@@ -76,11 +78,27 @@ def _check(data: jax.Array, scale: jax.Array, tiles: bool, what: str) -> tuple[i
     return rows, k
 
 
+def shift_codes(codes: jax.Array, diff: jax.Array) -> jax.Array:
+    """uint8 e4m3 ``codes * 2**diff`` rounded to nearest even, int32 ``diff <= 0`` (broadcast):
+    the magnitude shifted through fp32 (exact: an e4m3 value times a normal power of two), the
+    sign bit or-ed back, NaN codes (0x7F, 0xFF) kept as they are -- a float multiply would let
+    the device pick the NaN's sign (XLA:GPU writes 0x7F for both). Integer ops and one cast only,
+    so the Pallas kernel (``pallas_blocked``) runs this same function."""
+    c = codes.astype(jnp.int32)
+    mag = c & jnp.int32(0x7F)
+    v = lax.bitcast_convert_type(mag.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
+    d = jnp.maximum(diff, jnp.int32(_MIN_SHIFT))
+    factor = lax.bitcast_convert_type(lax.shift_left(d + jnp.int32(127), jnp.int32(23)),
+                                      jnp.float32)
+    shifted = lax.bitcast_convert_type((v * factor).astype(jnp.float8_e4m3fn), jnp.uint8)
+    out = shifted.astype(jnp.int32) | (c & jnp.int32(0x80))
+    return jnp.where(mag == jnp.int32(0x7F), c, out).astype(jnp.uint8)
+
+
 def _shift(codes: jax.Array, diff: jax.Array) -> jax.Array:
-    """e4m3 ``codes * 2**diff`` rounded to nearest even, for int32 ``diff <= 0`` broadcastable."""
-    d = jnp.maximum(diff, _MIN_SHIFT)
-    factor = lax.bitcast_convert_type(((d + 127) << 23).astype(jnp.uint32), jnp.float32)
-    return (codes.astype(jnp.float32) * factor).astype(jnp.float8_e4m3fn)
+    """``shift_codes`` on float8_e4m3fn codes."""
+    return lax.bitcast_convert_type(
+        shift_codes(lax.bitcast_convert_type(codes, jnp.uint8), diff), jnp.float8_e4m3fn)
 
 
 def reblock_rows(data: jax.Array, scale: jax.Array) -> Reblocked:
