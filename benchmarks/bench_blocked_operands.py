@@ -2,15 +2,16 @@
 replaces: the ``pallas`` MXFP8 quantize of both planes followed by XLA's re-block (and transpose)
 of each plane (``blocked_operands.from_planes``).
 
-Per bf16 (tokens, features) shape, the mean time of ``--iters`` back-to-back calls (us) and the
-bandwidth counted as x read once plus the outputs written once (GB/s), for
+Per bf16 (tokens, features) shape, the GPU kernel time per call (us; torch.profiler, which sees
+XLA's and Pallas' kernels, without the host's dispatch) and the bandwidth counted as x read once
+plus the outputs written once (GB/s), for
 
 - ``quantize``: the MXFP8 quantize alone (both planes; the old path's first pass);
 - ``planes_fwd`` / ``planes_bwd``: quantize then re-block into the forward's operands (rows and
   x^T tiles) / the backward's (rows and dy^T rows): the composition;
-- ``fused_fwd[w]`` / ``fused_bwd[w]``: the kernel making the same operands, ``w`` warps per
-  128x128 program, for each ``--warps``;
-- ``fused_rows[w]`` / ``fused_tiles_t[w]``: one output of the kernel alone.
+- ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
+  quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
+  ``blocked_operands`` uses the fastest (``ROWS_*`` / ``TRANSPOSED_*``).
 
     python3 benchmarks/bench_blocked_operands.py --out blocked.json      # GPU
     python3 benchmarks/bench_blocked_operands.py --smoke                 # CPU: tiny, interpreted
@@ -29,13 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.bench_fp8_gemm import timed  # noqa: E402
+from benchmarks.bench_fp8_gemm import kernel_ms, timed  # noqa: E402
 from jax_side import mxfp8  # noqa: E402
 from jax_side.mxfp8.blocked_operands import from_planes  # noqa: E402
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d  # noqa: E402
 
 SHAPES = [(8192, 2048), (8192, 6144), (8192, 8192)]  # the 1.3B GPT's x and dy at 8 x 1024
-WARPS = "4,8,16"
+WARPS = "1,2,4,8"
+BLOCKS = {"rows": [(32, 128), (64, 128), (128, 128)],
+          "rows_t": [(128, 32), (128, 64), (128, 128)],
+          "tiles_t": [(128, 128)]}
 
 
 def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
@@ -51,16 +55,17 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
         "planes_fwd": (planes(False, True), 2),
         "planes_bwd": (planes(True, False), 2),
     }
-    for w in warps:
-        def fused(rows: bool, rows_t: bool, tiles_t: bool, w: int = w) -> Any:
-            return jax.jit(lambda x: quantize_blocked_2d(
-                x, rows=rows, rows_t=rows_t, tiles_t=tiles_t, interpret=interpret,
-                num_warps=w))
+    for output, blocks in BLOCKS.items():
+        for block in blocks:
+            for w in warps:
+                def one(output: str = output, block: tuple[int, int] = block,
+                        w: int = w) -> Any:
+                    return jax.jit(lambda x: getattr(quantize_blocked_2d(
+                        x, rows=output == "rows", rows_t=output == "rows_t",
+                        tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
+                        block=block), output))
 
-        out[f"fused_fwd[{w}]"] = (fused(True, False, True), 2)
-        out[f"fused_bwd[{w}]"] = (fused(True, True, False), 2)
-        out[f"fused_rows[{w}]"] = (fused(True, False, False), 1)
-        out[f"fused_tiles_t[{w}]"] = (fused(False, False, True), 1)
+                out[f"{output}[{block[0]}x{block[1]},w{w}]"] = (one(), 1)
     return out
 
 
@@ -72,12 +77,13 @@ def rows_for(shapes: list[tuple[int, int]], warps: list[int], iters: int,
         row: dict[str, Any] = {"shape": [t, c]}
         for name, (fn, out_bytes) in _variants(warps, interpret).items():
             try:
-                s = timed(fn, x, iters=iters)
+                s = (timed(fn, x, iters=iters) if interpret
+                     else kernel_ms(lambda fn=fn, x=x: fn(x), iters) / 1e3)
             except Exception as e:  # a configuration that does not compile is recorded
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
-            row[f"{name}_us"] = s * 1e6
-            row[f"{name}_gbs"] = t * c * (2 + out_bytes) / s / 1e9
+            row[f"{name}_us"] = round(s * 1e6, 2)
+            row[f"{name}_gbs"] = round(t * c * (2 + out_bytes) / s / 1e9, 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

@@ -59,8 +59,10 @@ __all__ = [
 ]
 
 BLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
-ROWS_WARPS = 8  # Triton warps per program of the rows kernel (H200, bench_blocked_operands.py)
-TRANSPOSED_WARPS = 4  # of the transposed outputs' kernel
+# Each output's kernel configuration, (x's block per program, Triton warps): the fastest on the
+# H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py, BENCHMARKS.md session 8).
+KERNEL_CONFIG: dict[str, tuple[tuple[int, int], int]] = {
+    "rows": ((32, 128), 2), "rows_t": ((128, 64), 2), "tiles_t": ((128, 128), 4)}
 _G = reblock.GROUP
 _F32 = jnp.dtype(jnp.float32)
 
@@ -152,22 +154,22 @@ def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t
 
 
 def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> BlockedPlanes:
-    """One kernel call per output: each alone keeps less of x in registers than all together
-    (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192 bf16 the rows take
-    83 us with 8 warps and the x^T tiles 144 us with 4, both together 296 us)."""
+    """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers
+    than all together (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192
+    bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us)."""
     from jax_side.mxfp8.pallas_backend import interpret_mode
 
     interpret = interpret_mode()
 
-    def one(output: str, warps: int) -> reblock.Reblocked:
+    def one(output: str) -> reblock.Reblocked:
+        block, warps = KERNEL_CONFIG[output]
         made = quantize_blocked_2d(xp, rows=output == "rows", rows_t=output == "rows_t",
                                    tiles_t=output == "tiles_t", interpret=interpret,
-                                   num_warps=warps)
+                                   num_warps=warps, block=block)
         return _made(getattr(made, output))
 
-    return BlockedPlanes(one("rows", ROWS_WARPS) if rows else None,
-                         one("rows_t", TRANSPOSED_WARPS) if rows_t else None,
-                         one("tiles_t", TRANSPOSED_WARPS) if tiles_t else None)
+    return BlockedPlanes(one("rows") if rows else None, one("rows_t") if rows_t else None,
+                         one("tiles_t") if tiles_t else None)
 
 
 def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role: GemmRole,

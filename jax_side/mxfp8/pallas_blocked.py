@@ -43,13 +43,12 @@ from jax_side.mxfp8.pallas_elements import (
 )
 from jax_side.mxfp8.pallas_impl import element_path
 from jax_side.mxfp8.pallas_tiles import triton_params
-from jax_side.mxfp8.reblock import GROUP, Reblocked
+from jax_side.mxfp8.reblock import GROUP, Reblocked, shift_codes
 
 __all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d", "shift_codes"]
 
 _BS = 32  # MXFP8 block
 _PER = GROUP // _BS  # 1x32 blocks per 1x128 block
-_MIN_SHIFT = -30  # as reblock: every e4m3 code times 2**-30 rounds to zero
 NUM_WARPS = 8  # Triton warps per program (the default of quantize_blocked_2d)
 
 
@@ -59,20 +58,6 @@ class BlockedPlanes(NamedTuple):
     rows: Reblocked | None  # (M, K), scales (M, K/128)
     rows_t: Reblocked | None  # (K, M), scales (K, M/128)
     tiles_t: Reblocked | None  # (K, M), scales (K/128, M/128)
-
-
-def shift_codes(codes: jax.Array, diff: jax.Array) -> jax.Array:
-    """uint8 e4m3 ``codes * 2**diff`` rounded to nearest even, int32 ``diff <= 0`` (broadcast):
-    ``reblock``'s shift on bytes, with the sign or-ed back and NaN codes kept."""
-    c = codes.astype(jnp.int32)
-    mag = c & jnp.int32(0x7F)
-    v = lax.bitcast_convert_type(mag.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
-    d = jnp.maximum(diff, jnp.int32(_MIN_SHIFT))
-    factor = lax.bitcast_convert_type(lax.shift_left(d + jnp.int32(127), jnp.int32(23)),
-                                      jnp.float32)
-    shifted = lax.bitcast_convert_type((v * factor).astype(jnp.float8_e4m3fn), jnp.uint8)
-    out = shifted.astype(jnp.int32) | (c & jnp.int32(0x80))
-    return jnp.where(mag == jnp.int32(0x7F), c, out).astype(jnp.uint8)
 
 
 def _row_blocks(v: jax.Array) -> jax.Array:
@@ -86,29 +71,37 @@ def _row_expand(e: jax.Array) -> jax.Array:
 
 
 def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
-            path: ElementPath) -> None:
+            path: ElementPath, bands: int) -> None:
+    """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
+    when it is cast (not all of them up front: fewer live registers). The transposed outputs
+    need every band's colwise scale before the first cast, so their bands are read twice: once
+    for the amax, then again (from cache) for the codes."""
     queue = list(refs)
     rd: Any = queue.pop(0) if rows else None
     rs: Any = queue.pop(0) if rows else None
     td: Any = queue.pop(0) if cols else None
     ts: Any = queue.pop(0) if cols else None
     elements, cast = element_fns(path, any_scale=False)
-    els = [elements(fp32_bits(x_ref[pl.ds(i * _BS, _BS), :])) for i in range(_PER)]
+
+    def band(i: int) -> Any:
+        return elements(fp32_bits(x_ref[pl.ds(i * _BS, _BS), :]))
+
     if rows:
-        for i, el in enumerate(els):
+        for i in range(bands):
+            el = band(i)
             e = scale_bytes_of_bits(_row_blocks(el.amax_in), any_bits=False)  # (32, 4)
             top = jnp.max(e, axis=1, keepdims=True)  # (32, 1)
             codes = cast(el, _row_expand(e))
             rd[pl.ds(i * _BS, _BS), :] = shift_codes(codes, _row_expand(e - top))
             rs[pl.ds(i * _BS, _BS), :] = top.astype(jnp.uint8)
     if cols:
-        ec = [scale_bytes_of_bits(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
-              for el in els]  # (1, 128) per 32-row band: the colwise scales
-        top = functools.reduce(jnp.maximum, ec)  # (1, 128): per column over the 128 rows
+        ec = [scale_bytes_of_bits(jnp.max(band(i).amax_in, axis=0, keepdims=True),
+                                  any_bits=False) for i in range(bands)]  # (1, W) per band
+        top = functools.reduce(jnp.maximum, ec)  # (1, W): per column over the 128 rows
         if tiles:
             top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
-        for i, el in enumerate(els):
-            codes = shift_codes(cast(el, ec[i]), ec[i] - top)  # (32, 128)
+        for i in range(bands):
+            codes = shift_codes(cast(band(i), ec[i]), ec[i] - top)  # (32, W)
             td[:, pl.ds(i * _BS, _BS)] = codes.astype(jnp.int32).T.astype(jnp.uint8)
         ts[...] = top.astype(jnp.uint8)
 
@@ -116,10 +109,15 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
 def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool,
                         interpret: bool = False,
                         e4m3_cast: ElementPath | str | None = None,
-                        num_warps: int = NUM_WARPS) -> BlockedPlanes:
+                        num_warps: int = NUM_WARPS,
+                        block: tuple[int, int] = (GROUP, GROUP)) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
-    ``num_warps``: Triton warps per 128x128 program (benchmarks/bench_blocked_operands.py)."""
+    ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
+    quantizes -- (32, 64 or 128, 128) for ``rows`` alone (a 1x128 block needs one row),
+    (128, 32, 64 or 128) for ``rows_t`` alone (its blocks run down 128 rows), (128, 128)
+    otherwise (``tiles_t`` needs the whole tile). benchmarks/bench_blocked_operands.py times
+    them."""
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
                         f"{x.dtype}{tuple(x.shape)}")
@@ -132,33 +130,52 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
     if not (rows or rows_t or tiles_t):
         raise ValueError("quantize_blocked_2d: rows, rows_t and tiles_t all False asks for "
                          "nothing")
+    _check_block(tuple(block), rows, rows_t, tiles_t)
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(x, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
-                             bool(interpret), path, int(num_warps))
+                             bool(interpret), path, int(num_warps),
+                             (int(block[0]), int(block[1])))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool) -> None:
+    sizes = (_BS, 2 * _BS, GROUP)
+    if rows and not (rows_t or tiles_t):
+        ok, want = len(block) == 2 and block[0] in sizes and block[1] == GROUP, \
+            "(32, 128), (64, 128) or (128, 128) for rows alone"
+    elif rows_t and not rows:
+        ok, want = len(block) == 2 and block[0] == GROUP and block[1] in sizes, \
+            "(128, 32), (128, 64) or (128, 128) for rows_t alone"
+    else:
+        ok, want = block == (GROUP, GROUP), "(128, 128) for tiles_t or several outputs"
+    if not ok:
+        raise ValueError(f"quantize_blocked_2d: block={block} cannot serve this call; "
+                         f"expected {want}")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
 def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpret: bool,
-                      path: ElementPath, num_warps: int) -> BlockedPlanes:
+                      path: ElementPath, num_warps: int,
+                      block: tuple[int, int]) -> BlockedPlanes:
     m, k = x.shape
-    gm, gk = m // GROUP, k // GROUP
+    br, bc = block
     u8 = jnp.uint8
     outs: list[tuple[Any, Any]] = []
-    if rows:
-        outs += [(pl.BlockSpec((GROUP, GROUP), lambda i, j: (i, j)),
+    if rows:  # bc == 128: one scale per row of the block
+        outs += [(pl.BlockSpec((br, bc), lambda i, j: (i, j)),
                   jax.ShapeDtypeStruct((m, k), u8)),
-                 (pl.BlockSpec((GROUP, 1), lambda i, j: (i, j)),
-                  jax.ShapeDtypeStruct((m, gk), u8))]
-    if cols:  # scales written (M/128, K) or (M/128, K/128), transposed below (small)
-        width = 1 if tiles else GROUP
-        outs += [(pl.BlockSpec((GROUP, GROUP), lambda i, j: (j, i)),
+                 (pl.BlockSpec((br, 1), lambda i, j: (i, j)),
+                  jax.ShapeDtypeStruct((m, k // GROUP), u8))]
+    if cols:  # br == 128; scales written (M/128, K) or (M/128, K/128), transposed below (small)
+        width = 1 if tiles else bc
+        outs += [(pl.BlockSpec((bc, br), lambda i, j: (j, i)),
                   jax.ShapeDtypeStruct((k, m), u8)),
                  (pl.BlockSpec((1, width), lambda i, j: (i, j)),
-                  jax.ShapeDtypeStruct((gm, k if width == GROUP else gk), u8))]
-    kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path)
+                  jax.ShapeDtypeStruct((m // GROUP, k // GROUP if tiles else k), u8))]
+    kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path,
+                               bands=br // _BS)
     res = list(pl.pallas_call(
-        kernel, out_shape=[o[1] for o in outs], grid=(gm, gk),
-        in_specs=[pl.BlockSpec((GROUP, GROUP), lambda i, j: (i, j))],
+        kernel, out_shape=[o[1] for o in outs], grid=(m // br, k // bc),
+        in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
         out_specs=[o[0] for o in outs], compiler_params=triton_params(num_warps),
         interpret=interpret, name="mxfp8_quantize_blocked",
     )(x))

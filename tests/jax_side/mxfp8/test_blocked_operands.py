@@ -74,13 +74,37 @@ def test_the_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
     assert first.rows_t.scale.shape == (384, 2) and second.tiles_t.scale.shape == (3, 2)
 
 
+BLOCKS = [("rows", (32, 128)), ("rows", (64, 128)), ("rows_t", (128, 32)),
+          ("rows_t", (128, 64))]
+
+
+@pytest.mark.parametrize(("output", "block"), BLOCKS, ids=str)
+def test_every_program_block_writes_the_same_bytes(output, block):
+    """Smaller programs (fewer rows for ``rows``, fewer columns for ``rows_t``) write the bytes
+    of quantize-then-re-block, as the 128x128 program does."""
+    x = jnp.asarray(_hostile((256, 384), 3)).astype(jnp.bfloat16)
+    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=output == "rows",
+                               rows_t=output == "rows_t", tiles_t=False)
+    got = quantize_blocked_2d(x, rows=output == "rows", rows_t=output == "rows_t",
+                              tiles_t=False, interpret=True, block=block)
+    _assert_same(got, want, f"{output} {block}")
+
+
 def test_the_shift_keeps_signs_nan_and_rounds_to_nearest_even():
-    codes = jnp.arange(256, dtype=jnp.uint8)
-    for diff in (0, -1, -3, -9, -40):
-        want = reblock._shift(lax.bitcast_convert_type(codes, jnp.float8_e4m3fn),
-                              jnp.int32(diff))
-        got = shift_codes(codes, jnp.int32(diff))
-        np.testing.assert_array_equal(_u8(got), _u8(want), err_msg=f"diff {diff}")
+    """Every e4m3 byte times 2**diff against float64 ``ldexp`` then ml_dtypes' e4m3 cast (RNE,
+    NaN keeps its sign) -- on the GPU too, where a float multiply of a NaN code drops its sign
+    (the reference re-block used one until it ran there)."""
+    codes = np.arange(256, dtype=np.uint8)
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn).type
+    for diff in (0, -1, -3, -9, -30, -40):
+        want = np.ldexp(codes.view(e4m3).astype(np.float64), diff).astype(e4m3).view(np.uint8)
+        got = shift_codes(jnp.asarray(codes), jnp.int32(diff))
+        np.testing.assert_array_equal(_u8(got), want, err_msg=f"diff {diff}")
+        via_reblock = reblock._shift(lax.bitcast_convert_type(jnp.asarray(codes),
+                                                              jnp.float8_e4m3fn), jnp.int32(diff))
+        np.testing.assert_array_equal(_u8(via_reblock), want, err_msg=f"reblock, diff {diff}")
+    assert _u8(shift_codes(jnp.asarray([0x7F, 0xFF], jnp.uint8), jnp.int32(-5))).tolist() == \
+        [0x7F, 0xFF]
 
 
 @pytest.mark.parametrize("shape", [(70, 96), (200, 256), (1, 32)], ids=str)
@@ -161,6 +185,11 @@ def test_requests_that_cannot_be_served_are_refused():
         blocked.quantize_operands(x, rows=False, kernels=resolve_kernels(KernelConfig()))
     with pytest.raises(TypeError, match="bfloat16 or float32"):
         quantize_blocked_2d(x.astype(jnp.float16), rows=True, rows_t=False, tiles_t=False)
+    for block, asked in (((32, 128), "rows_t"), ((128, 32), "rows"), ((64, 128), "tiles_t"),
+                         ((16, 128), "rows"), ((128, 256), "rows_t")):
+        with pytest.raises(ValueError, match=rf"block=\({block[0]}, {block[1]}\) cannot"):
+            quantize_blocked_2d(x, rows=asked == "rows", rows_t=asked == "rows_t",
+                                tiles_t=asked == "tiles_t", interpret=True, block=block)
     k = resolve_kernels(KernelConfig(gemm="dequant_dot"))
     ops = blocked.quantize_operands(x, rows=True, kernels=k)
     w = mxfp8.quantize(jnp.zeros((128, 256), jnp.float32))
@@ -184,6 +213,13 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
         second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True)
         _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
                      f"{jnp.dtype(dtype).name} {shape}")
+        for output, block in BLOCKS:
+            got = quantize_blocked_2d(x, rows=output == "rows", rows_t=output == "rows_t",
+                                      tiles_t=False, block=block)
+            np.testing.assert_array_equal(_u8(getattr(got, output).data),
+                                          _u8(getattr(want, output).data), err_msg=str(block))
+            np.testing.assert_array_equal(_u8(getattr(got, output).scale),
+                                          _u8(getattr(want, output).scale), err_msg=str(block))
         # and as the linear layer calls it: one call per output, its own warps per output
         k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
         _assert_same(blocked.quantize_operands(x, rows=True, rows_t=True, tiles_t=True,
