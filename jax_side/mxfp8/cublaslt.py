@@ -18,6 +18,13 @@ output lies: an output XLA places less aligned (its in-place dynamic-update-slic
 result at an odd offset) is written to an aligned stream-ordered scratch buffer and copied into
 place.
 
+``zeroed_gaps(numel, dtype, gaps)`` (a third handler, ``Mxfp8ZeroedGaps``) makes a flat buffer
+whose given element ranges are zeroed (``cudaMemsetAsync``) and whose other elements are left as
+the allocator handed them over, for a program that writes every one of them itself: a gradient
+group whose weight gradients cuBLASLt writes in place (``unit_grads.flat_group``) needs zeros
+only in the padding between its slots, not a fill of the whole bucket first (a 805 MB fp32
+bucket of a 4-block 1.3B unit: 0.59 ms of XLA fill on the H200).
+
 **Building.** Nothing is compiled at install time. The first call in a process builds the handler
 (one ``g++`` run, about 5 s) against the installed jaxlib's FFI headers and the CUDA toolkit's
 (or the ``nvidia-*`` wheels') cuBLASLt and runtime headers, into a private cache directory
@@ -60,15 +67,17 @@ from jax_side.compile_cache import check_private
 from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = [
-    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_INTO",
-    "WORKSPACE_BYTES", "Status", "blocked_gemm", "blocked_gemm_into", "default_cache_dir",
-    "raw_call", "raw_call_into", "status",
+    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_GAPS",
+    "TARGET_INTO", "WORKSPACE_BYTES", "Status", "blocked_gemm", "blocked_gemm_into",
+    "default_cache_dir", "raw_call", "raw_call_into", "status", "zeroed_gaps",
 ]
 
 SOURCE = Path(__file__).with_name("ffi") / "fp8_blocked_gemm.cc"
 TARGET = "mxfp8_fp8_blocked_gemm"
 TARGET_INTO = "mxfp8_fp8_blocked_gemm_into"  # the same GEMM written into a flat buffer
-_SYMBOLS = {TARGET: "Mxfp8Fp8BlockedGemm", TARGET_INTO: "Mxfp8Fp8BlockedGemmInto"}
+TARGET_GAPS = "mxfp8_zeroed_gaps"  # a flat buffer with only its gaps zeroed (zeroed_gaps)
+_SYMBOLS = {TARGET: "Mxfp8Fp8BlockedGemm", TARGET_INTO: "Mxfp8Fp8BlockedGemmInto",
+            TARGET_GAPS: "Mxfp8ZeroedGaps"}
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w")
 
 
@@ -338,3 +347,22 @@ def blocked_gemm_into(buf: jax.Array, start: int, a: Reblocked, b: Reblocked) ->
                          f"{buf.shape[0]}, or start is not {INTO_ALIGN_BYTES}-byte aligned")
     sa, sb = _scales(a, b, layout)
     return raw_call_into(buf, start, a.data, b.data, sa, sb)
+
+
+def zeroed_gaps(numel: int, dtype: Any, gaps: tuple[tuple[int, int], ...]) -> jax.Array:
+    """A 1-D ``numel``-element ``dtype`` buffer whose (start, length) element ranges ``gaps``
+    are zero; **every other element is undefined** (what the allocator's memory held) until the
+    caller writes it -- ``unit_grads.flat_group`` writes each gradient's slot and passes the rest
+    as gaps. Raises with ``status()``'s reason where the handler cannot run."""
+    st = status()
+    if not st.ok:
+        raise RuntimeError(f"the cuBLASLt FFI handlers cannot run here: {st.reason}")
+    size = jnp.dtype(dtype).itemsize
+    spans = []
+    for start, length in gaps:
+        if start < 0 or length < 0 or start + length > numel:
+            raise ValueError(f"zeroed_gaps: the gap ({start}, {length}) lies outside the "
+                             f"{numel}-element buffer")
+        spans += [start * size, length * size]
+    call = jax.ffi.ffi_call(TARGET_GAPS, jax.ShapeDtypeStruct((numel,), jnp.dtype(dtype)))
+    return call(gaps=np.asarray(spans or [0, 0], np.int64))  # (0, 0): no gap, no empty array

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from common.formats import Plane
 from common.model_config import TINY
@@ -248,3 +249,40 @@ def test_the_group_buffer_by_in_place_updates_is_the_concatenation_byte_for_byte
     # first update, several times slower at the 1.3B GPT's 429 MB root group)
     hlo = jax.jit(lambda gs: unit_grads.flat_group(group, gs)).lower(grads).compile().as_text()
     assert " pad(" not in hlo and "dynamic-update-slice(" in hlo
+
+
+def test_the_gaps_are_what_no_slot_covers():
+    """``unit_grads.gaps``: what ``flat_group`` zeroes when the GEMMs write their slots in place
+    (``cublaslt.zeroed_gaps``); every element is in exactly one slot or one gap."""
+    assert unit_grads.gaps(200, [(40, 48), (0, 3), (100, 5)]) == ((3, 37), (88, 12), (105, 95))
+    assert unit_grads.gaps(10, [(0, 4), (4, 6)]) == ()
+    assert unit_grads.gaps(10, []) == ((0, 10),)
+    assert unit_grads.gaps(10, [(2, 3), (2, 3)]) == ((0, 2), (5, 5))
+    spans = [(7, 5), (30, 2), (0, 3), (12, 1)]
+    covered = np.zeros(40, int)
+    for start, length in [*spans, *unit_grads.gaps(40, spans)]:
+        covered[start:start + length] += 1
+    assert (covered == 1).all()
+
+
+class _DirectWriter:
+    """A writer that says it writes in place (as cuBLASLt does on a GPU) and writes its slot."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def direct(self, dtype, start):
+        return True
+
+    def into(self, buf, start):
+        return lax.dynamic_update_slice(buf, self.value.astype(buf.dtype), (start,))
+
+
+def test_a_direct_writer_without_the_gpu_handler_gets_a_zero_buffer():
+    """Where the cuBLASLt handlers cannot run (here: no GPU), a writer claiming to write in
+    place still gets zeros around its slot (never an undefined buffer)."""
+    group = U.GradGroup(64, "float32", ((0, 8), (1, 32)))
+    grads = [jnp.ones((8,)), jnp.full((16,), 2.0)]
+    got = jax.jit(lambda gs: unit_grads.flat_group(group, gs, {1: _DirectWriter(gs[1])}))(grads)
+    want = unit_grads.flat_group_reference(group, grads)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()

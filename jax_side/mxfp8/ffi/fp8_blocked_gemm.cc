@@ -9,6 +9,9 @@
 //   a second result, a uint8 buffer, is cuBLASLt's workspace (XLA allocates it, JAX drops it).
 // "mxfp8_fp8_blocked_gemm_into" (Mxfp8Fp8BlockedGemmInto): the same GEMM written into a flat
 //   buffer at an element offset (a weight gradient straight into its grad bucket).
+// "mxfp8_zeroed_gaps" (Mxfp8ZeroedGaps): a flat buffer whose given byte ranges are zeroed and
+//   whose other bytes are left as the allocator handed them over -- a grad bucket whose every
+//   other byte is then written by the GEMMs and updates of the same program.
 //
 // cuBLASLt is column-major: it computes D (N x M, col-major == out row-major) = op(A) op(B) with
 // A = b seen as a K x N col-major matrix, transposed (TN), and B = a seen as K x M col-major. The
@@ -219,6 +222,26 @@ ffi::Error Fp8BlockedGemmInto(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
                  workspace);
 }
 
+// A buffer of which only the byte ranges (gaps[2i], gaps[2i + 1]) -- start, length -- are
+// zeroed (cudaMemsetAsync on the program's stream); every other byte is left unwritten for the
+// program to fill (unit_grads.flat_group: the ranges are the complement of the gradients' slots).
+ffi::Error ZeroedGaps(cudaStream_t stream, ffi::Span<const int64_t> gaps,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const int64_t total = static_cast<int64_t>(out->size_bytes());
+  if (gaps.size() % 2)
+    return ffi::Error::InvalidArgument("mxfp8_zeroed_gaps: gaps must be (start, length) pairs");
+  char* base = static_cast<char*>(out->untyped_data());
+  for (size_t i = 0; i < gaps.size(); i += 2) {
+    const int64_t start = gaps[i], length = gaps[i + 1];
+    if (start < 0 || length < 0 || start + length > total)
+      return ffi::Error::InvalidArgument("mxfp8_zeroed_gaps: a gap lies outside the buffer");
+    if (length && cudaMemsetAsync(base + start, 0, static_cast<size_t>(length), stream) !=
+                      cudaSuccess)
+      return ffi::Error::Internal("mxfp8_zeroed_gaps: cudaMemsetAsync failed");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemm, Fp8BlockedGemm,
@@ -242,3 +265,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
                                   .Attr<int64_t>("offset")
                                   .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
                                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8ZeroedGaps, ZeroedGaps,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<ffi::Span<const int64_t>>("gaps")
+                                  .Ret<ffi::AnyBuffer>());  // the buffer

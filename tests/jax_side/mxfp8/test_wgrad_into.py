@@ -296,3 +296,32 @@ def test_the_unit_program_writes_each_wgrad_in_place_on_the_gpu():
     hlo = U.unit_backward.lower(saved, kept, jnp.ones_like(x), cols,
                                 spec=grouped_spec).compile().as_text()
     assert hlo.count(f'custom_call_target="{cublaslt.TARGET_INTO}"') == 4
+    # the bucket is not filled first: only the gaps between the slots are zeroed
+    numel = grouped_spec.grad_groups[0].numel
+    assert hlo.count(f'custom_call_target="{cublaslt.TARGET_GAPS}"') == 1
+    assert f"f32[{numel}]{{0}} broadcast(" not in hlo and f"f32[{numel}]{{0}} pad(" not in hlo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_zeroed_gaps_zeroes_the_gaps_of_dirty_memory(dtype):
+    """``cublaslt.zeroed_gaps`` on memory that held NaN (a freed buffer of the same size, which
+    the allocator hands out again): the gaps come back zero; every other element is left as it
+    was (the caller writes it)."""
+    assert cublaslt.status().ok, cublaslt.status().reason
+    numel, holes = 1 << 20, ((0, 5), (1000, 24), (4096, 1), ((1 << 20) - 7, 7))
+    make = jax.jit(lambda: cublaslt.zeroed_gaps(numel, dtype, holes))
+    jax.block_until_ready(make())  # compiled before the dirty buffer is freed
+    dirty = jnp.full((numel,), jnp.nan, dtype).block_until_ready()
+    del dirty
+    got = np.asarray(make())
+    for start, length in holes:
+        assert not got[start:start + length].any(), (start, length)
+    rest = np.ones(numel, bool)
+    for start, length in holes:
+        rest[start:start + length] = False
+    if not np.isnan(got[rest]).all():
+        pytest.skip("the allocator did not hand the freed NaN buffer out again; the gaps' zeros "
+                    "prove nothing on memory that was zero already")
+    with pytest.raises(ValueError, match="lies outside"):
+        cublaslt.zeroed_gaps(10, dtype, ((8, 3),))
