@@ -27,6 +27,9 @@ Runs (``--runs``):
 - any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
   blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
   gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
+- ``:r`` after that (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``): the unit programs' activation recompute
+  (``TorchGPT(recompute=True)``): each forward keeps only its inputs and the backward program
+  runs the forward again -- less peak memory for more GPU time; the same losses.
 
 Every run steps AdamW with the same hyper-parameters (lr 1e-4, torch's defaults otherwise) on the
 same tokens; on CUDA every optimizer is ``fused=True`` (this project's: ``FSDPOptimizer`` over the
@@ -176,12 +179,12 @@ def _build(run, cfg, args):
     if run in PEERS:
         return _build_fsdp2(run, cfg, args)
 
-    run, per_unit = _parse_run(run)
+    run, per_unit, recompute = _run_spec(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
     kernels = KernelConfig(gemm=args.gemm) if args.gemm else None
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute,
-                     kernels=kernels)
+                     kernels=kernels, recompute=recompute)
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
@@ -219,11 +222,21 @@ def _build(run, cfg, args):
 
 def _parse_run(run: str) -> tuple[str, int]:
     """(base run, blocks per FSDP unit): ``mxfp8:u4`` -> ("mxfp8", 4); ValueError otherwise."""
-    base, sep, n = run.partition(":u")
-    if base not in RUNS or (sep and (base in PEERS or not n.isdigit()
-                                     or int(n) < 1)):
-        raise ValueError(run)
-    return base, int(n) if sep else 1
+    base, per_unit, _ = _run_spec(run)
+    return base, per_unit
+
+
+def _run_spec(run: str) -> tuple[str, int, bool]:
+    """(base run, blocks per FSDP unit, activation recompute): ``mxfp8:u4:r`` -> ("mxfp8", 4,
+    True); ValueError naming the run otherwise."""
+    name, recompute = (run[:-2], True) if run.endswith(":r") else (run, False)
+    base, sep, n = name.partition(":u")
+    if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
+        raise ValueError(f"unknown run {run!r}")
+    if recompute and base in (*PEERS, "mxfp8-op"):
+        raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
+                         f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
+    return base, int(n) if sep else 1, recompute
 
 
 def _adamw(args) -> dict:
@@ -676,12 +689,13 @@ def main(argv=None) -> int:
     bad = []
     for r in args.runs:
         try:
-            _parse_run(r)
-        except ValueError:
-            bad.append(r)
+            _run_spec(r)
+        except ValueError as e:
+            bad.append(str(e))
     if bad or args.steps < 1 or args.warmup < 0:
         p.error(f"--runs from {RUNS}, this project's with an optional ':u<N>' (blocks per "
-                f"unit, N >= 1), --steps >= 1, --warmup >= 0 (got {bad or args.runs})")
+                f"unit, N >= 1) and ':r' (activation recompute), --steps >= 1, --warmup >= 0 "
+                f"(got {bad or args.runs})")
     from torch_side.launch import run_local_ranks
 
     rows = run_local_ranks(_rank_main, args.nproc, (args,), device=args.device)[0]

@@ -63,6 +63,21 @@ def test_pytorch_runs_take_no_unit_count():
             _parse_run(bad)
 
 
+def test_recompute_is_a_suffix_of_this_projects_runs_only():
+    from benchmarks.bench_train_step import _run_spec
+
+    assert _run_spec("mxfp8:u4:r") == ("mxfp8", 4, True)
+    assert _run_spec("bf16:r") == ("bf16", 1, True)
+    assert _run_spec("mxfp8:u4") == ("mxfp8", 4, False)
+    assert _parse_run("mxfp8:u4:r") == ("mxfp8", 4)
+    for bad in ("fsdp2:r", "torchao:r", "mxfp8-op:u2:r"):
+        with pytest.raises(ValueError, match="runs no unit programs, drop ':r'"):
+            _run_spec(bad)
+    for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r"):
+        with pytest.raises(ValueError, match="unknown run"):
+            _run_spec(bad)
+
+
 def test_the_kernel_listing_gives_each_category_its_total_and_top_kernels():
     from benchmarks.bench_train_step import _kernels_by_category
 
