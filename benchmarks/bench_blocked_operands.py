@@ -11,7 +11,7 @@ plus the outputs written once (GB/s), for
   x^T tiles) / the backward's (rows and dy^T rows): the composition;
 - ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
-  ``blocked_operands`` uses the fastest (``ROWS_*`` / ``TRANSPOSED_*``).
+  ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output.
 
     python3 benchmarks/bench_blocked_operands.py --out blocked.json      # GPU
     python3 benchmarks/bench_blocked_operands.py --smoke                 # CPU: tiny, interpreted

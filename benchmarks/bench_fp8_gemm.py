@@ -21,7 +21,7 @@ dot in the same run:
   (``torch_scaled_mm_rel_diff``), or the error Torch raised (``torch_scaled_mm_error``);
   ``torch_bf16``: ``torch.mm`` of the bf16 operands, timed the same way (Torch's eager dispatch
   costs less per call than a jitted JAX call, which the small shapes' JAX columns include);
-- ``*kernel_ms``: GPU kernel time per call from torch.profiler (which sees XLA's kernels too)
+- ``*_kernel_ms``: GPU kernel time per call from torch.profiler (which sees XLA's kernels too)
   for ``bf16``, ``cublaslt``, ``torch_bf16`` and ``torch_scaled_mm``: the GEMMs themselves,
   without any host dispatch.
 
@@ -163,7 +163,7 @@ def _torch_scaled_mm(a16: jax.Array, b16: jax.Array, ra: Reblocked, rb: Reblocke
                      iters: int) -> dict[str, Any]:
     """``torch_scaled_mm_ms`` and its difference to the cuBLASLt GEMM, ``torch_bf16_ms``
     (``torch.mm`` of the bf16 operands), and the kernel times of those two, of cuBLASLt and of the
-    JAX bf16 dot (``*kernel_ms``); or the error Torch raised."""
+    JAX bf16 dot (``*_kernel_ms``); or the error Torch raised."""
     import torch
     import torch.nn.functional as F
 
@@ -197,7 +197,7 @@ def _torch_scaled_mm(a16: jax.Array, b16: jax.Array, ra: Reblocked, rb: Reblocke
                                                    preferred_element_type=jnp.float32))
         for name, fn in (("torch_scaled_mm", run), ("torch_bf16", bf16),
                          ("cublaslt", lambda: lt(ra, rb)), ("bf16", lambda: dot(a16, b16))):
-            row[f"{name}kernel_ms"] = kernel_ms(fn, iters)
+            row[f"{name}_kernel_ms"] = kernel_ms(fn, iters)
         return row
     except Exception as e:  # this Torch or device has no blockwise FP8 GEMM: recorded, not fatal
         return {"torch_scaled_mm_error": f"{type(e).__name__}: {str(e)[:300]}"}
