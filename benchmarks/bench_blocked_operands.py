@@ -83,7 +83,7 @@ def rows_for(shapes: list[tuple[int, int]], warps: list[int], iters: int,
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             row[f"{name}_us"] = round(s * 1e6, 2)
-            row[f"{name}_gbs"] = round(t * c * (2 + out_bytes) / s / 1e9, 1)
+            row[f"{name}_gbs"] = round(t * c * (2 + out_bytes) / s / 1e9, 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

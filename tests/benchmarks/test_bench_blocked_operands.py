@@ -15,9 +15,12 @@ def test_the_smoke_run_times_every_variant(tmp_path):
     assert bench_blocked_operands.main(["--smoke", "--warps", "4", "--out", str(out)]) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["shape"] == [128, 256]
-    for name in ("quantize", "planes_fwd", "planes_bwd", "fused_fwd[4]", "fused_bwd[4]",
-                 "fused_rows[4]", "fused_tiles_t[4]"):
+    names = ["quantize", "planes_fwd", "planes_bwd", "tiles_t[128x128,w4]"]
+    names += [f"rows[{r}x128,w4]" for r in (32, 64, 128)]
+    names += [f"rows_t[128x{c},w4]" for c in (32, 64, 128)]
+    for name in names:
         assert row[f"{name}_us"] > 0 and row[f"{name}_gbs"] > 0, name
+    assert not [k for k in row if k.endswith("_error")], row
 
 
 def test_a_timed_run_needs_a_gpu(capsys):

@@ -3,9 +3,11 @@ project's MXFP8 step beside PyTorch FSDP2's, one row each, memory and ratio colu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from benchmarks import bench_train_step
+from common.model_config import PRESETS
 
 
 def test_the_step_benchmark_runs_ours_beside_fsdp2_on_the_cpu(tmp_path, capsys):
@@ -27,14 +29,29 @@ def test_an_unknown_gemm_is_refused_by_name(capsys):
     assert "fp9" in capsys.readouterr().err
 
 
-def test_a_recompute_run_trains_as_the_plain_run(tmp_path):
-    """``mxfp8:u2:r``: the same losses as ``mxfp8:u2``, bit for bit (recompute runs the same
-    forward again)."""
-    out = tmp_path / "step.json"
-    bench_train_step.main(["--device", "cpu", "--nproc", "1", "--config", "tiny", "--steps", "2",
-                           "--warmup", "1", "--runs", "mxfp8:u2,mxfp8:u2:r", "--out", str(out)])
-    rows = {r["run"]: r for r in json.loads(out.read_text())["rows"]}
+def test_a_recompute_run_trains_as_the_plain_run_through_recompute_programs(single_rank_world):
+    """``mxfp8:u2:r`` through the benchmark's own run (``_run_one``, in this process: one rank,
+    no spawn): every unit backward is the recompute program (the trace's spans) and the losses
+    are those of ``mxfp8:u2`` bit for bit -- the backward runs the same forward program again
+    (equal with and without XLA's excess bf16 precision; measured). Labelled by its name."""
+    import argparse
+
+    from common import trace
+
+    args = argparse.Namespace(device="cpu", precompile=True, batch_size=4, seq_len=32, warmup=1,
+                              steps=1, world_size=1, profile=False, pyprofile=0, gemm="")
+    cfg, rows, spans = PRESETS["tiny"], {}, {}
+    for run in ("mxfp8:u2", "mxfp8:u2:r"):
+        with trace.recording(trace.Recorder()) as rec:
+            rows[run] = dataclasses.asdict(bench_train_step._run_one(run, cfg, args, rank=0))
+        names = [e["name"] for e in rec.events()]
+        spans[run] = {n: names.count(n) for n in ("unit_backward", "unit_recompute_backward")}
+    # 2 blocks = 1 unit of blocks + the head (with the loss): 2 backward programs a step
+    assert spans["mxfp8:u2:r"] == {"unit_backward": 0, "unit_recompute_backward": 2 * 3}
+    assert spans["mxfp8:u2"] == {"unit_backward": 2 * 3, "unit_recompute_backward": 0}
+    assert len(rows["mxfp8:u2:r"]["losses"]) == 2
     assert rows["mxfp8:u2:r"]["losses"] == rows["mxfp8:u2"]["losses"]
+    assert "| mxfp8:u2:r |" in bench_train_step._table(list(rows.values()), args)
 
 
 def test_the_recompute_suffix_reaches_the_models_units(single_rank_world):
@@ -43,7 +60,6 @@ def test_the_recompute_suffix_reaches_the_models_units(single_rank_world):
     import argparse
 
     from bridge.units import UnitForward
-    from common.model_config import PRESETS
 
     args = argparse.Namespace(device="cpu", gemm="")
     for run, want in (("mxfp8:u2:r", True), ("mxfp8:u2", False)):
