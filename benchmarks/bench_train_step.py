@@ -27,9 +27,12 @@ Runs (``--runs``):
 - any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
   blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
   gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
-- ``:r`` after that (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``): the unit programs' activation recompute
-  (``TorchGPT(recompute=True)``): each forward keeps only its inputs and the backward program
-  runs the forward again -- less peak memory for more GPU time; the same losses.
+- ``:r`` after that (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
+  activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
+  block unit's forward keeps only its inputs and its backward program runs the forward again
+  (the head with the loss keeps its own) -- less peak memory for more GPU time and, in MXFP8,
+  the rowwise weight planes gathered again for the backward; the same losses, bit for bit. Only
+  for runs with unit programs (not ``mxfp8-op`` nor the PyTorch runs: ValueError).
 
 Every run steps AdamW with the same hyper-parameters (lr 1e-4, torch's defaults otherwise) on the
 same tokens; on CUDA every optimizer is ``fused=True`` (this project's: ``FSDPOptimizer`` over the
@@ -56,9 +59,11 @@ and by host time, and each category's kernels: the top 8, ``--profile-top N`` fo
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
         --batch-size 8 --seq-len 1024 --steps 12 --warmup 3 --profile --out bench.json
-    python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt-1.3b \
-        --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 \
+    python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt-1.3b \\
+        --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 \\
         --runs fsdp2,fsdp2-compile,torchao,mxfp8:u4,bf16:u4   # scripts/gpu/scale.sh
+    python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt-1.3b \\
+        --batch-size 8 --seq-len 1024 --steps 6 --warmup 2 --runs mxfp8:u4,mxfp8:u4:r
 """
 
 from __future__ import annotations
@@ -232,7 +237,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
     name, recompute = (run[:-2], True) if run.endswith(":r") else (run, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
-        raise ValueError(f"unknown run {run!r}")
+        raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
+                         f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
+                         f"':r' (activation recompute), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
@@ -659,7 +666,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
                    help=f"a comma list from {RUNS}; this project's runs take ':u<N>' for N "
-                        f"blocks per FSDP unit (e.g. mxfp8:u4)")
+                        f"blocks per FSDP unit (e.g. mxfp8:u4), then ':r' for the unit "
+                        f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op)")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
     p.add_argument("--profile-top", type=int, default=8,
@@ -692,10 +700,10 @@ def main(argv=None) -> int:
             _run_spec(r)
         except ValueError as e:
             bad.append(str(e))
-    if bad or args.steps < 1 or args.warmup < 0:
-        p.error(f"--runs from {RUNS}, this project's with an optional ':u<N>' (blocks per "
-                f"unit, N >= 1) and ':r' (activation recompute), --steps >= 1, --warmup >= 0 "
-                f"(got {bad or args.runs})")
+    if bad:
+        p.error("--runs: " + "; ".join(bad))  # each names the run and what was expected
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps >= 1 and --warmup >= 0 (got {args.steps} and {args.warmup})")
     from torch_side.launch import run_local_ranks
 
     rows = run_local_ranks(_rank_main, args.nproc, (args,), device=args.device)[0]

@@ -4,9 +4,10 @@
 # usual recipe, eager and compiled, and torchao float8 rowwise), GPU time by kernel category.
 # Logs and JSON under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/scale.sh ours1300 peers1300
-# RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b); GEMM=fp8_blocked (any
-# common.kernels.GemmImpl) sets the GEMM of this project's runs; BATCH (default 8) the sequences
-# of 1024 tokens per step.
+# RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b; bench_train_step --runs:
+# e.g. mxfp8:u4 = 4 blocks per FSDP unit, mxfp8:u4:r the same with activation recompute);
+# GEMM=fp8_blocked (any common.kernels.GemmImpl) sets the GEMM of this project's runs; BATCH
+# (default 8) the sequences of 1024 tokens per step.
 set -u
 OUT=${OUT:-$PWD/out/scale}
 mkdir -p "$OUT"

@@ -4,7 +4,7 @@
 # GPT-2 124M and 350M. Logs under $OUT. torchao travels as a wheel in .whl/ (carry ".whl").
 #   bash scripts/gpu/units.sh tests step124 step350 warm
 # RUNS124 / RUNS350 / WARM_RUN pick the runs (bench_train_step --runs; e.g. mxfp8:u4 = 4 blocks
-# per FSDP unit).
+# per FSDP unit, mxfp8:u4:r the same with the unit programs' activation recompute).
 set -u
 OUT=${OUT:-$PWD/out/units}
 mkdir -p "$OUT"
