@@ -171,7 +171,7 @@ def _first_buffer(group: GradGroup, spans: list[tuple[int, int]], direct: bool) 
     """What the gradients are written into. With a writer writing in place (cuBLASLt, on a
     GPU): a buffer with only the gaps between the slots zeroed (``cublaslt.zeroed_gaps``) --
     every other element is written by the program, so the bucket is not filled first (an XLA
-    fill kernel of about 0.6 ms per 805 MB fp32 bucket on the H200). Otherwise zeros behind an
+    fill kernel of about 0.14 ms per 805 MB fp32 bucket on the H200). Otherwise zeros behind an
     optimization barrier: left alone, XLA turns zeros + the first update into one pad of the
     whole buffer (the cast widening all of it), several times slower than a fill and in-place
     updates (CPU, a 256 MB group: 496 against 58 ms; tests/jax_side/test_unit_program.py reads

@@ -23,8 +23,8 @@ whose given element ranges are zeroed (``cudaMemsetAsync``) and whose other elem
 the allocator handed them over, for a program that writes every one of them itself: a gradient
 group whose weight gradients cuBLASLt writes in place (``unit_grads.flat_group``) needs zeros
 only in the padding between its slots, not a fill of the whole bucket first (a 805 MB fp32
-bucket of a 4-block 1.3B unit: an XLA fill kernel of about 0.6 ms per step and unit on the H200,
-as the profiler counted it; BENCHMARKS.md, session 8).
+bucket of a 4-block 1.3B unit: an XLA fill kernel of about 0.14 ms per step and unit on the
+H200, BENCHMARKS.md, sessions 7 and 8).
 
 **Building.** Nothing is compiled at install time. The first call in a process builds the handler
 (one ``g++`` run, about 5 s) against the installed jaxlib's FFI headers and the CUDA toolkit's

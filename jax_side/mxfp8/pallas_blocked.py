@@ -114,10 +114,10 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
-    quantizes -- (32, 64 or 128, 128) for ``rows`` alone (a 1x128 block needs one row),
-    (128, 32, 64 or 128) for ``rows_t`` alone (its blocks run down 128 rows), (128, 128)
-    otherwise (``tiles_t`` needs the whole tile). benchmarks/bench_blocked_operands.py times
-    them."""
+    quantizes -- (32, 128), (64, 128) or (128, 128) for ``rows`` alone (a 1x128 block needs one
+    row), (128, 32), (128, 64) or (128, 128) for ``rows_t`` alone (its blocks run down 128
+    rows), (128, 128) otherwise (``tiles_t`` needs the whole tile);
+    benchmarks/bench_blocked_operands.py times them."""
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
                         f"{x.dtype}{tuple(x.shape)}")
