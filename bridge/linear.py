@@ -18,13 +18,14 @@ Tensors in one call (names used below):
   memory) for wgrad, as Transformer Engine does.
 
 Saved for backward: the JAX planes (x colwise; without ``weight_planes`` also W's colwise plane)
-live on the autograd ``ctx`` until the graph is freed -- after backward, or kept when the graph is
-retained (``backward(retain_graph=True)``: a second backward accumulates the same gradients again,
-with FSDP re-gathering W's colwise plane). A sentinel saved tensor makes a backward through a
-freed graph raise Torch's own "backward through the graph a second time" error, as ``nn.Linear``
-does. They stay JAX arrays (no crossing back to Torch and again to JAX per layer); the price:
-under ``torch.utils.checkpoint`` the x colwise plane is held, not recomputed. Backward returns dx
-and dW in one crossing. Zero tokens (x of shape (..., 0, K)) give an empty y and dx and a zero dW.
+live as long as autograd's saved tensors (``bridge.residuals``) -- freed right after this
+node's backward, or kept when the graph is retained (``backward(retain_graph=True)``: a second
+backward accumulates the same gradients again, with FSDP re-gathering W's colwise plane). A
+backward through a freed graph raises Torch's own "backward through the graph a second time"
+error, as ``nn.Linear`` does. They stay JAX arrays (no crossing back to Torch and again to JAX
+per layer); the price: under ``torch.utils.checkpoint`` the x colwise plane is held, not
+recomputed. Backward returns dx and dW in one crossing. Zero tokens (x of shape (..., 0, K))
+give an empty y and dx and a zero dW.
 
 Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
 JAX linear (the Flax twin runs it too). Kernels: a ``KernelConfig`` (None: the default for the
@@ -42,6 +43,7 @@ import jax
 import torch
 from torch.autograd.function import once_differentiable
 
+from bridge import residuals
 from bridge.capabilities import required_alignment
 from bridge.compile_ahead import active, run_in, run_or_compile
 from bridge.dlpack import to_jax, to_torch
@@ -169,21 +171,20 @@ class _MXFP8LinearFn(torch.autograd.Function):
         need_dx = grad_enabled and ctx.needs_input_grad[0]
         need_dw = grad_enabled and ctx.needs_input_grad[1]
         if planes is not None:
-            w_row, ctx.w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
+            w_row, w_colwise = _weight_plane(planes, weight, Plane.ROWWISE), None
         else:
             planes = ALL_PLANES if need_dx else (Plane.ROWWISE,)
             wq = run_or_compile(L.quantize_weight_program, _share(weight), planes=planes,
                                 kernels=kernels)
-            w_row, ctx.w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
+            w_row, w_colwise = wq, (wq.only(Plane.COLWISE) if need_dx else None)
         out = run_or_compile(
             L.forward, _share(x2d), w_row, out_dtype=out_j, keep_x_colwise=need_dw,
             kernels=kernels,
         )
-        ctx.x_colwise = out.x_colwise
-        # A sentinel saved tensor: autograd frees it with the graph, so a backward through a
-        # freed graph raises Torch's own error (nn.Linear's behaviour); the JAX planes above stay
-        # on ctx until the graph (and ctx) is freed, so a retained graph can run backward again.
-        ctx.save_for_backward(x.new_empty(0))
+        # The JAX planes live as long as autograd's saved tensors (bridge.residuals): freed after
+        # backward, kept by a retained graph; a backward through a freed graph raises Torch's
+        # own error (nn.Linear's behaviour).
+        ctx.save_for_backward(residuals.holder(x, (out.x_colwise, w_colwise)))
         # orders Torch after JAX's reads of x and W
         return _result(out.y, x.device).reshape(*lead, n)
 
@@ -201,17 +202,15 @@ class _MXFP8LinearFn(torch.autograd.Function):
                 kernels=ctx.kernels, packed=True,
             )
         else:
-            ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed (see forward)
-            w_col = None
+            x_colwise, w_col = residuals.saved(ctx)  # raises once the graph was freed
             if need_dx:
-                w_col = ctx.w_colwise
                 if ctx.planes is not None:
                     w_col = _weight_plane(ctx.planes, _PlaneShape(ctx), Plane.COLWISE)
             out = run_in(
                 ctx.ahead, L.backward,
                 dy2d,
                 w_col,
-                ctx.x_colwise if need_dw else None,
+                x_colwise if need_dw else None,
                 dx_dtype=jax_dtype_for(ctx.x_dtype),
                 dw_dtype=jax_dtype_for(ctx.w_dtype),
                 kernels=ctx.kernels,

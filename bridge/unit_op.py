@@ -18,6 +18,10 @@ the program's output, or a tuple where the function returns several (a block wit
 outputs, a span's one per block). In backward an output that got no gradient is None
 (``set_materialize_grads(False)``): a span's program takes None for it; elsewhere zeros stand in.
 
+Residual lifetime: the forward program's residuals (JAX arrays) live as long as autograd's
+saved tensors (``bridge.residuals``): freed right after this node's backward, or, for
+``backward(retain_graph=True)``, with the graph.
+
 Recompute (``recompute=True``): the forward keeps nothing but its inputs; the backward program
 runs the forward again, then the backward (under FSDP the rowwise planes are gathered again for
 it, phase ``RECOMPUTE``). Evaluation (no gradients) runs the forward program of training, its
@@ -35,6 +39,7 @@ import jax
 import torch
 from torch import nn
 
+from bridge import residuals
 from bridge.compile_ahead import active, run_in, run_or_compile
 from bridge.dlpack import to_jax
 from bridge.dtypes import torch_dtype_for
@@ -106,14 +111,13 @@ class _UnitFn(torch.autograd.Function):
                 out = run_or_compile(U.unit_apply, params, rows, xj, auxj, spec=spec)
         else:
             with trace.span(TRACK, "unit_forward"):
-                out, ctx.saved = run_or_compile(U.unit_forward, params, rows, xj, auxj,
-                                                spec=spec)
+                out, saved = run_or_compile(U.unit_forward, params, rows, xj, auxj, spec=spec)
             # inputs that are residuals (e.g. x, saved by a checkpointed LayerNorm) stay here,
             # as do a span's outputs that its later blocks keep; parameters are read again at
             # backward (FSDP gathers them for it), so the forward's gathered buckets go back
             # to FSDP's pool at reshard instead of living till then
-            ctx.kept = ctx.saved.forwarded.kept_without_params(params, rows, xj, auxj, out)
-            ctx.save_for_backward(inputs[0].new_empty(0))  # a freed graph raises Torch's error
+            kept = saved.forwarded.kept_without_params(params, rows, xj, auxj, out)
+            ctx.save_for_backward(residuals.holder(inputs[0], (saved, kept)))
         outs = _results(out, device)
         ctx.several = isinstance(out, tuple)
         ctx.out_meta = [(tuple(o.shape), o.dtype) for o in outs]
@@ -136,13 +140,12 @@ class _UnitFn(torch.autograd.Function):
                 grads = run_in(ctx.ahead, U.unit_recompute_backward, params, rows, xj, auxj,
                                dj, cols, spec=spec)
         else:
-            ctx.saved_tensors  # noqa: B018 -- raises once the graph was freed
-            kept = ctx.kept
+            saved, kept = residuals.saved(ctx)  # raises once the graph was freed
             if any(k is None for k in kept):
                 params = tuple(p.jax_input() for p in call.found.layout.params)
-                kept = ctx.saved.forwarded.with_params(kept, params)
+                kept = saved.forwarded.with_params(kept, params)
             with trace.span(TRACK, "unit_backward"):
-                grads = run_in(ctx.ahead, U.unit_backward, ctx.saved, kept, dj, cols, spec=spec)
+                grads = run_in(ctx.ahead, U.unit_backward, saved, kept, dj, cols, spec=spec)
         dxs, param_grads = _unpack(_result(grads.packed, ctx.device), ctx)
         for (sink, n), flat in zip(call.found.sinks, grads.groups, strict=True):
             # FSDP's grad bucket: the buffer taken whole (adopted, or one add)

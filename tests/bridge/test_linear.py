@@ -35,6 +35,7 @@ from jax_side.linear import padded_tokens
 from jax_side.linear_reference import mxfp8_linear_reference
 from jax_side.mxfp8 import quantize
 from tests.bridge.conftest import DEVICES
+from tests.bridge.residual_refs import recording_residuals
 
 LEAD, K, N = (3, 17), 64, 96
 
@@ -340,6 +341,22 @@ def test_second_backward_over_a_retained_graph_accumulates_like_nn_linear(with_p
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y2.backward(dy)
 
+
+def test_the_saved_planes_are_freed_by_the_backward_while_the_output_lives(monkeypatch):
+    """The JAX planes kept for backward die with autograd's saved tensors -- right after the
+    backward, by reference counts alone, while ``y`` (and so the graph object) is still
+    referenced -- not with the graph object (``bridge.residuals``)."""
+    refs = recording_residuals(monkeypatch)
+    x, w, dy = _inputs()
+    gc.disable()
+    try:
+        y = mxfp8_linear(x, w)
+        assert len(refs) >= 2 and all(r() is not None for r in refs)  # x's and W's colwise
+        y.backward(dy)
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+    assert y.grad_fn is not None
 
 @pytest.mark.parametrize("with_planes", [False, True], ids=["quantized", "weight-planes"])
 def test_zero_tokens_give_empty_outputs_and_a_zero_weight_gradient(with_planes):

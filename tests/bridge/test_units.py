@@ -30,6 +30,7 @@ from common.modes import Activations, Compute
 from models import gpt_math as gm
 from models.flax_gpt import FlaxGPT, cross_entropy, flat_params, nested_params
 from models.torch_gpt import TorchGPT
+from tests.bridge.residual_refs import recording_residuals
 from tests.compiles import COMPILES
 
 B, S = 2, 64  # every test uses these shapes: the programs compile once per process
@@ -108,6 +109,32 @@ def test_recompute_inside_the_backward_program_gives_the_same_bits():
     assert torch.equal(keep[0], redo[0])
     for n, g in keep[1].items():
         assert torch.equal(g, redo[1][n]), n
+
+
+def test_residuals_die_with_the_graphs_saved_tensors_not_with_the_loss(monkeypatch):
+    """The forward's JAX residuals are freed right after each unit's backward, while the loss
+    (and so the graph object) is still referenced -- by reference counts alone, the cyclic
+    collector off; a retained graph keeps them for a second backward, which accumulates the
+    same gradients again, and a third raises Torch's own error."""
+    refs = recording_residuals(monkeypatch)
+    tokens, targets = _batch(6)
+    model = TorchGPT(TINY, seed=1, compute="unit")
+    gc.disable()
+    try:
+        loss = model(tokens, targets)
+        assert len(refs) > 10 and all(r() is not None for r in refs)
+        loss.backward(retain_graph=True)
+        assert all(r() is not None for r in refs), "a retained graph keeps its residuals"
+        once = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loss.backward()
+        alive = sum(r() is not None for r in refs)
+        assert alive == 0, f"{alive} of {len(refs)} residuals outlived the backward"
+    finally:
+        gc.enable()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, 2 * once[n]), n
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
 
 
 def test_an_evaluation_forward_gives_the_training_forward_bits_and_keeps_nothing():
