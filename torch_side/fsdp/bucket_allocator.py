@@ -34,7 +34,14 @@ on CUDA it is kept, with an event recorded on the current stream, until that eve
 (checked at each later ``allocate``, ``adopt``, ``free`` and ``trim``), because JAX's allocator
 may hand the memory to its next program as soon as the last reference goes, without waiting
 for Torch's or the communication stream's readers (the reduce-scatter, the add into
-``main_grad``).
+``main_grad``). **At most ``retiring_limit`` such buckets wait at once** (FSDP passes
+``Overlap.freed_grad_buckets``, default 2): when a free would leave more, the host waits for the
+oldest one's event (``retire_waits`` counts the waits), as FSDP1's all-gather rate limiter
+does. Without the bound a host that runs ahead of the GPU (the usual case: it enqueues a unit's
+backward in less time than the GPU runs it) checks the events before any has completed and
+keeps every adopted bucket of the backward alive until the optimizer's first wait -- at 1.3B
+with 4 blocks per unit, six 0.75 GiB buckets of JAX memory. With the bound the host waits for
+the reduction of a bucket freed two units earlier, whose work the GPU has usually run already.
 
 Accounting (bytes): ``live_bytes`` handed out and not freed, ``peak_bytes`` its maximum;
 ``reserved_bytes`` everything the pool holds (live + idle + held, adopted buckets included until
@@ -93,7 +100,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class BucketAllocator:
-    def __init__(self) -> None:
+    def __init__(self, retiring_limit: int = 2) -> None:
+        if isinstance(retiring_limit, bool) or not isinstance(retiring_limit, int) \
+                or retiring_limit < 0:
+            raise ValueError(f"BucketAllocator: retiring_limit must be an int >= 0 (the freed "
+                             f"adopted buckets kept while their readers may run), got "
+                             f"{retiring_limit!r}")
+        self.retiring_limit = retiring_limit
+        self.retire_waits = 0  # host waits for the oldest retiring bucket (module note)
         self._live: dict[tuple[str, str], _Pooled] = {}
         self._idle: dict[tuple, list[_Pooled]] = {}  # (numel, dtype, device) -> freed buckets
         self.live_bytes = 0
@@ -178,7 +192,8 @@ class BucketAllocator:
         return tensor
 
     def _retire(self) -> None:
-        """Drop the freed adopted buckets whose readers are done (module note)."""
+        """Drop the freed adopted buckets whose readers are done; wait for the oldest while
+        more than ``retiring_limit`` remain (module note)."""
         if not self._retiring:
             return
         keep = []
@@ -187,6 +202,12 @@ class BucketAllocator:
                 keep.append(p)
             else:
                 self.reserved_bytes -= _nbytes(p.tensor)
+        while len(keep) > self.retiring_limit:
+            oldest = keep.pop(0)
+            assert oldest.ready is not None  # (only CUDA buckets, with their event, are kept)
+            oldest.ready.synchronize()
+            self.retire_waits += 1
+            self.reserved_bytes -= _nbytes(oldest.tensor)
         self._retiring = keep
 
     def get(self, owner: str, purpose: str) -> torch.Tensor | None:
@@ -207,9 +228,7 @@ class BucketAllocator:
         if p is None:
             return
         self.live_bytes -= _nbytes(p.tensor)
-        if p.tensor.is_cuda:
-            p.ready = torch.cuda.Event()
-            p.ready.record(torch.cuda.current_stream(p.tensor.device))
+        p.ready = self._readers_event(p.tensor)
         if p.adopted:  # not the pool's memory: released once its readers are done
             self._retiring.append(p)
             self._retire()
@@ -218,6 +237,16 @@ class BucketAllocator:
         key = (p.tensor.numel(), p.tensor.dtype, p.tensor.device)
         self._idle.setdefault(key, []).append(p)
         trace.counter("bucket bytes", live=self.live_bytes, reserved=self.reserved_bytes)
+
+    @staticmethod
+    def _readers_event(t: torch.Tensor) -> torch.cuda.Event | None:
+        """An event recorded now on the current stream (CUDA), after every reader queued so
+        far; None on the CPU, where nothing runs behind the host."""
+        if not t.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        return event
 
     def shared(self, owner: str, purpose: str) -> SharedBuffer:
         """The live bucket's JAX share (``bridge.shared.SharedBuffer``), made on first use and

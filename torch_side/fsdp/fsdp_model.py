@@ -128,13 +128,13 @@ class FSDPModel(nn.Module):
         self.policy, self.kernels = policy, kernels
         self.grad_check = GradCheck(grad_check)
         self.init_sync = InitSync.parse(init_sync)
-        self.allocator = BucketAllocator()
         if overlap is not None and not isinstance(overlap, Overlap):
             raise TypeError(
                 f"fully_shard: overlap must be a torch_side.Overlap (or None for the default), "
                 f"got {overlap!r}"
             )
         overlap = Overlap() if overlap is None else overlap
+        self.allocator = BucketAllocator(retiring_limit=overlap.freed_grad_buckets)
         streams = overlap.streams_at_world_1
         self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), streams)}
         self.mesh_shape = groups.shape  # (replicas, shards): (1, DP size) without a mesh

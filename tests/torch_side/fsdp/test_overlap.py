@@ -39,11 +39,26 @@ def test_overlap(case, world_size):
         ({"prefetch": True}, "prefetch must be an int >= 0"),
         ({"reductions_in_flight": 0}, "reductions_in_flight must be an int >= 1"),
         ({"async_reduce": "yes"}, "async_reduce must be a bool"),
+        ({"freed_grad_buckets": -1}, "freed_grad_buckets must be an int >= 0"),
+        ({"freed_grad_buckets": 1.0}, "freed_grad_buckets must be an int >= 0"),
     ],
 )
 def test_bad_overlap_settings_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Overlap(**kwargs)
+
+
+def test_the_model_s_pool_keeps_at_most_freed_grad_buckets_handed_over_buckets(
+        single_rank_world):
+    """``Overlap.freed_grad_buckets`` reaches the model's bucket pool (the bound itself:
+    tests/torch_side/fsdp/test_bucket_allocator.py)."""
+    from torch import nn
+
+    from torch_side import fully_shard
+
+    for overlap, limit in ((None, 2), (Overlap(freed_grad_buckets=0), 0)):
+        model = fully_shard(nn.Sequential(nn.Linear(64, 64, bias=False)), overlap=overlap)
+        assert model.allocator.retiring_limit == limit
 
 
 def test_the_execution_order_gives_the_units_ahead_in_either_direction():
