@@ -193,6 +193,9 @@ def _build(run, cfg, args):
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
+    freed = getattr(args, "freed_grad_buckets", None)  # (None: Overlap's default)
+    if freed is not None:
+        overlap = dataclasses.replace(overlap, freed_grad_buckets=freed)
     fsdp = fully_shard(model, unit_modules=model.block_units(min(per_unit, cfg.n_layer)),
                        policy=policy, overlap=overlap)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, **_adamw(args))
@@ -684,8 +687,19 @@ def main(argv=None) -> int:
     p.add_argument("--gemm", default="",
                    help="the GEMM of this project's MXFP8 runs (common.kernels.GemmImpl, e.g. "
                         "fp8_blocked: Hopper's FP8 tensor cores); default: the platform's")
+    p.add_argument("--freed-grad-buckets", type=int, default=None,
+                   help="torch_side.Overlap.freed_grad_buckets of this project's runs: "
+                        "handed-over grad buckets kept after their reduction until their "
+                        "readers ran (default: Overlap's, 2)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.freed_grad_buckets is not None:
+        from torch_side import Overlap
+
+        try:
+            Overlap(freed_grad_buckets=args.freed_grad_buckets)
+        except ValueError as e:
+            p.error(str(e))
     if args.gemm:
         from common.kernels import GemmImpl
 

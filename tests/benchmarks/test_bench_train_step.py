@@ -73,6 +73,25 @@ def test_the_recompute_suffix_reaches_the_models_units(single_rank_world):
         assert units and all(u.recompute is want for u in units), run
 
 
+def test_freed_grad_buckets_reaches_the_models_bucket_pool(single_rank_world):
+    """``--freed-grad-buckets N`` sets ``Overlap.freed_grad_buckets`` of this project's runs
+    (the sync run's too); unset, Overlap's default."""
+    import argparse
+
+    for run, n, want in (("mxfp8:u2", None, 2), ("mxfp8:u2", 0, 0), ("mxfp8-sync", 3, 3)):
+        args = argparse.Namespace(device="cpu", gemm="", freed_grad_buckets=n)
+        model = bench_train_step._build(run, PRESETS["tiny"], args)[0]
+        assert model.allocator.retiring_limit == want, (run, n)
+
+
+def test_a_negative_freed_grad_buckets_is_refused_by_name(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench_train_step.main(["--freed-grad-buckets", "-1"])
+    assert "freed_grad_buckets must be an int >= 0" in capsys.readouterr().err
+
+
 def test_recompute_on_a_peer_run_is_refused_by_name(capsys):
     import pytest
 
