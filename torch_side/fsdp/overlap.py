@@ -13,7 +13,7 @@
   ``BucketAllocator.adopt``) is kept after its reduction until the work queued on its readers'
   stream has run; at most this many are kept at once -- beyond it the host waits for the oldest
   (``BucketAllocator``'s module note). 2 by default: on one H200 at 1.3B with 4 blocks per unit,
-  1 made the step 4-6% slower (the host waited on work it had just queued) and 2 and 3 cost
+  1 made the step 4-10% slower (the host waited on work it had just queued) and 2 and 3 cost
   nothing against no bound, which held all six units' buckets (4.5 GiB) to the end of backward.
 
 The numbers never change results: a gather is waited for before its planes are read and a
@@ -57,11 +57,11 @@ class Overlap:
     prefetch: int = 1
     async_reduce: bool = True
     reductions_in_flight: int = 1
-    freed_grad_buckets: int = 2
     # CUDA copies at world size 1 through the communication streams too
     # (torch_side.comm.collectives; the applications' MXFP8_FSDP_COMM_STREAMS=1): how one GPU tests
     # the stream ordering
     streams_at_world_1: bool = False
+    freed_grad_buckets: int = 2  # (last: the fields before keep their positions)
 
     def __post_init__(self) -> None:
         for name, low in (("prefetch", 0), ("reductions_in_flight", 1),
