@@ -22,9 +22,10 @@ live as long as autograd's saved tensors (``bridge.residuals``) -- freed right a
 node's backward, or kept when the graph is retained (``backward(retain_graph=True)``: a second
 backward accumulates the same gradients again, with FSDP re-gathering W's colwise plane). A
 backward through a freed graph raises Torch's own "backward through the graph a second time"
-error, as ``nn.Linear`` does. They stay JAX arrays (no crossing back to Torch and again to JAX
-per layer); the price: under ``torch.utils.checkpoint`` the x colwise plane is held, not
-recomputed. Backward returns dx and dW in one crossing. Zero tokens (x of shape (..., 0, K))
+error, as ``nn.Linear`` does; under ``torch.utils.checkpoint(use_reentrant=False)`` they are
+made again by the recomputation, not held (saved-tensor hooks: ``bridge.residuals``). They stay
+JAX arrays (no crossing back to Torch and again to JAX per layer). Backward returns dx and dW in
+one crossing. Zero tokens (x of shape (..., 0, K))
 give an empty y and dx and a zero dW.
 
 Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
@@ -184,7 +185,7 @@ class _MXFP8LinearFn(torch.autograd.Function):
         # The JAX planes live as long as autograd's saved tensors (bridge.residuals): freed after
         # backward, kept by a retained graph; a backward through a freed graph raises Torch's
         # own error (nn.Linear's behaviour).
-        ctx.save_for_backward(residuals.holder(x, (out.x_colwise, w_colwise)))
+        ctx.save_for_backward(residuals.holder((out.x_colwise, w_colwise)))
         # orders Torch after JAX's reads of x and W
         return _result(out.y, x.device).reshape(*lead, n)
 

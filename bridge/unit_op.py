@@ -117,7 +117,7 @@ class _UnitFn(torch.autograd.Function):
             # backward (FSDP gathers them for it), so the forward's gathered buckets go back
             # to FSDP's pool at reshard instead of living till then
             kept = saved.forwarded.kept_without_params(params, rows, xj, auxj, out)
-            ctx.save_for_backward(residuals.holder(inputs[0], (saved, kept)))
+            ctx.save_for_backward(residuals.holder((saved, kept)))
         outs = _results(out, device)
         ctx.several = isinstance(out, tuple)
         ctx.out_meta = [(tuple(o.shape), o.dtype) for o in outs]

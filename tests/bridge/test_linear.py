@@ -358,6 +358,47 @@ def test_the_saved_planes_are_freed_by_the_backward_while_the_output_lives(monke
         gc.enable()
     assert y.grad_fn is not None
 
+def test_under_non_reentrant_checkpointing_the_planes_are_made_again_not_held(monkeypatch):
+    """``torch.utils.checkpoint(use_reentrant=False)`` drops the saved holder at the forward:
+    the first forward's planes are freed at once, the backward's recomputation makes them again
+    (and frees them), and the gradients are the plain backward's bytes."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, dy = _inputs()
+    mxfp8_linear(x, w).backward(dy)
+    want = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    refs = recording_residuals(monkeypatch)
+    gc.disable()
+    try:
+        y = checkpoint(lambda t: mxfp8_linear(t, w), x, use_reentrant=False)
+        first = len(refs)
+        assert first >= 2 and [r() for r in refs] == [None] * first
+        y.backward(dy)
+        assert len(refs) == 2 * first and [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
+
+
+def test_save_on_cpu_keeps_the_planes_and_a_copying_hook_gets_a_clear_error():
+    """``save_on_cpu()`` hands the (empty, CPU) holder back as it is: the backward runs. A hook
+    that hands back a copy loses the JAX planes the holder carries: a RuntimeError says so."""
+    x, w, dy = _inputs()
+    mxfp8_linear(x, w).backward(dy)
+    want = x.grad.clone()
+    x.grad = None
+    with torch.autograd.graph.save_on_cpu():
+        y = mxfp8_linear(x, w)
+    y.backward(dy)
+    assert torch.equal(x.grad, want)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = mxfp8_linear(x, w)
+    with pytest.raises(RuntimeError, match=r"the JAX residuals this op saved for backward are "
+                                           r"gone: a saved-tensor hook"):
+        y.backward(dy)
+
+
 @pytest.mark.parametrize("with_planes", [False, True], ids=["quantized", "weight-planes"])
 def test_zero_tokens_give_empty_outputs_and_a_zero_weight_gradient(with_planes):
     """An MoE expert that receives no tokens: y and dx are empty, dW is zero (not a crash)."""
