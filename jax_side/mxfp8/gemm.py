@@ -59,10 +59,11 @@ def matmul(
 ) -> jax.Array:
     """MXFP8 GEMM for one training role (``common.gemm_roles``); fp32 accumulation.
 
-    kernels: a ``KernelConfig`` (None: the automatic default for JAX's default device, the GEMM
-    ``kernel_report`` names); ``impl=`` and ``backend=`` are shorthand for
-    ``kernels=KernelConfig(backend, gemm=impl)``. A chosen GEMM keeps the automatic backend off
-    ``te``; ``te`` (which runs its own GEMM) refuses a chosen GEMM.
+    kernels: a ``KernelConfig`` (None: the automatic default for the device the operands lie on
+    -- JAX's default device inside ``jit`` --, the GEMM ``kernel_report`` names); ``impl=`` and
+    ``backend=`` are shorthand for ``kernels=KernelConfig(backend, gemm=impl)``. A chosen GEMM
+    keeps the automatic backend off ``te``; ``te`` (which runs its own GEMM) refuses a chosen
+    GEMM.
     Returns ``out_dtype`` (float32 or bfloat16), rounded once from the fp32 accumulator.
     """
     role = GemmRole.parse(role)
@@ -70,6 +71,6 @@ def matmul(
     _check_operands(a, b, role, spec)
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise TypeError(f"matmul: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    resolved = resolve_call("matmul", kernels, backend, impl)
+    resolved = resolve_call("matmul", kernels, backend, impl, operands=(a, b))
     return backend_impl(resolved.backend).matmul_rounded(a, b, role, resolved.gemm,
                                                          jnp.dtype(out_dtype))

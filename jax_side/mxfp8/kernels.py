@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import jax
 
 from common.kernels import Backend, GemmImpl, KernelConfig, Platform
 from jax_side.mxfp8.backend_api import default_platform, site_for
@@ -44,6 +46,7 @@ __all__ = [
     "ResolvedKernels",
     "default_platform",
     "kernel_report",
+    "placement",
     "resolve_call",
     "resolve_kernels",
 ]
@@ -104,14 +107,32 @@ def resolve_kernels(
     return _resolve(config, platform, jax_default, registry_version())
 
 
+def placement(*operands: Any) -> Platform | None:
+    """The platform the concrete JAX arrays among ``operands`` (pytrees) live on: where a public
+    call's work runs. None -- JAX's default device -- when there are none (numpy inputs, values
+    traced inside ``jit``) or they lie on several platforms (the computation then says so)."""
+    platforms: set[str] = set()
+    for leaf in jax.tree.leaves(operands):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            platforms |= {d.platform for d in leaf.devices()}
+    if len(platforms) != 1:
+        return None
+    name = platforms.pop()
+    return Platform.GPU if name == "gpu" else Platform.CPU if name == "cpu" else None
+
+
 def resolve_call(
     what: str,
     kernels: KernelConfig | ResolvedKernels | None,
     backend: Backend | str | None = None,
     gemm: GemmImpl | str | None = None,
+    *,
+    operands: tuple = (),
 ) -> ResolvedKernels:
     """The kernels of one public call: ``kernels=``, or the shorthand keywords ``backend=`` /
-    ``impl=`` (the same as ``kernels=KernelConfig(backend, gemm)``), never both."""
+    ``impl=`` (the same as ``kernels=KernelConfig(backend, gemm)``), never both; resolved for the
+    platform the call's ``operands`` live on (``placement``): CPU arrays in a process whose JAX
+    default device is a GPU get the CPU's kernels, as the bridge's calls on CPU tensors do."""
     if backend is not None or gemm is not None:
         if kernels is not None:
             raise TypeError(
@@ -120,7 +141,7 @@ def resolve_call(
             )
         kernels = KernelConfig(None if backend is None else Backend.parse(backend),
                                None if gemm is None else GemmImpl.parse(gemm))
-    return resolve_kernels(kernels)
+    return resolve_kernels(kernels, placement(*operands))
 
 
 def _choose_backend(

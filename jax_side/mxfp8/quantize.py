@@ -49,7 +49,8 @@ def quantize(
     ``Plane.ROWWISE``, blocks 1x32 along K -> data (M, K) e4m3, scale (M, K/32) e8m0;
     ``Plane.COLWISE``, blocks 32x1 along M -> data (M, K) e4m3 (not transposed), scale (M/32, K)
     e8m0. kernels: a ``KernelConfig`` (None: the automatic default for
-    JAX's default device; ``kernel_report`` says what runs); ``backend="xla"`` is shorthand for
+    the device x lies on -- JAX's default device for numpy input or inside ``jit``;
+    ``kernel_report`` says what runs); ``backend="xla"`` is shorthand for
     ``kernels=KernelConfig(backend="xla")``.
     """
     _check_array(x)
@@ -58,5 +59,5 @@ def quantize(
     check_mxfp8_shape(x.shape, "quantize")
     check_dtype(x, "quantize")
     planes = parse_planes(planes, "quantize")
-    impl = backend_impl(resolve_call("quantize", kernels, backend).backend)
+    impl = backend_impl(resolve_call("quantize", kernels, backend, operands=(x,)).backend)
     return impl.quantize(x, planes=planes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +68,8 @@ def _check_slice(
 
 
 def _slice_impl(what: str, kernels: KernelConfig | ResolvedKernels | None,
-                backend: Backend | str | None) -> KernelBackend:
-    return backend_impl(resolve_call(what, kernels, backend).slices)
+                backend: Backend | str | None, *operands: Any) -> KernelBackend:
+    return backend_impl(resolve_call(what, kernels, backend, operands=operands).slices)
 
 
 def partial_block_amax(
@@ -91,7 +92,7 @@ def partial_block_amax(
     """
     m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
     check_dtype(flat, "partial_block_amax")
-    impl = _slice_impl("partial_block_amax", kernels, backend)
+    impl = _slice_impl("partial_block_amax", kernels, backend, flat)
     planes = parse_planes(planes, "partial_block_amax")
     return impl.partial_block_amax(flat, (m, k), start, planes)
 
@@ -109,7 +110,7 @@ def scales_from_amax(
     """
     if amax.dtype != jnp.float32:
         raise TypeError(f"scales_from_amax: expected float32 amax, got {amax.dtype}")
-    return _slice_impl("scales_from_amax", kernels, backend).scales_from_amax(amax)
+    return _slice_impl("scales_from_amax", kernels, backend, amax).scales_from_amax(amax)
 
 
 def cast_slice(
@@ -137,5 +138,5 @@ def cast_slice(
         p: scale_bytes(given[p], scale_shape((m, k), p), f"cast_slice {p.value} scale")
         for p in planes
     }
-    impl = _slice_impl("cast_slice", kernels, backend)
+    impl = _slice_impl("cast_slice", kernels, backend, flat)
     return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))

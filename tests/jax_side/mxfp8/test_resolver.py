@@ -117,3 +117,30 @@ def test_resolved_kernels_pass_through_for_their_own_platform():
         mxfp8.resolve_kernels(resolved, "gpu")
     with pytest.raises(ValueError, match="unknown platform 'tpu'"):
         mxfp8.resolve_kernels(None, "tpu")
+
+
+def test_a_call_on_cpu_arrays_in_a_gpu_process_takes_the_cpus_kernels(on_gpu):
+    """In a process whose JAX default device is a GPU, ``quantize`` / ``matmul`` / the slice
+    functions on arrays that lie on the CPU resolve for the CPU (the reference, the exact GEMM),
+    as the bridge does for CPU tensors: the GPU's default there (Pallas) cannot run on the CPU.
+    Traced values (inside ``jit``) and numpy inputs keep JAX's default device."""
+    from jax_side.mxfp8.kernels import placement
+
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put(jnp.linspace(-3.0, 3.0, 32 * 64, dtype=jnp.float32).reshape(32, 64), cpu)
+    want = mxfp8.quantize(x)  # (the CPU process: the reference)
+    on_gpu(H200)
+    assert mxfp8.resolve_kernels(None).platform is Platform.GPU
+    resolved = resolve_call("quantize", None, operands=(x,))
+    assert (resolved.platform, resolved.backend, resolved.gemm) == (
+        Platform.CPU, Backend.XLA, GemmImpl.DEQUANT_DOT)
+    got = mxfp8.quantize(x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and jax.device_get(a).tobytes() == jax.device_get(b).tobytes()
+    assert placement(got, got) is Platform.CPU and placement() is None
+    jax.make_jaxpr(lambda t: placement(t) is None or pytest.fail("a tracer has a placement"))(x)
+    out = mxfp8.matmul(got, got)  # forward: x (32, 64) . W (32, 64)^T on the CPU
+    assert out.shape == (32, 32) and next(iter(out.devices())).platform == "cpu"
+    with pytest.raises(ValueError, match="kernels resolved for gpu work were passed for work "
+                                         "on cpu"):
+        mxfp8.quantize(x, kernels=mxfp8.resolve_kernels(None))
