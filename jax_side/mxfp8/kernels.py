@@ -113,8 +113,12 @@ def placement(*operands: Any) -> Platform | None:
     traced inside ``jit``) or they lie on several platforms (the computation then says so)."""
     platforms: set[str] = set()
     for leaf in jax.tree.leaves(operands):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+        if not isinstance(leaf, jax.Array):
+            continue
+        try:
             platforms |= {d.platform for d in leaf.devices()}
+        except jax.errors.ConcretizationTypeError:  # a traced value: JAX's default device
+            continue
     if len(platforms) != 1:
         return None
     name = platforms.pop()
