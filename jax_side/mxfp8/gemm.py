@@ -59,11 +59,11 @@ def matmul(
 ) -> jax.Array:
     """MXFP8 GEMM for one training role (``common.gemm_roles``); fp32 accumulation.
 
-    kernels: a ``KernelConfig`` (None: the automatic default for the device the operands lie on
-    -- JAX's default device inside ``jit`` --, the GEMM ``kernel_report`` names); ``impl=`` and
-    ``backend=`` are shorthand for ``kernels=KernelConfig(backend, gemm=impl)``. A chosen GEMM
-    keeps the automatic backend off ``te``; ``te`` (which runs its own GEMM) refuses a chosen
-    GEMM.
+    kernels: a ``KernelConfig`` (None: the automatic default for JAX's default device, or the
+    CPU's for operands that lie on the CPU, ``kernels.placement``; the GEMM ``kernel_report``
+    names); ``impl=`` and ``backend=`` are shorthand for ``kernels=KernelConfig(backend,
+    gemm=impl)``. A chosen GEMM keeps the automatic backend off ``te``; ``te`` (which runs its
+    own GEMM) refuses a chosen GEMM.
     Returns ``out_dtype`` (float32 or bfloat16), rounded once from the fp32 accumulator.
     """
     role = GemmRole.parse(role)

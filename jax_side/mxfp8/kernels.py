@@ -108,9 +108,11 @@ def resolve_kernels(
 
 
 def placement(*operands: Any) -> Platform | None:
-    """The platform the concrete JAX arrays among ``operands`` (pytrees) live on: where a public
-    call's work runs. None -- JAX's default device -- when there are none (numpy inputs, values
-    traced inside ``jit``) or they lie on several platforms (the computation then says so)."""
+    """``Platform.CPU`` when the concrete JAX arrays among ``operands`` (pytrees) all lie on the
+    CPU: work that runs there whatever JAX's default device is. None -- JAX's default device --
+    otherwise: no concrete arrays (numpy inputs, values traced inside ``jit``), arrays on a GPU
+    (the default device's choice, as before: under ``jax.default_device(cpu)`` the kernels'
+    interpret-or-compile choice follows it), or arrays on several platforms."""
     platforms: set[str] = set()
     for leaf in jax.tree.leaves(operands):
         if not isinstance(leaf, jax.Array):
@@ -119,10 +121,7 @@ def placement(*operands: Any) -> Platform | None:
             platforms |= {d.platform for d in leaf.devices()}
         except jax.errors.ConcretizationTypeError:  # a traced value: JAX's default device
             continue
-    if len(platforms) != 1:
-        return None
-    name = platforms.pop()
-    return Platform.GPU if name == "gpu" else Platform.CPU if name == "cpu" else None
+    return Platform.CPU if platforms == {"cpu"} else None
 
 
 def resolve_call(

@@ -49,7 +49,7 @@ def quantize(
     ``Plane.ROWWISE``, blocks 1x32 along K -> data (M, K) e4m3, scale (M, K/32) e8m0;
     ``Plane.COLWISE``, blocks 32x1 along M -> data (M, K) e4m3 (not transposed), scale (M/32, K)
     e8m0. kernels: a ``KernelConfig`` (None: the automatic default for
-    the device x lies on -- JAX's default device for numpy input or inside ``jit``;
+    JAX's default device, or the CPU's for an x that lies on the CPU -- ``kernels.placement``;
     ``kernel_report`` says what runs); ``backend="xla"`` is shorthand for
     ``kernels=KernelConfig(backend="xla")``.
     """

@@ -123,7 +123,7 @@ def test_a_call_on_cpu_arrays_in_a_gpu_process_takes_the_cpus_kernels(on_gpu):
     """In a process whose JAX default device is a GPU, ``quantize`` / ``matmul`` / the slice
     functions on arrays that lie on the CPU resolve for the CPU (the reference, the exact GEMM),
     as the bridge does for CPU tensors: the GPU's default there (Pallas) cannot run on the CPU.
-    Traced values (inside ``jit``) and numpy inputs keep JAX's default device."""
+    Traced values (inside ``jit``), numpy inputs and GPU arrays keep JAX's default device."""
     from jax_side.mxfp8.kernels import placement
 
     cpu = jax.devices("cpu")[0]
