@@ -67,11 +67,12 @@ def _jax_live() -> tuple[list, set]:
     for a in jax.live_arrays():
         try:
             ptr = a.unsafe_buffer_pointer()
-        except Exception:  # noqa: BLE001 -- deleted or multi-device: skip its pointer
+        except Exception:  # noqa: BLE001 -- deleted or multi-device: counted, not deduplicated
             ptr = None
-        if ptr in ptrs:
-            continue
-        ptrs.add(ptr)
+        if ptr is not None:
+            if ptr in ptrs:
+                continue
+            ptrs.add(ptr)
         items.append((a.shape, a.dtype, a.nbytes, ""))
     return items, ptrs
 
@@ -113,7 +114,7 @@ class _Programs:
             abstract = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                 if isinstance(x, jax.Array) else x, args)
-            key = (fn.__name__, id(kw.get("spec")))
+            key = (fn.__name__, kw.get("spec"))  # (units of equal specs: one program)
             self.calls.setdefault(key, (fn, abstract, kw))
             return run(*a, **kw)
 
@@ -148,7 +149,7 @@ def _rank(args) -> None:
     programs = _Programs()
     BU.run_or_compile = programs.wrap(BU.run_or_compile)
     BU.run_in = programs.wrap(BU.run_in)
-    model, step, timing = B._build(args.run, cfg, args)
+    model, step, _ = B._build(args.run, cfg, args)
     for i in range(2):
         step(*B._batch(cfg, args, 0, i))
     sync()

@@ -45,7 +45,7 @@ from jax_side.mxfp8.pallas_impl import element_path
 from jax_side.mxfp8.pallas_tiles import triton_params
 from jax_side.mxfp8.reblock import GROUP, Reblocked, shift_codes
 
-__all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d", "shift_codes"]
+__all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d"]
 
 _BS = 32  # MXFP8 block
 _PER = GROUP // _BS  # 1x32 blocks per 1x128 block

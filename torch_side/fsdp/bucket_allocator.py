@@ -41,7 +41,9 @@ does. Without the bound a host that runs ahead of the GPU (the usual case: it en
 backward in less time than the GPU runs it) checks the events before any has completed and
 keeps every adopted bucket of the backward alive until the optimizer's first wait -- at 1.3B
 with 4 blocks per unit, six 0.75 GiB buckets of JAX memory. With the bound the host waits for
-the reduction of a bucket freed two units earlier, whose work the GPU has usually run already.
+the reduction of a bucket freed two units earlier; on the H200 at 1.3B it waits about 11 times a
+step with the default, and the GPU still has the later units' work queued (the step time is
+unchanged, BENCHMARKS.md session 9).
 
 Accounting (bytes): ``live_bytes`` handed out and not freed, ``peak_bytes`` its maximum;
 ``reserved_bytes`` everything the pool holds (live + idle + held, adopted buckets included until

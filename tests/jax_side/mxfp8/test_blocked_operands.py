@@ -27,7 +27,8 @@ from jax_side import mxfp8
 from jax_side.mxfp8 import blocked_operands as blocked
 from jax_side.mxfp8 import reblock
 from jax_side.mxfp8.kernels import resolve_kernels
-from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d, shift_codes
+from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d
+from jax_side.mxfp8.reblock import shift_codes
 from tests.jax_side.mxfp8.tiny_training import two_step_losses
 
 
