@@ -41,7 +41,8 @@ def test_a_recompute_run_trains_as_the_plain_run_through_recompute_programs(sing
     from common import trace
 
     args = argparse.Namespace(device="cpu", precompile=False, batch_size=4, seq_len=32, warmup=1,
-                              steps=1, world_size=1, profile=False, pyprofile=0, gemm="")
+                              steps=1, world_size=1, profile=False, pyprofile=0, gemm="",
+                              shared_pool=False)
     rows, spans = {}, {}
     for run in ("mxfp8:u2", "mxfp8:u2:r"):
         with trace.recording(trace.Recorder()) as rec:
@@ -99,3 +100,29 @@ def test_recompute_on_a_peer_run_is_refused_by_name(capsys):
         bench_train_step.main(["--runs", "mxfp8:u4:r,fsdp2:r"])
     err = capsys.readouterr().err
     assert "'fsdp2:r'" in err and "drop ':r'" in err and "run 'mxfp8:u4:r'" not in err
+
+
+def test_a_finished_run_leaves_no_model_behind(single_rank_world, monkeypatch):
+    """After ``_run_one`` returns, nothing of its model is alive -- the FSDP model, its groups,
+    their main weights: a later run of the same process (and its memory peak) starts from
+    nothing of it (the unit programs' path: bindings, grad sinks, shared buffers)."""
+    import argparse
+    import gc
+    import weakref
+
+    refs = []
+    build = bench_train_step._build
+
+    def spy(run, cfg, args):
+        model, step, timing = build(run, cfg, args)
+        refs.extend(weakref.ref(o) for o in (model, *model.param_groups))
+        refs.extend(weakref.ref(g.main) for g in model.param_groups)
+        return model, step, timing
+
+    monkeypatch.setattr(bench_train_step, "_build", spy)
+    args = argparse.Namespace(device="cpu", precompile=False, batch_size=4, seq_len=32, warmup=1,
+                              steps=1, world_size=1, profile=False, pyprofile=0, gemm="",
+                              shared_pool=False)
+    bench_train_step._run_one("mxfp8:u2", PRESETS["tiny"], args, rank=0)
+    gc.collect()
+    assert len(refs) > 3 and [r for r in refs if r() is not None] == []

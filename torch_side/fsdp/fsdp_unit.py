@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -373,14 +374,23 @@ class FSDPUnit:
         self.experts.begin(Sweep.BACKWARD)
 
     def _make_grad_hook(self, group: ParamGroup, index: int) -> Callable[[torch.Tensor], None]:
+        # The hook lives on the parameter (Torch keeps it with the tensor), and the group holds
+        # the parameter: strong references from the hook back to the unit or the group would
+        # close a cycle through the tensor, which Python's collector cannot see through, so
+        # the whole model -- its buffers, GPU memory included -- would outlive it. Weak ones.
+        unit_ref, group_ref = weakref.ref(self), weakref.ref(group)
+
         def hook(param: torch.Tensor) -> None:
+            unit, grp = unit_ref(), group_ref()
+            if unit is None or grp is None:  # the model is gone; the parameter outlived it
+                return
             grad, param.grad = param.grad, None  # FSDP owns it now, even if the check raises
             if grad is None:
                 return
-            if self.grad_check is GradCheck.FINITE:
-                check_finite(group.entries[index].name, grad)
-            group.stage_grad(index, grad)
-            self.count_staged(1)
+            if unit.grad_check is GradCheck.FINITE:
+                check_finite(grp.entries[index].name, grad)
+            grp.stage_grad(index, grad)
+            unit.count_staged(1)
 
         return hook
 
