@@ -168,13 +168,16 @@ class FSDPModel(nn.Module):
     def param_groups(self) -> list[ParamGroup]:
         return [g for u in self.units for g in u.groups]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 -- nn.Module signature
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the main gradients and reset whatever an unfinished iteration left (a backward
         or forward that an exception aborted): buckets freed, staged gradients dropped, every
-        ``param.grad`` cleared (``FSDPState.reset_iteration``)."""
+        ``param.grad`` cleared (``FSDPState.reset_iteration``). With ``set_to_none`` (Torch's
+        default) the main grads also give their memory back until the next backward's first
+        reduction (or a read) takes it again (``GradReducer``'s note); readers see zeros
+        either way."""
         self.state.reset_iteration()
         for g in self.param_groups:
-            g.zero_main_grad()  # written by the next reduction, or by a reader (GradReducer)
+            g.zero_main_grad(release=set_to_none)  # written by the next reduction, or a reader
 
     def refresh_model_weights(self) -> None:
         """After the main weights changed: requantize / recast the model weight buffers (the

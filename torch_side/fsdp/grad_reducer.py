@@ -25,6 +25,18 @@ into a zero-filled buffer (a fill, then two reads and a write); a reader (``read
 optimizer, clipping, state dicts, any ``ParamGroup.main_grad``) of a group no reduction wrote
 since gets the zeros filled in first.
 
+**Releasing the memory** (``clear(release=True)``: ``zero_grad(set_to_none=True)``, Torch's
+default): ``main_grad`` gives its storage back (``Tensor.set_`` to an empty one: the tensor object
+stays, so every holder keeps it) and gets a fresh one where it is next written or read -- the
+first reduction after it (which writes ``0 + out`` without reading, as above) or a reader, which
+gets zeros. From ``zero_grad`` to the first reduction of the next backward the main grads hold no
+memory, as Torch's ``.grad`` after ``set_to_none``. That matters where one memory pool serves
+Torch and JAX (``common.device_memory``, the shared pool): the unit programs' residuals, which
+peak at the start of the backward, and the main grads, which fill up during it, then share the
+same bytes. A stale reference taken before the release (``t = group.main_grad``) keeps the old
+storage alive and its old values, never dangling memory. ``released`` says whether it is given
+back now.
+
 **Asynchronous reduction** (``reduce(async_op=True)``, FSDP's default): the collective is issued
 and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
 for it and adds the result into ``main_grad``. ``settle`` runs where the result is read: the
@@ -80,6 +92,24 @@ class GradReducer:
         # (Handle, reduced output) of the reduction in flight
         self._inflight: tuple[Handle, torch.Tensor] | None = None
         self._zeros_pending = False  # main_grad means zeros not written yet (``clear``)
+        self._numel = main_grad.numel()  # what a released main_grad is given back (``_acquire``)
+
+    @property
+    def released(self) -> bool:
+        """Whether ``main_grad`` has given its storage back (``clear(release=True)``) and no
+        write or read has taken a new one since."""
+        return self.main_grad.numel() != self._numel
+
+    @property
+    def holds_zeros(self) -> bool:
+        """Whether ``main_grad`` means zeros (``clear``) that nothing has written over since."""
+        return self._zeros_pending and self._inflight is None
+
+    def _acquire(self) -> None:
+        """Give a released ``main_grad`` a new storage (unwritten: callers write all of it)."""
+        if self.released:
+            g = self.main_grad
+            g.set_(torch.empty(self._numel, dtype=g.dtype, device=g.device))
 
     @property
     def in_flight(self) -> bool:
@@ -152,6 +182,7 @@ class GradReducer:
             self.replicate.all_reduce(out, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE,
                                       f"{self.label}/grad/replicas")
         if self._zeros_pending:  # 0 + out, written without reading main_grad (module note)
+            self._acquire()
             torch.add(out.to(self.main_grad.dtype), 0.0, out=self.main_grad)  # (cast first,
             # as the add did: a cast inside the add writes other NaN bits)
             self._zeros_pending = False
@@ -159,16 +190,21 @@ class GradReducer:
             self.main_grad.add_(out.to(self.main_grad.dtype))
         self.allocator.free(self.label, purpose)
 
-    def clear(self) -> None:
-        """Zero ``main_grad`` (lazily: module note), a reduction in flight settled first."""
+    def clear(self, release: bool = False) -> None:
+        """Zero ``main_grad`` (lazily: module note), a reduction in flight settled first; with
+        ``release`` its storage is given back until it is next written or read."""
         self.settle()
         self._zeros_pending = True
+        if release and not self.released:
+            g = self.main_grad
+            g.set_(torch.empty(0, dtype=g.dtype, device=g.device))
 
     def ready(self) -> torch.Tensor:
         """``main_grad`` as a reader must see it: the reduction in flight added, pending zeros
         written."""
         self.settle()
         if self._zeros_pending:
+            self._acquire()
             self.main_grad.zero_()
             self._zeros_pending = False
         return self.main_grad

@@ -60,10 +60,22 @@ class GroupGrads:
             self._grads.ready()
         return self._buffers.main_grad
 
-    def zero_main_grad(self) -> None:
-        """Zero ``main_grad`` (``GradReducer.clear``: written lazily); a no-op without grads."""
+    def zero_main_grad(self, release: bool = False) -> None:
+        """Zero ``main_grad`` (``GradReducer.clear``: written lazily; with ``release`` its memory
+        given back until the next reduction or read); a no-op without grads."""
         if self._grads is not None:
-            self._grads.clear()
+            self._grads.clear(release)
+
+    @property
+    def grads_cleared(self) -> bool:
+        """Whether ``main_grad`` holds nothing since ``zero_main_grad`` (or takes no gradients):
+        answered without filling in or allocating the pending zeros."""
+        return self._grads is None or self._grads.holds_zeros
+
+    @property
+    def main_grad_released(self) -> bool:
+        """Whether ``main_grad``'s memory is given back now (``zero_main_grad(release=True)``)."""
+        return self._grads is not None and self._grads.released
 
     def main_grad_for_optimizer(self) -> torch.Tensor:
         """The part of ``main_grad`` that matches ``main`` (fp32 view or copy)."""

@@ -88,8 +88,10 @@ class FSDPOptimizer:
             g.main.grad = None
         self.model.refresh_model_weights()
 
-    def zero_grad(self) -> None:
-        self.model.zero_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``FSDPModel.zero_grad``: the main grads zeroed (and their memory given back with
+        ``set_to_none``, as Torch's optimizers drop ``.grad``)."""
+        self.model.zero_grad(set_to_none)
 
     def sharded_state(self) -> OptimizerState:
         """This optimizer's part of a sharded checkpoint (``torch_side.fsdp.sharded_state``): the

@@ -32,8 +32,10 @@ __all__ = ["precompile"]
 
 def _holds_grads(model: torch.nn.Module) -> bool:
     if isinstance(model, FSDPModel):
-        if any(g.main_grad is not None and bool(g.main_grad.any()) for g in model.param_groups):
-            return True
+        for g in model.param_groups:
+            grad = None if g.grads_cleared else g.main_grad  # cleared: no zeros filled in
+            if grad is not None and bool(grad.any()):
+                return True
     return any(p.grad is not None for p in model.parameters())
 
 

@@ -19,6 +19,7 @@ from tests.torch_side.toy_models import Block, make_batch, make_net, mse
 from torch_side import (
     Collective,
     FSDPModel,
+    FSDPOptimizer,
     MixedPrecisionPolicy,
     Phase,
     ShardingStrategy,
@@ -146,3 +147,46 @@ def test_the_wire_log_records_a_zero3_forward_and_clears():
     assert sorted(mx) == ["blocks.0/mxfp8_e4m3/dp/rowwise", "blocks.1/mxfp8_e4m3/dp/rowwise"]
     assert layer_bytes <= sum(mx.values())  # one byte per element (and padding), no scales
     assert sum(mx.values()) < 2 * layer_bytes
+
+
+def test_zero_grad_gives_the_main_grads_memory_back_unless_told_not_to():
+    """``zero_grad()`` (``set_to_none=True``, Torch's default) releases every main grad until
+    the next backward's reductions take new storage; the gradients that backward leaves are the
+    bytes of a model whose main grads were kept (``set_to_none=False``)."""
+    grads = {}
+    for set_to_none in (True, False):
+        model = _wrap(strategy=ZERO3)
+        x, y = make_batch(2, 32)
+        mse(model(x), y).backward()
+        model.zero_grad(set_to_none=set_to_none)
+        takes = [g for g in model.param_groups if g.takes_grads]
+        assert takes and all(g.grads_cleared for g in takes)
+        assert all(g.main_grad_released is set_to_none for g in takes)
+        x, y = make_batch(3, 32)
+        mse(model(x), y).backward()
+        grads[set_to_none] = model.full_grads()  # (settles the reductions still in flight)
+        assert not any(g.main_grad_released or g.grads_cleared for g in takes)
+    for name, g in grads[True].items():
+        assert g.view(torch.uint8).equal(grads[False][name].view(torch.uint8)), name
+
+
+def test_a_dropped_model_frees_its_groups_and_buffers_after_training():
+    """The gradient hooks live on the parameters (Torch keeps them with the tensors) and the
+    groups hold the parameters: a hook holding its unit or group strongly made a cycle through
+    the tensors that Python's collector cannot see through, and every trained model -- its
+    buffers, on a GPU gigabytes -- outlived the last reference to it (found at GPT 1.3B: 8.7 GiB
+    of Torch memory and 1.5 GiB of JAX arrays still held after the benchmark dropped the model)."""
+    import gc
+    import weakref
+
+    model = _wrap(strategy=ZERO3)
+    opt = FSDPOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = make_batch(2, 32)
+    mse(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    refs = [weakref.ref(model)] + [weakref.ref(g) for g in model.param_groups]
+    refs += [weakref.ref(g.main) for g in model.param_groups]
+    del model, opt
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []

@@ -301,3 +301,62 @@ def test_the_lazy_zero_keeps_the_nan_bits_of_adding_into_zeros(main_dtype, comm_
         red.reduce()
         got.append(red.ready().view(torch.uint8).clone())
     assert got[0].equal(got[1])
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["reduce_scatter", "all_reduce"])
+def test_a_released_main_grad_holds_no_memory_and_comes_back_with_the_same_bytes(sharded):
+    """``clear(release=True)`` (``zero_grad(set_to_none=True)``) gives ``main_grad``'s storage
+    back, the tensor object kept; the next reduction takes a new one and writes the bytes the
+    unreleased path writes (-0.0, NaN and Inf included), micro-batches accumulating on top."""
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    special = torch.tensor([-0.0, float("nan"), float("inf"), 1e-40] * 16)
+
+    def run(release: bool) -> tuple[GradReducer, list[torch.Tensor]]:
+        red, _ = _reducer(layout, _PeerComm(0, torch.zeros(layout.padded_numel)), sharded)
+        held = red.main_grad
+        red.main_grad.fill_(7.0)  # last step's gradient
+        red.clear(release)
+        assert red.released is release and red.holds_zeros
+        if release:
+            assert held.untyped_storage().nbytes() == 0 and held.numel() == 0
+        seen = []
+        for mb in range(2):
+            g = _grads(mb)
+            g[0].view(-1)[: special.numel()] = special
+            for i, t in enumerate(g):
+                red.stage(i, t)
+            red.reduce()
+            assert red.main_grad is held and not red.released and not red.holds_zeros
+            seen.append(red.ready().clone())
+        return red, seen
+
+    for got, want in zip(run(True)[1], run(False)[1], strict=True):
+        assert got.shape == want.shape and got.view(torch.uint8).equal(want.view(torch.uint8))
+
+
+def test_a_released_main_grad_reads_as_zeros_and_a_stale_reference_keeps_its_values():
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    red, _ = _reducer(layout, _PeerComm(0, torch.zeros(layout.padded_numel)), sharded=True)
+    red.main_grad.fill_(7.0)
+    stale = red.main_grad[:5]  # a view taken before the release
+    red.clear(release=True)
+    red.clear(release=True)  # twice: still released, nothing else
+    assert red.released and stale.eq(7.0).all(), "the old storage lives on in its holders"
+    got = red.ready()  # a reader of a group no reduction wrote: zeros, in a new storage
+    assert got is red.main_grad and got.numel() == layout.shard_numel and got.eq(0).all()
+    assert not red.released and stale.eq(7.0).all()
+    red.clear()  # without release the storage stays
+    assert not red.released and red.main_grad.numel() == layout.shard_numel
+
+
+def test_release_settles_a_reduction_in_flight_first():
+    layout = FlatLayout.build(NAMES, SHAPES, 2)
+    comm = _DeferredComm(0, torch.zeros(layout.padded_numel))
+    comm.waits = 0
+    red, alloc = _reducer(layout, comm, sharded=True, divisor=1)
+    for i, g in enumerate(_grads(0)):
+        red.stage(i, g)
+    red.reduce(async_op=True)
+    red.clear(release=True)
+    assert comm.waits == 1 and not red.in_flight and red.released and alloc.live_keys() == []
+    assert red.ready().eq(0).all()
