@@ -109,6 +109,11 @@ class RunResult:
     gpu_ms_by_category: dict = dataclasses.field(default_factory=dict)  # _CATEGORIES: ms
     # GPU memory (Torch, JAX) earlier runs of the process still held at this run's start
     held_gib: list = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    # --shared-pool: the one pool's peak in use (Torch and JAX together) above its use at the
+    # run's start (bridge.memory_pool); None without it
+    peak_pool_gib: float | None = None
+    peak_pool_reserved_gib: float | None = None  # ... and the memory the pool held at most
+    peak_torch_reserved_gib: float = 0.0  # Torch's own allocator: its reserved peak (absolute)
     precompile_s: float = 0.0  # torch_side.precompile before the first step (0: not run)
     precompile_programs: int = 0
 
@@ -306,22 +311,42 @@ class _Memory:
     started (``held``: what earlier runs of this process still held then). JAX's peak cannot be
     reset: when this run's JAX use stayed below an earlier run's peak, it is unknown (None)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, shared_pool: bool = False):
         import torch
 
         self.cuda = device == "cuda"
-        self.torch0 = self.jax0 = self.jax_peak0 = 0.0
-        if self.cuda:
+        self.shared = self.cuda and shared_pool
+        self.torch0 = self.jax0 = self.jax_peak0 = self.pool0 = 0.0
+        if self.shared:  # one pool: its high-water mark is the process's (bridge.memory_pool)
+            from bridge.memory_pool import pool_stats, reset_pool_peak
+
+            torch.cuda.synchronize()
+            reset_pool_peak(torch.cuda.current_device())
+            self.pool0 = pool_stats(torch.cuda.current_device()).used / 2**30
+        elif self.cuda:
             torch.cuda.reset_peak_memory_stats()
             self.torch0 = torch.cuda.memory_allocated() / 2**30
             self.jax0, self.jax_peak0 = _jax_memory()
+
+    def pool_peak(self) -> tuple[float, float] | None:
+        """With the shared pool: its peak use during the run above its use at the start, and
+        its peak reserved memory (absolute: what it held from the device at most)."""
+        if not self.shared:
+            return None
+        import torch
+
+        from bridge.memory_pool import pool_stats
+
+        torch.cuda.synchronize()
+        stats = pool_stats(torch.cuda.current_device())
+        return stats.used_high / 2**30 - self.pool0, stats.reserved_high / 2**30
 
     def peaks(self) -> tuple[float, float | None, tuple[float, float]]:
         """(Torch peak, JAX peak or None, (Torch, JAX) GiB held from earlier runs)."""
         import torch
 
-        if not self.cuda:
-            return 0.0, 0.0, (0.0, 0.0)
+        if not self.cuda or self.shared:  # (shared: pool_peak is the one number)
+            return 0.0, 0.0, (self.pool0, 0.0)
         _, jax_peak = _jax_memory()
         jax_own = jax_peak - self.jax0 if jax_peak > self.jax_peak0 else None
         if jax_own is None and self.jax_peak0 == 0.0:
@@ -335,7 +360,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
 
     from bridge import count_crossings
 
-    memory = _Memory(args.device)
+    memory = _Memory(args.device, args.shared_pool)
     model, step, timing = _build(run, cfg, args)
     pre_s, pre_programs = 0.0, 0
     ours = run not in PEERS
@@ -387,6 +412,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
                 model.clear_wire_log()
             losses.append(float(loss))
     torch_peak, jax_peak, held = memory.peaks()
+    pool_peak = memory.pool_peak()
     n = max(1, args.steps)
 
     tokens_per_step = args.batch_size * args.seq_len * args.world_size
@@ -404,6 +430,10 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         losses=losses, precompile_s=pre_s, precompile_programs=pre_programs,
         host_ms_median=1e3 * statistics.median(host),
     )
+    if pool_peak is not None:
+        result.peak_pool_gib, result.peak_pool_reserved_gib = pool_peak
+    elif args.device == "cuda":
+        result.peak_torch_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     if args.device == "cuda":
         (result.gpu_ms, result.comm_ms, result.exposed_comm_ms, result.gpu_ms_by_category,
          table) = _profile(step, cfg, args, rank)
@@ -586,6 +616,16 @@ def _rank_main(args):
         enable_compilation_cache(args.compile_cache)
     rank = dist.get_rank()
     args.world_size = dist.get_world_size()
+    if args.shared_pool:
+        import torch
+
+        from bridge.memory_pool import shared_pool_active
+
+        if not shared_pool_active(torch.cuda.current_device()):
+            raise RuntimeError(
+                f"rank {rank}: --shared-pool asked, but Torch (allocator backend "
+                f"{torch.cuda.get_allocator_backend()!r}) and JAX do not both allocate from "
+                f"the device's default CUDA pool here (bridge.memory_pool)")
     cfg = PRESETS[args.config]
     results = []
     for run in args.runs:
@@ -639,6 +679,10 @@ def _table(rows, args) -> str:
 def _peak_cell(r: dict) -> str:
     """Torch+JAX peak GiB of the run itself; JAX "?" where not measurable (``_Memory``), and
     what earlier runs still held when it started, if anything."""
+    if r.get("peak_pool_gib") is not None:  # --shared-pool: Torch and JAX in one pool
+        held = r.get("held_gib", (0.0, 0.0))[0]
+        return (f"pool {r['peak_pool_gib']:.1f} (reserved {r['peak_pool_reserved_gib']:.1f})"
+                + (f" ({held:.1f} held before)" if held >= 0.05 else ""))
     jax_peak = r["peak_jax_gib"]
     cell = f"{r['peak_torch_gib']:.1f}+{'?' if jax_peak is None else f'{jax_peak:.1f}'}"
     torch_held, jax_held = r.get("held_gib", (0.0, 0.0))
@@ -691,8 +735,21 @@ def main(argv=None) -> int:
                    help="torch_side.Overlap.freed_grad_buckets of this project's runs: "
                         "handed-over grad buckets kept after their reduction until their "
                         "readers ran (default: Overlap's, 2)")
+    p.add_argument("--shared-pool", action="store_true",
+                   help="common.shared_pool.use_shared_pool: Torch and JAX allocate from one "
+                        "CUDA memory pool (cudaMallocAsync); the peak column is then that "
+                        "pool's. Every run of the launch uses it (the FSDP2 peers too)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    if args.shared_pool:
+        if args.device != "cuda":
+            p.error("--shared-pool needs --device cuda (it is a CUDA memory pool)")
+        from common.shared_pool import use_shared_pool
+
+        try:
+            use_shared_pool()  # before the ranks start: they inherit the environment
+        except (ValueError, RuntimeError) as e:
+            p.error(str(e))
     if args.freed_grad_buckets is not None:
         from torch_side import Overlap
 

@@ -13,7 +13,9 @@ nor jax (numpy and ml_dtypes only).
 - ``kernels``: ``Backend``, ``GemmImpl`` and the frozen ``KernelConfig`` passed through every layer;
 - ``model_config``: ``GPTConfig`` and its presets, shared by the Torch and Flax twins;
 - ``enums``: ``parse_enum``, the one way user input becomes an enum member, and ``Parseable``,
-  the mixin that gives an enum its ``parse`` from it.
+  the mixin that gives an enum its ``parse`` from it;
+- ``shared_pool``: ``use_shared_pool()``, which asks Torch and JAX to allocate GPU memory from one
+  CUDA pool (environment only: it must run before Torch is imported).
 """
 
 from common.enums import Parseable, parse_enum

@@ -190,6 +190,12 @@ _JAX_ALLOC = ("JAX reads it, and no API sets it, when it creates its GPU client:
               "preallocates most of a GPU that Torch shares (DESIGN.md 6)")
 ENVIRONMENT_ALLOWED: dict[str, dict[str, str]] = {
     "bridge.devices": {"XLA_PYTHON_CLIENT_PREALLOCATE": _JAX_ALLOC + "; start_jax_backend"},
+    "common.shared_pool": {
+        "XLA_PYTHON_CLIENT_ALLOCATOR": "JAX reads it, and no API sets it, when it creates its "
+                                       "GPU client; use_shared_pool sets it before that",
+        "PYTORCH_CUDA_ALLOC_CONF": "Torch reads its allocator backend from the environment "
+                                   "only, when torch is imported; use_shared_pool sets it before",
+    },
     "bridge.determinism": {
         "XLA_FLAGS": "XLA takes its deterministic-kernel flags from the environment only, read "
                      "when JAX's backend starts; make_deterministic merges them in and "

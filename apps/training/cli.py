@@ -50,6 +50,12 @@ class Launch:
     timeout: float | None = option(
         None, Group.WHERE, parse=positive(float),
         help="seconds before a local launch is stopped (stalled ranks are named)")
+    shared_pool: bool = option(  # bridge.memory_pool
+        False, Group.WHERE,
+        help="Torch and JAX allocate GPU memory from one CUDA pool (cudaMallocAsync), so what "
+             "one frees the other reuses: the unit programs' residuals and the main grads share "
+             "memory (GPT 1.3B on one H200: 32.3 GiB at the peak instead of 38.4; "
+             "docs/fsdp.md). --device cuda only")
     compare: bool = option(False, Group.OUTPUTS,
                            help="also run the fp32-linear control with the same seed and data")
     plot: str | None = option(None, Group.OUTPUTS,
@@ -80,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--telemetry records the numerics of MXFP8 weights, and --weights "
                 f"{args.weights} has none (its records would carry no telemetry); use --weights "
                 f"mxfp8 (with --compare for the fp32 control), or drop --telemetry")
+    if args.shared_pool and args.device != "cuda":
+        p.error("--shared-pool is a CUDA memory pool: use it with --device cuda")
     if args.nproc is None:
         args.nproc = 2 if args.device == "cpu" else 1
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
@@ -215,11 +223,28 @@ class Stopped(NamedTuple):
     status: int = 1
 
 
-def _rank_entry(runs: Runs) -> list[TrainResult] | Stopped:
+def _rank_entry(runs: Runs, shared_pool: bool = False) -> list[TrainResult] | Stopped:
     """What every rank runs: the trainings in order, then the results (rank 0's matter), or
     ``Stopped`` when one diverged (every rank stops at the same step: the values are global),
     a checkpoint was refused (every rank raises the same error; exit status 2), or a signal
-    interrupted it."""
+    interrupted it. With ``shared_pool`` (``--shared-pool``, set up by ``main`` before the
+    ranks started) it first checks that Torch and JAX really allocate from the one pool."""
+    if shared_pool:
+        import torch
+
+        from bridge.memory_pool import shared_pool_active
+
+        if any(job.deterministic for _, job, _ in runs):
+            from bridge.determinism import make_deterministic
+
+            make_deterministic()  # (the check starts JAX, after which XLA_FLAGS are read)
+
+        if not shared_pool_active(torch.cuda.current_device()):
+            return Stopped(
+                f"--shared-pool: Torch (allocator backend "
+                f"{torch.cuda.get_allocator_backend()!r}) and JAX do not both allocate from the "
+                f"device's default CUDA pool here; was CUDA started before mxfp8-train set it "
+                f"up? (bridge.memory_pool)", 2)
     from apps import environment
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
@@ -261,7 +286,7 @@ def _torchrun_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | 
     import torch.distributed as dist
 
     try:
-        results = _rank_entry(runs)
+        results = _rank_entry(runs, args.shared_pool)
     finally:
         dist.destroy_process_group()
     if isinstance(results, Stopped):
@@ -279,7 +304,8 @@ def _local_main(args: argparse.Namespace, runs: Runs) -> list[TrainResult] | Sto
           f"{', '.join(label for label, _, _ in runs)}", flush=True)
     try:
         return run_local_ranks(
-            _rank_entry, args.nproc, (runs,), device=args.device, timeout=args.timeout,
+            _rank_entry, args.nproc, (runs, args.shared_pool), device=args.device,
+            timeout=args.timeout,
             collective_timeout=args.collective_timeout,
         )[0]
     except (KeyboardInterrupt, SystemExit) as e:
@@ -330,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = _runs(args)
         _check_text_corpus(runs[0][1], args.seq_len)
         _check_jax_cache()
-    except (ValueError, TypeError, OSError) as e:
+        if args.shared_pool:  # before any rank starts (under torchrun: this one imports torch)
+            from common.shared_pool import use_shared_pool
+
+            use_shared_pool()
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()

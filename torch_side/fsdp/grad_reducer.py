@@ -31,7 +31,7 @@ stays, so every holder keeps it) and gets a fresh one where it is next written o
 first reduction after it (which writes ``0 + out`` without reading, as above) or a reader, which
 gets zeros. From ``zero_grad`` to the first reduction of the next backward the main grads hold no
 memory, as Torch's ``.grad`` after ``set_to_none``. That matters where one memory pool serves
-Torch and JAX (``common.device_memory``, the shared pool): the unit programs' residuals, which
+Torch and JAX (``common.shared_pool``, the shared pool): the unit programs' residuals, which
 peak at the start of the backward, and the main grads, which fill up during it, then share the
 same bytes. A stale reference taken before the release (``t = group.main_grad``) keeps the old
 storage alive and its old values, never dangling memory. ``released`` says whether it is given

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[3]
         (["--no-progress", "--progress-every", "5"], "--progress-every would do nothing here"),
         (["--replicas", "3"], "--replicas 3 must divide the world size 2"),
         (["--replicas", "0"], "expected a finite number > 0"),
+        (["--shared-pool"], "--shared-pool is a CUDA memory pool: use it with --device cuda"),
     ],
 )
 def test_bad_options_are_refused_by_name(argv, message, capsys):

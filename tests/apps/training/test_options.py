@@ -51,12 +51,13 @@ def test_every_flag_the_command_had_is_still_there():
     assert FLAGS_BEFORE <= set(_parser_flags())
     # the flags added since (issue 19: --compute; issue 21: the schedule, gather and
     # instruments; issue 20: the overlap and the trace; issue 19 again: --blocks-per-unit;
-    # issue 30: progress lines in a log; issue 34: --init, --replicas, --shard-layout)
+    # issue 30: progress lines in a log; issue 34: --init, --replicas, --shard-layout;
+    # issue 32: --shared-pool)
     assert set(_parser_flags()) - FLAGS_BEFORE == {"--init", "--replicas", "--shard-layout",
         "--branching", "--compute", "--telemetry", "--telemetry-every", "--digest", "--gather",
         "--lr-schedule", "--warmup-steps", "--min-lr", "--grad-clip",
         "--prefetch", "--sync-reduce", "--trace", "--trace-steps", "--blocks-per-unit",
-        "--progress-every"}
+        "--progress-every", "--shared-pool"}
 
 
 def test_enum_fields_take_their_enum_values_as_choices():
