@@ -50,7 +50,7 @@ class Launch:
     timeout: float | None = option(
         None, Group.WHERE, parse=positive(float),
         help="seconds before a local launch is stopped (stalled ranks are named)")
-    shared_pool: bool = option(  # bridge.memory_pool
+    shared_pool: bool = option(  # common.shared_pool, bridge.memory_pool
         False, Group.WHERE,
         help="Torch and JAX allocate GPU memory from one CUDA pool (cudaMallocAsync), so what "
              "one frees the other reuses: the unit programs' residuals and the main grads share "
@@ -352,15 +352,19 @@ def _print_summary(args: argparse.Namespace, runs: Runs, results: list[TrainResu
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.shared_pool:  # first: before the ranks start (under torchrun, before this one
+        from common.shared_pool import use_shared_pool  # imports torch)
+
+        try:
+            use_shared_pool()
+        except (ValueError, RuntimeError) as e:
+            print(f"mxfp8-train: error: {e}", file=sys.stderr)
+            return 2
     try:
         runs = _runs(args)
         _check_text_corpus(runs[0][1], args.seq_len)
         _check_jax_cache()
-        if args.shared_pool:  # before any rank starts (under torchrun: this one imports torch)
-            from common.shared_pool import use_shared_pool
-
-            use_shared_pool()
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"mxfp8-train: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()

@@ -281,3 +281,14 @@ def test_a_refused_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
     assert f"mxfp8-train: error: mxfp8: rank 0: checkpoint {missing} does not exist" in (
         done.stderr), done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_shared_pool_refuses_another_allocator_before_any_rank_starts(monkeypatch, capsys):
+    """``--shared-pool`` with the environment asking JAX for another allocator: refused by name
+    (exit status 2) before anything starts, nothing set."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert cli.main(["--device", "cuda", "--shared-pool", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "mxfp8-train: error: use_shared_pool: XLA_PYTHON_CLIENT_ALLOCATOR='platform'" in err
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
