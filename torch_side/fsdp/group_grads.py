@@ -54,8 +54,9 @@ class GroupGrads:
     @property
     def main_grad(self) -> torch.Tensor | None:
         """``GroupBuffers.main_grad``, with a reduction still in flight added into it first
-        (``GradReducer.settle``): every reader sees the finished gradient. None for a group
-        that takes no gradients."""
+        (``GradReducer.settle``) and pending zeros written (into new storage if ``zero_grad``
+        released it): every reader sees the finished gradient. None for a group that takes no
+        gradients."""
         if self._grads is not None:
             self._grads.ready()
         return self._buffers.main_grad
