@@ -18,9 +18,10 @@ _DY_T_X = (((0,), (0,)), ((), ()))  # dy (T, N) . x (T, K) -> (N, K)
 def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
     """A bf16 GEMM with its bf16 result written by the GEMM itself: on the GPU the tensor cores
     accumulate in fp32 and round once to bf16 (cuBLAS's 32F compute type, Triton's fp32
-    accumulator), the bytes of an fp32 result rounded by a cast. Asking for the fp32 result and
-    casting it made XLA write and read it once more in a convert kernel of its own (GPT 1.3B on
-    the H200: 48 such kernels a step, 7 ms)."""
+    accumulator), the bytes of an fp32 result rounded by a cast. Asked for the fp32 result and a
+    cast, XLA ran most of these GEMMs as its own Triton fusions; asked for bf16 it hands them to
+    cuBLAS (GPT 1.3B on the H200: the step's GEMMs 84.9 instead of 89.4 ms; BENCHMARKS.md,
+    session 10)."""
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.bfloat16)
 
 
