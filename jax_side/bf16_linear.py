@@ -10,12 +10,13 @@ from jax import lax
 
 __all__ = ["bf16_linear"]
 
-_XW_T = (((1,), (1,)), ((), ()))  # x (T, K) . w (N, K) -> (T, N)
-_DY_W = (((1,), (0,)), ((), ()))  # dy (T, N) . w (N, K) -> (T, K)
-_DY_T_X = (((0,), (0,)), ((), ()))  # dy (T, N) . x (T, K) -> (N, K)
+_Dims = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
+_XW_T: _Dims = (((1,), (1,)), ((), ()))  # x (T, K) . w (N, K) -> (T, N)
+_DY_W: _Dims = (((1,), (0,)), ((), ()))  # dy (T, N) . w (N, K) -> (T, K)
+_DY_T_X: _Dims = (((0,), (0,)), ((), ()))  # dy (T, N) . x (T, K) -> (N, K)
 
 
-def _dot(a: jax.Array, b: jax.Array, dims) -> jax.Array:
+def _dot(a: jax.Array, b: jax.Array, dims: _Dims) -> jax.Array:
     """A bf16 GEMM with its bf16 result written by the GEMM itself: on the GPU the tensor cores
     accumulate in fp32 and round once to bf16 (cuBLAS's 32F compute type, Triton's fp32
     accumulator), the bytes of an fp32 result rounded by a cast. Asked for the fp32 result and a
