@@ -27,8 +27,9 @@ ENV_KEYS = ("XLA_PYTHON_CLIENT_ALLOCATOR", "PYTORCH_CUDA_ALLOC_CONF")
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in ENV_KEYS:
-        monkeypatch.delenv(k, raising=False)
+    for k in ENV_KEYS:  # set first, so that teardown restores them whatever the test set
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: False)
     return monkeypatch
 
