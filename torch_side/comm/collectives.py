@@ -124,13 +124,9 @@ _STREAM_OF = {  # which communication stream (and trace track) each collective r
 }
 
 
-# At most this long for gloo's thread to let go of a finished collective: far beyond any
-# scheduling delay of a runnable thread (measured: up to 64 ms on a busy 2-core box with that
-# thread starved). The 0.1 s it was is within reach of a loaded machine, and a release later
-# than that gives issue 30 item 13's failure byte for byte. 2 s ran out once too (the 2-core
-# box running the whole suite, a threaded two-rank training test compiling its programs ahead
-# in parallel: the root group's first forward all-gather); the wait returns as soon as the
-# references are gone, so a longer bound costs nothing where they go.
+# At most this long for gloo's thread to let go of a finished collective (a runnable thread's
+# delay measured up to 64 ms on a busy 2-core box). 0.1 s gave issue 30 item 13's failure; 2 s
+# ran out once in the whole suite on that box (docs/fsdp.md). The wait ends when they let go.
 RELEASE_WAIT_S = 10.0
 _FIRST_SLEEP_S, _MAX_SLEEP_S = 1e-5, 1e-3  # the wait sleeps (backing off), never spins
 
