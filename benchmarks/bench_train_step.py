@@ -230,6 +230,7 @@ def _build(run, cfg, args):
         opt.zero_grad()
         return loss.detach()
 
+    step.optimizer = opt  # (benchmarks.probe_memory steps it phase by phase)
     return fsdp, step, timing
 
 
@@ -292,6 +293,7 @@ def _build_fsdp2(run, cfg, args):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.optimizer = opt
     return model, step, None
 
 
@@ -619,13 +621,9 @@ def _rank_main(args):
     if args.shared_pool:
         import torch
 
-        from bridge.memory_pool import shared_pool_active
+        from bridge.memory_pool import require_shared_pool
 
-        if not shared_pool_active(torch.cuda.current_device()):
-            raise RuntimeError(
-                f"rank {rank}: --shared-pool asked, but Torch (allocator backend "
-                f"{torch.cuda.get_allocator_backend()!r}) and JAX do not both allocate from "
-                f"the device's default CUDA pool here (bridge.memory_pool)")
+        require_shared_pool(torch.cuda.current_device())
     cfg = PRESETS[args.config]
     results = []
     for run in args.runs:

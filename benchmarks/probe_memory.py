@@ -153,8 +153,7 @@ def _rank(args) -> None:
     for i in range(2):
         step(*B._batch(cfg, args, 0, i))
     sync()
-    opt = next(c.cell_contents for c in step.__closure__
-               if type(c.cell_contents).__name__ == "FSDPOptimizer")  # the step's optimizer
+    opt = step.optimizer
 
     def state(label: str) -> None:
         sync()

@@ -25,8 +25,7 @@ backward through a freed graph raises Torch's own "backward through the graph a 
 error, as ``nn.Linear`` does; under ``torch.utils.checkpoint(use_reentrant=False)`` they are
 made again by the recomputation, not held (saved-tensor hooks: ``bridge.residuals``). They stay
 JAX arrays (no crossing back to Torch and again to JAX per layer). Backward returns dx and dW in
-one crossing. Zero tokens (x of shape (..., 0, K))
-give an empty y and dx and a zero dW.
+one crossing. Zero tokens (x of shape (..., 0, K)) give an empty y and dx and a zero dW.
 
 Quantization points, the token-padding rule and the jitted programs: ``jax_side.linear``, the one
 JAX linear (the Flax twin runs it too). Kernels: a ``KernelConfig`` (None: the default for the

@@ -8,7 +8,8 @@ says why it matters). Here:
 
 - ``shared_pool_active()`` checks, in the process that does the work, that both really allocate
   from the pool: Torch's allocator backend is ``cudaMallocAsync`` and a JAX allocation shows in
-  the pool's use;
+  the pool's use (``require_shared_pool()``: the same, as an error that says what to do -- the
+  check ``--shared-pool``'s ranks make);
 - ``pool_stats()`` reads the pool's counters from the CUDA driver (``cuMemPoolGetAttribute``):
   bytes in use and reserved, and their high-water marks since ``reset_pool_peak()`` -- with the
   shared pool, the whole process's GPU memory, both frameworks together.
@@ -19,7 +20,8 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
-__all__ = ["PoolStats", "pool_stats", "reset_pool_peak", "shared_pool_active"]
+__all__ = ["PoolStats", "pool_stats", "require_shared_pool", "reset_pool_peak",
+           "shared_pool_active"]
 
 # CUmemPool_attribute (cuda.h)
 _RESERVED_MEM_CURRENT, _RESERVED_MEM_HIGH, _USED_MEM_CURRENT, _USED_MEM_HIGH = 5, 6, 7, 8
@@ -103,3 +105,17 @@ def shared_pool_active(index: int = 0) -> bool:
     grew = pool_stats(index).used - before
     del probe
     return grew >= 64 * 2**20
+
+
+def require_shared_pool(index: int = 0) -> None:
+    """``shared_pool_active``, or a RuntimeError that names Torch's allocator backend and what
+    to do (the check the commands' ranks make for ``--shared-pool``)."""
+    if shared_pool_active(index):
+        return
+    import torch
+
+    backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else "no CUDA"
+    raise RuntimeError(
+        f"--shared-pool: Torch (allocator backend {backend!r}) and JAX do not both allocate from "
+        f"device {index}'s default CUDA pool here; common.shared_pool.use_shared_pool() must run "
+        f"before torch is imported and before JAX starts its GPU backend (bridge.memory_pool)")

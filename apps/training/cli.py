@@ -232,19 +232,16 @@ def _rank_entry(runs: Runs, shared_pool: bool = False) -> list[TrainResult] | St
     if shared_pool:
         import torch
 
-        from bridge.memory_pool import shared_pool_active
+        from bridge.memory_pool import require_shared_pool
 
         if any(job.deterministic for _, job, _ in runs):
             from bridge.determinism import make_deterministic
 
             make_deterministic()  # (the check starts JAX, after which XLA_FLAGS are read)
-
-        if not shared_pool_active(torch.cuda.current_device()):
-            return Stopped(
-                f"--shared-pool: Torch (allocator backend "
-                f"{torch.cuda.get_allocator_backend()!r}) and JAX do not both allocate from the "
-                f"device's default CUDA pool here; was CUDA started before mxfp8-train set it "
-                f"up? (bridge.memory_pool)", 2)
+        try:
+            require_shared_pool(torch.cuda.current_device())
+        except RuntimeError as e:
+            return Stopped(str(e), 2)
     from apps import environment
     from apps.training.interrupts import Interrupted, unwinding
     from apps.training.loop import NonFiniteTraining, train_rank
@@ -352,8 +349,8 @@ def _print_summary(args: argparse.Namespace, runs: Runs, results: list[TrainResu
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.shared_pool:  # first: before the ranks start (under torchrun, before this one
-        from common.shared_pool import use_shared_pool  # imports torch)
+    if args.shared_pool:  # first: before the ranks start, and under torchrun before this
+        from common.shared_pool import use_shared_pool  # rank imports torch
 
         try:
             use_shared_pool()

@@ -78,6 +78,16 @@ def test_pool_stats_without_a_cuda_driver_says_so(monkeypatch):
         memory_pool.pool_stats()
 
 
+def test_require_shared_pool_where_torch_has_no_cuda_says_what_to_do():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: the GPU tests below check the pool itself")
+    with pytest.raises(RuntimeError, match=r"allocator backend 'no CUDA'.*use_shared_pool\(\) "
+                                           r"must run before torch is imported"):
+        memory_pool.require_shared_pool()
+
+
 def _fresh_process(body: str, shared: bool = True) -> str:
     """Run ``body`` in a new Python process (the shared pool set up first, or each framework's
     own allocator); its stdout."""
@@ -99,9 +109,9 @@ def test_torch_and_jax_allocate_from_one_pool_and_reuse_each_others_memory():
     out = _fresh_process("""
         import gc
         import jax, numpy as np, torch
-        from bridge.memory_pool import pool_stats, reset_pool_peak, shared_pool_active
+        from bridge.memory_pool import pool_stats, require_shared_pool, reset_pool_peak
         assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
-        assert shared_pool_active(0)
+        require_shared_pool(0)
         GiB = 2**30
         torch.cuda.synchronize(); reset_pool_peak(0); base = pool_stats(0)
         a = jax.device_put(np.ones((GiB // 4,), np.float32)).block_until_ready()  # 1 GiB, JAX
