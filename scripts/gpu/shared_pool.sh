@@ -2,13 +2,15 @@
 # Issue 32 on one H200: Torch and JAX in one CUDA memory pool (bridge.memory_pool, --shared-pool)
 # with the main grads released at zero_grad. Repo root, the machine's python3 (torch 2.11 + jax
 # 0.11.2), no install; logs under $OUT.
-#   bash scripts/gpu/shared_pool.sh [tests] [train] [step1300] [step350]
+#   bash scripts/gpu/shared_pool.sh [tests] [train] [step1300] [step350] [step124]
 #   tests:    the GPU tests of the bridge (the pool's: fresh processes pick the allocator) and
 #             of torch_side
 #   train:    mxfp8-train --deterministic, 6 steps with and without --shared-pool: the same losses
 #   step1300: the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs): FSDP2 and mxfp8:u4 with each
 #             framework's allocator, then this project's runs in the shared pool (peak: the pool's)
+#             (OWN_RUNS, default fsdp2,mxfp8:u4,bf16:u4; SHARED_RUNS, default mxfp8:u4,bf16:u4)
 #   step350:  the same at GPT-2 350M (FSDP2 and mxfp8:u4, then mxfp8:u4 in the shared pool)
+#   step124:  the same at GPT-2 124M
 set -u
 OUT=${OUT:-$PWD/out/shared_pool}
 mkdir -p "$OUT"
@@ -49,11 +51,12 @@ print(f"--shared-pool: {'bit-identical' if same else 'DIFFERENT'} losses ({share
 EOF
       echo "train: rc=$rc $(tail -1 "$OUT/train.log")" ;;
     step1300)
-      bench own gpt-1.3b --runs fsdp2,mxfp8:u4
-      bench shared gpt-1.3b --shared-pool --runs ${SHARED_RUNS:-mxfp8:u4,mxfp8:u4:r,bf16:u4} ;;
-    step350)
-      bench own350 gpt2-350m --runs fsdp2,mxfp8:u4
-      bench shared350 gpt2-350m --shared-pool --runs mxfp8:u4 ;;
+      bench own gpt-1.3b --runs ${OWN_RUNS:-fsdp2,mxfp8:u4,bf16:u4}
+      bench shared gpt-1.3b --shared-pool --runs ${SHARED_RUNS:-mxfp8:u4,bf16:u4} ;;
+    step350|step124)
+      size=${part#step}
+      bench own$size gpt2-${size}m --runs fsdp2,mxfp8:u4
+      bench shared$size gpt2-${size}m --shared-pool --runs mxfp8:u4 ;;
   esac
   echo "$part: $((SECONDS - t0)) s"
 done 2>&1 | tee "$OUT/summary.log"
