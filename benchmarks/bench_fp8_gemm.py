@@ -23,7 +23,10 @@ dot in the same run:
   costs less per call than a jitted JAX call, which the small shapes' JAX columns include);
 - ``*_kernel_ms``: GPU kernel time per call from torch.profiler (which sees XLA's kernels too)
   for ``bf16``, ``cublaslt``, ``torch_bf16`` and ``torch_scaled_mm``: the GEMMs themselves,
-  without any host dispatch.
+  without any host dispatch; ``cublaslt_gemm_kernel_ms``: of the jitted cuBLASLt call, only the
+  GEMM kernel (``bench_train_step.kernel_category`` "gemm"), without the small XLA kernels that
+  arrange its fp32 scales (``cublaslt._scales``; ``cublaslt_scales_kernel_ms`` is their time):
+  the issue's "GEMM alone", as ``torch_scaled_mm`` is timed on scales made beforehand.
 
 And for each linear layer of the 350M and 1.3B GPTs (qkv, proj, fc1, fc2 at 8 x 1024 tokens), the
 three training roles (forward, dgrad, wgrad) through ``matmul`` on MXFP8 operands: fp8_blocked
@@ -134,9 +137,10 @@ def torch_blockwise(ra: Reblocked, rb: Reblocked) -> tuple[Any, Any, Any, Any]:
     return a, b.t(), sa, sb
 
 
-def kernel_ms(run: Any, iters: int) -> float:
+def kernel_ms(run: Any, iters: int, category: str | None = None) -> float:
     """GPU kernel time per call of ``run()`` (ms; torch.profiler, which sees XLA's kernels too):
-    what the GEMM costs inside a program, without the host's dispatch of each call."""
+    what the GEMM costs inside a program, without the host's dispatch of each call; with
+    ``category``, only the kernels ``bench_train_step.kernel_category`` puts there."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,9 +157,12 @@ def kernel_ms(run: Any, iters: int) -> float:
         if isinstance(out, jax.Array):
             out.block_until_ready()
         torch.cuda.synchronize()
+    from benchmarks.bench_train_step import kernel_category
+
     spans = [e.time_range.end - e.time_range.start for e in prof.events()
              if str(getattr(e, "device_type", "")).endswith("CUDA")
-             and not getattr(e, "is_user_annotation", False)]
+             and not getattr(e, "is_user_annotation", False)
+             and (category is None or kernel_category(e.name) == category)]
     return sum(spans) / iters / 1e3
 
 
@@ -198,6 +205,9 @@ def _torch_scaled_mm(a16: jax.Array, b16: jax.Array, ra: Reblocked, rb: Reblocke
         for name, fn in (("torch_scaled_mm", run), ("torch_bf16", bf16),
                          ("cublaslt", lambda: lt(ra, rb)), ("bf16", lambda: dot(a16, b16))):
             row[f"{name}_kernel_ms"] = kernel_ms(fn, iters)
+        row["cublaslt_gemm_kernel_ms"] = kernel_ms(lambda: lt(ra, rb), iters, category="gemm")
+        row["cublaslt_scales_kernel_ms"] = (row["cublaslt_kernel_ms"]
+                                            - row["cublaslt_gemm_kernel_ms"])
         return row
     except Exception as e:  # this Torch or device has no blockwise FP8 GEMM: recorded, not fatal
         return {"torch_scaled_mm_error": f"{type(e).__name__}: {str(e)[:300]}"}
