@@ -9,8 +9,10 @@ Tensors owned:
   unit program's gradient group, ``stage_flat``), that buffer becomes the bucket
   (``BucketAllocator.adopt``): no zero-fill, no add, no copy between the backward and the
   reduce-scatter. Bytes are unchanged: the bucket held 0 + g before, and x + 0 = x, except that
-  a gradient of -0.0 stays -0.0 in the bucket (it was +0.0); ``main_grad`` starts at +0.0 and
-  +0.0 + -0.0 = +0.0, so what the optimizer reads is the same bytes.
+  a gradient of -0.0 stays -0.0 in the bucket (it was +0.0 in a zero-filled one). A zero's sign
+  changes nothing the optimizer computes (AdamW's moments and update, clipping's norm: ±0 give
+  the same bytes), and the first reduction after ``zero_grad`` passes the reduced gradient on as
+  it is (below), so ``main_grad`` may hold -0.0 where a gradient is -0.0.
 
 ``reduce`` averages the bucket over the DP group into the group's ``main_grad`` (owned by
 ``GroupBuffers``; accumulated into, never replaced): a reduce-scatter into the rank's shard when
@@ -18,19 +20,27 @@ the strategy shards gradients (ZeRO-2/3), else an all-reduce of the full buffer.
 got no gradient this micro-batch leave zeros in the bucket, so every rank joins the collective.
 
 **Zeroing without a pass** (``clear``, what ``zero_grad`` calls): ``main_grad`` is marked as
-holding zeros instead of being filled with them. The first reduction after it writes
-``out + 0.0`` into ``main_grad`` (one read of the reduced result, one write: the bytes of
-``0 + out``, signed zeros and NaNs included, since IEEE addition commutes) instead of adding
-into a zero-filled buffer (a fill, then two reads and a write); a reader (``ready``: the
+holding zeros instead of being filled with them. The first reduction after it makes
+``main_grad`` the reduced gradient itself, as Torch's ``.grad`` takes the first gradient after
+``zero_grad()``: its bytes are the reduced result's (cast to ``main_grad``'s dtype), a -0.0 kept
+-- not ``0 + out``, whose -0.0 would read +0.0; a zero's sign changes nothing the optimizer
+computes. It copies them in (one read, one write) instead of adding into a zero-filled buffer
+(a fill, then two reads and a write); later micro-batches add on top. A reader (``ready``: the
 optimizer, clipping, state dicts, any ``ParamGroup.main_grad``) of a group no reduction wrote
 since gets the zeros filled in first.
 
 **Releasing the memory** (``clear(release=True)``: ``zero_grad(set_to_none=True)``, Torch's
 default): ``main_grad`` gives its storage back (``Tensor.set_`` to an empty one: the tensor object
 stays, so every holder keeps it) and gets a fresh one where it is next written or read -- the
-first reduction after it (which writes ``0 + out`` without reading, as above) or a reader, which
-gets zeros. From ``zero_grad`` to the first reduction of the next backward the main grads hold no
-memory, as Torch's ``.grad`` after ``set_to_none``. That matters where one memory pool serves
+first reduction after it or a reader, which gets zeros. That first reduction, where the
+reduce-scatter wrote a tensor of its own in ``main_grad``'s dtype (``reduce``'s ``out``:
+ZeRO-2/3, with a comm dtype equal to the main grads', or the cast a narrower one makes anyway),
+**hands that tensor's storage to** ``main_grad`` (``Tensor.set_``): no copy, no kernel, and no
+second shard-sized buffer at once. (The pass it replaces, ``0 + out`` into a new storage, took
+2.7 ms of the 1.3B step's GPU time in 14 calls, BENCHMARKS.md session 11.) An all-reduce's
+result (the bucket itself, which the allocator reuses) is copied. From ``zero_grad`` to the
+first reduction of the next backward the main grads hold no memory, as Torch's ``.grad`` after
+``set_to_none``. That matters where one memory pool serves
 Torch and JAX (``common.shared_pool``, the shared pool): the unit programs' residuals, which
 peak at the start of the backward, and the main grads, which fill up during it, then share the
 same bytes. A stale reference taken before the release (``t = group.main_grad``) keeps the old
@@ -181,13 +191,17 @@ class GradReducer:
         if self.replicate is not None:  # HSDP: the shard group's result summed over replicas
             self.replicate.all_reduce(out, Collective.ALL_REDUCE_SUM, Phase.GRAD_REDUCE,
                                       f"{self.label}/grad/replicas")
-        if self._zeros_pending:  # 0 + out, written without reading main_grad (module note)
+        g = self.main_grad
+        result = out.to(g.dtype)  # cast first: a cast inside the add writes other NaN bits
+        if not self._zeros_pending:
+            g.add_(result)
+        elif self.released and result is not self.allocator.get(self.label, purpose) \
+                and result.is_contiguous() and result.numel() == self._numel:
+            g.set_(result)  # the reduced gradient becomes main_grad (module note)
+        else:  # the reduced gradient's bytes, written without reading main_grad
             self._acquire()
-            torch.add(out.to(self.main_grad.dtype), 0.0, out=self.main_grad)  # (cast first,
-            # as the add did: a cast inside the add writes other NaN bits)
-            self._zeros_pending = False
-        else:
-            self.main_grad.add_(out.to(self.main_grad.dtype))
+            g.copy_(result)
+        self._zeros_pending = False
         self.allocator.free(self.label, purpose)
 
     def clear(self, release: bool = False) -> None:

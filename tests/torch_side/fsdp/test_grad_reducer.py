@@ -236,10 +236,11 @@ def test_a_flat_buffer_that_is_not_the_bucket_is_refused_by_name(bad):
 
 @pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
-def test_clear_zeroes_lazily_with_the_bytes_of_adding_into_zeros(main_dtype, comm_dtype):
-    """``clear`` writes nothing; the next reduction writes ``out + 0.0`` -- the bytes of adding
-    into a zero-filled main grad, -0.0 becoming +0.0 and NaN/Inf kept -- and a second
-    micro-batch adds on top; a reader of a cleared group that no reduction wrote sees zeros."""
+def test_clear_zeroes_lazily_and_micro_batches_add_on_top(main_dtype, comm_dtype):
+    """``clear`` writes nothing; the next reduction writes the reduced result (here the sum of
+    the collective, whose add made a staged -0.0 +0.0: the bytes of adding into a zero-filled
+    main grad, NaN/Inf kept) and a second micro-batch adds on top; a reader of a cleared group
+    that no reduction wrote sees zeros."""
     layout = FlatLayout.build(NAMES, SHAPES, 2)
     special = torch.tensor([-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-40, -3.5,
                             -float("nan")] * 8)  # a NaN of either sign, spread over 64 lanes
@@ -284,23 +285,65 @@ class _SoloComm:
         return None
 
 
+class _SoloScatter(_SoloComm):
+    """World 1 with sharded gradients: the reduce-scatter copies the bucket into its output (as
+    the real communicator does at world size 1) and remembers that output."""
+
+    def reduce_scatter(self, out, full, phase, label, async_op=False):
+        out.copy_(full[: out.numel()])
+        self.out = out
+
+
+@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
+@pytest.mark.parametrize("sharded", [True, False], ids=["reduce_scatter", "all_reduce"])
 @pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
-def test_the_lazy_zero_keeps_the_nan_bits_of_adding_into_zeros(main_dtype, comm_dtype):
-    """Whole runs of NaN in the reduced bucket (vectorised lanes): the same NaN bits as the
-    cast-then-add into zeros, in every pair of bucket and main-grad dtypes."""
-    layout = FlatLayout.build(NAMES, SHAPES, 2)
+def test_the_first_reduction_after_clear_writes_the_reduced_bytes(main_dtype, comm_dtype,
+                                                                   sharded, release):
+    """After ``clear`` the reduced gradient becomes ``main_grad`` as it is, cast to its dtype:
+    -0.0 stays -0.0 (``0 + out`` would read +0.0), NaNs of either sign keep their bits, in
+    every pair of bucket and main-grad dtypes, whether the storage was released or kept; a
+    second micro-batch adds on top."""
+    layout = FlatLayout.build(NAMES, SHAPES, 1)
     flat = torch.full((layout.padded_numel,), float("nan"), dtype=comm_dtype)
-    flat[::3] = -float("inf")
-    got = []
-    for lazy in (True, False):
-        red, _ = _reducer(layout, _SoloComm(), sharded=False, dtype=comm_dtype, divisor=1)
-        red.main_grad = torch.full((layout.padded_numel,), 7.0, dtype=main_dtype)
-        red.clear() if lazy else red.main_grad.zero_()
+    flat[::3], flat[1::5], flat[2::7] = -float("inf"), -0.0, -float("nan")
+    red, _ = _reducer(layout, _SoloScatter(), sharded, dtype=comm_dtype, divisor=1)
+    red.main_grad = torch.full((layout.padded_numel,), 7.0, dtype=main_dtype)
+    red.clear(release)
+    red.stage_flat(flat.clone())
+    red.reduce()
+    want = flat.to(main_dtype)
+    assert red.ready().view(torch.uint8).equal(want.view(torch.uint8))
+    assert torch.signbit(red.main_grad[1]).item(), "a reduced -0.0 stays -0.0"
+    red.stage_flat(flat.clone())
+    red.reduce()
+    assert red.ready().view(torch.uint8).equal(torch.add(want, want).view(torch.uint8))
+
+
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_a_released_main_grad_takes_the_reduce_scatter_output_without_a_copy(comm_dtype):
+    """Released, the first reduction hands ``main_grad`` the reduce-scatter's own output (fp32
+    buckets) or the cast a bf16 one makes anyway: the tensor object stays, no second buffer is
+    allocated and written. Kept, or after an all-reduce (the result is the bucket, which the
+    allocator reuses), the bytes are copied into ``main_grad``'s own storage."""
+    layout = FlatLayout.build(NAMES, SHAPES, 1)
+    flat = torch.randn(layout.padded_numel).to(comm_dtype)
+    for sharded, release in ((True, True), (True, False), (False, True)):
+        comm = _SoloScatter()
+        red, alloc = _reducer(layout, comm, sharded, dtype=comm_dtype, divisor=1)
+        held = red.main_grad
+        before = held.data_ptr()
+        red.clear(release)
         red.stage_flat(flat.clone())
+        bucket = alloc.get("u/fp32", "grad")
         red.reduce()
-        got.append(red.ready().view(torch.uint8).clone())
-    assert got[0].equal(got[1])
+        assert red.main_grad is held and held.numel() == layout.padded_numel
+        assert held.data_ptr() != bucket.data_ptr(), "never the bucket the allocator reuses"
+        if sharded and release and comm_dtype == torch.float32:
+            assert held.data_ptr() == comm.out.data_ptr(), "the reduce-scatter's output itself"
+        elif not release:
+            assert held.data_ptr() == before, "a kept storage is written in place"
+        assert held.equal(flat.float()) and alloc.live_keys() == []
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["reduce_scatter", "all_reduce"])
