@@ -5,17 +5,10 @@
 # barrier). Repo root, the machine's python3 (torch 2.11 + jax 0.11.2), no install; logs under
 # $OUT.   bash scripts/gpu/reliability.sh [tests] [resume] [step124]
 set -u
-OUT=${OUT:-$PWD/out/reliability}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
-export MXFP8_JAX_CACHE=/tmp/jax_cache_reliability
-cd "$(dirname "$0")/../.."
+. "$(dirname "$0")/small_gpt.sh"
+gpu_setup reliability
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests resume step124)
-train() {  # the small GPT, 4 blocks in one FSDP unit, on one GPU
-  python3 -m apps.training --device cuda --config small --seq-len 128 --batch-size 8 \
-    --micro-batches 1 --blocks-per-unit 4 --deterministic --no-progress "$@"
-}
 for part in "${parts[@]}"; do
   t0=$SECONDS
   case "$part" in
@@ -24,9 +17,9 @@ for part in "${parts[@]}"; do
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" ;;
     resume)  # 6 steps straight, against 4 steps saved every 2 and resumed to 6 into the same dir
       rm -rf /tmp/ck_full /tmp/ck_resumed
-      { train --steps 6 --metrics "$OUT/full.jsonl" &&
-        train --steps 4 --save-dir /tmp/ck_resumed --save-every 2 &&
-        train --steps 6 --resume /tmp/ck_resumed --save-dir /tmp/ck_resumed \
+      { small_train --steps 6 --metrics "$OUT/full.jsonl" &&
+        small_train --steps 4 --save-dir /tmp/ck_resumed --save-every 2 &&
+        small_train --steps 6 --resume /tmp/ck_resumed --save-dir /tmp/ck_resumed \
           --metrics "$OUT/resumed.jsonl"; } > "$OUT/resume.log" 2>&1
       rc=$?
       python3 - "$OUT" <<'EOF' >> "$OUT/resume.log" 2>&1

@@ -12,17 +12,10 @@
 #   step350:  the same at GPT-2 350M (FSDP2 and mxfp8:u4, then mxfp8:u4 in the shared pool)
 #   step124:  the same at GPT-2 124M
 set -u
-OUT=${OUT:-$PWD/out/shared_pool}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0
-export MXFP8_JAX_CACHE=/tmp/jax_cache_shared_pool
-cd "$(dirname "$0")/../.."
+. "$(dirname "$0")/small_gpt.sh"
+gpu_setup shared_pool
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(tests train step1300)
-train() {  # the small GPT, 4 blocks in one FSDP unit, on one GPU
-  python3 -m apps.training --device cuda --config small --seq-len 128 --batch-size 8 \
-    --micro-batches 1 --blocks-per-unit 4 --deterministic --no-progress --steps 6 "$@"
-}
 bench() {  # bench NAME CONFIG ARGS...
   local name=$1 config=$2; shift 2
   timeout 280 python3 -m benchmarks.bench_train_step --device cuda --nproc 1 --config $config \
@@ -38,8 +31,8 @@ for part in "${parts[@]}"; do
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" ;;
     train)
-      { train --metrics "$OUT/own.jsonl" && train --shared-pool --metrics "$OUT/shared.jsonl"; } \
-        > "$OUT/train.log" 2>&1
+      { small_train --steps 6 --metrics "$OUT/own.jsonl" &&
+        small_train --steps 6 --shared-pool --metrics "$OUT/shared.jsonl"; } > "$OUT/train.log" 2>&1
       rc=$?
       python3 - "$OUT" <<'EOF' >> "$OUT/train.log" 2>&1
 import json, sys

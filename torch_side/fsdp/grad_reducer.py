@@ -40,12 +40,11 @@ second shard-sized buffer at once. (The pass it replaces, ``0 + out`` into a new
 2.7 ms of the 1.3B step's GPU time in 14 calls, BENCHMARKS.md session 11.) An all-reduce's
 result (the bucket itself, which the allocator reuses) is copied. From ``zero_grad`` to the
 first reduction of the next backward the main grads hold no memory, as Torch's ``.grad`` after
-``set_to_none``. That matters where one memory pool serves
-Torch and JAX (``common.shared_pool``, the shared pool): the unit programs' residuals, which
-peak at the start of the backward, and the main grads, which fill up during it, then share the
-same bytes. A stale reference taken before the release (``t = group.main_grad``) keeps the old
-storage alive and its old values, never dangling memory. ``released`` says whether it is given
-back now.
+``set_to_none``. That matters where one memory pool serves Torch and JAX (``common.shared_pool``,
+the shared pool): the unit programs' residuals, which peak at the start of the backward, and the
+main grads, which fill up during it, then share the same bytes. A stale reference taken before
+the release (``t = group.main_grad``) keeps the old storage alive and its old values, never
+dangling memory. ``released`` says whether it is given back now.
 
 **Asynchronous reduction** (``reduce(async_op=True)``, FSDP's default): the collective is issued
 and the bucket moves to the key ``(group label, "grad_reducing")``, held until ``settle`` waits
