@@ -11,16 +11,26 @@ plus the outputs written once (GB/s), for
   x^T tiles) / the backward's (rows and dy^T rows): the composition;
 - ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
-  ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output.
+  ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output;
+- with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
+  into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
+  ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
+  dgrad one through a transpose) against ``pallas_fwd[wW]`` / ``pallas_dgrad[wW]``
+  (``pallas_reblock.reblock_tiles_flat``: read in place) and ``pallas_sliced_*`` (the kernel on
+  the sliced plane: XLA copies the slice out first); GB/s counted as codes read and written
+  once.
 
     python3 benchmarks/bench_blocked_operands.py --out blocked.json      # GPU
+    python3 benchmarks/bench_blocked_operands.py --weights --only 'pallas|xla'
     python3 benchmarks/bench_blocked_operands.py --smoke                 # CPU: tiny, interpreted
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,13 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
 
 from benchmarks.bench_fp8_gemm import kernel_ms, timed  # noqa: E402
+from common.formats import Plane  # noqa: E402
+from common.gemm_roles import ROLES, GemmRole  # noqa: E402
 from jax_side import mxfp8  # noqa: E402
+from jax_side.linear import FlatPlane  # noqa: E402
 from jax_side.mxfp8.blocked_operands import from_planes  # noqa: E402
+from jax_side.mxfp8.gemm_impls import b_tiles  # noqa: E402
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d  # noqa: E402
+from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat  # noqa: E402
 
 SHAPES = [(8192, 2048), (8192, 6144), (8192, 8192)]  # the 1.3B GPT's x and dy at 8 x 1024
+WEIGHTS = [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]  # its qkv, proj, fc1, fc2
 WARPS = "1,2,4,8"
 BLOCKS = {"rows": [(32, 128), (64, 128), (128, 128)],
           "rows_t": [(128, 32), (128, 64), (128, 128)],
@@ -69,13 +86,68 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
     return out
 
 
+def _in_buffers(t: mxfp8.MXFP8Tensor) -> tuple[jax.Array, jax.Array]:
+    """Both planes' codes and scale bytes in two flat buffers, as FSDP gathers them: (rowwise
+    codes, colwise codes) and (rowwise scales, colwise scales), 4096 bytes of other data first."""
+    (rd, rs), (cd, cs) = t.plane("rowwise"), t.plane("colwise")
+    pad = jnp.zeros((4096,), jnp.uint8)
+    return (jnp.concatenate([pad, *(lax.bitcast_convert_type(d, jnp.uint8).reshape(-1)
+                                    for d in (rd, cd))]),
+            jnp.concatenate([pad, *(lax.bitcast_convert_type(s, jnp.uint8).reshape(-1)
+                                    for s in (rs, cs))]))
+
+
+def _weight_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
+    """name -> (function of the weight's flat buffers (``_in_buffers``), 0): the re-block of one
+    plane into tiles, the plane given as a ``FlatPlane`` as in a unit program."""
+    out: dict[str, tuple[Any, int]] = {}
+    for role, plane in ((GemmRole.FORWARD, Plane.ROWWISE), (GemmRole.DGRAD, Plane.COLWISE)):
+        tag = "fwd" if role is GemmRole.FORWARD else "dgrad"
+
+        def flat(bufs: tuple[jax.Array, jax.Array], shape: tuple[int, int],
+                 plane: Plane = plane) -> FlatPlane:
+            n, k = shape
+            first = plane is Plane.ROWWISE
+            return FlatPlane(bufs[0], bufs[1], 4096 + (0 if first else n * k),
+                             4096 + (0 if first else n * k // 32), shape, plane)
+
+        out[f"xla_{tag}"] = (lambda b, sh, role=role, flat=flat: b_tiles(
+            flat(b, sh).tensor(), ROLES[role])[0], 0)
+        out[f"pallas_sliced_{tag}"] = (lambda b, sh, colwise=role is GemmRole.DGRAD, flat=flat:
+                                       reblock_tiles_2d(*_sliced(flat(b, sh)), colwise=colwise,
+                                                        interpret=interpret), 0)
+        for w in warps:
+            out[f"pallas_{tag}[w{w}]"] = (lambda b, sh, w=w, flat=flat: _in_place(
+                flat(b, sh), w, interpret), 0)
+    return out
+
+
+def _in_place(f: FlatPlane, warps: int, interpret: bool) -> Any:
+    return reblock_tiles_flat(f.data, f.scale, f.data_offset, f.scale_offset, f.shape,
+                              colwise=f.plane is Plane.COLWISE, interpret=interpret,
+                              num_warps=warps)
+
+
+def _sliced(f: FlatPlane) -> tuple[jax.Array, jax.Array]:
+    d, s = f.tensor().plane(f.plane)
+    return d, lax.bitcast_convert_type(s, jnp.uint8)
+
+
 def rows_for(shapes: list[tuple[int, int]], warps: list[int], iters: int,
-             interpret: bool) -> list[dict[str, Any]]:
+             interpret: bool, only: str = "", weights: bool = False) -> list[dict[str, Any]]:
     rows = []
     for t, c in shapes:
         x = jax.random.normal(jax.random.key(0), (t, c), jnp.float32).astype(jnp.bfloat16)
         row: dict[str, Any] = {"shape": [t, c]}
-        for name, (fn, out_bytes) in _variants(warps, interpret).items():
+        variants = (_weight_variants if weights else _variants)(warps, interpret)
+        if weights:  # the functions take the planes in flat buffers; counted: codes in and out
+            bufs = _in_buffers(mxfp8.quantize(x * 0.02, backend="xla"))
+            variants = {name: (jax.jit(functools.partial(fn, sh=(t, c))), n)
+                        for name, (fn, n) in variants.items()}
+            x = bufs  # type: ignore[assignment]
+        for name, (fn, out_bytes) in variants.items():
+            if only and not re.search(only, name):
+                continue
             try:
                 s = (timed(fn, x, iters=iters) if interpret
                      else kernel_ms(lambda fn=fn, x=x: fn(x), iters) / 1e3)
@@ -83,7 +155,8 @@ def rows_for(shapes: list[tuple[int, int]], warps: list[int], iters: int,
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             row[f"{name}_us"] = round(s * 1e6, 2)
-            row[f"{name}_gbs"] = round(t * c * (2 + out_bytes) / s / 1e9, 3)
+            row[f"{name}_gbs"] = round(t * c * ((2 + out_bytes) if out_bytes else 2) / s
+                                       / 1e9, 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -95,15 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warps", default=WARPS, help="comma-separated warps per program to time")
     p.add_argument("--smoke", action="store_true", help="one 128x256 shape, interpreted (CPU)")
+    p.add_argument("--only", default="", help="a regular expression: the variants to time")
+    p.add_argument("--weights", action="store_true",
+                   help="the weights' re-block into tiles (WEIGHTS) instead of x's quantize")
     args = p.parse_args(argv)
     warps = [int(w) for w in args.warps.split(",") if w]
     gpu = jax.devices()[0].platform == "gpu"
     if args.smoke:
-        rows = rows_for([(128, 256)], warps[:1], 1, interpret=not gpu)
+        rows = rows_for([(128, 256)], warps[:1], 1, interpret=not gpu, only=args.only,
+                        weights=args.weights)
     elif not gpu:
         p.error("no GPU: the timings mean nothing on a CPU; run with --smoke to check the script")
     else:
-        rows = rows_for(SHAPES, warps, args.iters, interpret=False)
+        rows = rows_for(WEIGHTS if args.weights else SHAPES, warps, args.iters, interpret=False,
+                        only=args.only, weights=args.weights)
     result = {"rows": rows, "device": str(jax.devices()[0]), "jax": jax.__version__}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

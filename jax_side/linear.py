@@ -261,7 +261,7 @@ def forward(
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad (with an fp8_blocked GEMM,
     its x^T tiles: ``blocked_operands.KeptTiles``)."""
     if _blocked(kernels, w_rowwise):
-        return ForwardOut(*blocked.forward(x2d, _planes(w_rowwise), jnp.dtype(out_dtype),
+        return ForwardOut(*blocked.forward(x2d, w_rowwise, jnp.dtype(out_dtype),
                                            _out(out_dtype), keep_x_colwise, kernels))
     planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
     xq = quantize(pad_tokens(x2d), planes=planes, kernels=kernels)
@@ -274,10 +274,6 @@ def _blocked(kernels: ResolvedKernels, w: MXFP8Tensor | FlatPlane | None) -> boo
     GEMM and MXFP8 weight planes (planes of another block format take the reference GEMM)."""
     return kernels.gemm in blocked.BLOCKED_GEMMS and not (
         isinstance(w, FlatPlane) and not w.is_mxfp8)
-
-
-def _planes(w: MXFP8Tensor | FlatPlane) -> MXFP8Tensor:
-    return w.tensor() if isinstance(w, FlatPlane) else w
 
 
 @functools.partial(jax.jit, static_argnames=("dx_dtype", "dw_dtype", "kernels", "packed"))
@@ -306,7 +302,7 @@ def backward_traced(dy2d: jax.Array, w_colwise: MXFP8Tensor | FlatPlane | None,
     if isinstance(x_colwise, blocked.KeptTiles) or (x_colwise is None
                                                      and _blocked(kernels, w_colwise)):
         out = BackwardOut(*blocked.backward(
-            dy2d, None if w_colwise is None else _planes(w_colwise), x_colwise,
+            dy2d, w_colwise, x_colwise,
             (jnp.dtype(dx_dtype), _out(dx_dtype)), (jnp.dtype(dw_dtype), _out(dw_dtype)),
             kernels, on_wgrad))
         return _packed(out) if packed else out

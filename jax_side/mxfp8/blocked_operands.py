@@ -5,8 +5,9 @@
 ``fp8_blocked_pallas``): x and dy are quantized once into what the GEMMs read -- 1x128 blocks for
 the ``a`` operands, x^T in 128x128 tiles kept from the forward for wgrad -- instead of MXFP8
 planes that every GEMM then re-blocks (and, for wgrad, transposes). Weights stay MXFP8 planes
-(FSDP's gathered bytes) and are re-blocked into tiles inside the GEMM as before
-(``gemm_impls.b_tiles``).
+(FSDP's gathered bytes) and are re-blocked into tiles where each GEMM reads them
+(:func:`weight_tiles`: one Pallas kernel on the ``pallas`` backend, ``gemm_impls.b_tiles``'s XLA
+fusions elsewhere).
 
 The bytes are those of quantize-then-re-block (:func:`from_planes`, the reference): on the
 ``pallas`` backend the kernel of ``pallas_blocked`` makes them (one call per output); on any
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from jax_side.mxfp8.gemm_impls import (
 )
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.pallas_blocked import BlockedPlanes, quantize_blocked_2d
+from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat
 from jax_side.mxfp8.quantize import quantize
 from jax_side.mxfp8.tensor import MXFP8Tensor
 
@@ -49,6 +51,7 @@ __all__ = [
     "BLOCKED_GEMMS",
     "BlockedPlanes",
     "KeptTiles",
+    "PlaneInBuffers",
     "WgradOperands",
     "backward",
     "blocked_gemm",
@@ -56,6 +59,7 @@ __all__ = [
     "forward",
     "from_planes",
     "quantize_operands",
+    "weight_tiles",
 ]
 
 BLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
@@ -78,6 +82,26 @@ class KeptTiles:
 
 jax.tree_util.register_dataclass(KeptTiles, data_fields=["tiles"], meta_fields=["cols"])
 
+class PlaneInBuffers(Protocol):
+    """One plane of an (N, K) weight inside flat buffers (what ``jax_side.linear.FlatPlane``
+    is): codes at ``data[data_offset:]``, row-major, scale bytes from ``scale[scale_offset]``."""
+
+    @property
+    def data(self) -> jax.Array: ...
+    @property
+    def scale(self) -> jax.Array: ...
+    @property
+    def data_offset(self) -> int: ...
+    @property
+    def scale_offset(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, int]: ...
+    @property
+    def plane(self) -> Plane: ...
+    def tensor(self) -> MXFP8Tensor: ...
+
+
+Weight = MXFP8Tensor | PlaneInBuffers  # a weight's MXFP8 planes, or one plane in flat buffers
 Dtypes = tuple[jnp.dtype, jnp.dtype]  # (the result's dtype, the dtype the GEMM writes)
 
 
@@ -172,7 +196,7 @@ def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> 
                          one("tiles_t") if tiles_t else None)
 
 
-def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role: GemmRole,
+def blocked_gemm(a: reblock.Reblocked, b: Weight | reblock.Reblocked, role: GemmRole,
                  kernels: ResolvedKernels, m: int, n: int,
                  out_dtype: jnp.dtype = _F32) -> jax.Array:
     """(m, n) of one role's GEMM: ``a`` from :func:`quantize_operands` (``rows`` for forward and
@@ -181,12 +205,43 @@ def blocked_gemm(a: reblock.Reblocked, b: MXFP8Tensor | reblock.Reblocked, role:
     if kernels.gemm not in BLOCKED_GEMMS:
         raise ValueError(f"blocked_gemm: kernels' GEMM is {kernels.gemm}, not one of "
                          f"{[g.value for g in BLOCKED_GEMMS]}")
-    rb = b if isinstance(b, reblock.Reblocked) else b_tiles(b, ROLES[role])[0]
+    rb = b if isinstance(b, reblock.Reblocked) else weight_tiles(b, role, kernels)
     if a.data.shape[1] != rb.data.shape[1]:
         raise ValueError(f"blocked_gemm({role.value}): a has K = {a.data.shape[1]}, b "
                          f"{rb.data.shape[1]} (both padded to multiples of {_G})")
     return blocked_product(a, rb, m, n, jnp.dtype(out_dtype),
                            pallas=kernels.gemm is GemmImpl.FP8_BLOCKED_PALLAS)
+
+
+def weight_tiles(w: Weight, role: GemmRole, kernels: ResolvedKernels) -> reblock.Reblocked:
+    """The weight's plane that ``role`` reads re-blocked into 128x128 tiles, padded (the GEMM's
+    ``b``): on the ``pallas`` backend by one kernel (``pallas_reblock``; the colwise plane
+    transposed inside it), reading a ``PlaneInBuffers`` where it lies when its dims are
+    multiples of 128 (no copy of the slice first); elsewhere by XLA (``gemm_impls.b_tiles``).
+    The same bytes on every path."""
+    spec = ROLES[role]
+    pallas = kernels.backend is Backend.PALLAS
+    if not isinstance(w, MXFP8Tensor):
+        if w.plane is not spec.b_plane:
+            raise ValueError(f"weight_tiles({role.value}): the weight's {w.plane.value} plane "
+                             f"was given; {role.value} reads its {spec.b_plane.value} plane")
+        n, k = w.shape
+        if pallas and n % _G == 0 and k % _G == 0 and max(w.data.shape[0],
+                                                         w.scale.shape[0]) < 2**31:
+            return reblock_tiles_flat(w.data, w.scale, w.data_offset, w.scale_offset, (n, k),
+                                      colwise=spec.b_contract == 0, interpret=_interpret())
+        w = w.tensor()
+    if not pallas:
+        return b_tiles(w, spec)[0]
+    data, scale = w.plane(spec.b_plane)
+    return reblock_tiles_2d(data, _bytes(scale), colwise=spec.b_contract == 0,
+                            interpret=_interpret())
+
+
+def _interpret() -> bool:
+    from jax_side.mxfp8.pallas_backend import interpret_mode
+
+    return interpret_mode()
 
 
 def _made(r: reblock.Reblocked | None) -> reblock.Reblocked:
@@ -195,7 +250,7 @@ def _made(r: reblock.Reblocked | None) -> reblock.Reblocked:
     return r
 
 
-def forward(x2d: jax.Array, w: MXFP8Tensor, out_dtype: jnp.dtype, gemm_dtype: jnp.dtype,
+def forward(x2d: jax.Array, w: Weight, out_dtype: jnp.dtype, gemm_dtype: jnp.dtype,
             keep: bool, kernels: ResolvedKernels) -> tuple[jax.Array, KeptTiles | None]:
     """y = x W^T (T, N) in ``out_dtype`` (the GEMM writes ``gemm_dtype``), and, if ``keep``,
     x's tiles for wgrad."""
@@ -205,7 +260,7 @@ def forward(x2d: jax.Array, w: MXFP8Tensor, out_dtype: jnp.dtype, gemm_dtype: jn
     return y, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
 
 
-def backward(dy2d: jax.Array, w: MXFP8Tensor | None, kept: KeptTiles | None, dx: Dtypes,
+def backward(dy2d: jax.Array, w: Weight | None, kept: KeptTiles | None, dx: Dtypes,
              dw: Dtypes, kernels: ResolvedKernels,
              on_wgrad: Callable[[WgradOperands], None] | None = None,
              ) -> tuple[jax.Array | None, jax.Array | None]:

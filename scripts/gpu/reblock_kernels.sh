@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 33's quantize and re-block kernels on the GPU machine, in parts (default: all three):
+#   bash scripts/gpu/reblock_kernels.sh [tests] [bench] [step]
+#   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
+#          pallas_reblock; the blocked-operand quantize with packed and unpacked transposes)
+#   bench: benchmarks/bench_blocked_operands.py: the transposed outputs packed and unpacked
+#          (BENCH_ONLY, a regex of variants), and the weights' re-block, XLA against the kernel
+#   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS),
+#          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
+#          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
+#          fusion) are listed with the module that holds them (fusions.log)
+# Repo root, machine python3, no install; logs under $OUT; about 7 minutes in all.
+set -u
+. "$(dirname "$0")/small_gpt.sh"
+gpu_setup reblock_kernels
+parts=("$@")
+[ ${#parts[@]} -gt 0 ] || parts=(tests bench step)
+for part in "${parts[@]}"; do
+  t0=$SECONDS
+  case "$part" in
+    tests)
+      timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+        tests/jax_side/mxfp8/test_pallas_reblock.py tests/jax_side/mxfp8/test_blocked_operands.py \
+        > "$OUT/tests.log" 2>&1
+      echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;
+    bench)
+      timeout 200 python3 benchmarks/bench_blocked_operands.py --warps 2,4,8 \
+        --only "${BENCH_ONLY:-rows_t\[128x64|tiles_t}" --out "$OUT/operands.json" \
+        > "$OUT/operands.log" 2>&1
+      echo "operands bench: rc=$?"; grep '"shape"' "$OUT/operands.log"
+      timeout 200 python3 benchmarks/bench_blocked_operands.py --weights --warps 2,4,8 \
+        --out "$OUT/weights.json" > "$OUT/weights.log" 2>&1
+      echo "weights bench: rc=$?"; grep '"shape"' "$OUT/weights.log" ;;
+    step)
+      flags=""
+      [ "${DUMP:-0}" = 1 ] && flags="--xla_dump_to=/tmp/hlo_all --xla_dump_hlo_as_text"
+      XLA_FLAGS="$flags" timeout 400 python3 -m benchmarks.bench_train_step --device cuda \
+        --nproc 1 --config "${CONFIG:-gpt-1.3b}" --batch-size 8 --seq-len 1024 --steps 6 \
+        --warmup 2 --gemm fp8_blocked --runs "${RUNS:-fsdp2,mxfp8:u4}" --profile \
+        --profile-top 30 --out "$OUT/step.json" > "$OUT/step.log" 2>&1
+      echo "step: rc=$?"
+      grep -A12 "^device cuda" "$OUT/step.log" | grep "^| "
+      if [ "${DUMP:-0}" = 1 ]; then
+        (cd /tmp/hlo_all && grep -lE "^ *(ROOT )?%?(${FUSIONS:-(loop|input)_(convert|slice|concatenate)_fusion(\.[0-9]+)?}) = " \
+           *after_optimizations.txt | while read -r f; do
+             echo "== $f"; grep -E "^ *(ROOT )?%?(${FUSIONS:-(loop|input)_(convert|slice|concatenate)_fusion(\.[0-9]+)?}) = " "$f" | cut -c1-400
+           done) > "$OUT/fusions.log" 2>&1
+        echo "fusions.log: $(grep -c '^==' "$OUT/fusions.log") modules"
+      fi ;;
+    *) echo "unknown part $part (tests, bench, step)"; exit 2 ;;
+  esac
+  echo "$part: $((SECONDS - t0)) s"
+done
