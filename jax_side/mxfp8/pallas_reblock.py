@@ -45,7 +45,7 @@ _BANDS = GROUP // _BS  # bands of 32 rows per tile
 _MAX_INDEX = 2**31  # in-kernel offsets are int32
 # Triton warps per program (rowwise, colwise): the defaults, the fastest on the H200 at the 1.3B
 # GPT's weights (benchmarks/bench_blocked_operands.py --weights; BENCHMARKS.md session 12)
-NUM_WARPS = (8, 2)
+NUM_WARPS = (8, 4)
 
 
 def _grid(rows: int, cols: int, row0: Any, stride: int, col0: Any) -> jax.Array:
