@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, GemmImpl, Platform
@@ -214,6 +215,24 @@ class KernelBackend(abc.ABC):
     def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
                    row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
+
+    def partial_block_amax_at(self, buf: jax.Array, offset: int, n: int,
+                              shape: tuple[int, int], start: int,
+                              planes: tuple[Plane, ...]) -> BlockAmax:
+        """``partial_block_amax`` of the validated slice ``buf[offset : offset + n]``. This
+        default cuts the slice out (XLA's fusions read it in place; a custom call's operand is a
+        buffer of its own, so a kernel gets a copy); a backend whose kernels can read the buffer
+        where the slice lies overrides it (``pallas``), with the same result."""
+        return self.partial_block_amax(lax.slice(buf, (offset,), (offset + n,)), shape, start,
+                                       planes)
+
+    def cast_slice_at(self, buf: jax.Array, offset: int, n: int, shape: tuple[int, int],
+                      start: int, row_b: jax.Array | None,
+                      col_b: jax.Array | None) -> SliceCast:
+        """``cast_slice`` of the validated slice ``buf[offset : offset + n]`` (as
+        ``partial_block_amax_at``)."""
+        return self.cast_slice(lax.slice(buf, (offset,), (offset + n,)), shape, start, row_b,
+                               col_b)
 
     @abc.abstractmethod
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,

@@ -36,14 +36,16 @@ from jax_side.mxfp8.backend_api import (
     cc_text,
     default_platform,
 )
-from jax_side.mxfp8.bands import band, band_values
+from jax_side.mxfp8.bands import Band, band, band_values
 from jax_side.mxfp8.gemm_impls import run_gemm
+from jax_side.mxfp8.pallas_tiles import FlatView
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
 __all__ = ["BACKEND", "PallasBackend", "cast_slice", "interpret_mode", "partial_block_amax",
            "quantize", "scales_from_amax"]
 
 _BS = BLOCK_SIZE
+_MAX_IN_PLACE = 2**31  # the in-place kernels' offsets are int32
 
 
 def interpret_mode() -> bool:
@@ -69,24 +71,39 @@ def scales_from_amax(amax: jax.Array) -> jax.Array:
 
 
 def partial_block_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
-                       colwise: bool) -> BlockAmax:
-    """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere)."""
-    return _partial_amax(flat, tuple(shape), int(start), bool(rowwise), bool(colwise),
-                         interpret_mode())
+                       colwise: bool, offset: int = 0, n: int | None = None) -> BlockAmax:
+    """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere): all of
+    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies (``_in_place``)."""
+    in_place = n is not None
+    n = int(flat.shape[0]) if n is None else int(n)
+    return _partial_amax(flat, int(offset), n, tuple(shape), int(start), bool(rowwise),
+                         bool(colwise), interpret_mode(), in_place)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _partial_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
-                  colwise: bool, interpret: bool) -> BlockAmax:
+def _in_place(b: Band, k: int, offset: int) -> FlatView:
+    """How the kernels read the band of a slice at ``offset`` of its buffer: band element (r, c)
+    at ``offset - pad_left + r*K + c``, only the slice's own positions (zeros around them, as
+    ``band_values`` pads)."""
+    return FlatView(offset - b.pad_left, k, b.pad_left, b.rows * k - b.pad_right,
+                    b.pad_left > 0 or b.pad_right > 0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
+def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], start: int,
+                  rowwise: bool, colwise: bool, interpret: bool, in_place: bool) -> BlockAmax:
     m, k = shape
-    n = int(flat.shape[0])
     row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
     col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
     if n == 0:
         return BlockAmax(row, col)
     b = band(m, k, start, n)
-    part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise, colwise=colwise,
-                                     interpret=interpret)  # zero padding never raises an amax
+    if in_place:
+        part = pallas_impl.block_amax_in_place(flat, _in_place(b, k, offset), (b.rows, k),
+                                               rowwise=rowwise, colwise=colwise,
+                                               interpret=interpret)
+    else:  # zero padding never raises an amax
+        part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise,
+                                         colwise=colwise, interpret=interpret)
     if rowwise:
         row = lax.dynamic_update_slice(row, part.rowwise, (b.row0, 0))
     if colwise:
@@ -95,26 +112,32 @@ def _partial_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: 
 
 
 def cast_slice(flat: jax.Array, shape: tuple[int, int], start: int, row_b: jax.Array | None,
-               col_b: jax.Array | None) -> SliceCast:
-    """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
-    return _cast_slice(flat, row_b, col_b, tuple(shape), int(start), interpret_mode())
+               col_b: jax.Array | None, offset: int = 0, n: int | None = None) -> SliceCast:
+    """e4m3 of a validated slice with given uint8 scale bytes (either may be None): all of
+    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies."""
+    in_place = n is not None
+    n = int(flat.shape[0]) if n is None else int(n)
+    return _cast_slice(flat, row_b, col_b, int(offset), n, tuple(shape), int(start),
+                       interpret_mode(), in_place)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None,
-                shape: tuple[int, int], start: int, interpret: bool) -> SliceCast:
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None, offset: int,
+                n: int, shape: tuple[int, int], start: int, interpret: bool,
+                in_place: bool) -> SliceCast:
     m, k = shape
-    n = int(flat.shape[0])
     if n == 0:
         empty = jnp.zeros((0,), jnp.float8_e4m3fn)
         return SliceCast(None if rs is None else empty, None if cs is None else empty)
     b = band(m, k, start, n)
-    out = pallas_impl.cast_2d(
-        band_values(flat, k, b),
-        None if rs is None else rs[b.row0:b.row1],
-        None if cs is None else cs[b.row0 // _BS:b.row1 // _BS],
-        interpret=interpret,
-    )
+    band_rs = None if rs is None else rs[b.row0:b.row1]
+    band_cs = None if cs is None else cs[b.row0 // _BS:b.row1 // _BS]
+    if in_place:
+        out = pallas_impl.cast_in_place(flat, _in_place(b, k, offset), (b.rows, k), band_rs,
+                                        band_cs, interpret=interpret)
+    else:
+        out = pallas_impl.cast_2d(band_values(flat, k, b), band_rs, band_cs,
+                                  interpret=interpret)
 
     def finish(y):  # (R, K) band plane -> the slice's n elements
         return None if y is None else y.reshape(-1)[b.pad_left:b.pad_left + n]
@@ -163,6 +186,23 @@ class PallasBackend(KernelBackend):
     def cast_slice(self, flat: jax.Array, shape: tuple[int, int], start: int,
                    row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         return cast_slice(flat, shape, start, row_b, col_b)
+
+    # In place: the kernels read the slice from its buffer (int32 offsets: buffers < 2**31)
+
+    def partial_block_amax_at(self, buf: jax.Array, offset: int, n: int,
+                              shape: tuple[int, int], start: int,
+                              planes: tuple[Plane, ...]) -> BlockAmax:
+        if buf.shape[0] >= _MAX_IN_PLACE:
+            return super().partial_block_amax_at(buf, offset, n, shape, start, planes)
+        return partial_block_amax(buf, shape, start, Plane.ROWWISE in planes,
+                                  Plane.COLWISE in planes, offset, n)
+
+    def cast_slice_at(self, buf: jax.Array, offset: int, n: int, shape: tuple[int, int],
+                      start: int, row_b: jax.Array | None,
+                      col_b: jax.Array | None) -> SliceCast:
+        if buf.shape[0] >= _MAX_IN_PLACE:
+            return super().cast_slice_at(buf, offset, n, shape, start, row_b, col_b)
+        return cast_slice(buf, shape, start, row_b, col_b, offset, n)
 
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
                gemm: GemmImpl | None) -> jax.Array:

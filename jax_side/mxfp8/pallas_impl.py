@@ -35,6 +35,7 @@ from jax_side.mxfp8.pallas_elements import (
 from jax_side.mxfp8.pallas_kernels import amax_kernel, cast_kernel, quantize_kernel, scale_kernel
 from jax_side.mxfp8.pallas_tiles import (
     DEFAULT_TILES,
+    FlatView,
     Grid,
     KernelKind,
     TileKey,
@@ -55,7 +56,9 @@ __all__ = [
     "TileKey",
     "Tiles",
     "block_amax_2d",
+    "block_amax_in_place",
     "cast_2d",
+    "cast_in_place",
     "element_path",
     "quantize_2d",
     "scales_from_amax",
@@ -147,20 +150,29 @@ def block_amax_2d(x: jax.Array, *, rowwise: bool, colwise: bool, interpret: bool
     if not (rowwise or colwise):
         raise ValueError("block_amax_2d: rowwise=False and colwise=False asks for nothing")
     return _block_amax_2d(x, bool(rowwise), bool(colwise), bool(interpret),
-                          Grid.make(KernelKind.AMAX, shape, tiles, x.dtype))
+                          Grid.make(KernelKind.AMAX, shape, tiles, x.dtype), shape, None)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def block_amax_in_place(buf: jax.Array, view: FlatView, shape: tuple[int, int], *,
+                        rowwise: bool, colwise: bool, interpret: bool = False) -> BlockAmax:
+    """``block_amax_2d`` of the (M, K) x that ``view`` reads from the 1-D bf16/fp32 ``buf``
+    where it lies (``pallas_tiles.FlatView``: no slice of ``buf`` copied out first)."""
+    m, k = (int(d) for d in shape)
+    return _block_amax_2d(buf, bool(rowwise), bool(colwise), bool(interpret),
+                          Grid.make(KernelKind.AMAX, (m, k), None, buf.dtype), (m, k), view)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
 def _block_amax_2d(x: jax.Array, rowwise: bool, colwise: bool, interpret: bool,
-                   g: Grid) -> BlockAmax:
-    m, k = x.shape
+                   g: Grid, shape: tuple[int, int], view: FlatView | None) -> BlockAmax:
+    m, k = shape
     outs: list[tuple[Any, Any]] = []
     if rowwise:
         outs.append((g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.float32)))
     if colwise:
         outs.append((g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.float32)))
-    kernel = g.kernel(amax_kernel, rowwise=rowwise, colwise=colwise)
-    res = list(g.call(kernel, (m, k), [g.full()], outs, interpret)(x))
+    kernel = g.kernel(amax_kernel, view, rowwise=rowwise, colwise=colwise)
+    res = list(g.call(kernel, (m, k), [g.x_spec(view)], outs, interpret)(x))
     return BlockAmax(res.pop(0) if rowwise else None, res.pop(0) if colwise else None)
 
 
@@ -182,15 +194,28 @@ def cast_2d(x: jax.Array, rowwise_scale: jax.Array | None = None,
         raise ValueError("cast_2d: pass rowwise_scale and/or colwise_scale")
     path = element_path(e4m3_cast, bool(interpret))
     g = Grid.make(KernelKind.CAST, (m, k), tiles, x.dtype, path)
-    return _cast_2d(x, rs, cs, bool(interpret), g, path)
+    return _cast_2d(x, rs, cs, bool(interpret), g, path, (m, k), None)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def cast_in_place(buf: jax.Array, view: FlatView, shape: tuple[int, int],
+                  rowwise_scale: jax.Array | None, colwise_scale: jax.Array | None, *,
+                  interpret: bool = False) -> SliceCast:
+    """``cast_2d`` of the (M, K) x that ``view`` reads from the 1-D bf16/fp32 ``buf`` where it
+    lies (``pallas_tiles.FlatView``), given uint8 scale bytes of the (M, K) planes."""
+    m, k = (int(d) for d in shape)
+    if rowwise_scale is None and colwise_scale is None:
+        raise ValueError("cast_in_place: pass rowwise_scale and/or colwise_scale")
+    path = element_path(None, bool(interpret))
+    g = Grid.make(KernelKind.CAST, (m, k), None, buf.dtype, path)
+    return _cast_2d(buf, rowwise_scale, colwise_scale, bool(interpret), g, path, (m, k), view)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
 def _cast_2d(x: jax.Array, rs: jax.Array | None, cs: jax.Array | None, interpret: bool, g: Grid,
-             path: ElementPath) -> SliceCast:
-    m, k = x.shape
+             path: ElementPath, shape: tuple[int, int], view: FlatView | None) -> SliceCast:
+    m, k = shape
     rowwise, colwise = rs is not None, cs is not None
-    in_specs, args, outs = [g.full()], [x], []
+    in_specs, args, outs = [g.x_spec(view)], [x], []
     if rowwise:
         in_specs.append(g.row_scale())
         args.append(rs)
@@ -198,7 +223,7 @@ def _cast_2d(x: jax.Array, rs: jax.Array | None, cs: jax.Array | None, interpret
         in_specs.append(g.col_scale())
         args.append(cs)
     outs = [(g.full(), jax.ShapeDtypeStruct((m, k), jnp.uint8))] * (int(rowwise) + int(colwise))
-    kernel = g.kernel(cast_kernel, rowwise=rowwise, colwise=colwise, mode=path)
+    kernel = g.kernel(cast_kernel, view, rowwise=rowwise, colwise=colwise, mode=path)
     res = list(g.call(kernel, (m, k), in_specs, outs, interpret)(*args))
     e4 = jnp.float8_e4m3fn
     return SliceCast(_as_f8(res.pop(0), e4) if rowwise else None,

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from common.formats import BLOCK_SIZE
 from jax_side.mxfp8.pallas_elements import ElementPath
 
-__all__ = ["DEFAULT_TILES", "Chunking", "Grid", "KernelKind", "TileKey", "Tiles",
+__all__ = ["DEFAULT_TILES", "Chunking", "FlatView", "Grid", "KernelKind", "TileKey", "Tiles",
            "triton_params"]
 
 _BS = BLOCK_SIZE
@@ -117,6 +117,47 @@ class Chunking(NamedTuple):
         return jnp.broadcast_to(e[:, :, None], (_BS, self.nb, _BS)).reshape(_BS, self.ck)
 
 
+class FlatView(NamedTuple):
+    """An (R, K) x read where it lies in a 1-D buffer (the kernel's first operand is the whole
+    buffer, no slice copied out for the custom call): element (r, c) is ``buf[base + r*K + c]``;
+    with ``masked``, only flat positions ``f = r*K + c`` in ``[lo, hi)`` are read, the others
+    are zero (a slice's band: ``jax_side.mxfp8.bands``)."""
+
+    base: int
+    k: int
+    lo: int
+    hi: int
+    masked: bool
+
+    def over(self, ref: Any, bm: int, bk: int) -> _FlatRef:
+        return _FlatRef(ref, self, bm, bk)
+
+
+class _FlatRef:
+    """What a kernel indexes as its (BM, BK) block of x: ``[rows, cols]`` (static ``pl.ds``)
+    loads those elements of this program's tile from the buffer (int32 offsets)."""
+
+    def __init__(self, ref: Any, view: FlatView, bm: int, bk: int) -> None:
+        self.ref, self.view, self.bm, self.bk = ref, view, bm, bk
+
+    def __getitem__(self, idx: tuple[Any, Any]) -> jax.Array:
+        rows, cols = idx
+        shape = (int(rows.size), int(cols.size))
+        r = pl.program_id(0) * self.bm + rows.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        c = pl.program_id(1) * self.bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        f = r * self.view.k + c
+        if not self.view.masked:
+            return self.ref[self.view.base + f]
+        ok = (f >= self.view.lo) & (f < self.view.hi)
+        x = self.ref[self.view.base + jnp.where(ok, f, self.view.lo)]  # a valid address
+        return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+
+def _read_in_place(x_ref: Any, *refs: Any, body: functools.partial[None], view: FlatView,
+                   bm: int, bk: int) -> None:
+    body(view.over(x_ref, bm, bk), *refs)
+
+
 def triton_params(num_warps: int) -> Any:
     # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
     # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
@@ -152,9 +193,19 @@ class Grid(NamedTuple):
         m, k = shape
         return cls(_fit(tiles.block_m, m), _fit(tiles.block_k, k), tiles)
 
-    def kernel(self, fn: Callable[..., None], **kw: Any) -> functools.partial[None]:
+    def kernel(self, fn: Callable[..., None], view: FlatView | None = None,
+               **kw: Any) -> functools.partial[None]:
+        """``fn`` with its chunking; with ``view``, x (its first ref) is read where it lies in
+        the buffer the call gets instead (:class:`FlatView`; pass ``x_spec(view)``)."""
         ch = Chunking(self.bm, self.bk, min(self.tiles.chunk_k, self.bk), self.tiles.preload)
-        return functools.partial(fn, ch=ch, **kw)
+        body = functools.partial(fn, ch=ch, **kw)
+        if view is None:
+            return body
+        return functools.partial(_read_in_place, body=body, view=view, bm=self.bm, bk=self.bk)
+
+    def x_spec(self, view: FlatView | None) -> Any:
+        """x's BlockSpec: (BM, BK) blocks, or the whole buffer for a ``FlatView``."""
+        return self.full() if view is None else pl.BlockSpec()
 
     def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
         return (shape[0] // self.bm, shape[1] // self.bk)
@@ -179,5 +230,5 @@ class Grid(NamedTuple):
             out_specs=[o[0] for o in outs],
             compiler_params=triton_params(self.tiles.num_warps),
             interpret=interpret,
-            name="mxfp8_" + kernel.func.__name__.strip("_"),
+            name="mxfp8_" + kernel.keywords.get("body", kernel).func.__name__.strip("_"),
         )

@@ -52,13 +52,21 @@ def _check_start(start: int, what: str) -> int:
 
 
 def _check_slice(
-    flat: jax.Array, shape: tuple[int, int], start: int, what: str
+    flat: jax.Array, shape: tuple[int, int], start: int, what: str, offset: int = 0,
+    numel: int | None = None,
 ) -> tuple[int, int, int, int]:
     m, k = check_mxfp8_shape(shape, what)
     start = _check_start(start, what)
     if flat.ndim != 1:
         raise ValueError(f"{what}: expected a 1-D flat slice, got shape {tuple(flat.shape)}")
-    n = int(flat.shape[0])
+    size = int(flat.shape[0])
+    offset = _check_start(offset, f"{what} offset")
+    n = size - offset if numel is None else _check_start(numel, f"{what} numel")
+    if offset < 0 or n < 0 or offset + n > size:
+        raise ValueError(
+            f"{what}: the slice flat[offset : offset + numel] = [{offset}, {offset + n}) lies "
+            f"outside flat's {size} elements; pass the slice's position in flat"
+        )
     if start < 0 or start + n > m * k:
         raise ValueError(
             f"{what}: slice [start, start + n) = [{start}, {start + n}) lies outside the "
@@ -80,6 +88,8 @@ def partial_block_amax(
     planes: Plane | str | Iterable[Plane | str] = ALL_PLANES,
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
+    offset: int = 0,
+    numel: int | None = None,
 ) -> BlockAmax:
     """Block amax of the part of a (M, K) tensor held in a flat slice.
 
@@ -89,12 +99,19 @@ def partial_block_amax(
     along M -- holding this slice's contribution and 0 elsewhere. Elementwise ``max`` over the
     results of any split into slices (e.g. an ``all_reduce(MAX)``) gives the whole tensor's
     block amax. NaN is ignored; Inf counts.
+
+    ``offset`` / ``numel`` (static): the slice is ``flat[offset : offset + numel]`` of a longer
+    buffer (numel None: to its end); the result is the same as for that slice cut out, and a
+    backend whose kernels read a buffer in place (``pallas``) reads it there: no copy of the
+    slice for the kernel (``KernelBackend.partial_block_amax_at``).
     """
-    m, k, _, start = _check_slice(flat, shape, start, "partial_block_amax")
+    m, k, n, start = _check_slice(flat, shape, start, "partial_block_amax", offset, numel)
     check_dtype(flat, "partial_block_amax")
     impl = _slice_impl("partial_block_amax", kernels, backend, flat)
     planes = parse_planes(planes, "partial_block_amax")
-    return impl.partial_block_amax(flat, (m, k), start, planes)
+    if offset == 0 and n == flat.shape[0]:
+        return impl.partial_block_amax(flat, (m, k), start, planes)
+    return impl.partial_block_amax_at(flat, int(offset), n, (m, k), start, planes)
 
 
 def scales_from_amax(
@@ -121,6 +138,8 @@ def cast_slice(
     scales: Mapping[Plane, jax.Array] | Mapping[str, jax.Array],
     backend: Backend | str | None = None,
     kernels: KernelConfig | ResolvedKernels | None = None,
+    offset: int = 0,
+    numel: int | None = None,
 ) -> SliceCast:
     """Cast a flat slice of a (M, K) tensor to e4m3 with precomputed full scales.
 
@@ -128,9 +147,11 @@ def cast_slice(
     of each plane to cast, ``{Plane.ROWWISE: (M, K/32), Plane.COLWISE: (M/32, K)}`` (one or both;
     uint8 bytes are accepted too).
     Returns 1-D float8_e4m3fn arrays of length n per requested plane: exactly the bytes that the
-    whole-tensor ``quantize`` has at those flat positions.
+    whole-tensor ``quantize`` has at those flat positions. ``offset`` / ``numel``: the slice is
+    ``flat[offset : offset + numel]``, read in place where the backend can
+    (``partial_block_amax``).
     """
-    m, k, _, start = _check_slice(flat, shape, start, "cast_slice")
+    m, k, n, start = _check_slice(flat, shape, start, "cast_slice", offset, numel)
     check_dtype(flat, "cast_slice")
     planes = parse_planes(list(scales), "cast_slice scales")
     given = {Plane.parse(p): s for p, s in scales.items()}
@@ -139,4 +160,7 @@ def cast_slice(
         for p in planes
     }
     impl = _slice_impl("cast_slice", kernels, backend, flat)
-    return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))
+    if offset == 0 and n == flat.shape[0]:
+        return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))
+    return impl.cast_slice_at(flat, int(offset), n, (m, k), start, b.get(Plane.ROWWISE),
+                              b.get(Plane.COLWISE))
