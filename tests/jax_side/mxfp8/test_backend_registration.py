@@ -129,6 +129,13 @@ def test_the_public_functions_run_it(fake):
     amax = mxfp8.partial_block_amax(x.reshape(-1)[:100], (64, 96), 0, backend="fake")
     mxfp8.scales_from_amax(amax.rowwise, backend="fake")
     assert fake.calls["partial_block_amax"] == fake.calls["scales_from_amax"] == 1
+    # a slice of a longer buffer: the default partial_block_amax_at cuts it out and calls the
+    # backend's own partial_block_amax (a backend may override it to read in place)
+    at = mxfp8.partial_block_amax(x.reshape(-1), (64, 96), 10, backend="fake", offset=10,
+                                  numel=90)
+    assert fake.calls["partial_block_amax"] == 2
+    np.testing.assert_array_equal(at.rowwise, mxfp8.partial_block_amax(
+        x.reshape(-1)[10:100], (64, 96), 10, backend="xla").rowwise)
 
 
 def test_a_training_step_runs_on_it(fake):
