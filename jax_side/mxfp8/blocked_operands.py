@@ -82,6 +82,7 @@ class KeptTiles:
 
 jax.tree_util.register_dataclass(KeptTiles, data_fields=["tiles"], meta_fields=["cols"])
 
+
 class PlaneInBuffers(Protocol):
     """One plane of an (N, K) weight inside flat buffers (what ``jax_side.linear.FlatPlane``
     is): codes at ``data[data_offset:]``, row-major, scale bytes from ``scale[scale_offset]``."""
