@@ -41,13 +41,14 @@ def check_dtype(x: jax.Array, what: str) -> None:
         )
 
 
-def _check_start(start: int, what: str) -> int:
+def _check_start(start: int, what: str, name: str = "start", noun: str = "flat offset",
+                 fix: str = "the slice's first row-major element index") -> int:
     try:
         return operator.index(start)
     except TypeError:
         raise TypeError(
-            f"{what}: start must be an integer flat offset, got {start!r} "
-            f"({type(start).__name__}); pass the slice's first row-major element index"
+            f"{what}: {name} must be an integer {noun}, got {start!r} "
+            f"({type(start).__name__}); pass {fix}"
         ) from None
 
 
@@ -60,8 +61,10 @@ def _check_slice(
     if flat.ndim != 1:
         raise ValueError(f"{what}: expected a 1-D flat slice, got shape {tuple(flat.shape)}")
     size = int(flat.shape[0])
-    offset = _check_start(offset, f"{what} offset")
-    n = size - offset if numel is None else _check_start(numel, f"{what} numel")
+    offset = _check_start(offset, what, "offset", "position in flat",
+                          "where the slice starts in flat")
+    n = size - offset if numel is None else _check_start(numel, what, "numel", "count",
+                                                         "the slice's element count")
     if offset < 0 or n < 0 or offset + n > size:
         raise ValueError(
             f"{what}: the slice flat[offset : offset + numel] = [{offset}, {offset + n}) lies "

@@ -114,7 +114,7 @@ def test_the_refresh_hands_its_buffers_over_in_place(monkeypatch):
 
 @pytest.mark.parametrize(("offset", "numel", "msg"), [
     (-1, 10, "outside flat's"), (0, 10**6, "outside flat's"), (5, -2, "outside flat's"),
-    (2.5, 10, "start must be an integer"),
+    (2.5, 10, "offset must be an integer"), (0, 1.5, "numel must be an integer"),
 ])
 def test_bad_positions_are_refused_by_name(offset, numel, msg):
     buf = _buffer(jnp.bfloat16)
