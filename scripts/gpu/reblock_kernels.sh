@@ -2,8 +2,8 @@
 # Issue 33's quantize and re-block kernels on the GPU machine, in parts (default: all three):
 #   bash scripts/gpu/reblock_kernels.sh [tests] [bench] [step]
 #   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
-#          pallas_reblock; the blocked-operand quantize with packed and unpacked transposes)
-#   bench: benchmarks/bench_blocked_operands.py: the transposed outputs packed and unpacked
+#          pallas_reblock; slices read in place; the blocked-operand quantize)
+#   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs
 #          (BENCH_ONLY, a regex of variants), and the weights' re-block, XLA against the kernel
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
@@ -20,7 +20,8 @@ for part in "${parts[@]}"; do
   case "$part" in
     tests)
       timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-        tests/jax_side/mxfp8/test_pallas_reblock.py tests/jax_side/mxfp8/test_blocked_operands.py \
+        tests/jax_side/mxfp8/test_pallas_reblock.py tests/jax_side/mxfp8/test_slices_in_place.py \
+        tests/jax_side/mxfp8/test_blocked_operands.py \
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;
