@@ -98,8 +98,9 @@ def _in_buffers(t: mxfp8.MXFP8Tensor) -> tuple[jax.Array, jax.Array]:
 
 
 def _weight_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
-    """name -> (function of the weight's flat buffers (``_in_buffers``), 0): the re-block of one
-    plane into tiles, the plane given as a ``FlatPlane`` as in a unit program."""
+    """name -> (function of the weight's flat buffers (``_in_buffers``), 0 output bytes beyond
+    the 2 per element counted: a code read and a code written): the re-block of one plane into
+    tiles, the plane given as a ``FlatPlane`` as in a unit program."""
     out: dict[str, tuple[Any, int]] = {}
     for role, plane in ((GemmRole.FORWARD, Plane.ROWWISE), (GemmRole.DGRAD, Plane.COLWISE)):
         tag = "fwd" if role is GemmRole.FORWARD else "dgrad"
@@ -140,23 +141,22 @@ def rows_for(shapes: list[tuple[int, int]], warps: list[int], iters: int,
         x = jax.random.normal(jax.random.key(0), (t, c), jnp.float32).astype(jnp.bfloat16)
         row: dict[str, Any] = {"shape": [t, c]}
         variants = (_weight_variants if weights else _variants)(warps, interpret)
+        arg: Any = x
         if weights:  # the functions take the planes in flat buffers; counted: codes in and out
-            bufs = _in_buffers(mxfp8.quantize(x * 0.02, backend="xla"))
+            arg = _in_buffers(mxfp8.quantize(x * 0.02, backend="xla"))
             variants = {name: (jax.jit(functools.partial(fn, sh=(t, c))), n)
                         for name, (fn, n) in variants.items()}
-            x = bufs  # type: ignore[assignment]
         for name, (fn, out_bytes) in variants.items():
             if only and not re.search(only, name):
                 continue
             try:
-                s = (timed(fn, x, iters=iters) if interpret
-                     else kernel_ms(lambda fn=fn, x=x: fn(x), iters) / 1e3)
+                s = (timed(fn, arg, iters=iters) if interpret
+                     else kernel_ms(lambda fn=fn, arg=arg: fn(arg), iters) / 1e3)
             except Exception as e:  # a configuration that does not compile is recorded
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             row[f"{name}_us"] = round(s * 1e6, 2)
-            row[f"{name}_gbs"] = round(t * c * ((2 + out_bytes) if out_bytes else 2) / s
-                                       / 1e9, 3)
+            row[f"{name}_gbs"] = round(t * c * (2 + out_bytes) / s / 1e9, 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows

@@ -43,7 +43,7 @@ from jax_side.mxfp8.gemm_impls import (
 )
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.pallas_blocked import BlockedPlanes, quantize_blocked_2d
-from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat
+from jax_side.mxfp8.pallas_reblock import reads_in_place, reblock_tiles_2d, reblock_tiles_flat
 from jax_side.mxfp8.quantize import quantize
 from jax_side.mxfp8.tensor import MXFP8Tensor
 
@@ -226,17 +226,14 @@ def weight_tiles(w: Weight, role: GemmRole, kernels: ResolvedKernels) -> reblock
         if w.plane is not spec.b_plane:
             raise ValueError(f"weight_tiles({role.value}): the weight's {w.plane.value} plane "
                              f"was given; {role.value} reads its {spec.b_plane.value} plane")
-        n, k = w.shape
-        if pallas and n % _G == 0 and k % _G == 0 and max(w.data.shape[0],
-                                                         w.scale.shape[0]) < 2**31:
-            return reblock_tiles_flat(w.data, w.scale, w.data_offset, w.scale_offset, (n, k),
+        if pallas and reads_in_place(w.shape, w.data, w.scale):
+            return reblock_tiles_flat(w.data, w.scale, w.data_offset, w.scale_offset, w.shape,
                                       colwise=spec.b_contract == 0, interpret=_interpret())
         w = w.tensor()
     if not pallas:
         return b_tiles(w, spec)[0]
     data, scale = w.plane(spec.b_plane)
-    return reblock_tiles_2d(data, _bytes(scale), colwise=spec.b_contract == 0,
-                            interpret=_interpret())
+    return reblock_tiles_2d(data, scale, colwise=spec.b_contract == 0, interpret=_interpret())
 
 
 def _interpret() -> bool:

@@ -38,14 +38,13 @@ from jax_side.mxfp8.backend_api import (
 )
 from jax_side.mxfp8.bands import Band, band, band_values
 from jax_side.mxfp8.gemm_impls import run_gemm
-from jax_side.mxfp8.pallas_tiles import FlatView
+from jax_side.mxfp8.pallas_tiles import MAX_FLAT_INDEX, FlatView
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, SliceCast
 
 __all__ = ["BACKEND", "PallasBackend", "cast_slice", "interpret_mode", "partial_block_amax",
            "quantize", "scales_from_amax"]
 
 _BS = BLOCK_SIZE
-_MAX_IN_PLACE = 2**31  # the in-place kernels' offsets are int32
 
 
 def interpret_mode() -> bool:
@@ -187,12 +186,12 @@ class PallasBackend(KernelBackend):
                    row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         return cast_slice(flat, shape, start, row_b, col_b)
 
-    # In place: the kernels read the slice from its buffer (int32 offsets: buffers < 2**31)
+    # In place: the kernels read the slice from its buffer (int32 offsets: MAX_FLAT_INDEX)
 
     def partial_block_amax_at(self, buf: jax.Array, offset: int, n: int,
                               shape: tuple[int, int], start: int,
                               planes: tuple[Plane, ...]) -> BlockAmax:
-        if buf.shape[0] >= _MAX_IN_PLACE:
+        if buf.shape[0] >= MAX_FLAT_INDEX:
             return super().partial_block_amax_at(buf, offset, n, shape, start, planes)
         return partial_block_amax(buf, shape, start, Plane.ROWWISE in planes,
                                   Plane.COLWISE in planes, offset, n)
@@ -200,7 +199,7 @@ class PallasBackend(KernelBackend):
     def cast_slice_at(self, buf: jax.Array, offset: int, n: int, shape: tuple[int, int],
                       start: int, row_b: jax.Array | None,
                       col_b: jax.Array | None) -> SliceCast:
-        if buf.shape[0] >= _MAX_IN_PLACE:
+        if buf.shape[0] >= MAX_FLAT_INDEX:
             return super().cast_slice_at(buf, offset, n, shape, start, row_b, col_b)
         return cast_slice(buf, shape, start, row_b, col_b, offset, n)
 

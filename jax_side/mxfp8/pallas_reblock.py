@@ -35,14 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from common.formats import round_up
-from jax_side.mxfp8.pallas_tiles import triton_params
+from jax_side.mxfp8.pallas_tiles import MAX_FLAT_INDEX, triton_params
 from jax_side.mxfp8.reblock import GROUP, Reblocked, shift_codes
 
-__all__ = ["NUM_WARPS", "reblock_tiles_2d", "reblock_tiles_flat"]
+__all__ = ["NUM_WARPS", "reads_in_place", "reblock_tiles_2d", "reblock_tiles_flat"]
 
 _BS = 32  # MXFP8 block
 _BANDS = GROUP // _BS  # bands of 32 rows per tile
-_MAX_INDEX = 2**31  # in-kernel offsets are int32
 # Triton warps per program (rowwise, colwise): the defaults, the fastest on the H200 at the 1.3B
 # GPT's weights (benchmarks/bench_blocked_operands.py --weights; BENCHMARKS.md session 12)
 NUM_WARPS = (8, 4)
@@ -100,6 +99,14 @@ def _warps(num_warps: int | None, colwise: bool) -> int:
     return NUM_WARPS[colwise] if num_warps is None else int(num_warps)
 
 
+def reads_in_place(shape: tuple[int, int], data: jax.Array, scale: jax.Array) -> bool:
+    """Whether :func:`reblock_tiles_flat` takes an (N, K) plane in these buffers: N and K
+    multiples of 128 (no padding in place) and buffers its int32 offsets reach."""
+    n, k = shape
+    return (n > 0 and k > 0 and n % GROUP == 0 and k % GROUP == 0
+            and max(data.shape[0], scale.shape[0]) < MAX_FLAT_INDEX)
+
+
 def reblock_tiles_flat(data: jax.Array, scale: jax.Array, data_offset: int, scale_offset: int,
                        shape: tuple[int, int], *, colwise: bool, interpret: bool = False,
                        num_warps: int | None = None) -> Reblocked:
@@ -121,7 +128,7 @@ def reblock_tiles_flat(data: jax.Array, scale: jax.Array, data_offset: int, scal
         raise ValueError(f"reblock_tiles_flat: the plane {(n, k)} at offsets {data_offset} / "
                          f"{scale_offset} runs past its buffers ({data.shape[0]} codes, "
                          f"{scale.shape[0]} scale bytes)")
-    if max(data.shape[0], scale.shape[0]) >= _MAX_INDEX:
+    if max(data.shape[0], scale.shape[0]) >= MAX_FLAT_INDEX:
         raise ValueError(f"reblock_tiles_flat: buffers of 2**31 elements or more "
                          f"({data.shape[0]}, {scale.shape[0]}) are beyond its int32 offsets; "
                          f"use reblock_tiles_2d on the sliced plane")
@@ -132,26 +139,28 @@ def reblock_tiles_flat(data: jax.Array, scale: jax.Array, data_offset: int, scal
 def reblock_tiles_2d(data: jax.Array, scale: jax.Array, *, colwise: bool,
                      interpret: bool = False, num_warps: int | None = None) -> Reblocked:
     """The tiles of one MXFP8 plane given as arrays (module docstring): ``data`` (N, K)
-    float8_e4m3fn or uint8 codes, ``scale`` uint8 E8M0 bytes (N, K/32) rowwise or (N/32, K)
-    colwise; N and K multiples of 32 (an MXFP8 plane's). Returns padded tiles, (N128, K128)
-    rowwise, (K128, N128) colwise (the transpose), as ``reblock.pad_to`` then ``reblock_tiles``
-    make them. ``num_warps`` (None: ``NUM_WARPS``' for the plane) changes the speed only."""
+    float8_e4m3fn or uint8 codes, ``scale`` E8M0 bytes (uint8 or float8_e8m0fnu) (N, K/32)
+    rowwise or (N/32, K) colwise; N and K multiples of 32 (an MXFP8 plane's). Returns padded
+    tiles, (N128, K128) rowwise, (K128, N128) colwise (the transpose), as ``reblock.pad_to``
+    then ``reblock_tiles`` make them. ``num_warps`` (None: ``NUM_WARPS``' for the plane)
+    changes the speed only."""
     _check_codes(data, "reblock_tiles_2d")
     if data.ndim != 2:
         raise TypeError(f"reblock_tiles_2d: data must be 2-D (N, K), got {tuple(data.shape)}")
     n, k = data.shape
     want = (n // _BS, k) if colwise else (n, k // _BS)
-    if n % _BS or k % _BS or scale.dtype != jnp.uint8 or tuple(scale.shape) != want:
+    if (n % _BS or k % _BS or scale.dtype not in (jnp.uint8, jnp.float8_e8m0fnu)
+            or tuple(scale.shape) != want):
         plane = "colwise (32x1 blocks)" if colwise else "rowwise (1x32 blocks)"
         raise ValueError(f"reblock_tiles_2d: a {plane} plane of data {tuple(data.shape)} needs "
-                         f"N and K multiples of {_BS} and uint8 E8M0 scale bytes of shape "
-                         f"{want}, got {scale.dtype}{tuple(scale.shape)}")
+                         f"N and K multiples of {_BS} and E8M0 scale bytes (uint8 or e8m0) "
+                         f"of shape {want}, got {scale.dtype}{tuple(scale.shape)}")
     n2, k2 = round_up(n, GROUP), round_up(k, GROUP)
     codes = jnp.pad(_u8(data), ((0, n2 - n), (0, k2 - k)))
     if colwise:
-        scale = jnp.pad(scale, ((0, (n2 - n) // _BS), (0, k2 - k)))
+        scale = jnp.pad(_u8(scale), ((0, (n2 - n) // _BS), (0, k2 - k)))
     else:
-        scale = jnp.pad(scale, ((0, n2 - n), (0, (k2 - k) // _BS)))
+        scale = jnp.pad(_u8(scale), ((0, n2 - n), (0, (k2 - k) // _BS)))
     return reblock_tiles_flat(codes.reshape(-1), scale.reshape(-1), 0, 0, (n2, k2),
                               colwise=colwise, interpret=interpret, num_warps=num_warps)
 

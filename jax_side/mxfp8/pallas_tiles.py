@@ -24,10 +24,11 @@ from jax.experimental import pallas as pl
 from common.formats import BLOCK_SIZE
 from jax_side.mxfp8.pallas_elements import ElementPath
 
-__all__ = ["DEFAULT_TILES", "Chunking", "FlatView", "Grid", "KernelKind", "TileKey", "Tiles",
-           "triton_params"]
+__all__ = ["DEFAULT_TILES", "MAX_FLAT_INDEX", "Chunking", "FlatView", "Grid", "KernelKind",
+           "TileKey", "Tiles", "triton_params"]
 
 _BS = BLOCK_SIZE
+MAX_FLAT_INDEX = 2**31  # kernels that read a buffer in place index it with int32 offsets
 
 
 class KernelKind(enum.Enum):

@@ -1,5 +1,5 @@
-# Sourced (not run) by the GPU scripts that train the small GPT on one GPU
-# (scripts/gpu/reliability.sh, scripts/gpu/shared_pool.sh):
+# Sourced (not run) by GPU scripts: gpu_setup by reliability.sh, shared_pool.sh and
+# reblock_kernels.sh, small_train by the first two (they train the small GPT on one GPU):
 #   gpu_setup NAME   logs under $OUT (default ./out/NAME), the environment of a run sharing the
 #                    GPU between Torch and JAX, a JAX compilation cache of its own, the repo root
 #                    as the working directory

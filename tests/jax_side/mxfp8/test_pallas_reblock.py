@@ -24,6 +24,7 @@ from jax_side.mxfp8 import blocked_operands as blocked
 from jax_side.mxfp8 import reblock
 from jax_side.mxfp8.kernels import resolve_kernels
 from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat
+from tests.jax_side.mxfp8.pallas_calls import pallas_operand_shapes
 
 
 def _plane(n, k, colwise, seed):
@@ -86,22 +87,9 @@ def test_a_plane_in_flat_buffers_is_read_where_it_lies(colwise):
     d, s = _buffers(data, scale, 1001, 37)
     got = reblock_tiles_flat(d, s, 1001, 37, (256, 384), colwise=colwise, interpret=True)
     _check(got, _want(data, scale, colwise), f"colwise={colwise}")
-    jaxpr = jax.make_jaxpr(lambda d, s: reblock_tiles_flat(
-        d, s, 1001, 37, (256, 384), colwise=colwise, interpret=True))(d, s)
-    calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
-    assert len(calls) == 1
-    assert [v.aval.shape for v in calls[0].invars] == [d.shape, s.shape]
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (pjit's)."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
-                if hasattr(inner, "eqns") and e.primitive.name != "pallas_call":
-                    yield from _eqns(inner)
+    calls = pallas_operand_shapes(lambda d, s: reblock_tiles_flat(
+        d, s, 1001, 37, (256, 384), colwise=colwise, interpret=True), d, s)
+    assert calls == [[d.shape, s.shape]]
 
 
 def test_it_takes_uint8_codes_and_refuses_what_is_not_a_plane():
@@ -113,7 +101,7 @@ def test_it_takes_uint8_codes_and_refuses_what_is_not_a_plane():
         reblock_tiles_flat(d, s, 64, 8 + 100, (128, 256), colwise=False)
     with pytest.raises(ValueError, match="multiples of 128"):
         reblock_tiles_flat(d, s, 64, 8, (96, 256), colwise=False)
-    with pytest.raises(ValueError, match=r"scale bytes of shape \(4, 256\)"):
+    with pytest.raises(ValueError, match=r"scale bytes \(uint8 or e8m0\) of shape \(4, 256\)"):
         reblock_tiles_2d(data, scale, colwise=True, interpret=True)
     with pytest.raises(ValueError, match="multiples of 32"):
         reblock_tiles_2d(data[:100], scale[:100], colwise=False, interpret=True)

@@ -11,12 +11,12 @@ positions are refused by name. Interpreted here; the compiled kernels run in the
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_side import mxfp8
+from tests.jax_side.mxfp8.pallas_calls import pallas_operand_shapes
 
 M, K, AT = 96, 160, 37  # the tensor, and where it starts in the buffer
 SLICES = [(0, M * K), (5, 1000), (K * 33 + 7, 3000), (M * K - 50, 50), (K * 32, K * 32), (9, 0)]
@@ -57,25 +57,6 @@ def test_a_slice_read_in_place_gives_the_bytes_of_the_slice_cut_out(start, n, dt
           f"cast {backend}")
 
 
-def _pallas_operands(fn, *args):
-    """The input shapes of every pallas_call in ``fn``'s jaxpr (sub-jaxprs included)."""
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                found.append([tuple(v.aval.shape) for v in e.invars])
-                continue
-            for v in e.params.values():
-                for sub in v if isinstance(v, (tuple, list)) else (v,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
-
-
 def test_the_pallas_kernels_take_the_whole_buffer():
     """No slice of the buffer is cut out for the kernels (a custom call's operand would be a
     copy): both kernels' first operand is the buffer; cut out, it is the slice."""
@@ -89,9 +70,9 @@ def test_the_pallas_kernels_take_the_whole_buffer():
                              numel=n)
         return a, c
 
-    in_place = _pallas_operands(lambda b: both(b, AT + 5, 1000), buf)
+    in_place = pallas_operand_shapes(lambda b: both(b, AT + 5, 1000), buf)
     assert [ops[0] for ops in in_place] == [buf.shape, buf.shape]
-    cut = _pallas_operands(lambda b: both(b[AT + 5:AT + 1005], 0, None), buf)
+    cut = pallas_operand_shapes(lambda b: both(b[AT + 5:AT + 1005], 0, None), buf)
     assert [ops[0] for ops in cut] == [(32, K), (32, K)]  # the slice's band, padded
 
 
