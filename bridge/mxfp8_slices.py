@@ -81,16 +81,6 @@ class SliceBytes(NamedTuple):
     colwise_scale: torch.Tensor  # (M/32, K) E8M0 bytes
 
 
-def _piece(buf: jax.Array, p: Piece, source: DTypeLike) -> tuple[jax.Array, int, int | None]:
-    """(array, the slice's offset and numel in it) for ``partial_block_amax`` / ``cast_slice``:
-    the buffer itself where it holds the source dtype (the kernels read the piece where it lies:
-    no copy of it for a custom call, ``jax_side.mxfp8.slices``), else the piece cut out and
-    cast (XLA fuses the cut into the cast)."""
-    if buf.dtype == jnp.dtype(source):
-        return buf, p.offset, p.numel
-    return lax.slice(buf, (p.offset,), (p.offset + p.numel,)).astype(source), 0, None
-
-
 @functools.partial(jax.jit, static_argnames=("pieces", "backend", "source"))
 def _packed_partial_amax(buf, pieces, backend, source):
     parts = []
@@ -99,8 +89,8 @@ def _packed_partial_amax(buf, pieces, backend, source):
         if p.numel == 0:
             parts.append(jnp.zeros((2 * m * k // BLOCK_SIZE,), jnp.float32))
             continue
-        flat, at, n = _piece(buf, p, source)
-        amax = partial_block_amax(flat, (m, k), p.start, backend=backend, offset=at, numel=n)
+        amax = partial_block_amax(buf, (m, k), p.start, backend=backend, offset=p.offset,
+                                  numel=p.numel, read_as=source)
         parts += [amax.rowwise.reshape(-1), amax.colwise.reshape(-1)]
     return jnp.concatenate(parts)
 
@@ -118,9 +108,8 @@ def _scales_and_cast(buf, packed_amax, pieces, backend, source):
             row_s = scale_bytes[offset:offset + n_scale].reshape(m, k // BLOCK_SIZE)
             col_s = scale_bytes[offset + n_scale:offset + 2 * n_scale].reshape(m // BLOCK_SIZE, k)
             scales = {Plane.ROWWISE: row_s, Plane.COLWISE: col_s}
-            flat, at, n = _piece(buf, p, source)
-            cast = cast_slice(flat, (m, k), p.start, scales=scales, backend=backend, offset=at,
-                              numel=n)
+            cast = cast_slice(buf, (m, k), p.start, scales=scales, backend=backend,
+                              offset=p.offset, numel=p.numel, read_as=source)
             data += [lax.bitcast_convert_type(cast.rowwise, jnp.uint8),
                      lax.bitcast_convert_type(cast.colwise, jnp.uint8)]
         offset += 2 * n_scale
@@ -158,9 +147,8 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
         if p.numel:
             planes = {Plane.ROWWISE: rs.reshape(m, k // BLOCK_SIZE),
                       Plane.COLWISE: cs.reshape(m // BLOCK_SIZE, k)}
-            flat, at, n = _piece(buf, p, source)
-            cast = cast_slice(flat, (m, k), p.start, scales=planes, backend=backend, offset=at,
-                              numel=n)
+            cast = cast_slice(buf, (m, k), p.start, scales=planes, backend=backend,
+                              offset=p.offset, numel=p.numel, read_as=source)
             out = lax.dynamic_update_slice(
                 out, lax.bitcast_convert_type(cast.rowwise, jnp.uint8).reshape(-1),
                 (base + p.offset,))

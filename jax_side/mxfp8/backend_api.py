@@ -157,6 +157,12 @@ def default_platform() -> Platform:
     return Platform.GPU if name == "gpu" else Platform.CPU
 
 
+def _cut(buf: jax.Array, offset: int, n: int, read_as: jnp.dtype | None) -> jax.Array:
+    """``buf[offset : offset + n]``, converted to ``read_as`` (None: as it is)."""
+    piece = lax.slice(buf, (offset,), (offset + n,))
+    return piece if read_as is None else piece.astype(read_as)
+
+
 class KernelBackend(abc.ABC):
     """One MXFP8 kernel backend: its name, capabilities, availability and operations.
 
@@ -217,22 +223,22 @@ class KernelBackend(abc.ABC):
         """e4m3 of a validated slice with given uint8 scale bytes (either may be None)."""
 
     def partial_block_amax_at(self, buf: jax.Array, offset: int, n: int,
-                              shape: tuple[int, int], start: int,
-                              planes: tuple[Plane, ...]) -> BlockAmax:
-        """``partial_block_amax`` of the validated slice ``buf[offset : offset + n]``. This
-        default cuts the slice out (XLA's fusions read it in place; a custom call's operand is a
-        buffer of its own, so a kernel gets a copy); a backend whose kernels can read the buffer
-        where the slice lies overrides it (``pallas``), with the same result."""
-        return self.partial_block_amax(lax.slice(buf, (offset,), (offset + n,)), shape, start,
-                                       planes)
+                              shape: tuple[int, int], start: int, planes: tuple[Plane, ...],
+                              *, read_as: jnp.dtype | None = None) -> BlockAmax:
+        """``partial_block_amax`` of the validated slice ``buf[offset : offset + n]``, its values
+        converted to ``read_as`` first (bf16 or fp32; None: ``buf``'s own dtype). This default
+        cuts the slice out and converts it (XLA fuses both and its fusions read the buffer in
+        place; a custom call's operand is a buffer of its own, so a kernel gets a copy); a
+        backend whose kernels can read the buffer where the slice lies overrides it
+        (``pallas``), with the same result."""
+        return self.partial_block_amax(_cut(buf, offset, n, read_as), shape, start, planes)
 
     def cast_slice_at(self, buf: jax.Array, offset: int, n: int, shape: tuple[int, int],
-                      start: int, row_b: jax.Array | None,
-                      col_b: jax.Array | None) -> SliceCast:
+                      start: int, row_b: jax.Array | None, col_b: jax.Array | None,
+                      *, read_as: jnp.dtype | None = None) -> SliceCast:
         """``cast_slice`` of the validated slice ``buf[offset : offset + n]`` (as
         ``partial_block_amax_at``)."""
-        return self.cast_slice(lax.slice(buf, (offset,), (offset + n,)), shape, start, row_b,
-                               col_b)
+        return self.cast_slice(_cut(buf, offset, n, read_as), shape, start, row_b, col_b)
 
     @abc.abstractmethod
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 from common.formats import BLOCK_SIZE, Plane, PlaneData
 from common.gemm_roles import GemmRole
@@ -70,26 +71,40 @@ def scales_from_amax(amax: jax.Array) -> jax.Array:
 
 
 def partial_block_amax(flat: jax.Array, shape: tuple[int, int], start: int, rowwise: bool,
-                       colwise: bool, offset: int = 0, n: int | None = None) -> BlockAmax:
+                       colwise: bool, offset: int = 0, n: int | None = None,
+                       read_as: DTypeLike | None = None) -> BlockAmax:
     """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere): all of
-    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies (``_in_place``)."""
+    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies (``_in_place``),
+    its values converted to ``read_as`` (a dtype name) as they are loaded."""
     in_place = n is not None
     n = int(flat.shape[0]) if n is None else int(n)
     return _partial_amax(flat, int(offset), n, tuple(shape), int(start), bool(rowwise),
-                         bool(colwise), interpret_mode(), in_place)
+                         bool(colwise), interpret_mode(), in_place, _name(flat, read_as))
 
 
-def _in_place(b: Band, k: int, offset: int) -> FlatView:
+def _name(flat: jax.Array, read_as: DTypeLike | None) -> str | None:
+    """The dtype the kernels convert loaded values to: None where ``flat`` holds it already."""
+    return None if read_as is None or jnp.dtype(read_as) == flat.dtype else jnp.dtype(
+        read_as).name
+
+
+def _in_place(b: Band, k: int, offset: int, read_as: str | None) -> FlatView:
     """How the kernels read the band of a slice at ``offset`` of its buffer: band element (r, c)
     at ``offset - pad_left + r*K + c``, only the slice's own positions (zeros around them, as
-    ``band_values`` pads)."""
+    ``band_values`` pads), converted to ``read_as`` as loaded."""
     return FlatView(offset - b.pad_left, k, b.pad_left, b.rows * k - b.pad_right,
-                    b.pad_left > 0 or b.pad_right > 0)
+                    b.pad_left > 0 or b.pad_right > 0, read_as)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
+def _band(flat: jax.Array, k: int, b: Band, read_as: str | None) -> jax.Array:
+    """The slice's band as an array (zero-padded), converted to ``read_as``."""
+    return band_values(flat if read_as is None else flat.astype(read_as), k, b)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], start: int,
-                  rowwise: bool, colwise: bool, interpret: bool, in_place: bool) -> BlockAmax:
+                  rowwise: bool, colwise: bool, interpret: bool, in_place: bool,
+                  read_as: str | None) -> BlockAmax:
     m, k = shape
     row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
     col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
@@ -97,11 +112,11 @@ def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], 
         return BlockAmax(row, col)
     b = band(m, k, start, n)
     if in_place:
-        part = pallas_impl.block_amax_in_place(flat, _in_place(b, k, offset), (b.rows, k),
-                                               rowwise=rowwise, colwise=colwise,
+        part = pallas_impl.block_amax_in_place(flat, _in_place(b, k, offset, read_as),
+                                               (b.rows, k), rowwise=rowwise, colwise=colwise,
                                                interpret=interpret)
     else:  # zero padding never raises an amax
-        part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise,
+        part = pallas_impl.block_amax_2d(_band(flat, k, b, read_as), rowwise=rowwise,
                                          colwise=colwise, interpret=interpret)
     if rowwise:
         row = lax.dynamic_update_slice(row, part.rowwise, (b.row0, 0))
@@ -111,19 +126,21 @@ def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], 
 
 
 def cast_slice(flat: jax.Array, shape: tuple[int, int], start: int, row_b: jax.Array | None,
-               col_b: jax.Array | None, offset: int = 0, n: int | None = None) -> SliceCast:
+               col_b: jax.Array | None, offset: int = 0, n: int | None = None,
+               read_as: DTypeLike | None = None) -> SliceCast:
     """e4m3 of a validated slice with given uint8 scale bytes (either may be None): all of
-    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies."""
+    ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies, converted to
+    ``read_as`` as loaded (``partial_block_amax``)."""
     in_place = n is not None
     n = int(flat.shape[0]) if n is None else int(n)
     return _cast_slice(flat, row_b, col_b, int(offset), n, tuple(shape), int(start),
-                       interpret_mode(), in_place)
+                       interpret_mode(), in_place, _name(flat, read_as))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
 def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None, offset: int,
                 n: int, shape: tuple[int, int], start: int, interpret: bool,
-                in_place: bool) -> SliceCast:
+                in_place: bool, read_as: str | None) -> SliceCast:
     m, k = shape
     if n == 0:
         empty = jnp.zeros((0,), jnp.float8_e4m3fn)
@@ -132,10 +149,10 @@ def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None, off
     band_rs = None if rs is None else rs[b.row0:b.row1]
     band_cs = None if cs is None else cs[b.row0 // _BS:b.row1 // _BS]
     if in_place:
-        out = pallas_impl.cast_in_place(flat, _in_place(b, k, offset), (b.rows, k), band_rs,
-                                        band_cs, interpret=interpret)
+        out = pallas_impl.cast_in_place(flat, _in_place(b, k, offset, read_as), (b.rows, k),
+                                        band_rs, band_cs, interpret=interpret)
     else:
-        out = pallas_impl.cast_2d(band_values(flat, k, b), band_rs, band_cs,
+        out = pallas_impl.cast_2d(_band(flat, k, b, read_as), band_rs, band_cs,
                                   interpret=interpret)
 
     def finish(y):  # (R, K) band plane -> the slice's n elements
@@ -186,22 +203,25 @@ class PallasBackend(KernelBackend):
                    row_b: jax.Array | None, col_b: jax.Array | None) -> SliceCast:
         return cast_slice(flat, shape, start, row_b, col_b)
 
-    # In place: the kernels read the slice from its buffer (int32 offsets: MAX_FLAT_INDEX)
+    # In place: the kernels read the slice from its buffer (int32 offsets: MAX_FLAT_INDEX),
+    # converting each value to read_as as it is loaded
 
     def partial_block_amax_at(self, buf: jax.Array, offset: int, n: int,
-                              shape: tuple[int, int], start: int,
-                              planes: tuple[Plane, ...]) -> BlockAmax:
+                              shape: tuple[int, int], start: int, planes: tuple[Plane, ...],
+                              *, read_as: jnp.dtype | None = None) -> BlockAmax:
         if buf.shape[0] >= MAX_FLAT_INDEX:
-            return super().partial_block_amax_at(buf, offset, n, shape, start, planes)
+            return super().partial_block_amax_at(buf, offset, n, shape, start, planes,
+                                                 read_as=read_as)
         return partial_block_amax(buf, shape, start, Plane.ROWWISE in planes,
-                                  Plane.COLWISE in planes, offset, n)
+                                  Plane.COLWISE in planes, offset, n, read_as)
 
     def cast_slice_at(self, buf: jax.Array, offset: int, n: int, shape: tuple[int, int],
-                      start: int, row_b: jax.Array | None,
-                      col_b: jax.Array | None) -> SliceCast:
+                      start: int, row_b: jax.Array | None, col_b: jax.Array | None,
+                      *, read_as: jnp.dtype | None = None) -> SliceCast:
         if buf.shape[0] >= MAX_FLAT_INDEX:
-            return super().cast_slice_at(buf, offset, n, shape, start, row_b, col_b)
-        return cast_slice(buf, shape, start, row_b, col_b, offset, n)
+            return super().cast_slice_at(buf, offset, n, shape, start, row_b, col_b,
+                                         read_as=read_as)
+        return cast_slice(buf, shape, start, row_b, col_b, offset, n, read_as)
 
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
                gemm: GemmImpl | None) -> jax.Array:

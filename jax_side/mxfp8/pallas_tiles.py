@@ -122,13 +122,17 @@ class FlatView(NamedTuple):
     """An (R, K) x read where it lies in a 1-D buffer (the kernel's first operand is the whole
     buffer, no slice copied out for the custom call): element (r, c) is ``buf[base + r*K + c]``;
     with ``masked``, only flat positions ``f = r*K + c`` in ``[lo, hi)`` are read, the others
-    are zero (a slice's band: ``jax_side.mxfp8.bands``)."""
+    are zero (a slice's band: ``jax_side.mxfp8.bands``); with ``read_as`` (a dtype name), the
+    loaded values are converted to it first (``astype``: fp32 master weights read as the
+    recipe's bf16, rounded to nearest even by the same conversion XLA runs), so the kernel sees
+    the values of ``buf[...].astype(read_as)``."""
 
     base: int
     k: int
     lo: int
     hi: int
     masked: bool
+    read_as: str | None = None
 
     def over(self, ref: Any, bm: int, bk: int) -> _FlatRef:
         return _FlatRef(ref, self, bm, bk)
@@ -148,10 +152,13 @@ class _FlatRef:
         c = pl.program_id(1) * self.bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
         f = r * self.view.k + c
         if not self.view.masked:
-            return self.ref[self.view.base + f]
+            return self._read(self.ref[self.view.base + f])
         ok = (f >= self.view.lo) & (f < self.view.hi)
-        x = self.ref[self.view.base + jnp.where(ok, f, self.view.lo)]  # a valid address
+        x = self._read(self.ref[self.view.base + jnp.where(ok, f, self.view.lo)])  # valid address
         return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+    def _read(self, x: jax.Array) -> jax.Array:
+        return x if self.view.read_as is None else x.astype(self.view.read_as)
 
 
 def _read_in_place(x_ref: Any, *refs: Any, body: functools.partial[None], view: FlatView,

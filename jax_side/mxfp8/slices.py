@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from common.formats import ALL_PLANES, Plane, check_mxfp8_shape, parse_planes, scale_shape
 from common.kernels import Backend, KernelConfig
@@ -78,6 +79,23 @@ def _check_slice(
     return m, k, n, start
 
 
+def _check_read_as(read_as: DTypeLike | None, flat: jax.Array, what: str) -> jnp.dtype | None:
+    """The dtype the slice is read as, None where it is flat's own (or read_as is None)."""
+    if read_as is None:
+        return None
+    try:
+        dtype = jnp.dtype(read_as)
+    except TypeError:
+        dtype = None
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"{what}: read_as must be bfloat16 or float32 (the dtype MXFP8 quantizes; the recipe "
+            f"reads fp32 master weights as bf16), got {read_as!r}; pass jnp.bfloat16, "
+            f"jnp.float32 or None (flat's own dtype)"
+        )
+    return None if dtype == flat.dtype else dtype
+
+
 def _slice_impl(what: str, kernels: KernelConfig | ResolvedKernels | None,
                 backend: Backend | str | None, *operands: Any) -> KernelBackend:
     return backend_impl(resolve_call(what, kernels, backend, operands=operands).slices)
@@ -93,6 +111,7 @@ def partial_block_amax(
     kernels: KernelConfig | ResolvedKernels | None = None,
     offset: int = 0,
     numel: int | None = None,
+    read_as: DTypeLike | None = None,
 ) -> BlockAmax:
     """Block amax of the part of a (M, K) tensor held in a flat slice.
 
@@ -107,14 +126,21 @@ def partial_block_amax(
     buffer (numel None: to its end); the result is the same as for that slice cut out, and a
     backend whose kernels read a buffer in place (``pallas``) reads it there: no copy of the
     slice for the kernel (``KernelBackend.partial_block_amax_at``).
+
+    ``read_as`` (bf16 or fp32, static): the slice's values are ``flat[...].astype(read_as)``
+    (fp32 master weights read as the recipe's bf16, rounded to nearest even by JAX's
+    conversion); the result is that of the converted slice, and a backend that reads in place
+    converts each value as it loads it: no converted copy of the slice.
     """
     m, k, n, start = _check_slice(flat, shape, start, "partial_block_amax", offset, numel)
     check_dtype(flat, "partial_block_amax")
+    read = _check_read_as(read_as, flat, "partial_block_amax")
     impl = _slice_impl("partial_block_amax", kernels, backend, flat)
     planes = parse_planes(planes, "partial_block_amax")
-    if offset == 0 and n == flat.shape[0]:
+    if offset == 0 and n == flat.shape[0] and read is None:
         return impl.partial_block_amax(flat, (m, k), start, planes)
-    return impl.partial_block_amax_at(flat, int(offset), n, (m, k), start, planes)
+    return impl.partial_block_amax_at(flat, int(offset), n, (m, k), start, planes,
+                                      read_as=read)
 
 
 def scales_from_amax(
@@ -143,6 +169,7 @@ def cast_slice(
     kernels: KernelConfig | ResolvedKernels | None = None,
     offset: int = 0,
     numel: int | None = None,
+    read_as: DTypeLike | None = None,
 ) -> SliceCast:
     """Cast a flat slice of a (M, K) tensor to e4m3 with precomputed full scales.
 
@@ -151,11 +178,12 @@ def cast_slice(
     uint8 bytes are accepted too).
     Returns 1-D float8_e4m3fn arrays of length n per requested plane: exactly the bytes that the
     whole-tensor ``quantize`` has at those flat positions. ``offset`` / ``numel``: the slice is
-    ``flat[offset : offset + numel]``, read in place where the backend can
-    (``partial_block_amax``).
+    ``flat[offset : offset + numel]``, read in place where the backend can, and ``read_as``
+    the dtype its values are converted to first (both as in ``partial_block_amax``).
     """
     m, k, n, start = _check_slice(flat, shape, start, "cast_slice", offset, numel)
     check_dtype(flat, "cast_slice")
+    read = _check_read_as(read_as, flat, "cast_slice")
     planes = parse_planes(list(scales), "cast_slice scales")
     given = {Plane.parse(p): s for p, s in scales.items()}
     b = {
@@ -163,7 +191,7 @@ def cast_slice(
         for p in planes
     }
     impl = _slice_impl("cast_slice", kernels, backend, flat)
-    if offset == 0 and n == flat.shape[0]:
+    if offset == 0 and n == flat.shape[0] and read is None:
         return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))
     return impl.cast_slice_at(flat, int(offset), n, (m, k), start, b.get(Plane.ROWWISE),
-                              b.get(Plane.COLWISE))
+                              b.get(Plane.COLWISE), read_as=read)

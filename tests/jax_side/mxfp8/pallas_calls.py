@@ -8,15 +8,15 @@ from typing import Any
 import jax
 
 
-def pallas_operand_shapes(fn: Callable[..., Any], *args: Any) -> list[list[tuple[int, ...]]]:
-    """The operand shapes of every ``pallas_call`` in ``fn(*args)``'s jaxpr, in order: a kernel
-    that reads a buffer in place takes the whole buffer, one given a slice takes the slice."""
-    found: list[list[tuple[int, ...]]] = []
+def pallas_operands(fn: Callable[..., Any], *args: Any) -> list[list[Any]]:
+    """The operand avals (shape and dtype) of every ``pallas_call`` in ``fn(*args)``'s jaxpr, in
+    order."""
+    found: list[list[Any]] = []
 
     def walk(jaxpr: Any) -> None:
         for e in jaxpr.eqns:
             if e.primitive.name == "pallas_call":
-                found.append([tuple(v.aval.shape) for v in e.invars])
+                found.append([v.aval for v in e.invars])
                 continue
             for v in e.params.values():
                 for sub in v if isinstance(v, (tuple, list)) else (v,):
@@ -26,3 +26,9 @@ def pallas_operand_shapes(fn: Callable[..., Any], *args: Any) -> list[list[tuple
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
+
+
+def pallas_operand_shapes(fn: Callable[..., Any], *args: Any) -> list[list[tuple[int, ...]]]:
+    """The operand shapes of every ``pallas_call`` in ``fn(*args)``'s jaxpr, in order: a kernel
+    that reads a buffer in place takes the whole buffer, one given a slice takes the slice."""
+    return [[tuple(a.shape) for a in ops] for ops in pallas_operands(fn, *args)]
