@@ -11,7 +11,10 @@ plus the outputs written once (GB/s), for
   x^T tiles) / the backward's (rows and dy^T rows): the composition;
 - ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
-  ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output;
+  ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output; ``...,whole]``: the
+  transposed outputs with each program's block loaded at once (``whole=True``);
+  ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
+  memory, the sum of the two layer calls' work);
 - with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
   into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
   ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
@@ -83,6 +86,18 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                         block=block), output))
 
                 out[f"{output}[{block[0]}x{block[1]},w{w}]"] = (one(), 1)
+                if output != "rows":  # the same output, each program's block loaded at once
+                    out[f"{output}[{block[0]}x{block[1]},w{w},whole]"] = (jax.jit(
+                        lambda x, output=output, block=block, w=w: getattr(quantize_blocked_2d(
+                            x, rows=False, rows_t=output == "rows_t",
+                            tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
+                            block=block, whole=True), output)), 1)
+    for second in ("rows_t", "tiles_t"):  # two outputs in one call: x read once from DRAM
+        for w in warps:
+            out[f"rows+{second}[128x128,w{w}]"] = (jax.jit(
+                lambda x, second=second, w=w: quantize_blocked_2d(
+                    x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
+                    interpret=interpret, num_warps=w)), 2)
     return out
 
 

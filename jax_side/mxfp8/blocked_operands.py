@@ -50,6 +50,7 @@ from jax_side.mxfp8.tensor import MXFP8Tensor
 __all__ = [
     "BLOCKED_GEMMS",
     "BlockedPlanes",
+    "KernelChoice",
     "KeptTiles",
     "PlaneInBuffers",
     "WgradOperands",
@@ -63,10 +64,21 @@ __all__ = [
 ]
 
 BLOCKED_GEMMS = (GemmImpl.FP8_BLOCKED, GemmImpl.FP8_BLOCKED_PALLAS)
-# Each output's kernel configuration, (x's block per program, Triton warps): the fastest on the
-# H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py, BENCHMARKS.md session 8).
-KERNEL_CONFIG: dict[str, tuple[tuple[int, int], int]] = {
-    "rows": ((32, 128), 2), "rows_t": ((128, 64), 2), "tiles_t": ((128, 128), 4)}
+
+
+class KernelChoice(NamedTuple):
+    """One output's kernel configuration (``pallas_blocked.quantize_blocked_2d``'s knobs)."""
+
+    block: tuple[int, int]  # x's block per program
+    warps: int  # Triton warps per program
+    whole: bool = False  # each program's block loaded at once (the transposed outputs only)
+
+
+# The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
+# BENCHMARKS.md session 8; the whole-block variants were added later and are not measured yet).
+KERNEL_CONFIG: dict[str, KernelChoice] = {
+    "rows": KernelChoice((32, 128), 2), "rows_t": KernelChoice((128, 64), 2),
+    "tiles_t": KernelChoice((128, 128), 4)}
 _G = reblock.GROUP
 _F32 = jnp.dtype(jnp.float32)
 
@@ -187,10 +199,11 @@ def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> 
     interpret = interpret_mode()
 
     def one(output: str) -> reblock.Reblocked:
-        block, warps = KERNEL_CONFIG[output]
+        choice = KERNEL_CONFIG[output]
         made = quantize_blocked_2d(xp, rows=output == "rows", rows_t=output == "rows_t",
                                    tiles_t=output == "tiles_t", interpret=interpret,
-                                   num_warps=warps, block=block)
+                                   num_warps=choice.warps, block=choice.block,
+                                   whole=choice.whole)
         return _made(getattr(made, output))
 
     return BlockedPlanes(one("rows") if rows else None, one("rows_t") if rows_t else None,

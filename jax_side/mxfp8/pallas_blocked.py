@@ -70,6 +70,28 @@ def _row_expand(e: jax.Array) -> jax.Array:
     return jnp.broadcast_to(e[:, :, None], (_BS, _PER, _BS)).reshape(_BS, GROUP)
 
 
+def _kernel_whole(x_ref: Any, *refs: Any, cols: bool, tiles: bool, path: ElementPath,
+                  bands: int) -> None:
+    """One program, transposed output only: x's whole (32 * bands, W) block loaded once, the
+    colwise scales of its bands by one reshape, and the codes transposed and stored at once, so
+    each output row gets its 32 * bands codes in one store (the banded kernel reads each band
+    twice and stores 32 codes per row per band)."""
+    assert cols, "the whole-block kernel makes the transposed outputs"
+    td, ts = refs
+    elements, cast = element_fns(path, any_scale=False)
+    el = elements(fp32_bits(x_ref[...]))  # (R, W), R = 32 * bands
+    w = el.amax_in.shape[1]
+    amax = jnp.max(el.amax_in.reshape(bands, _BS, w), axis=1)  # (bands, W): 32x1 blocks
+    ec = scale_bytes_of_bits(amax, any_bits=False)
+    top = jnp.max(ec, axis=0, keepdims=True)  # (1, W): per column over the R rows
+    if tiles:
+        top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
+    e = jnp.broadcast_to(ec[:, None, :], (bands, _BS, w)).reshape(bands * _BS, w)
+    codes = shift_codes(cast(el, e), e - top)  # (R, W)
+    td[...] = codes.astype(jnp.int32).T.astype(jnp.uint8)
+    ts[...] = top.astype(jnp.uint8)
+
+
 def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
             path: ElementPath, bands: int) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
@@ -110,13 +132,16 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
                         interpret: bool = False,
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
-                        block: tuple[int, int] = (GROUP, GROUP)) -> BlockedPlanes:
+                        block: tuple[int, int] = (GROUP, GROUP),
+                        whole: bool = False) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
     quantizes -- (32, 128), (64, 128) or (128, 128) for ``rows`` alone (a 1x128 block needs one
     row), (128, 32), (128, 64) or (128, 128) for ``rows_t`` alone (its blocks run down 128
-    rows), (128, 128) otherwise (``tiles_t`` needs the whole tile);
+    rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (one transposed
+    output alone): each program loads its whole block at once and stores each output row's 128
+    codes in one store, instead of 32-row bands read twice (the bytes are the same);
     benchmarks/bench_blocked_operands.py times them."""
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
@@ -131,10 +156,13 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
         raise ValueError("quantize_blocked_2d: rows, rows_t and tiles_t all False asks for "
                          "nothing")
     _check_block(tuple(block), rows, rows_t, tiles_t)
+    if whole and rows:
+        raise ValueError("quantize_blocked_2d: whole=True makes one transposed output (rows_t "
+                         "or tiles_t) alone; make rows in its own call")
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(x, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])))
+                             (int(block[0]), int(block[1])), bool(whole))
 
 
 def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool) -> None:
@@ -152,10 +180,10 @@ def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool
                          f"expected {want}")
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
 def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpret: bool,
-                      path: ElementPath, num_warps: int,
-                      block: tuple[int, int]) -> BlockedPlanes:
+                      path: ElementPath, num_warps: int, block: tuple[int, int],
+                      whole: bool) -> BlockedPlanes:
     m, k = x.shape
     br, bc = block
     u8 = jnp.uint8
@@ -171,8 +199,12 @@ def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpr
                   jax.ShapeDtypeStruct((k, m), u8)),
                  (pl.BlockSpec((1, width), lambda i, j: (i, j)),
                   jax.ShapeDtypeStruct((m // GROUP, k // GROUP if tiles else k), u8))]
-    kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path,
-                               bands=br // _BS)
+    if whole:
+        kernel = functools.partial(_kernel_whole, cols=cols, tiles=tiles, path=path,
+                                   bands=br // _BS)
+    else:
+        kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path,
+                                   bands=br // _BS)
     res = list(pl.pallas_call(
         kernel, out_shape=[o[1] for o in outs], grid=(m // br, k // bc),
         in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],

@@ -18,6 +18,8 @@ def test_the_smoke_run_times_every_variant(tmp_path):
     names = ["quantize", "planes_fwd", "planes_bwd", "tiles_t[128x128,w4]"]
     names += [f"rows[{r}x128,w4]" for r in (32, 64, 128)]
     names += [f"rows_t[128x{c},w4]" for c in (32, 64, 128)]
+    names += [f"rows_t[128x{c},w4,whole]" for c in (32, 64, 128)] + ["tiles_t[128x128,w4,whole]"]
+    names += ["rows+rows_t[128x128,w4]", "rows+tiles_t[128x128,w4]"]
     for name in names:
         assert row[f"{name}_us"] > 0 and row[f"{name}_gbs"] > 0, name
     assert not [k for k in row if k.endswith("_error")], row

@@ -91,6 +91,31 @@ def test_every_program_block_writes_the_same_bytes(output, block):
     _assert_same(got, want, f"{output} {block}")
 
 
+WHOLE = [("rows_t", (128, 32)), ("rows_t", (128, 64)), ("rows_t", (128, 128)),
+         ("tiles_t", (128, 128))]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize(("output", "block"), WHOLE, ids=str)
+def test_whole_block_programs_write_the_same_bytes(output, block, dtype):
+    """``whole=True`` (each program loads its block at once and stores the transposed codes in
+    one store): the bytes of quantize-then-re-block, as the banded programs write them."""
+    x = jnp.asarray(_hostile((256, 384), 5)).astype(dtype)
+    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=False,
+                               rows_t=output == "rows_t", tiles_t=output == "tiles_t")
+    got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
+                              tiles_t=output == "tiles_t", interpret=True, block=block,
+                              whole=True)
+    _assert_same(got, want, f"{output} {block} whole")
+
+
+def test_whole_blocks_make_no_rows():
+    x = jnp.zeros((128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="whole=True makes one transposed output"):
+        quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False, interpret=True,
+                            whole=True)
+
+
 def test_the_shift_keeps_signs_nan_and_rounds_to_nearest_even():
     """Every e4m3 byte times 2**diff against float64 ``ldexp`` then ml_dtypes' e4m3 cast (RNE,
     NaN keeps its sign) -- on the GPU too, where a float multiply of a NaN code drops its sign
@@ -221,6 +246,13 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
                                           _u8(getattr(want, output).data), err_msg=str(block))
             np.testing.assert_array_equal(_u8(getattr(got, output).scale),
                                           _u8(getattr(want, output).scale), err_msg=str(block))
+        for output, block in WHOLE:  # each program's block loaded at once
+            got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
+                                      tiles_t=output == "tiles_t", block=block, whole=True)
+            for part in ("data", "scale"):
+                np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
+                                              _u8(getattr(getattr(want, output), part)),
+                                              err_msg=f"{output} {block} whole {part}")
         # and as the linear layer calls it: one call per output, its own warps per output
         k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
         _assert_same(blocked.quantize_operands(x, rows=True, rows_t=True, tiles_t=True,
