@@ -3,13 +3,14 @@
 #   bash scripts/gpu/reblock_kernels.sh [tests] [bench] [step]
 #   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
 #          pallas_reblock; slices read in place; the blocked-operand quantize)
-#   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs
-#          (BENCH_ONLY, a regex of variants), and the weights' re-block, XLA against the kernel
+#   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
+#          banded and whole-block, and two outputs in one call (BENCH_ONLY, a regex of
+#          variants), and the weights' re-block, XLA against the kernel
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log)
-# Repo root, machine python3, no install; logs under $OUT; about 7 minutes in all.
+# Repo root, machine python3, no install; logs under $OUT; about 8 minutes in all.
 set -u
 . "$(dirname "$0")/small_gpt.sh"
 gpu_setup reblock_kernels
@@ -26,8 +27,8 @@ for part in "${parts[@]}"; do
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;
     bench)
-      timeout 200 python3 benchmarks/bench_blocked_operands.py --warps 2,4,8 \
-        --only "${BENCH_ONLY:-rows_t\[128x64|tiles_t}" --out "$OUT/operands.json" \
+      timeout 300 python3 benchmarks/bench_blocked_operands.py --warps 2,4,8 \
+        --only "${BENCH_ONLY:-rows\[32x128,w2|rows_t|tiles_t|rows\+}" --out "$OUT/operands.json" \
         > "$OUT/operands.log" 2>&1
       echo "operands bench: rc=$?"; grep '"shape"' "$OUT/operands.log"
       timeout 200 python3 benchmarks/bench_blocked_operands.py --weights --warps 2,4,8 \
