@@ -27,7 +27,11 @@ Runs (``--runs``):
 - any of this project's runs with ``:u<N>`` (e.g. ``mxfp8:u4``): FSDP units of N consecutive
   blocks (``TorchGPT.block_units``; the last takes the remainder) instead of one per block: one
   gather, one reduction and, under unit compute, one JAX program per direction for N blocks.
-- ``:r`` after that (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
+- ``:qkv1`` at the very end (e.g. ``mxfp8:u4:qkv1``): the GPT block's qkv linear as one
+  GEMM whose output is split into q, k and v (``models.gpt_math.QKV_PARTS`` off), against the
+  default's three GEMMs and no cut or join (docs/mxfp8_numerics.md, "q, k and v from three
+  GEMMs"); only for this project's runs.
+- ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
   (the head with the loss keeps its own) -- less peak memory for more GPU time and, in MXFP8,
@@ -80,6 +84,7 @@ import time
 RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2", "fsdp2-compile",
         "torchao")
 PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
+QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -189,6 +194,13 @@ def _build(run, cfg, args):
     if run in PEERS:
         return _build_fsdp2(run, cfg, args)
 
+    import jax
+
+    from models import gpt_math
+
+    if gpt_math.QKV_PARTS == _whole_qkv(run):  # trace this run's unit programs anew
+        gpt_math.QKV_PARTS = not _whole_qkv(run)
+        jax.clear_caches()
     run, per_unit, recompute = _run_spec(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
@@ -242,17 +254,29 @@ def _parse_run(run: str) -> tuple[str, int]:
 
 def _run_spec(run: str) -> tuple[str, int, bool]:
     """(base run, blocks per FSDP unit, activation recompute): ``mxfp8:u4:r`` -> ("mxfp8", 4,
-    True); ValueError naming the run otherwise."""
-    name, recompute = (run[:-2], True) if run.endswith(":r") else (run, False)
+    True); ValueError naming the run otherwise (a trailing ``:qkv1``: ``_whole_qkv``)."""
+    name = run.removesuffix(QKV1)
+    if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
+        raise ValueError(f"run {run!r}: '{QKV1}' runs the GPT's qkv linear as one GEMM in this "
+                         f"project's unit programs; drop it from {name!r}")
+    name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
-                         f"':r' (activation recompute), e.g. 'mxfp8:u4:r'")
+                         f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
+                         f"GEMM), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
     return base, int(n) if sep else 1, recompute
+
+
+def _whole_qkv(run: str) -> bool:
+    """``:qkv1`` at the end of a run: the GPT block asks its qkv linear for one output and
+    splits it (``models.gpt_math.QKV_PARTS`` off), to compare with the three GEMMs of the
+    default in one launch."""
+    return run.endswith(QKV1)
 
 
 def _adamw(args) -> dict:
@@ -712,7 +736,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
                    help=f"a comma list from {RUNS}; this project's runs take ':u<N>' for N "
                         f"blocks per FSDP unit (e.g. mxfp8:u4), then ':r' for the unit "
-                        f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op)")
+                        f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op), "
+                        f"then '{QKV1}' for the GPT's qkv linear as one GEMM and a split")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
     p.add_argument("--profile-top", type=int, default=8,

@@ -81,6 +81,7 @@ __all__ = [
     "LinearFn",
     "backward",
     "forward",
+    "gemm_dtype",
     "high_precision_linear",
     "hp_backward",
     "hp_forward",
@@ -198,7 +199,7 @@ def _kernels(kernels: ResolvedKernels | KernelConfig | None) -> ResolvedKernels:
     return resolve_kernels(kernels)  # a ResolvedKernels passes through unchanged
 
 
-def _out(dtype: DTypeLike) -> jnp.dtype:
+def gemm_dtype(dtype: DTypeLike) -> jnp.dtype:
     """The GEMM's own output dtype for a result wanted in ``dtype``: bf16 or fp32 directly (the
     kernel rounds once), anything else from fp32."""
     d = jnp.dtype(dtype)
@@ -262,7 +263,7 @@ def forward(
     its x^T tiles: ``blocked_operands.KeptTiles``)."""
     if _blocked(kernels, w_rowwise):
         return ForwardOut(*blocked.forward(x2d, w_rowwise, jnp.dtype(out_dtype),
-                                           _out(out_dtype), keep_x_colwise, kernels))
+                                           gemm_dtype(out_dtype), keep_x_colwise, kernels))
     planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
     xq = quantize(pad_tokens(x2d), planes=planes, kernels=kernels)
     y = _gemm(xq, w_rowwise, GemmRole.FORWARD, kernels, out_dtype)[: x2d.shape[0]]
@@ -291,31 +292,36 @@ def backward(dy2d: jax.Array, w_colwise: MXFP8Tensor | FlatPlane | None,
                            kernels=kernels, packed=packed)
 
 
-def backward_traced(dy2d: jax.Array, w_colwise: MXFP8Tensor | FlatPlane | None,
+def backward_traced(dy2d: jax.Array | tuple[jax.Array, ...],
+                    w_colwise: MXFP8Tensor | FlatPlane | None,
                     x_colwise: MXFP8Tensor | blocked.KeptTiles | None, *, dx_dtype: DTypeLike,
                     dw_dtype: DTypeLike, kernels: ResolvedKernels, packed: bool = False,
                     on_wgrad: Callable[[blocked.WgradOperands], None] | None = None,
                     ) -> BackwardOut:
     """``backward`` without a jit of its own, traced into the caller's program; ``on_wgrad``
     (an fp8_blocked GEMM only): also given wgrad's operands (``blocked_operands.backward``), as
-    values of the caller's trace."""
+    values of the caller's trace. ``dy2d`` may be column parts on the fp8_blocked path
+    (``blocked_operands.forward_parts``' cotangents)."""
     if isinstance(x_colwise, blocked.KeptTiles) or (x_colwise is None
                                                      and _blocked(kernels, w_colwise)):
         out = BackwardOut(*blocked.backward(
             dy2d, w_colwise, x_colwise,
-            (jnp.dtype(dx_dtype), _out(dx_dtype)), (jnp.dtype(dw_dtype), _out(dw_dtype)),
+            (jnp.dtype(dx_dtype), gemm_dtype(dx_dtype)),
+            (jnp.dtype(dw_dtype), gemm_dtype(dw_dtype)),
             kernels, on_wgrad))
         return _packed(out) if packed else out
+    if isinstance(dy2d, tuple):
+        raise TypeError("backward_traced: dy in column parts needs the fp8_blocked path")
     need_dx, need_dw = w_colwise is not None, x_colwise is not None
     # dgrad reads dy rowwise, wgrad dy colwise (common.gemm_roles)
     planes = tuple(p for p, need in ((Plane.ROWWISE, need_dx), (Plane.COLWISE, need_dw)) if need)
     dyq = quantize(pad_tokens(dy2d), planes=planes, kernels=kernels)
     dx = dw = None
     if w_colwise is not None:
-        dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels, _out(dx_dtype))
+        dx = _gemm(dyq, w_colwise, GemmRole.DGRAD, kernels, gemm_dtype(dx_dtype))
         dx = dx[: dy2d.shape[0]].astype(dx_dtype)  # a no-op where the GEMM wrote dx_dtype
     if x_colwise is not None:
-        dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels, _out(dw_dtype)).astype(dw_dtype)
+        dw = _gemm(dyq, x_colwise, GemmRole.WGRAD, kernels, gemm_dtype(dw_dtype)).astype(dw_dtype)
     out = BackwardOut(dx, dw)
     return _packed(out) if packed else out
 

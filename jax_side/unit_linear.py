@@ -29,12 +29,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_side.linear import backward, backward_traced, forward
-from jax_side.mxfp8.blocked_operands import WgradOperands
+from jax_side.linear import FlatPlane, backward, backward_traced, forward, gemm_dtype
+from jax_side.mxfp8 import MXFP8Tensor
+from jax_side.mxfp8.blocked_operands import (
+    BLOCKED_GEMMS,
+    KeptTiles,
+    WgradOperands,
+    forward_parts,
+    row_parts,
+)
 from jax_side.mxfp8.kernels import ResolvedKernels
+from jax_side.mxfp8.reblock import GROUP
 from jax_side.unit_grads import Writer
 
-__all__ = ["backward_scope", "unit_linear"]
+__all__ = ["backward_scope", "splits", "unit_linear", "unit_linear_parts"]
 
 class BackwardScope:
     """The colwise planes of one ``unit_backward`` trace (read by the rules, never written),
@@ -96,6 +104,47 @@ def _unit_linear_bwd(index, kernels, res, dy):
 
 
 unit_linear.defvjp(_unit_linear_fwd, _unit_linear_bwd)
+
+
+def splits(w_row: Any, parts: int, kernels: ResolvedKernels) -> bool:
+    """Whether ``unit_linear_parts`` runs this linear as ``parts`` GEMMs: the fp8_blocked GEMM on
+    MXFP8 planes, and N/parts a multiple of 128 rows (each part's tiles are the whole weight's,
+    so the operand bytes are those of the one GEMM)."""
+    if kernels.gemm not in BLOCKED_GEMMS or not isinstance(w_row, (FlatPlane, MXFP8Tensor)):
+        return False
+    if isinstance(w_row, FlatPlane) and not w_row.is_mxfp8:
+        return False
+    n = w_row.shape[0]
+    return parts > 1 and n % parts == 0 and (n // parts) % GROUP == 0
+
+
+def _parts_forward(x2d: jax.Array, w_row: Any, parts: int, kernels: ResolvedKernels,
+                   keep: bool) -> tuple[tuple[jax.Array, ...], KeptTiles | None]:
+    dtype = jnp.dtype(x2d.dtype)
+    return forward_parts(x2d, row_parts(w_row, parts), dtype, gemm_dtype(dtype), keep, kernels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def unit_linear_parts(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                      kernels: ResolvedKernels, parts: int) -> tuple[jax.Array, ...]:
+    """``unit_linear``'s y as ``parts`` column parts (q, k and v of the qkv linear), each from
+    its own GEMM against its rows of the weight (``splits`` says when), so no part is cut out of
+    one output; the backward takes their cotangents as they come and quantizes them into the
+    dgrad and wgrad operands part by part (``blocked_operands.quantize_operands``): no
+    concatenation either."""
+    return _parts_forward(x2d, w_row, parts, kernels, keep=False)[0]
+
+
+def _unit_linear_parts_fwd(x2d, w_row, carrier, index, kernels, parts):
+    ys, kept = _parts_forward(x2d, w_row, parts, kernels, keep=True)
+    return ys, (kept, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
+
+
+def _unit_linear_parts_bwd(index, kernels, parts, res, dys):
+    return _unit_linear_bwd(index, kernels, res, tuple(dys))
+
+
+unit_linear_parts.defvjp(_unit_linear_parts_fwd, _unit_linear_parts_bwd)
 
 
 @contextlib.contextmanager

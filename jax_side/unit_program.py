@@ -3,7 +3,10 @@
 A **unit function** ``fn(params, linear, x, *aux) -> out`` (e.g. ``gpt_math.GPTBlockFn``) is the
 block's math with its linears left open. A block of several differentiable inputs takes them all
 before ``aux`` (the programs' ``x`` is then a tuple of them: ``fn(params, linear, *x, *aux)``),
-and one of several outputs returns a tuple. ``linear(name, h)`` is filled in here with
+and one of several outputs returns a tuple. ``linear(name, h)`` is filled in here (and
+``linear(name, h, parts=n)``: y's n equal column parts, as ``jnp.split`` cuts them; with the
+``fp8_blocked`` GEMM and N/n a multiple of 128, n GEMMs against the weight's row parts, whose
+cotangents reach the backward as they are: ``unit_linear.unit_linear_parts``) with
 
 - the MXFP8 linear (``jax_side.linear``: the same jitted forward / backward pieces, hence the same
   bytes, as the per-linear op and the Flax twin) for each name in ``UnitSpec.mxfp8``, reading
@@ -77,7 +80,7 @@ from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.unit_grads import GradGroup, GradLayout, Grads, grad_layout, pack_grads
-from jax_side.unit_linear import backward_scope, unit_linear
+from jax_side.unit_linear import backward_scope, splits, unit_linear, unit_linear_parts
 
 __all__ = [
     "FlatTensor",
@@ -153,7 +156,7 @@ class SpanFn:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
         pre = f"{i}."
         own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
-        return self.fns[i](own, lambda name, h: linear(pre + name, h), x)
+        return self.fns[i](own, lambda name, h, parts=1: linear(pre + name, h, parts), x)
 
 
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
@@ -202,11 +205,15 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
         values, carriers = weights
         params = dict(zip(names, values, strict=True))
 
-        def linear(name, h):
+        def linear(name, h, parts=1):
             lead = h.shape[:-1]
             h2 = h.reshape(-1, h.shape[-1])
             if name in index:
                 i = index[name]
+                if parts > 1 and splits(row_planes[i], parts, spec.kernels):
+                    ys = unit_linear_parts(h2, row_planes[i], carriers[own[i]], i,
+                                           spec.kernels, parts)
+                    return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)
                 y2 = unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
             elif name in hp_lin:
                 y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
@@ -215,7 +222,8 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                     f"unit program {spec.fn!r}: linear {name!r} is neither an MXFP8 linear "
                     f"{spec.mxfp8} nor a high-precision one {spec.hp_linears} of this unit"
                 )
-            return y2.reshape(*lead, y2.shape[-1])
+            y = y2.reshape(*lead, y2.shape[-1])
+            return y if parts == 1 else tuple(jnp.split(y, parts, axis=-1))
 
         return _call(fn, params, linear, x, aux)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -65,16 +65,20 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (out + bias.astype(_F32)).astype(x.dtype)
 
 
-def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *, qkv: Fn, proj: Fn,
+def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *,
+              qkv: Callable[[jax.Array], Any], proj: Fn,
               fused: bool = False) -> jax.Array:
     """Causal self-attention. x (B, S, D) -> (B, S, D) in x's dtype.
 
+    ``qkv(x)``: (B, S, 3D), split here into q, k and v, or those three (B, S, D) already (a unit
+    program's linear with ``parts=3``: no cut-out copies).
     fused (bf16 activations on a GPU): cuDNN flash attention (``jax.nn.dot_product_attention``,
     implementation "cudnn"). Otherwise written out in fp32 (q, k, v widened first), the result
     rounded once to x's dtype."""
     b, s, d = x.shape
     h, hd = cfg.n_head, cfg.head_dim
-    q, k, v = jnp.split(qkv(x), 3, axis=-1)  # 3 x (B, S, D)
+    out = qkv(x)
+    q, k, v = out if isinstance(out, tuple) else jnp.split(out, 3, axis=-1)  # 3 x (B, S, D)
     if fused and acts is Activations.BF16:
         q, k, v = (t.reshape(b, s, h, hd) for t in (q, k, v))  # (B, S, H, hd)
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -169,11 +173,24 @@ def head_loss(x: jax.Array, targets: jax.Array, *, ln_f: Fn, lm_head: Fn) -> jax
     return cross_entropy(lm_head(ln_f(x)), targets)
 
 
-Linear = Callable[[str, jax.Array], jax.Array]  # (the block-relative layer name, x) -> y
+# (the block-relative layer name, x) -> y; GPTBlockFn also calls linear(name, x, parts=3) for
+# the qkv linear: y's three column parts (jax_side.unit_program's linear)
+Linear = Callable[..., Any]
+
+
+# GPTBlockFn asks its qkv linear for q, k and v as three parts (read when a block is traced;
+# benchmarks.bench_train_step's ':qkv1' runs switch it off to compare one GEMM and a split)
+QKV_PARTS = True
 
 
 def _linear(linear: Linear, name: str) -> Fn:
     return lambda h: linear(name, h)
+
+
+def _qkv(linear: Linear) -> Callable[[jax.Array], Any]:
+    if QKV_PARTS:
+        return lambda h: linear("attn.qkv", h, parts=3)
+    return _linear(linear, "attn.qkv")
 
 
 def _norm(params: Mapping[str, jax.Array], name: str, eps: float) -> Fn:
@@ -185,7 +202,7 @@ class GPTBlockFn:
     """``fn(params, linear, x) -> x``: one GPT block (``models.torch_gpt.Block``), with
     ``params`` its LayerNorm parameters by block-relative name (``ln_1.weight``, ...) and
     ``linear(name, h)`` its four linears (``attn.qkv``, ``attn.proj``, ``mlp.fc``,
-    ``mlp.proj``)."""
+    ``mlp.proj``; the qkv one as ``linear("attn.qkv", h, parts=3)``: q, k and v)."""
 
     cfg: GPTConfig
     activations: Activations
@@ -200,7 +217,7 @@ class GPTBlockFn:
         return block(
             x,
             ln_1=_norm(params, "ln_1", cfg.ln_eps),
-            attn=lambda h: attention(cfg, acts, h, qkv=_linear(linear, "attn.qkv"),
+            attn=lambda h: attention(cfg, acts, h, qkv=_qkv(linear),
                                      proj=_linear(linear, "attn.proj"),
                                      fused=self.fused_attention),
             ln_2=_norm(params, "ln_2", cfg.ln_eps),

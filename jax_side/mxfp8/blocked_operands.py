@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common.formats import Plane, round_up
+from common.formats import BLOCK_SIZE, Plane, PlaneData, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
 from jax_side.mxfp8 import reblock
@@ -58,8 +58,10 @@ __all__ = [
     "blocked_gemm",
     "blocked_tokens",
     "forward",
+    "forward_parts",
     "from_planes",
     "quantize_operands",
+    "row_parts",
     "weight_tiles",
 ]
 
@@ -175,12 +177,26 @@ def from_planes(t: MXFP8Tensor, *, rows: bool, rows_t: bool, tiles_t: bool) -> B
     return BlockedPlanes(r, rt, tt)
 
 
-def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t: bool = False,
-                      kernels: ResolvedKernels) -> BlockedPlanes:
+Parts = tuple[jax.Array, ...]  # column parts of one (T, C) tensor, each C_i a multiple of 128
+
+
+def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
+                      tiles_t: bool = False, kernels: ResolvedKernels) -> BlockedPlanes:
     """The blocked operands of a (T, C) bf16/fp32 activation or gradient, padded (module
-    docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128)."""
+    docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128).
+    ``x`` may be a tuple of column parts (each C_i a multiple of 128): the operands of their
+    concatenation, which the ``pallas`` kernels write part by part (no concatenation); other
+    backends concatenate first."""
     if not (rows or rows_t or tiles_t):
         raise ValueError("quantize_operands: rows, rows_t and tiles_t all False asks for nothing")
+    if isinstance(x, tuple):
+        if any(p.ndim != 2 or p.shape[1] % _G for p in x):
+            raise ValueError(f"quantize_operands: column parts must be 2-D with widths that are "
+                             f"multiples of {_G}, got {[tuple(p.shape) for p in x]}; pass the "
+                             f"concatenated tensor instead")
+        if kernels.backend is Backend.PALLAS:
+            return _pallas_operands(tuple(_padded(p) for p in x), rows, rows_t, tiles_t)
+        x = jnp.concatenate(x, axis=1)
     xp = _padded(x)
     if kernels.backend is Backend.PALLAS:
         return _pallas_operands(xp, rows, rows_t, tiles_t)
@@ -190,7 +206,8 @@ def quantize_operands(x: jax.Array, *, rows: bool, rows_t: bool = False, tiles_t
                        tiles_t=tiles_t)
 
 
-def _pallas_operands(xp: jax.Array, rows: bool, rows_t: bool, tiles_t: bool) -> BlockedPlanes:
+def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool,
+                     tiles_t: bool) -> BlockedPlanes:
     """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers
     than all together (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192
     bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us)."""
@@ -265,21 +282,61 @@ def forward(x2d: jax.Array, w: Weight, out_dtype: jnp.dtype, gemm_dtype: jnp.dty
             keep: bool, kernels: ResolvedKernels) -> tuple[jax.Array, KeptTiles | None]:
     """y = x W^T (T, N) in ``out_dtype`` (the GEMM writes ``gemm_dtype``), and, if ``keep``,
     x's tiles for wgrad."""
+    (y,), kept = forward_parts(x2d, (w,), out_dtype, gemm_dtype, keep, kernels)
+    return y, kept
+
+
+def forward_parts(x2d: jax.Array, ws: tuple[Weight, ...], out_dtype: jnp.dtype,
+                  gemm_dtype: jnp.dtype, keep: bool,
+                  kernels: ResolvedKernels) -> tuple[tuple[jax.Array, ...], KeptTiles | None]:
+    """``forward`` against several weights at once (``row_parts`` of one weight): x quantized
+    once, one GEMM per weight, y_i = x W_i^T; the concatenation of the y_i is ``forward``'s y
+    against the whole weight (the same operand bytes where each W_i's rows are a multiple of
+    128: its tiles are the whole weight's)."""
     ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
-    y = blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0], w.shape[0],
-                     gemm_dtype).astype(out_dtype)
-    return y, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
+    ys = tuple(blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0],
+                            w.shape[0], gemm_dtype).astype(out_dtype) for w in ws)
+    return ys, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
 
 
-def backward(dy2d: jax.Array, w: Weight | None, kept: KeptTiles | None, dx: Dtypes,
+def row_parts(w: Weight, parts: int) -> tuple[Weight, ...]:
+    """The rowwise plane of an (N, K) weight as ``parts`` weights of N/parts rows each (the qkv
+    weight's q, k and v), each a multiple of 128 rows so that its 128x128 tiles are the whole
+    weight's: row slices of an ``MXFP8Tensor``, or the same buffers at later offsets for a
+    plane in flat buffers (no copy)."""
+    n, k = w.shape
+    if parts < 1 or n % parts or (n // parts) % _G:
+        raise ValueError(f"row_parts: {n} rows cannot make {parts} parts of a multiple of {_G} "
+                         f"rows each; run the whole weight and split its output instead")
+    h = n // parts
+    if isinstance(w, MXFP8Tensor):
+        d, sc = w.plane(Plane.ROWWISE)
+        return tuple(MXFP8Tensor({Plane.ROWWISE: PlaneData(d[i * h:(i + 1) * h],
+                                                           sc[i * h:(i + 1) * h])},
+                                 (h, k), w.dtype) for i in range(parts))
+    if w.plane is not Plane.ROWWISE or not dataclasses.is_dataclass(w):
+        raise ValueError(f"row_parts: expected a rowwise plane in flat buffers (a dataclass such "
+                         f"as jax_side.linear.FlatPlane), got {type(w).__name__} "
+                         f"({w.plane.value})")
+    per_row = k // BLOCK_SIZE  # rowwise scales: (N, K/32), row-major
+    return tuple(dataclasses.replace(w, data_offset=w.data_offset + i * h * k,
+                                     scale_offset=w.scale_offset + i * h * per_row,
+                                     shape=(h, k)) for i in range(parts))
+
+
+def backward(dy2d: jax.Array | Parts, w: Weight | None, kept: KeptTiles | None, dx: Dtypes,
              dw: Dtypes, kernels: ResolvedKernels,
              on_wgrad: Callable[[WgradOperands], None] | None = None,
              ) -> tuple[jax.Array | None, jax.Array | None]:
     """dgrad (T, K) if the weight's colwise planes ``w`` are given, wgrad (N, K) if x's tiles
-    are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows. ``on_wgrad`` (where
+    are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows (dy may be column
+    parts, as ``forward_parts``' cotangents come: ``quantize_operands``). ``on_wgrad`` (where
     dW's two dtypes agree) also gets wgrad's operands: a caller that writes dW with them
     elsewhere (``WgradOperands.into``) leaves the returned dW unused, and XLA drops its GEMM."""
-    t, n = dy2d.shape
+    if isinstance(dy2d, tuple):  # column parts (forward_parts' cotangents): no concatenation
+        t, n = dy2d[0].shape[0], sum(p.shape[1] for p in dy2d)
+    else:
+        t, n = dy2d.shape
     if w is None and kept is None:
         return None, None
     ops = quantize_operands(dy2d, rows=w is not None, rows_t=kept is not None, kernels=kernels)

@@ -28,6 +28,7 @@ which quantize to zero codes and zero scale bytes, as ``reblock.pad_to`` pads).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -128,8 +129,8 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
         ts[...] = top.astype(jnp.uint8)
 
 
-def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool,
-                        interpret: bool = False,
+def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_t: bool,
+                        tiles_t: bool, interpret: bool = False,
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
@@ -142,25 +143,39 @@ def quantize_blocked_2d(x: jax.Array, *, rows: bool, rows_t: bool, tiles_t: bool
     rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (one transposed
     output alone): each program loads its whole block at once and stores each output row's 128
     codes in one store, instead of 32-row bands read twice (the bytes are the same);
-    benchmarks/bench_blocked_operands.py times them."""
-    if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
-        raise TypeError(f"quantize_blocked_2d: expected a 2-D bfloat16 or float32 x, got "
-                        f"{x.dtype}{tuple(x.shape)}")
-    m, k = x.shape
-    if m % GROUP or k % GROUP:
-        raise ValueError(f"quantize_blocked_2d: (M, K) = {(m, k)} must be multiples of {GROUP}; "
-                         f"pad with zeros first (blocked_operands.quantize_operands does)")
+    benchmarks/bench_blocked_operands.py times them.
+
+    ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
+    128: the operands of their concatenation along the columns, each part's kernel writing its
+    columns straight into the shared outputs (``input_output_aliases``), so the parts are never
+    concatenated (the attention's dq, dk, dv into the qkv backward's operands)."""
+    parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
+    what = "quantize_blocked_2d"
+    if not parts:
+        raise ValueError(f"{what}: no column parts given; pass an (M, K) array or its parts")
+    for i, part in enumerate(parts):
+        name = "x" if len(parts) == 1 else f"x part {i}"
+        if part.ndim != 2 or part.dtype not in (jnp.bfloat16, jnp.float32):
+            raise TypeError(f"{what}: expected a 2-D bfloat16 or float32 {name}, got "
+                            f"{part.dtype}{tuple(part.shape)}")
+        if part.shape[0] % GROUP or part.shape[1] % GROUP:
+            raise ValueError(f"{what}: {name}'s (M, K) = {tuple(part.shape)} must be multiples "
+                             f"of {GROUP}; pad with zeros first "
+                             f"(blocked_operands.quantize_operands does)")
+        if part.shape[0] != parts[0].shape[0] or part.dtype != parts[0].dtype:
+            raise ValueError(f"{what}: column parts must share M and dtype; part 0 is "
+                             f"{parts[0].dtype}{tuple(parts[0].shape)}, part {i} "
+                             f"{part.dtype}{tuple(part.shape)}")
     if rows_t and tiles_t:
-        raise ValueError("quantize_blocked_2d: rows_t and tiles_t in one call; make them in two")
+        raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
     if not (rows or rows_t or tiles_t):
-        raise ValueError("quantize_blocked_2d: rows, rows_t and tiles_t all False asks for "
-                         "nothing")
+        raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
     _check_block(tuple(block), rows, rows_t, tiles_t)
     if whole and rows:
-        raise ValueError("quantize_blocked_2d: whole=True makes one transposed output (rows_t "
-                         "or tiles_t) alone; make rows in its own call")
+        raise ValueError(f"{what}: whole=True makes one transposed output (rows_t or tiles_t) "
+                         f"alone; make rows in its own call")
     path = element_path(e4m3_cast, bool(interpret))
-    return _quantize_blocked(x, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
+    return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
                              (int(block[0]), int(block[1])), bool(whole))
 
@@ -180,37 +195,81 @@ def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool
                          f"expected {want}")
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
-def _quantize_blocked(x: jax.Array, rows: bool, cols: bool, tiles: bool, interpret: bool,
-                      path: ElementPath, num_warps: int, block: tuple[int, int],
-                      whole: bool) -> BlockedPlanes:
-    m, k = x.shape
-    br, bc = block
-    u8 = jnp.uint8
-    outs: list[tuple[Any, Any]] = []
-    if rows:  # bc == 128: one scale per row of the block
-        outs += [(pl.BlockSpec((br, bc), lambda i, j: (i, j)),
-                  jax.ShapeDtypeStruct((m, k), u8)),
-                 (pl.BlockSpec((br, 1), lambda i, j: (i, j)),
-                  jax.ShapeDtypeStruct((m, k // GROUP), u8))]
-    if cols:  # br == 128; scales written (M/128, K) or (M/128, K/128), transposed below (small)
-        width = 1 if tiles else bc
-        outs += [(pl.BlockSpec((bc, br), lambda i, j: (j, i)),
-                  jax.ShapeDtypeStruct((k, m), u8)),
-                 (pl.BlockSpec((1, width), lambda i, j: (i, j)),
-                  jax.ShapeDtypeStruct((m // GROUP, k // GROUP if tiles else k), u8))]
-    if whole:
-        kernel = functools.partial(_kernel_whole, cols=cols, tiles=tiles, path=path,
+class _Call(NamedTuple):
+    """One part's kernel call (static): its outputs, and where its columns start in them."""
+
+    rows: bool
+    cols: bool
+    tiles: bool
+    interpret: bool
+    path: ElementPath
+    num_warps: int
+    block: tuple[int, int]
+    whole: bool
+    c0: int  # the part's first column in the whole (M, K)
+    k: int  # the whole's K
+
+    def outs(self, m: int) -> list[tuple[Any, Any]]:
+        """(BlockSpec, ShapeDtypeStruct) of every output, the whole's shapes, this part's
+        blocks: program (i, j) writes block column j + (the part's first block)."""
+        br, bc = self.block
+        u8, k = jnp.uint8, self.k
+        jr, jc = self.c0 // GROUP, self.c0 // bc  # rows: bc == 128
+        outs: list[tuple[Any, Any]] = []
+        if self.rows:  # one scale per row of the block
+            outs += [(pl.BlockSpec((br, bc), lambda i, j: (i, j + jr)),
+                      jax.ShapeDtypeStruct((m, k), u8)),
+                     (pl.BlockSpec((br, 1), lambda i, j: (i, j + jr)),
+                      jax.ShapeDtypeStruct((m, k // GROUP), u8))]
+        if self.cols:  # br == 128; scales (M/128, K) or (M/128, K/128), transposed at the end
+            width, js = (1, self.c0 // GROUP) if self.tiles else (bc, jc)
+            outs += [(pl.BlockSpec((bc, br), lambda i, j: (j + jc, i)),
+                      jax.ShapeDtypeStruct((k, m), u8)),
+                     (pl.BlockSpec((1, width), lambda i, j: (i, j + js)),
+                      jax.ShapeDtypeStruct((m // GROUP, k // GROUP if self.tiles else k), u8))]
+        return outs
+
+
+def _skip_inputs(x_ref: Any, *refs: Any, skip: int, body: functools.partial[None]) -> None:
+    """The kernel body without the aliased output inputs (they are written, never read)."""
+    body(x_ref, *refs[skip:])
+
+
+def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Array]:
+    """The raw uint8 outputs with ``x``'s columns written (into ``written``, the previous
+    parts' outputs, where given: aliased, so XLA updates them in place)."""
+    m, kx = x.shape
+    br, bc = c.block
+    if c.whole:
+        kernel = functools.partial(_kernel_whole, cols=c.cols, tiles=c.tiles, path=c.path,
                                    bands=br // _BS)
     else:
-        kernel = functools.partial(_kernel, rows=rows, cols=cols, tiles=tiles, path=path,
-                                   bands=br // _BS)
-    res = list(pl.pallas_call(
-        kernel, out_shape=[o[1] for o in outs], grid=(m // br, k // bc),
-        in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
-        out_specs=[o[0] for o in outs], compiler_params=triton_params(num_warps),
-        interpret=interpret, name="mxfp8_quantize_blocked",
-    )(x))
+        kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
+                                   path=c.path, bands=br // _BS)
+    outs = c.outs(m)
+    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+    if written:
+        kernel = functools.partial(_skip_inputs, skip=len(written), body=kernel)
+        in_specs += [o[0] for o in outs]
+    return list(pl.pallas_call(
+        kernel, out_shape=[o[1] for o in outs], grid=(m // br, kx // bc), in_specs=in_specs,
+        out_specs=[o[0] for o in outs], compiler_params=triton_params(c.num_warps),
+        input_output_aliases={1 + i: i for i in range(len(written))},
+        interpret=c.interpret, name="mxfp8_quantize_blocked",
+    )(x, *written))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
+def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
+                      interpret: bool, path: ElementPath, num_warps: int,
+                      block: tuple[int, int], whole: bool) -> BlockedPlanes:
+    k = sum(int(p.shape[1]) for p in parts)
+    res: list[jax.Array] = []
+    c0 = 0
+    for x in parts:
+        res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
+                                       whole, c0, k))
+        c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
     t = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0).T) if cols else None

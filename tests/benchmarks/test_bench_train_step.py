@@ -126,3 +126,32 @@ def test_a_finished_run_leaves_no_model_behind(single_rank_world, monkeypatch):
     bench_train_step._run_one("mxfp8:u2", PRESETS["tiny"], args, rank=0)
     gc.collect()
     assert len(refs) > 3 and [r for r in refs if r() is not None] == []
+
+
+def test_a_qkv1_run_trains_as_the_default_run_with_one_qkv_gemm(single_rank_world, monkeypatch):
+    """``mxfp8:u2:qkv1`` (the qkv linear as one GEMM and a split) against ``mxfp8:u2`` (q, k
+    and v from three GEMMs: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole
+    tiles): the same losses, bit for bit on the CPU, and only the default ran the parts."""
+    import argparse
+
+    import jax
+
+    from jax_side import unit_linear
+    from models import gpt_math
+
+    monkeypatch.setattr(gpt_math, "QKV_PARTS", True)  # restored after the test
+    ran = []
+    real = unit_linear.row_parts
+    monkeypatch.setattr(unit_linear, "row_parts", lambda w, n: ran.append(n) or real(w, n))
+    jax.clear_caches()
+    args = argparse.Namespace(device="cpu", precompile=False, batch_size=2, seq_len=64, warmup=1,
+                              steps=1, world_size=1, profile=False, pyprofile=0,
+                              gemm="fp8_blocked", shared_pool=False)
+    losses, parts = {}, {}
+    for run in ("mxfp8:u2", "mxfp8:u2:qkv1"):
+        ran.clear()
+        losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
+        parts[run] = len(ran)
+    jax.clear_caches()
+    assert parts["mxfp8:u2:qkv1"] == 0 and parts["mxfp8:u2"] > 0
+    assert len(losses["mxfp8:u2"]) == 2 and losses["mxfp8:u2:qkv1"] == losses["mxfp8:u2"]

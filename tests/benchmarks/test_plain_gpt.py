@@ -75,7 +75,15 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     for bad in ("fsdp2:r", "torchao:r", "mxfp8-op:u2:r"):  # named, why, and what to do
         with pytest.raises(ValueError, match=re.escape(bad) + ".*runs no unit programs, drop ':r'"):
             _run_spec(bad)
-    for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r"):
+    from benchmarks.bench_train_step import _whole_qkv
+
+    assert _run_spec("mxfp8:u4:r:qkv1") == ("mxfp8", 4, True) and _whole_qkv("mxfp8:u4:r:qkv1")
+    assert _run_spec("bf16:qkv1") == ("bf16", 1, False) and not _whole_qkv("mxfp8:u4")
+    for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1"):
+        with pytest.raises(ValueError, match=re.escape(bad) + ".*drop it"):
+            _run_spec(bad)
+    for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",
+                "mxfp8:qkv1:r"):
         with pytest.raises(ValueError, match=f"unknown run {re.escape(repr(bad))}: expected .*"
                                              "':u<N>'.*then ':r'.*'mxfp8:u4:r'"):
             _run_spec(bad)

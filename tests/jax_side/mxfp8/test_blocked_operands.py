@@ -29,6 +29,7 @@ from jax_side.mxfp8 import reblock
 from jax_side.mxfp8.kernels import resolve_kernels
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d
 from jax_side.mxfp8.reblock import shift_codes
+from tests.jax_side.mxfp8.pallas_calls import pallas_operand_shapes
 from tests.jax_side.mxfp8.tiny_training import two_step_losses
 
 
@@ -107,6 +108,39 @@ def test_whole_block_programs_write_the_same_bytes(output, block, dtype):
                               tiles_t=output == "tiles_t", interpret=True, block=block,
                               whole=True)
     _assert_same(got, want, f"{output} {block} whole")
+
+
+PART_CALLS = [("rows", (32, 128), False), ("rows", (128, 128), False),
+              ("rows_t", (128, 64), False), ("rows_t", (128, 32), True),
+              ("tiles_t", (128, 128), False), ("tiles_t", (128, 128), True)]
+
+
+@pytest.mark.parametrize(("output", "block", "whole"), PART_CALLS, ids=str)
+def test_column_parts_write_the_bytes_of_their_concatenation(output, block, whole):
+    """x given as column parts (dq, dk, dv): each part's kernel writes its columns into the
+    shared outputs, the bytes of the operands of the concatenated x; no concatenation runs."""
+    x = jnp.asarray(_hostile((256, 512), 7)).astype(jnp.bfloat16)
+    parts = (x[:, :128], x[:, 128:384], x[:, 384:])
+    kw = dict(rows=output == "rows", rows_t=output == "rows_t", tiles_t=output == "tiles_t",
+              interpret=True, block=block, whole=whole)
+    _assert_same(quantize_blocked_2d(parts, **kw), quantize_blocked_2d(x, **kw),
+                 f"{output} {block} parts")
+    ops = pallas_operand_shapes(lambda *p: quantize_blocked_2d(p, **kw), *parts)
+    assert [o[0] for o in ops] == [(256, 128), (256, 256), (256, 128)]
+    prims = str(jax.make_jaxpr(lambda *p: quantize_blocked_2d(p, **kw))(*parts))
+    assert "concatenate" not in prims
+
+
+def test_column_parts_are_checked_by_name():
+    x = jnp.zeros((128, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x part 1's .* must be multiples of 128"):
+        quantize_blocked_2d((x, x[:, :96]), rows=True, rows_t=False, tiles_t=False,
+                            interpret=True, block=(32, 128))
+    with pytest.raises(ValueError, match="column parts must share M and dtype"):
+        quantize_blocked_2d((x, x.astype(jnp.float32)), rows=True, rows_t=False,
+                            tiles_t=False, interpret=True, block=(32, 128))
+    with pytest.raises(ValueError, match="no column parts given"):
+        quantize_blocked_2d((), rows=True, rows_t=False, tiles_t=False, interpret=True)
 
 
 def test_whole_blocks_make_no_rows():
