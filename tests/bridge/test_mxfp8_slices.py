@@ -63,3 +63,22 @@ def test_batched_images_are_the_concatenated_bytes_in_place_with_a_fill_not_a_pa
     hlo = S._batched_scales_and_cast_images.lower(*args).compile().as_text()
     assert f"u8[{want.shape[0]}]{{0}} pad(" not in hlo, "the images array is padded, not filled"
     assert f"u8[{want.shape[0]}]{{0}} broadcast(" in hlo and "dynamic-update-slice(" in hlo
+
+
+def test_the_pallas_refresh_reads_fp32_buffers_as_bf16_with_the_reference_bytes():
+    """The refresh's programs on the ``pallas`` backend (interpreted): the fp32 buffer goes to
+    the kernels whole, each value rounded to bf16 as it is loaded (``read_as``), and the packed
+    amax and the images are the bytes of the reference backend's cut-and-convert."""
+    from common.kernels import Backend
+
+    for rank in (0, 1):
+        buf, amax, pieces, layout = _case(rank)
+        for b in (buf, buf * 3e-38, buf.at[::7].set(jnp.nan)):  # plain, subnormal, NaN
+            want = np.asarray(S._packed_partial_amax(b, pieces, None, jnp.bfloat16))
+            got = np.asarray(S._packed_partial_amax(b, pieces, Backend.PALLAS, jnp.bfloat16))
+            assert got.tobytes() == want.tobytes()
+            want = np.asarray(S._scales_and_cast_images(b, amax, pieces, None, jnp.bfloat16,
+                                                        layout))
+            got = np.asarray(S._scales_and_cast_images(b, amax, pieces, Backend.PALLAS,
+                                                       jnp.bfloat16, layout))
+            assert got.tobytes() == want.tobytes()
