@@ -208,6 +208,10 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
         def linear(name, h, parts=1):
             lead = h.shape[:-1]
             h2 = h.reshape(-1, h.shape[-1])
+            if parts != 1:
+                _check_parts(spec, name, parts, row_planes[index[name]].shape[0]
+                             if name in index else params[f"{name}.weight"].shape[0]
+                             if name in hp_lin else None)
             if name in index:
                 i = index[name]
                 if parts > 1 and splits(row_planes[i], parts, spec.kernels):
@@ -228,6 +232,16 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
         return _call(fn, params, linear, x, aux)
 
     return f
+
+
+def _check_parts(spec: UnitSpec, name: str, parts: int, n: int | None) -> None:
+    """``linear(name, h, parts=...)``: a positive int that divides the output's N (None: the
+    linear is unknown, which the caller reports)."""
+    if n is not None and (not isinstance(parts, int) or parts < 1 or n % parts):
+        raise ValueError(
+            f"unit program {spec.fn!r}: linear {name!r} asked for parts={parts!r}; its output "
+            f"has {n} features, so parts must be a positive integer that divides {n}"
+        )
 
 
 def _stage(spec: UnitSpec, k: int) -> tuple[int, ...]:

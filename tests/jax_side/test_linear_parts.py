@@ -191,3 +191,18 @@ def test_row_parts_refuse_a_colwise_plane():
     with pytest.raises(ValueError, match="expected a rowwise plane"):
         blocked_operands.row_parts(flat, 3)
     assert dataclasses.is_dataclass(flat)
+
+
+@pytest.mark.parametrize("parts", [5, 0, 1.5])
+def test_parts_that_do_not_divide_the_output_are_refused_by_name(parts):
+    """A unit function asking for parts that cannot cut the output evenly gets an error naming
+    the linear and what to pass (not jnp.split's)."""
+    spec, params, rows, cols, x = _inputs("xla")
+
+    @dataclasses.dataclass(frozen=True)
+    class AsksParts:
+        def __call__(self, params, linear, x):
+            return linear("attn.qkv", x, parts=parts)[0]
+
+    with pytest.raises(ValueError, match=r"linear 'attn.qkv' asked for parts=.*divides 384"):
+        U.unit_apply(params, rows, x, (), spec=spec._replace(fn=AsksParts()))
