@@ -287,6 +287,13 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
                 np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
                                               _u8(getattr(getattr(want, output), part)),
                                               err_msg=f"{output} {block} whole {part}")
+        c = x.shape[1] // 3 // 128 * 128  # column parts into shared outputs (aliased), compiled
+        parts = (x[:, :c], x[:, c:2 * c], x[:, 2 * c:])
+        for output, block, whole in PART_CALLS:
+            kw = dict(rows=output == "rows", rows_t=output == "rows_t",
+                      tiles_t=output == "tiles_t", block=block, whole=whole)
+            _assert_same(quantize_blocked_2d(parts, **kw), quantize_blocked_2d(x, **kw),
+                         f"{output} {block} {whole} parts {shape}")
         # and as the linear layer calls it: one call per output, its own warps per output
         k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
         _assert_same(blocked.quantize_operands(x, rows=True, rows_t=True, tiles_t=True,
