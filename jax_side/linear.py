@@ -92,6 +92,7 @@ __all__ = [
     "quantize_activation",
     "quantize_weight",
     "quantize_weight_program",
+    "runs_blocked",
 ]
 
 
@@ -261,7 +262,7 @@ def forward(
     """y = x W^T. x2d (T, K) bf16/fp32; w needs its rowwise plane. Returns y (T, N) out_dtype and,
     if ``keep_x_colwise``, the colwise plane of the padded x for wgrad (with an fp8_blocked GEMM,
     its x^T tiles: ``blocked_operands.KeptTiles``)."""
-    if _blocked(kernels, w_rowwise):
+    if runs_blocked(kernels, w_rowwise):
         return ForwardOut(*blocked.forward(x2d, w_rowwise, jnp.dtype(out_dtype),
                                            gemm_dtype(out_dtype), keep_x_colwise, kernels))
     planes = ALL_PLANES if keep_x_colwise else (Plane.ROWWISE,)
@@ -270,7 +271,7 @@ def forward(
     return ForwardOut(y, xq.only(Plane.COLWISE) if keep_x_colwise else None)
 
 
-def _blocked(kernels: ResolvedKernels, w: MXFP8Tensor | FlatPlane | None) -> bool:
+def runs_blocked(kernels: ResolvedKernels, w: MXFP8Tensor | FlatPlane | None) -> bool:
     """Whether x and dy are quantized straight into the fp8_blocked GEMM's operands: with that
     GEMM and MXFP8 weight planes (planes of another block format take the reference GEMM)."""
     return kernels.gemm in blocked.BLOCKED_GEMMS and not (
@@ -303,7 +304,7 @@ def backward_traced(dy2d: jax.Array | tuple[jax.Array, ...],
     values of the caller's trace. ``dy2d`` may be column parts on the fp8_blocked path
     (``blocked_operands.forward_parts``' cotangents)."""
     if isinstance(x_colwise, blocked.KeptTiles) or (x_colwise is None
-                                                     and _blocked(kernels, w_colwise)):
+                                                     and runs_blocked(kernels, w_colwise)):
         out = BackwardOut(*blocked.backward(
             dy2d, w_colwise, x_colwise,
             (jnp.dtype(dx_dtype), gemm_dtype(dx_dtype)),

@@ -29,10 +29,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_side.linear import FlatPlane, backward, backward_traced, forward, gemm_dtype
+from jax_side.linear import (
+    FlatPlane,
+    backward,
+    backward_traced,
+    forward,
+    gemm_dtype,
+    runs_blocked,
+)
 from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.blocked_operands import (
-    BLOCKED_GEMMS,
     KeptTiles,
     WgradOperands,
     forward_parts,
@@ -110,9 +116,7 @@ def splits(w_row: Any, parts: int, kernels: ResolvedKernels) -> bool:
     """Whether ``unit_linear_parts`` runs this linear as ``parts`` GEMMs: the fp8_blocked GEMM on
     MXFP8 planes, and N/parts a multiple of 128 rows (each part's tiles are the whole weight's,
     so the operand bytes are those of the one GEMM)."""
-    if kernels.gemm not in BLOCKED_GEMMS or not isinstance(w_row, (FlatPlane, MXFP8Tensor)):
-        return False
-    if isinstance(w_row, FlatPlane) and not w_row.is_mxfp8:
+    if not isinstance(w_row, (FlatPlane, MXFP8Tensor)) or not runs_blocked(kernels, w_row):
         return False
     n = w_row.shape[0]
     return parts > 1 and n % parts == 0 and (n // parts) % GROUP == 0

@@ -75,11 +75,12 @@ def partial_block_amax(flat: jax.Array, shape: tuple[int, int], start: int, roww
                        read_as: DTypeLike | None = None) -> BlockAmax:
     """fp32 block amax of a validated slice, full scale shapes (zeros elsewhere): all of
     ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies (``_in_place``),
-    its values converted to ``read_as`` (a dtype name) as they are loaded."""
-    in_place = n is not None
+    its values converted to ``read_as`` as they are loaded (which reads in place)."""
+    read = _name(flat, read_as)
+    in_place = n is not None or read is not None
     n = int(flat.shape[0]) if n is None else int(n)
     return _partial_amax(flat, int(offset), n, tuple(shape), int(start), bool(rowwise),
-                         bool(colwise), interpret_mode(), in_place, _name(flat, read_as))
+                         bool(colwise), interpret_mode(), in_place, read)
 
 
 def _name(flat: jax.Array, read_as: DTypeLike | None) -> str | None:
@@ -94,11 +95,6 @@ def _in_place(b: Band, k: int, offset: int, read_as: str | None) -> FlatView:
     ``band_values`` pads), converted to ``read_as`` as loaded."""
     return FlatView(offset - b.pad_left, k, b.pad_left, b.rows * k - b.pad_right,
                     b.pad_left > 0 or b.pad_right > 0, read_as)
-
-
-def _band(flat: jax.Array, k: int, b: Band, read_as: str | None) -> jax.Array:
-    """The slice's band as an array (zero-padded), converted to ``read_as``."""
-    return band_values(flat if read_as is None else flat.astype(read_as), k, b)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
@@ -116,7 +112,7 @@ def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], 
                                                (b.rows, k), rowwise=rowwise, colwise=colwise,
                                                interpret=interpret)
     else:  # zero padding never raises an amax
-        part = pallas_impl.block_amax_2d(_band(flat, k, b, read_as), rowwise=rowwise,
+        part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise,
                                          colwise=colwise, interpret=interpret)
     if rowwise:
         row = lax.dynamic_update_slice(row, part.rowwise, (b.row0, 0))
@@ -131,10 +127,11 @@ def cast_slice(flat: jax.Array, shape: tuple[int, int], start: int, row_b: jax.A
     """e4m3 of a validated slice with given uint8 scale bytes (either may be None): all of
     ``flat``, or (``n`` given) ``flat[offset : offset + n]`` read where it lies, converted to
     ``read_as`` as loaded (``partial_block_amax``)."""
-    in_place = n is not None
+    read = _name(flat, read_as)
+    in_place = n is not None or read is not None
     n = int(flat.shape[0]) if n is None else int(n)
     return _cast_slice(flat, row_b, col_b, int(offset), n, tuple(shape), int(start),
-                       interpret_mode(), in_place, _name(flat, read_as))
+                       interpret_mode(), in_place, read)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
@@ -152,7 +149,7 @@ def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None, off
         out = pallas_impl.cast_in_place(flat, _in_place(b, k, offset, read_as), (b.rows, k),
                                         band_rs, band_cs, interpret=interpret)
     else:
-        out = pallas_impl.cast_2d(_band(flat, k, b, read_as), band_rs, band_cs,
+        out = pallas_impl.cast_2d(band_values(flat, k, b), band_rs, band_cs,
                                   interpret=interpret)
 
     def finish(y):  # (R, K) band plane -> the slice's n elements
