@@ -31,6 +31,11 @@ Runs (``--runs``):
   GEMM whose output is split into q, k and v (``models.gpt_math.QKV_PARTS`` off), against the
   default's three GEMMs and no cut or join (docs/mxfp8_numerics.md, "q, k and v from three
   GEMMs"); only for this project's runs.
+- ``:gelu-pass`` at the very end (e.g. ``mxfp8:u4:gelu-pass``, ``mxfp8:u4:qkv1:gelu-pass``):
+  the MLP's GELU as an XLA pass of its own that writes GELU(h) before the second linear
+  (``models.gpt_math.GELU_IN_LINEAR`` off), against the default's GELU applied inside that
+  linear's quantize of its input (docs/mxfp8_numerics.md, "The GELU inside the second MLP
+  linear"); only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -85,6 +90,9 @@ RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2",
         "torchao")
 PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
 QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
+GELU_PASS = ":gelu-pass"  # a run's suffix: the GELU as a pass of its own
+# a run's trailing suffixes (any order, each once) -> the models.gpt_math knob each turns off
+SWITCHES = {QKV1: "QKV_PARTS", GELU_PASS: "GELU_IN_LINEAR"}
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -198,9 +206,12 @@ def _build(run, cfg, args):
 
     from models import gpt_math
 
-    if gpt_math.QKV_PARTS == _whole_qkv(run):  # trace this run's unit programs anew
-        gpt_math.QKV_PARTS = not _whole_qkv(run)
-        jax.clear_caches()
+    off = _switches(run)[1]
+    want = {knob: knob not in off for knob in SWITCHES.values()}
+    if any(getattr(gpt_math, k) != v for k, v in want.items()):
+        for k, v in want.items():
+            setattr(gpt_math, k, v)
+        jax.clear_caches()  # trace this run's unit programs anew
     run, per_unit, recompute = _run_spec(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
@@ -254,29 +265,44 @@ def _parse_run(run: str) -> tuple[str, int]:
 
 def _run_spec(run: str) -> tuple[str, int, bool]:
     """(base run, blocks per FSDP unit, activation recompute): ``mxfp8:u4:r`` -> ("mxfp8", 4,
-    True); ValueError naming the run otherwise (a trailing ``:qkv1``: ``_whole_qkv``)."""
-    name = run.removesuffix(QKV1)
+    True); ValueError naming the run otherwise (trailing ``SWITCHES``: ``_switches``)."""
+    name = _switches(run)[0]
     if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
-        raise ValueError(f"run {run!r}: '{QKV1}' runs the GPT's qkv linear as one GEMM in this "
-                         f"project's unit programs; drop it from {name!r}")
+        raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
+                         f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
+                         f"as a pass of its own); drop them from {name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
-                         f"GEMM), e.g. 'mxfp8:u4:r'")
+                         f"GEMM) and/or '{GELU_PASS}' (the GELU as a pass of its own), e.g. "
+                         f"'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
     return base, int(n) if sep else 1, recompute
 
 
+def _switches(run: str) -> tuple[str, frozenset[str]]:
+    """(the run without its trailing ``SWITCHES``, the ``models.gpt_math`` knobs they turn
+    off): ``:qkv1``, the GPT block asks its qkv linear for one output and splits it
+    (``QKV_PARTS``), to compare with the default's three GEMMs in one launch; ``:gelu-pass``,
+    the MLP's GELU runs as an XLA pass of its own before the second linear
+    (``GELU_IN_LINEAR``), to compare with the default's GELU inside that linear's quantize."""
+    name, off = run, set()
+    while True:
+        hit = [(s, k) for s, k in SWITCHES.items() if name.endswith(s) and k not in off]
+        if not hit:
+            return name, frozenset(off)
+        name = name.removesuffix(hit[0][0])
+        off.add(hit[0][1])
+
+
 def _whole_qkv(run: str) -> bool:
-    """``:qkv1`` at the end of a run: the GPT block asks its qkv linear for one output and
-    splits it (``models.gpt_math.QKV_PARTS`` off), to compare with the three GEMMs of the
-    default in one launch."""
-    return run.endswith(QKV1)
+    """``:qkv1`` among a run's trailing switches (``_switches``)."""
+    return "QKV_PARTS" in _switches(run)[1]
 
 
 def _adamw(args) -> dict:
@@ -737,7 +763,8 @@ def main(argv=None) -> int:
                    help=f"a comma list from {RUNS}; this project's runs take ':u<N>' for N "
                         f"blocks per FSDP unit (e.g. mxfp8:u4), then ':r' for the unit "
                         f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op), "
-                        f"then '{QKV1}' for the GPT's qkv linear as one GEMM and a split")
+                        f"then '{QKV1}' for the GPT's qkv linear as one GEMM and a split "
+                        f"and/or '{GELU_PASS}' for the MLP's GELU as a pass of its own")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
     p.add_argument("--profile-top", type=int, default=8,

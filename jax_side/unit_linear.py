@@ -8,6 +8,9 @@ the weight's colwise plane (which FSDP gathers for the backward only) from the i
 ``backward_scope`` -- a table opened around that call and read, never written, by the rules.
 dW leaves as the cotangent of ``carrier`` (zeros of the weight's shape in dW's dtype that the
 forward does not read), so autodiff sums it where a layer is called twice.
+``unit_linear_parts`` is the same linear with its output in column parts (q, k and v), and
+``unit_linear_pre`` the linear of ``pre(x2d)`` for an elementwise ``pre`` that the quantize of
+x applies as it loads x (the GPT's GELU), with the same rule around them.
 
 **dW written in place.** For the linears a scope is opened with in ``defer``, the rule also
 records its wgrad operands (``blocked_operands.WgradOperands``) in the scope; ``writers`` then
@@ -44,11 +47,14 @@ from jax_side.mxfp8.blocked_operands import (
     forward_parts,
     row_parts,
 )
+from jax_side.mxfp8.blocked_operands import forward as forward_blocked
+from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.reblock import GROUP
 from jax_side.unit_grads import Writer
 
-__all__ = ["backward_scope", "splits", "unit_linear", "unit_linear_parts"]
+__all__ = ["backward_scope", "fuses", "splits", "unit_linear", "unit_linear_parts",
+           "unit_linear_pre"]
 
 class BackwardScope:
     """The colwise planes of one ``unit_backward`` trace (read by the rules, never written),
@@ -149,6 +155,46 @@ def _unit_linear_parts_bwd(index, kernels, parts, res, dys):
 
 
 unit_linear_parts.defvjp(_unit_linear_parts_fwd, _unit_linear_parts_bwd)
+
+
+def fuses(w_row: Any, kernels: ResolvedKernels) -> bool:
+    """Whether ``unit_linear_pre`` runs: the fp8_blocked GEMM on MXFP8 planes (x and dy quantized
+    straight into its operands, where an elementwise ``pre`` can be applied as x is loaded)."""
+    return isinstance(w_row, (FlatPlane, MXFP8Tensor)) and runs_blocked(kernels, w_row)
+
+
+def _pre_forward(x2d: jax.Array, w_row: Any, kernels: ResolvedKernels, pre: Prologue,
+                 keep: bool) -> tuple[jax.Array, KeptTiles | None]:
+    dtype = jnp.dtype(x2d.dtype)
+    return forward_blocked(x2d, w_row, dtype, gemm_dtype(dtype), keep, kernels, pre)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def unit_linear_pre(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                    kernels: ResolvedKernels, pre: Prologue) -> jax.Array:
+    """``unit_linear`` of ``pre(x2d)`` (``pre`` elementwise, x's shape and dtype: the GPT's GELU
+    before its MLP's second linear), with ``pre`` applied inside the quantize of x
+    (``blocked_operands.quantize_operands(pre=...)``), so ``pre(x2d)`` is never written out
+    (``fuses`` says when). Residuals: ``pre(x2d)``'s tiles for wgrad and ``x2d`` itself (what
+    ``jax.checkpoint(pre)`` keeps); the backward takes the linear's dx, the cotangent of
+    ``pre(x2d)``, through ``jax.vjp(pre, x2d)`` -- the values of ``unit_linear(
+    jax.checkpoint(pre)(x2d), ...)``, forward and backward."""
+    return _pre_forward(x2d, w_row, kernels, pre, keep=False)[0]
+
+
+def _unit_linear_pre_fwd(x2d, w_row, carrier, index, kernels, pre):
+    y, kept = _pre_forward(x2d, w_row, kernels, pre, keep=True)
+    return y, (kept, x2d, jnp.zeros((), carrier.dtype))
+
+
+def _unit_linear_pre_bwd(index, kernels, pre, res, dy):
+    kept, x2d, dw_dtype = res
+    dh, _, dw = _unit_linear_bwd(index, kernels, (kept, x2d, dw_dtype), dy)
+    (dx,) = jax.vjp(pre, x2d)[1](dh)
+    return dx, None, dw
+
+
+unit_linear_pre.defvjp(_unit_linear_pre_fwd, _unit_linear_pre_bwd)
 
 
 @contextlib.contextmanager

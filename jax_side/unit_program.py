@@ -6,7 +6,11 @@ before ``aux`` (the programs' ``x`` is then a tuple of them: ``fn(params, linear
 and one of several outputs returns a tuple. ``linear(name, h)`` is filled in here (and
 ``linear(name, h, parts=n)``: y's n equal column parts, as ``jnp.split`` cuts them; with the
 ``fp8_blocked`` GEMM and N/n a multiple of 128, n GEMMs against the weight's row parts, whose
-cotangents reach the backward as they are: ``unit_linear.unit_linear_parts``) with
+cotangents reach the backward as they are: ``unit_linear.unit_linear_parts``; and
+``linear(name, h, pre=fn)``: the linear of ``fn(h)`` for an elementwise ``fn`` of h's shape and
+dtype, checked by ``jax_side.mxfp8.elementwise.check``, which with the ``fp8_blocked`` GEMM
+runs inside the quantize of h so that ``fn(h)`` is never written out:
+``unit_linear.unit_linear_pre``; elsewhere ``jax.checkpoint(fn)(h)`` first) with
 
 - the MXFP8 linear (``jax_side.linear``: the same jitted forward / backward pieces, hence the same
   bytes, as the per-linear op and the Flax twin) for each name in ``UnitSpec.mxfp8``, reading
@@ -76,11 +80,18 @@ from jax import lax
 
 from common.formats import ALL_PLANES, Plane
 from jax_side.linear import FlatPlane, high_precision_linear, quantize_weight
-from jax_side.mxfp8 import MXFP8Tensor
+from jax_side.mxfp8 import MXFP8Tensor, elementwise
 from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.unit_grads import GradGroup, GradLayout, Grads, grad_layout, pack_grads
-from jax_side.unit_linear import backward_scope, splits, unit_linear, unit_linear_parts
+from jax_side.unit_linear import (
+    backward_scope,
+    fuses,
+    splits,
+    unit_linear,
+    unit_linear_parts,
+    unit_linear_pre,
+)
 
 __all__ = [
     "FlatTensor",
@@ -154,9 +165,10 @@ class SpanFn:
 
     def block(self, i: int, params: dict[str, Any], linear: Callable, x: jax.Array) -> Out:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
-        pre = f"{i}."
-        own = {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
-        return self.fns[i](own, lambda name, h, parts=1: linear(pre + name, h, parts), x)
+        prefix = f"{i}."
+        own = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+        return self.fns[i](own, lambda name, h, parts=1, pre=None: linear(
+            prefix + name, h, parts, pre), x)
 
 
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
@@ -205,20 +217,27 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
         values, carriers = weights
         params = dict(zip(names, values, strict=True))
 
-        def linear(name, h, parts=1):
-            lead = h.shape[:-1]
-            h2 = h.reshape(-1, h.shape[-1])
+        def linear(name, h, parts=1, pre=None):
             if parts != 1:
                 _check_parts(spec, name, parts, row_planes[index[name]].shape[0]
                              if name in index else params[f"{name}.weight"].shape[0]
                              if name in hp_lin else None)
+            if pre is not None:
+                elementwise.check(pre, h.dtype, f"unit program {spec.fn!r}: linear {name!r}")
+                if not (name in index and parts == 1 and fuses(row_planes[index[name]],
+                                                               spec.kernels)):
+                    h, pre = jax.checkpoint(pre)(h), None  # pre(h) first, then the linear
+            lead = h.shape[:-1]
+            h2 = h.reshape(-1, h.shape[-1])
             if name in index:
                 i = index[name]
                 if parts > 1 and splits(row_planes[i], parts, spec.kernels):
                     ys = unit_linear_parts(h2, row_planes[i], carriers[own[i]], i,
                                            spec.kernels, parts)
                     return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)
-                y2 = unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
+                y2 = (unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
+                      if pre is None else unit_linear_pre(h2, row_planes[i], carriers[own[i]],
+                                                          i, spec.kernels, pre))
             elif name in hp_lin:
                 y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
             else:

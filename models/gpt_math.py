@@ -46,6 +46,7 @@ __all__ = [
     "block",
     "cross_entropy",
     "cross_entropy_reference",
+    "gelu_tanh",
     "head_loss",
     "layer_norm",
     "mlp",
@@ -92,14 +93,22 @@ def attention(cfg: GPTConfig, acts: Activations, x: jax.Array, *,
     return proj(out.transpose(0, 2, 1, 3).reshape(b, s, d).astype(x.dtype))  # (B, S, D)
 
 
-@jax.checkpoint
-def _gelu(hid: jax.Array) -> jax.Array:
+def gelu_tanh(hid: jax.Array) -> jax.Array:
+    """The MLP's GELU (tanh approximation) in fp32, rounded once to ``hid``'s dtype;
+    elementwise, so a unit program's linear can apply it inside its quantize of x
+    (``linear(name, h, pre=gelu_tanh)``)."""
     return jax.nn.gelu(hid.astype(_F32), approximate=True).astype(hid.dtype)
 
 
-def mlp(x: jax.Array, *, fc: Fn, proj: Fn) -> jax.Array:
-    """x (B, S, D) -> (B, S, D); the GELU (tanh) in fp32, rounded once to x's dtype."""
-    return proj(_gelu(fc(x)))  # fc(x): (B, S, F)
+_gelu = jax.checkpoint(gelu_tanh)
+
+
+def mlp(x: jax.Array, *, fc: Fn, proj: Fn, gelu_in_proj: bool = False) -> jax.Array:
+    """x (B, S, D) -> (B, S, D); the GELU (tanh) in fp32, rounded once to x's dtype.
+    ``gelu_in_proj``: ``proj`` takes the GELU's input and applies ``gelu_tanh`` itself (a unit
+    program's ``linear(name, h, pre=gelu_tanh)``), with the values of ``proj(_gelu(h))``."""
+    hid = fc(x)  # (B, S, F)
+    return proj(hid) if gelu_in_proj else proj(_gelu(hid))
 
 
 def block(x: jax.Array, *, ln_1: Fn, attn: Fn, ln_2: Fn, mlp: Fn) -> jax.Array:
@@ -181,6 +190,9 @@ Linear = Callable[..., Any]
 # GPTBlockFn asks its qkv linear for q, k and v as three parts (read when a block is traced;
 # benchmarks.bench_train_step's ':qkv1' runs switch it off to compare one GEMM and a split)
 QKV_PARTS = True
+# GPTBlockFn hands the MLP's second linear the GELU's input and the GELU as its ``pre`` (read
+# when a block is traced; ':gelu-pass' runs switch it off: the GELU as a pass of its own)
+GELU_IN_LINEAR = True
 
 
 def _linear(linear: Linear, name: str) -> Fn:
@@ -191,6 +203,12 @@ def _qkv(linear: Linear) -> Callable[[jax.Array], Any]:
     if QKV_PARTS:
         return lambda h: linear("attn.qkv", h, parts=3)
     return _linear(linear, "attn.qkv")
+
+
+def _proj(linear: Linear) -> Fn:
+    if GELU_IN_LINEAR:
+        return lambda h: linear("mlp.proj", h, pre=gelu_tanh)
+    return _linear(linear, "mlp.proj")
 
 
 def _norm(params: Mapping[str, jax.Array], name: str, eps: float) -> Fn:
@@ -221,7 +239,8 @@ class GPTBlockFn:
                                      proj=_linear(linear, "attn.proj"),
                                      fused=self.fused_attention),
             ln_2=_norm(params, "ln_2", cfg.ln_eps),
-            mlp=lambda h: mlp(h, fc=_linear(linear, "mlp.fc"), proj=_linear(linear, "mlp.proj")),
+            mlp=lambda h: mlp(h, fc=_linear(linear, "mlp.fc"), proj=_proj(linear),
+                              gelu_in_proj=GELU_IN_LINEAR),
         )
 
 

@@ -34,7 +34,8 @@ from jax import lax
 from common.formats import BLOCK_SIZE, Plane, PlaneData, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
-from jax_side.mxfp8 import reblock
+from jax_side.mxfp8 import elementwise, reblock
+from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.gemm_impls import (
     b_tiles,
     blocked_product,
@@ -181,14 +182,29 @@ Parts = tuple[jax.Array, ...]  # column parts of one (T, C) tensor, each C_i a m
 
 
 def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
-                      tiles_t: bool = False, kernels: ResolvedKernels) -> BlockedPlanes:
+                      tiles_t: bool = False, kernels: ResolvedKernels,
+                      pre: Prologue | None = None) -> BlockedPlanes:
     """The blocked operands of a (T, C) bf16/fp32 activation or gradient, padded (module
     docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128).
     ``x`` may be a tuple of column parts (each C_i a multiple of 128): the operands of their
     concatenation, which the ``pallas`` kernels write part by part (no concatenation); other
-    backends concatenate first."""
+    backends concatenate first.
+
+    ``pre`` (elementwise, ``elementwise.check``): the operands of ``pre(x)``. The ``pallas``
+    kernels apply it as they load x when x needs no padding (T and C multiples of 128), so
+    ``pre(x)`` is never written; otherwise ``pre(x)`` is computed first (XLA fuses it into its
+    own quantize on the other backends). The same bytes either way on the CPU."""
     if not (rows or rows_t or tiles_t):
         raise ValueError("quantize_operands: rows, rows_t and tiles_t all False asks for nothing")
+    if pre is not None:
+        if isinstance(x, tuple):
+            raise ValueError("quantize_operands: pre with column parts; apply it to each part "
+                             "first")
+        elementwise.check(pre, x.dtype, "quantize_operands")
+        t, c = x.shape
+        if not (kernels.backend is Backend.PALLAS and (t, c) == (blocked_tokens(t),
+                                                                 round_up(c, _G))):
+            x, pre = pre(x), None
     if isinstance(x, tuple):
         if any(p.ndim != 2 or p.shape[1] % _G for p in x):
             raise ValueError(f"quantize_operands: column parts must be 2-D with widths that are "
@@ -199,15 +215,15 @@ def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
         x = jnp.concatenate(x, axis=1)
     xp = _padded(x)
     if kernels.backend is Backend.PALLAS:
-        return _pallas_operands(xp, rows, rows_t, tiles_t)
+        return _pallas_operands(xp, rows, rows_t, tiles_t, pre)
     planes = tuple(p for p, need in ((Plane.ROWWISE, rows), (Plane.COLWISE, rows_t or tiles_t))
                    if need)
     return from_planes(quantize(xp, planes=planes, kernels=kernels), rows=rows, rows_t=rows_t,
                        tiles_t=tiles_t)
 
 
-def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool,
-                     tiles_t: bool) -> BlockedPlanes:
+def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: bool,
+                     pre: Prologue | None = None) -> BlockedPlanes:
     """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers
     than all together (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192
     bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us)."""
@@ -220,7 +236,7 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool,
         made = quantize_blocked_2d(xp, rows=output == "rows", rows_t=output == "rows_t",
                                    tiles_t=output == "tiles_t", interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
-                                   whole=choice.whole)
+                                   whole=choice.whole, pre=pre)
         return _made(getattr(made, output))
 
     return BlockedPlanes(one("rows") if rows else None, one("rows_t") if rows_t else None,
@@ -279,21 +295,23 @@ def _made(r: reblock.Reblocked | None) -> reblock.Reblocked:
 
 
 def forward(x2d: jax.Array, w: Weight, out_dtype: jnp.dtype, gemm_dtype: jnp.dtype,
-            keep: bool, kernels: ResolvedKernels) -> tuple[jax.Array, KeptTiles | None]:
+            keep: bool, kernels: ResolvedKernels,
+            pre: Prologue | None = None) -> tuple[jax.Array, KeptTiles | None]:
     """y = x W^T (T, N) in ``out_dtype`` (the GEMM writes ``gemm_dtype``), and, if ``keep``,
-    x's tiles for wgrad."""
-    (y,), kept = forward_parts(x2d, (w,), out_dtype, gemm_dtype, keep, kernels)
+    x's tiles for wgrad; with ``pre``, of ``pre(x)`` (``quantize_operands``)."""
+    (y,), kept = forward_parts(x2d, (w,), out_dtype, gemm_dtype, keep, kernels, pre)
     return y, kept
 
 
 def forward_parts(x2d: jax.Array, ws: tuple[Weight, ...], out_dtype: jnp.dtype,
-                  gemm_dtype: jnp.dtype, keep: bool,
-                  kernels: ResolvedKernels) -> tuple[tuple[jax.Array, ...], KeptTiles | None]:
+                  gemm_dtype: jnp.dtype, keep: bool, kernels: ResolvedKernels,
+                  pre: Prologue | None = None,
+                  ) -> tuple[tuple[jax.Array, ...], KeptTiles | None]:
     """``forward`` against several weights at once (``row_parts`` of one weight): x quantized
     once, one GEMM per weight, y_i = x W_i^T; the concatenation of the y_i is ``forward``'s y
     against the whole weight (the same operand bytes where each W_i's rows are a multiple of
     128: its tiles are the whole weight's)."""
-    ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
+    ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels, pre=pre)
     ys = tuple(blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0],
                             w.shape[0], gemm_dtype).astype(out_dtype) for w in ws)
     return ys, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None

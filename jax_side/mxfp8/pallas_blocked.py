@@ -36,6 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_side.mxfp8 import elementwise
+from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.pallas_elements import (
     ElementPath,
     element_fns,
@@ -71,8 +73,14 @@ def _row_expand(e: jax.Array) -> jax.Array:
     return jnp.broadcast_to(e[:, :, None], (_BS, _PER, _BS)).reshape(_BS, GROUP)
 
 
+def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
+    """x's block (or rows of it) as the kernel quantizes it: ``pre`` applied where given."""
+    v = x_ref[index] if index else x_ref[...]
+    return v if pre is None else pre(v)
+
+
 def _kernel_whole(x_ref: Any, *refs: Any, cols: bool, tiles: bool, path: ElementPath,
-                  bands: int) -> None:
+                  bands: int, pre: Prologue | None) -> None:
     """One program, transposed output only: x's whole (32 * bands, W) block loaded once, the
     colwise scales of its bands by one reshape, and the codes transposed and stored at once, so
     each output row gets its 32 * bands codes in one store (the banded kernel reads each band
@@ -80,7 +88,7 @@ def _kernel_whole(x_ref: Any, *refs: Any, cols: bool, tiles: bool, path: Element
     assert cols, "the whole-block kernel makes the transposed outputs"
     td, ts = refs
     elements, cast = element_fns(path, any_scale=False)
-    el = elements(fp32_bits(x_ref[...]))  # (R, W), R = 32 * bands
+    el = elements(fp32_bits(_load(x_ref, pre)))  # (R, W), R = 32 * bands
     w = el.amax_in.shape[1]
     amax = jnp.max(el.amax_in.reshape(bands, _BS, w), axis=1)  # (bands, W): 32x1 blocks
     ec = scale_bytes_of_bits(amax, any_bits=False)
@@ -94,7 +102,7 @@ def _kernel_whole(x_ref: Any, *refs: Any, cols: bool, tiles: bool, path: Element
 
 
 def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
-            path: ElementPath, bands: int) -> None:
+            path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
     need every band's colwise scale before the first cast, so their bands are read twice: once
@@ -107,7 +115,7 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     elements, cast = element_fns(path, any_scale=False)
 
     def band(i: int) -> Any:
-        return elements(fp32_bits(x_ref[pl.ds(i * _BS, _BS), :]))
+        return elements(fp32_bits(_load(x_ref, pre, pl.ds(i * _BS, _BS), slice(None))))
 
     if rows:
         for i in range(bands):
@@ -134,7 +142,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
-                        whole: bool = False) -> BlockedPlanes:
+                        whole: bool = False, pre: Prologue | None = None) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -148,7 +156,12 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
     128: the operands of their concatenation along the columns, each part's kernel writing its
     columns straight into the shared outputs (``input_output_aliases``), so the parts are never
-    concatenated (the attention's dq, dk, dv into the qkv backward's operands)."""
+    concatenated (the attention's dq, dk, dv into the qkv backward's operands).
+
+    ``pre``: an elementwise function (``elementwise.check``) that each program applies to x's
+    values as it loads them: the operands of ``pre(x)``, byte for byte, with ``pre(x)`` never
+    written to memory (the GPT's GELU before its MLP's second linear; ``pre`` must be hashable,
+    a module-level function, as it is part of the compiled kernel)."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
     what = "quantize_blocked_2d"
     if not parts:
@@ -174,10 +187,12 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     if whole and rows:
         raise ValueError(f"{what}: whole=True makes one transposed output (rows_t or tiles_t) "
                          f"alone; make rows in its own call")
+    if pre is not None:
+        elementwise.check(pre, parts[0].dtype, what)
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole))
+                             (int(block[0]), int(block[1])), bool(whole), pre)
 
 
 def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool) -> None:
@@ -206,6 +221,7 @@ class _Call(NamedTuple):
     num_warps: int
     block: tuple[int, int]
     whole: bool
+    pre: Prologue | None  # applied to x's values as they are loaded
     c0: int  # the part's first column in the whole (M, K)
     k: int  # the whole's K
 
@@ -242,10 +258,10 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     br, bc = c.block
     if c.whole:
         kernel = functools.partial(_kernel_whole, cols=c.cols, tiles=c.tiles, path=c.path,
-                                   bands=br // _BS)
+                                   bands=br // _BS, pre=c.pre)
     else:
         kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
-                                   path=c.path, bands=br // _BS)
+                                   path=c.path, bands=br // _BS, pre=c.pre)
     outs = c.outs(m)
     in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
     if written:
@@ -259,16 +275,17 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     )(x, *written))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
-                      block: tuple[int, int], whole: bool) -> BlockedPlanes:
+                      block: tuple[int, int], whole: bool,
+                      pre: Prologue | None) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
         res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, c0, k))
+                                       whole, pre, c0, k))
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None

@@ -3,12 +3,14 @@
 #   bash scripts/gpu/reblock_kernels.sh [tests] [bench] [step]
 #   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
 #          pallas_reblock; slices read in place, also as bf16 of fp32; the blocked-operand
-#          quantize, whole-block and in column parts; q, k, v from three GEMMs within 1e-3)
+#          quantize, whole-block and in column parts; q, k, v from three GEMMs within 1e-3;
+#          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
 #          banded and whole-block, and two outputs in one call (BENCH_ONLY, a regex of
 #          variants), and the weights' re-block, XLA against the kernel
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
-#          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1 compares the qkv linear as one GEMM),
+#          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-pass compares the qkv
+#          linear as one GEMM and the GELU as a pass of its own),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log)
@@ -25,6 +27,7 @@ for part in "${parts[@]}"; do
       timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
         tests/jax_side/mxfp8/test_pallas_reblock.py tests/jax_side/mxfp8/test_slices_in_place.py \
         tests/jax_side/mxfp8/test_blocked_operands.py tests/jax_side/test_linear_parts.py \
+        tests/jax_side/test_linear_pre.py \
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;

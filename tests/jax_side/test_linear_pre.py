@@ -1,0 +1,281 @@
+"""An elementwise function applied inside a linear's quantize of x (``linear(name, h, pre=fn)``
+in a unit program; the GPT's GELU before its MLP's second linear, issue 33): with the
+``fp8_blocked`` GEMM the blocked-operand kernel applies ``fn`` to x's values as it loads them
+(``quantize_blocked_2d(pre=...)``), so ``fn(h)`` is never written out, and the backward takes
+the linear's dx through ``jax.vjp(fn, h)``. Elsewhere (another GEMM, a high-precision linear,
+parts) ``jax.checkpoint(fn)(h)`` runs first, as before.
+
+On the CPU (the Pallas kernels interpreted) the bytes are those of ``fn`` first: the kernels'
+operands, the block's output and every gradient, both backends, kept and recomputed backwards.
+On the GPU the compiled kernel's ``tanh`` is Triton's (libdevice), not XLA's, so the GELU may
+differ in its last bf16 bit: there the results stay within a stated bound of ``fn`` first.
+A function that is not elementwise, or changes x's shape or dtype, is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from common.kernels import KernelConfig
+from jax_side import unit_linear
+from jax_side import unit_program as U
+from jax_side.mxfp8 import blocked_operands, elementwise, resolve_kernels
+from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d
+from models import gpt_math
+from models.gpt_math import gelu_tanh
+from tests.jax_side.test_linear_parts import _arrays, _inputs, _step
+
+on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
+    "bytes: the compiled kernel's tanh is Triton's, not XLA's; the gpu-marked tests bound it"))
+
+KERNEL_CALLS = [
+    dict(rows=True, rows_t=False, tiles_t=False, block=(32, 128), num_warps=2),
+    dict(rows=False, rows_t=False, tiles_t=True, num_warps=4),
+    dict(rows=False, rows_t=True, tiles_t=False, block=(128, 64), num_warps=2),
+    dict(rows=False, rows_t=True, tiles_t=False, block=(128, 64), whole=True),
+    dict(rows=True, rows_t=True, tiles_t=False),
+]
+
+
+def _u(shape=(256, 384), seed=0):
+    x = 3.0 * jax.random.normal(jax.random.key(seed), shape)
+    return x.at[5, 7].set(jnp.nan).at[9, 0].set(-jnp.inf).astype(jnp.bfloat16)
+
+
+def _planes_bytes(planes):
+    return [None if p is None else (np.asarray(p.data).view(np.uint8).tobytes(),
+                                    np.asarray(p.scale).view(np.uint8).tobytes())
+            for p in planes]
+
+
+@on_cpu
+@pytest.mark.parametrize("call", KERNEL_CALLS, ids=lambda c: "+".join(
+    k for k in ("rows", "rows_t", "tiles_t") if c[k]) + ("-whole" if c.get("whole") else ""))
+def test_the_kernel_with_pre_writes_the_bytes_of_pre_first(call):
+    u = _u()
+    got = quantize_blocked_2d(u, interpret=True, pre=gelu_tanh, **call)
+    want = quantize_blocked_2d(gelu_tanh(u), interpret=True, **call)
+    assert _planes_bytes(got) == _planes_bytes(want)
+
+
+@on_cpu
+def test_the_kernel_applies_pre_to_each_column_part():
+    parts = (_u((128, 256), 1), _u((128, 128), 2))
+    got = quantize_blocked_2d(parts, rows=True, rows_t=False, tiles_t=False, interpret=True,
+                              pre=gelu_tanh, block=(32, 128))
+    want = quantize_blocked_2d(tuple(gelu_tanh(p) for p in parts), rows=True, rows_t=False,
+                               tiles_t=False, interpret=True, block=(32, 128))
+    assert _planes_bytes(got) == _planes_bytes(want)
+
+
+@on_cpu
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 384)], ids=["aligned", "padded"])
+def test_quantize_operands_with_pre_gives_the_operands_of_pre_first(backend, shape):
+    kernels = resolve_kernels(KernelConfig(backend=backend, gemm="fp8_blocked"))
+    u = _u(shape)
+    got = blocked_operands.quantize_operands(u, rows=True, tiles_t=True, kernels=kernels,
+                                             pre=gelu_tanh)
+    want = blocked_operands.quantize_operands(gelu_tanh(u), rows=True, tiles_t=True,
+                                              kernels=kernels)
+    assert _planes_bytes(got) == _planes_bytes(want)
+
+
+@pytest.fixture
+def gelu_in_linear(monkeypatch):
+    """``GELU_IN_LINEAR`` set per call (restored after the test) with the traces cleared."""
+    def use(on: bool) -> None:
+        monkeypatch.setattr(gpt_math, "GELU_IN_LINEAR", on)
+        jax.clear_caches()
+
+    yield use
+    jax.clear_caches()
+
+
+def _spy(monkeypatch):
+    ran = []
+    real = U.unit_linear_pre
+    monkeypatch.setattr(U, "unit_linear_pre", lambda *a: ran.append(a[3]) or real(*a))
+    return ran
+
+
+@on_cpu
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_the_gelu_inside_the_linear_gives_the_bytes_of_the_gelu_first(backend, gelu_in_linear,
+                                                                       monkeypatch):
+    """The GPT block (fp8_blocked): its output, dx and every weight's and norm's gradient."""
+    inputs = _inputs(backend)
+    ran = _spy(monkeypatch)
+    gelu_in_linear(True)
+    fused = _step(*inputs)
+    assert ran == [3], "mlp.proj (linear 3) took the GELU as its pre"
+    gelu_in_linear(False)
+    apart = _step(*inputs)
+    assert ran == [3]
+    assert fused[0] == apart[0], "the block's output"
+    assert fused[1] == apart[1], "dx and every gradient"
+
+
+def _top_level_primitives(jaxpr) -> set[str]:
+    """Primitive names of a jaxpr and its nested calls, not looking into Pallas kernels."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for v in eqn.params.values():
+            inner = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+            if hasattr(inner, "eqns"):
+                names |= _top_level_primitives(inner)
+    return names
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_forward_computes_the_gelu_only_inside_the_kernel(on, gelu_in_linear):
+    """On the pallas backend the forward program has no tanh outside a Pallas kernel (the GELU
+    is never written out); with the GELU apart it has one."""
+    spec, params, rows, cols, x = _inputs("pallas")
+    gelu_in_linear(on)
+    fwd = jax.make_jaxpr(lambda *a: U.unit_forward(*a, spec=spec))(params, rows, x, ())
+    assert ("tanh" in _top_level_primitives(fwd.jaxpr)) is (not on)
+
+
+@on_cpu
+def test_the_recompute_backward_with_pre_has_the_kept_backwards_bytes(gelu_in_linear):
+    gelu_in_linear(True)
+    spec, params, rows, cols, x = _inputs("pallas")
+    out, saved = U.unit_forward(params, rows, x, (), spec=spec)
+    kept = saved.forwarded.kept(params, rows, x, (), out)
+    dout = (0.5 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
+    packed = U.unit_backward(saved, kept, dout, cols, spec=spec).packed
+    redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec).packed
+    assert np.asarray(packed).tobytes() == np.asarray(redo).tobytes()
+
+
+@pytest.mark.parametrize("case", ["exact GEMM", "parts", "high-precision linear"])
+def test_where_pre_cannot_be_fused_it_runs_first_with_the_same_bytes(case, monkeypatch):
+    """Another GEMM, a linear asked for parts, or a high-precision linear: ``jax.checkpoint(
+    pre)`` first, then the linear -- the bytes of a unit function that does so itself."""
+    spec, params, rows, cols, x = _inputs("xla")
+    if case == "exact GEMM":
+        spec = spec._replace(kernels=resolve_kernels(KernelConfig(backend="xla")))
+    if case == "high-precision linear":
+        weight = 0.05 * jax.random.normal(jax.random.key(9), (128, 128))
+        spec = spec._replace(params=(*spec.params, "attn.proj.weight"),
+                             mxfp8=("attn.qkv", "mlp.fc", "mlp.proj"),
+                             hp_linears=("attn.proj",), dw_dtypes=("float32",) * 3)
+        params, rows, cols = (*params, weight), rows[::2] + rows[3:], cols[::2] + cols[3:]
+    name, parts = ("attn.qkv", 2) if case == "parts" else ("attn.proj", 1)
+    ran = _spy(monkeypatch)
+
+    @dataclasses.dataclass(frozen=True)
+    class Block:
+        inside: bool
+
+        def __call__(self, params, linear, h):
+            pre = (lambda v: gelu_tanh(v))  # noqa: E731 -- not hashable-equal across calls
+            if self.inside:
+                out = linear(name, h, parts=parts, pre=gelu_tanh)
+            else:
+                out = linear(name, jax.checkpoint(pre)(h), parts=parts)
+            return out[0] if parts > 1 else out
+
+    outs = []
+    for inside in (True, False):
+        f = spec._replace(fn=Block(inside))
+        out, saved = U.unit_forward(params, rows, x, (), spec=f)
+        kept = saved.forwarded.kept(params, rows, x, (), out)
+        dx = U.unit_backward(saved, kept, jnp.ones_like(out), cols, spec=f).packed
+        outs.append((np.asarray(out).tobytes(), np.asarray(dx).tobytes()))
+    assert ran == [] and outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(("pre", "match"), [
+    (jax.nn.softmax, "is not elementwise"),
+    (lambda v: v.astype(jnp.float32), "must return one array of its input's shape and dtype"),
+    (lambda v: v.T, "must return one array"),
+    (lambda v: v - jnp.mean(v), r"reduce_sum"),
+    ("gelu", "must be a function"),
+])
+def test_a_pre_that_is_not_elementwise_is_refused_by_name(pre, match):
+    spec, params, rows, cols, x = _inputs("pallas")
+
+    @dataclasses.dataclass(frozen=True)
+    class AsksPre:
+        def __call__(self, params, linear, h):
+            return linear("attn.proj", h, pre=pre)
+
+    with pytest.raises((ValueError, TypeError), match=match) as err:
+        U.unit_apply(params, rows, x, (), spec=spec._replace(fn=AsksPre()))
+    assert "linear 'attn.proj'" in str(err.value)
+    with pytest.raises((ValueError, TypeError), match=match):
+        quantize_blocked_2d(_u(), rows=True, rows_t=False, tiles_t=False, interpret=True,
+                            pre=pre)
+
+
+def test_the_elementwise_check_looks_into_nested_calls():
+    elementwise.check(jax.nn.relu, jnp.float32, "t")  # a custom_jvp of max
+    elementwise.check(jax.jit(gelu_tanh), jnp.bfloat16, "t")
+    elementwise.check(lambda v: jnp.where(v > 0, v, 0.1 * v), jnp.bfloat16, "t")
+    with pytest.raises(ValueError, match="cumsum"):
+        elementwise.check(jax.jit(lambda v: jnp.cumsum(v, axis=1)), jnp.float32, "t")
+
+
+def test_fuses_says_when_the_linear_takes_pre():
+    kernels = resolve_kernels(KernelConfig(gemm="fp8_blocked"))
+    spec, params, rows, cols, x = _inputs("xla")
+    assert unit_linear.fuses(rows[3], kernels)
+    assert not unit_linear.fuses(rows[3], resolve_kernels(KernelConfig()))
+    assert not unit_linear.fuses(jnp.ones((128, 512)), kernels)
+
+
+def _rel(got, want):
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _values(p, tiles):
+    """An operand's fp32 values: codes times their block's power of two."""
+    codes = np.asarray(p.data.astype(jnp.float32), np.float64)
+    scale = np.exp2(np.asarray(p.scale, np.float64) - 127.0)
+    scale = np.repeat(scale, 128, axis=1)
+    return codes * (np.repeat(scale, 128, axis=0) if tiles else scale)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_kernels_gelu_stays_within_a_bf16_rounding_of_xlas():
+    """Compiled: Triton's tanh (libdevice) against XLA's may move the GELU's bf16 result by one
+    bit; the operands stay within 1e-3 (relative Frobenius of the dequantized values) of those
+    of XLA's GELU first, and at most 1 % of their codes differ."""
+    u = (3.0 * jax.random.normal(jax.random.key(4), (1024, 2048))).astype(jnp.bfloat16)
+    for call in KERNEL_CALLS:
+        got = quantize_blocked_2d(u, pre=gelu_tanh, **call)
+        want = quantize_blocked_2d(gelu_tanh(u), **call)
+        for name, g, w in zip(got._fields, got, want, strict=True):
+            if g is None:
+                continue
+            assert np.mean(np.asarray(g.data).view(np.uint8)
+                           != np.asarray(w.data).view(np.uint8)) <= 0.01, (call, name)
+            tiles = name == "tiles_t"
+            assert _rel(_values(g, tiles), _values(w, tiles)) <= 1e-3, (call, name)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_gelu_inside_the_linear_stays_within_the_gemms_bound(gelu_in_linear):
+    """Compiled: the block's output and every gradient within 1e-3 (relative Frobenius) of the
+    GELU first -- the bound of the qkv parts' test (tests/jax_side/test_linear_parts.py)."""
+    spec, params, rows, cols, x = inputs = _inputs("pallas")
+    gelu_in_linear(True)
+    fused = _step(*inputs)
+    gelu_in_linear(False)
+    apart = _step(*inputs)
+    got = [np.frombuffer(fused[0], jnp.bfloat16).astype(np.float64),
+           *_arrays(spec, params, x, fused[1])]
+    want = [np.frombuffer(apart[0], jnp.bfloat16).astype(np.float64),
+            *_arrays(spec, params, x, apart[1])]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert _rel(g, w) <= 1e-3, f"result {i}"
