@@ -14,7 +14,11 @@ plus the outputs written once (GB/s), for
   ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output; ``...,whole]``: the
   transposed outputs with each program's block loaded at once (``whole=True``);
   ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
-  memory, the sum of the two layer calls' work);
+  memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block),
+  which ``KERNEL_CONFIG["rows+rows_t"]`` / ``["rows+tiles_t"]`` would select;
+- ``gelu_pass``: XLA's GELU (``models.gpt_math.gelu_tanh``) alone, and ``gelu+rows[...]`` /
+  ``gelu+tiles_t[...]``: the forward's two calls with the GELU applied inside the kernel
+  (``pre=``), which replace ``gelu_pass`` and the two calls on its output;
 - with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
   into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
   ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
@@ -49,10 +53,11 @@ from common.formats import Plane  # noqa: E402
 from common.gemm_roles import ROLES, GemmRole  # noqa: E402
 from jax_side import mxfp8  # noqa: E402
 from jax_side.linear import FlatPlane  # noqa: E402
-from jax_side.mxfp8.blocked_operands import from_planes  # noqa: E402
+from jax_side.mxfp8.blocked_operands import KERNEL_CONFIG, from_planes  # noqa: E402
 from jax_side.mxfp8.gemm_impls import b_tiles  # noqa: E402
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d  # noqa: E402
 from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat  # noqa: E402
+from models.gpt_math import gelu_tanh  # noqa: E402
 
 SHAPES = [(8192, 2048), (8192, 6144), (8192, 8192)]  # the 1.3B GPT's x and dy at 8 x 1024
 WEIGHTS = [(6144, 2048), (2048, 2048), (8192, 2048), (2048, 8192)]  # its qkv, proj, fc1, fc2
@@ -94,10 +99,29 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                             block=block, whole=True), output)), 1)
     for second in ("rows_t", "tiles_t"):  # two outputs in one call: x read once from DRAM
         for w in warps:
-            out[f"rows+{second}[128x128,w{w}]"] = (jax.jit(
-                lambda x, second=second, w=w: quantize_blocked_2d(
-                    x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
-                    interpret=interpret, num_warps=w)), 2)
+            for whole in (False, True):
+                out[f"rows+{second}[128x128,w{w}{',whole' if whole else ''}]"] = (jax.jit(
+                    lambda x, second=second, w=w, whole=whole: quantize_blocked_2d(
+                        x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
+                        interpret=interpret, num_warps=w, whole=whole)), 2)
+    out.update(_gelu_variants(interpret))
+    return out
+
+
+def _gelu_variants(interpret: bool) -> dict[str, tuple[Any, int]]:
+    """The forward of the MLP's second linear at its input: XLA's GELU pass alone
+    (``gelu_pass``: bf16 in, bf16 out, counted as 2 bytes written), and each of the layer's
+    two calls with the GELU inside the kernel (``gelu+rows`` / ``gelu+tiles_t``,
+    ``KERNEL_CONFIG``'s blocks and warps; ``pre=gelu_tanh``): against ``rows[...]`` +
+    ``tiles_t[...]`` + ``gelu_pass``, what the GELU apart costs."""
+    out: dict[str, tuple[Any, int]] = {"gelu_pass": (jax.jit(gelu_tanh), 2)}
+    for output in ("rows", "tiles_t"):
+        c = KERNEL_CONFIG[output]
+        out[f"gelu+{output}[{c.block[0]}x{c.block[1]},w{c.warps}]"] = (jax.jit(
+            lambda x, output=output, c=c: getattr(quantize_blocked_2d(
+                x, rows=output == "rows", rows_t=False, tiles_t=output == "tiles_t",
+                interpret=interpret, num_warps=c.warps, block=c.block, whole=c.whole,
+                pre=gelu_tanh), output)), 1)
     return out
 
 

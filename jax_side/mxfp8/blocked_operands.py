@@ -79,6 +79,8 @@ class KernelChoice(NamedTuple):
 
 # The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
 # BENCHMARKS.md session 8; the whole-block variants were added later and are not measured yet).
+# An entry "rows+rows_t" or "rows+tiles_t" (block (128, 128)) makes that pair in one call
+# (_pallas_operands); none is set until the bench shows one faster than two calls.
 KERNEL_CONFIG: dict[str, KernelChoice] = {
     "rows": KernelChoice((32, 128), 2), "rows_t": KernelChoice((128, 64), 2),
     "tiles_t": KernelChoice((128, 128), 4)}
@@ -226,21 +228,29 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
                      pre: Prologue | None = None) -> BlockedPlanes:
     """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers
     than all together (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192
-    bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us)."""
+    bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us) -- unless
+    ``KERNEL_CONFIG`` holds an entry for the pair asked, ``"rows+rows_t"`` or
+    ``"rows+tiles_t"``: then one call makes both (x read once; ``whole=True`` makes both from
+    one loaded block). The bytes are the same either way."""
     from jax_side.mxfp8.pallas_backend import interpret_mode
 
     interpret = interpret_mode()
 
-    def one(output: str) -> reblock.Reblocked:
-        choice = KERNEL_CONFIG[output]
-        made = quantize_blocked_2d(xp, rows=output == "rows", rows_t=output == "rows_t",
-                                   tiles_t=output == "tiles_t", interpret=interpret,
+    def call(*outputs: str) -> BlockedPlanes:
+        choice = KERNEL_CONFIG["+".join(outputs)]
+        return quantize_blocked_2d(xp, rows="rows" in outputs, rows_t="rows_t" in outputs,
+                                   tiles_t="tiles_t" in outputs, interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
                                    whole=choice.whole, pre=pre)
-        return _made(getattr(made, output))
 
-    return BlockedPlanes(one("rows") if rows else None, one("rows_t") if rows_t else None,
-                         one("tiles_t") if tiles_t else None)
+    second = "rows_t" if rows_t else "tiles_t" if tiles_t else ""
+    if rows and f"rows+{second}" in KERNEL_CONFIG:
+        both = call("rows", second)
+        third = call("tiles_t").tiles_t if rows_t and tiles_t else None
+        return BlockedPlanes(both.rows, both.rows_t, both.tiles_t if third is None else third)
+    return BlockedPlanes(call("rows").rows if rows else None,
+                         call("rows_t").rows_t if rows_t else None,
+                         call("tiles_t").tiles_t if tiles_t else None)
 
 
 def blocked_gemm(a: reblock.Reblocked, b: Weight | reblock.Reblocked, role: GemmRole,

@@ -64,13 +64,14 @@ class BlockedPlanes(NamedTuple):
 
 
 def _row_blocks(v: jax.Array) -> jax.Array:
-    """(32, 128) -> (32, 4): max over each 1x32 block."""
-    return jnp.max(v.reshape(_BS, _PER, _BS), axis=2)
+    """(R, 128) -> (R, 4): max over each 1x32 block."""
+    return jnp.max(v.reshape(v.shape[0], _PER, _BS), axis=2)
 
 
 def _row_expand(e: jax.Array) -> jax.Array:
-    """(32, 4) -> (32, 128): each block's value over its 32 elements."""
-    return jnp.broadcast_to(e[:, :, None], (_BS, _PER, _BS)).reshape(_BS, GROUP)
+    """(R, 4) -> (R, 128): each block's value over its 32 elements."""
+    r = e.shape[0]
+    return jnp.broadcast_to(e[:, :, None], (r, _PER, _BS)).reshape(r, GROUP)
 
 
 def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
@@ -79,16 +80,29 @@ def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
     return v if pre is None else pre(v)
 
 
-def _kernel_whole(x_ref: Any, *refs: Any, cols: bool, tiles: bool, path: ElementPath,
-                  bands: int, pre: Prologue | None) -> None:
-    """One program, transposed output only: x's whole (32 * bands, W) block loaded once, the
-    colwise scales of its bands by one reshape, and the codes transposed and stored at once, so
-    each output row gets its 32 * bands codes in one store (the banded kernel reads each band
-    twice and stores 32 codes per row per band)."""
-    assert cols, "the whole-block kernel makes the transposed outputs"
-    td, ts = refs
+def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
+    """(codes, scale bytes) of R rows of elements in 1x128 blocks: each 1x32 block cast at its
+    own scale, then shifted to its 1x128 block's largest."""
+    e = scale_bytes_of_bits(_row_blocks(el.amax_in), any_bits=False)  # (R, 4)
+    top = jnp.max(e, axis=1, keepdims=True)  # (R, 1)
+    return shift_codes(cast(el, _row_expand(e)), _row_expand(e - top)), top.astype(jnp.uint8)
+
+
+def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
+                  path: ElementPath, bands: int, pre: Prologue | None) -> None:
+    """One program, x's whole (32 * bands, W) block loaded once: the rows' codes from it (W =
+    128), the colwise scales of its bands by one reshape, and the transposed codes stored at
+    once, so each output row gets its 32 * bands codes in one store (the banded kernel reads
+    each band twice and stores 32 codes per row per band)."""
+    queue = list(refs)
     elements, cast = element_fns(path, any_scale=False)
     el = elements(fp32_bits(_load(x_ref, pre)))  # (R, W), R = 32 * bands
+    if rows:
+        rd, rs = queue.pop(0), queue.pop(0)
+        rd[...], rs[...] = _rows_of(el, cast)
+    if not cols:
+        return
+    td, ts = queue
     w = el.amax_in.shape[1]
     amax = jnp.max(el.amax_in.reshape(bands, _BS, w), axis=1)  # (bands, W): 32x1 blocks
     ec = scale_bytes_of_bits(amax, any_bits=False)
@@ -119,12 +133,7 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
 
     if rows:
         for i in range(bands):
-            el = band(i)
-            e = scale_bytes_of_bits(_row_blocks(el.amax_in), any_bits=False)  # (32, 4)
-            top = jnp.max(e, axis=1, keepdims=True)  # (32, 1)
-            codes = cast(el, _row_expand(e))
-            rd[pl.ds(i * _BS, _BS), :] = shift_codes(codes, _row_expand(e - top))
-            rs[pl.ds(i * _BS, _BS), :] = top.astype(jnp.uint8)
+            rd[pl.ds(i * _BS, _BS), :], rs[pl.ds(i * _BS, _BS), :] = _rows_of(band(i), cast)
     if cols:
         ec = [scale_bytes_of_bits(jnp.max(band(i).amax_in, axis=0, keepdims=True),
                                   any_bits=False) for i in range(bands)]  # (1, W) per band
@@ -148,9 +157,10 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
     quantizes -- (32, 128), (64, 128) or (128, 128) for ``rows`` alone (a 1x128 block needs one
     row), (128, 32), (128, 64) or (128, 128) for ``rows_t`` alone (its blocks run down 128
-    rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (one transposed
-    output alone): each program loads its whole block at once and stores each output row's 128
-    codes in one store, instead of 32-row bands read twice (the bytes are the same);
+    rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (a transposed
+    output, with or without ``rows``): each program loads its whole block at once and stores
+    each output row's 128 codes in one store, instead of 32-row bands read twice, and makes
+    ``rows`` from the same loaded block (the bytes are the same);
     benchmarks/bench_blocked_operands.py times them.
 
     ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
@@ -184,9 +194,10 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     if not (rows or rows_t or tiles_t):
         raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
     _check_block(tuple(block), rows, rows_t, tiles_t)
-    if whole and rows:
-        raise ValueError(f"{what}: whole=True makes one transposed output (rows_t or tiles_t) "
-                         f"alone; make rows in its own call")
+    if whole and not (rows_t or tiles_t):
+        raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
+                         f"output (rows_t or tiles_t, with or without rows); rows alone take "
+                         f"whole=False")
     if pre is not None:
         elementwise.check(pre, parts[0].dtype, what)
     path = element_path(e4m3_cast, bool(interpret))
@@ -257,8 +268,8 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     m, kx = x.shape
     br, bc = c.block
     if c.whole:
-        kernel = functools.partial(_kernel_whole, cols=c.cols, tiles=c.tiles, path=c.path,
-                                   bands=br // _BS, pre=c.pre)
+        kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
+                                   path=c.path, bands=br // _BS, pre=c.pre)
     else:
         kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
                                    path=c.path, bands=br // _BS, pre=c.pre)

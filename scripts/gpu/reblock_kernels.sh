@@ -6,8 +6,9 @@
 #          quantize, whole-block and in column parts; q, k, v from three GEMMs within 1e-3;
 #          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
-#          banded and whole-block, and two outputs in one call (BENCH_ONLY, a regex of
-#          variants), and the weights' re-block, XLA against the kernel
+#          banded and whole-block, two outputs in one call (banded and whole-block), the GELU
+#          inside the kernel against XLA's GELU pass (BENCH_ONLY, a regex of variants), and the
+#          weights' re-block, XLA against the kernel
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
 #          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-pass compares the qkv
 #          linear as one GEMM and the GELU as a pass of its own),
@@ -33,7 +34,7 @@ for part in "${parts[@]}"; do
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;
     bench)
       timeout 300 python3 benchmarks/bench_blocked_operands.py --warps 2,4,8 \
-        --only "${BENCH_ONLY:-rows\[32x128,w2|rows_t|tiles_t|rows\+}" --out "$OUT/operands.json" \
+        --only "${BENCH_ONLY:-rows\[32x128,w2|rows_t|tiles_t|rows\+|gelu}" --out "$OUT/operands.json" \
         > "$OUT/operands.log" 2>&1
       echo "operands bench: rc=$?"; grep '"shape"' "$OUT/operands.log"
       timeout 200 python3 benchmarks/bench_blocked_operands.py --weights --warps 2,4,8 \

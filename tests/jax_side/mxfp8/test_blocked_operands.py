@@ -143,11 +143,25 @@ def test_column_parts_are_checked_by_name():
         quantize_blocked_2d((), rows=True, rows_t=False, tiles_t=False, interpret=True)
 
 
-def test_whole_blocks_make_no_rows():
+def test_whole_blocks_need_a_transposed_output():
     x = jnp.zeros((128, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="whole=True makes one transposed output"):
-        quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False, interpret=True,
+    with pytest.raises(ValueError, match="whole=True loads .* rows alone take whole=False"):
+        quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=False, interpret=True,
                             whole=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("second", ["rows_t", "tiles_t"])
+def test_whole_blocks_make_rows_and_a_transposed_output_in_one_call(second, dtype):
+    """Two outputs from one loaded block (x read once): the bytes of quantize-then-re-block."""
+    x = jnp.asarray(_hostile((256, 384), 11)).astype(dtype)
+    kw = dict(rows_t=second == "rows_t", tiles_t=second == "tiles_t")
+    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=True, **kw)
+    got = quantize_blocked_2d(x, rows=True, interpret=True, whole=True, **kw)
+    _assert_same(got, want, f"rows+{second} whole")
+    parts = (x[:, :128], x[:, 128:])
+    _assert_same(quantize_blocked_2d(parts, rows=True, interpret=True, whole=True, **kw), want,
+                 f"rows+{second} whole, column parts")
 
 
 def test_the_shift_keeps_signs_nan_and_rounds_to_nearest_even():
@@ -280,6 +294,12 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
                                           _u8(getattr(want, output).data), err_msg=str(block))
             np.testing.assert_array_equal(_u8(getattr(got, output).scale),
                                           _u8(getattr(want, output).scale), err_msg=str(block))
+        for second in ("rows_t", "tiles_t"):  # two outputs from one loaded block
+            got = quantize_blocked_2d(x, rows=True, rows_t=second == "rows_t",
+                                      tiles_t=second == "tiles_t", whole=True)
+            _assert_same(got, blocked.BlockedPlanes(
+                want.rows, want.rows_t if second == "rows_t" else None,
+                want.tiles_t if second == "tiles_t" else None), f"rows+{second} whole {shape}")
         for output, block in WHOLE:  # each program's block loaded at once
             got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
                                       tiles_t=output == "tiles_t", block=block, whole=True)
@@ -320,3 +340,25 @@ def test_unit_programs_on_the_pallas_kernel_train_as_on_the_composition(single_r
     on_kernel = losses("pallas")
     assert calls, "the unit programs did not run the blocked-operand kernel"
     assert on_kernel == losses("xla")
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["banded", "whole"])
+def test_a_pair_entry_in_the_kernel_config_makes_both_outputs_in_one_call(whole, monkeypatch):
+    """``KERNEL_CONFIG["rows+tiles_t"]`` / ``["rows+rows_t"]``: the forward's and the
+    backward's two operands from one kernel call (x read once), with the bytes of one call per
+    output; a third output asked beside the pair takes its own call."""
+    x = jnp.asarray(_hostile((256, 384), 13)).astype(jnp.bfloat16)
+    k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
+    asks = [dict(rows=True, tiles_t=True), dict(rows=True, rows_t=True),
+            dict(rows=True, rows_t=True, tiles_t=True)]
+    apart = [blocked.quantize_operands(x, kernels=k, **kw) for kw in asks]
+    calls_apart = [len(pallas_operand_shapes(
+        lambda v, kw=kw: blocked.quantize_operands(v, kernels=k, **kw), x)) for kw in asks]
+    pair = blocked.KernelChoice((128, 128), 8, whole)
+    monkeypatch.setitem(blocked.KERNEL_CONFIG, "rows+tiles_t", pair)
+    monkeypatch.setitem(blocked.KERNEL_CONFIG, "rows+rows_t", pair)
+    for kw, want, n in zip(asks, apart, calls_apart, strict=True):
+        _assert_same(blocked.quantize_operands(x, kernels=k, **kw), want, str(kw))
+        got_calls = len(pallas_operand_shapes(
+            lambda v, kw=kw: blocked.quantize_operands(v, kernels=k, **kw), x))
+        assert got_calls == n - 1, (kw, got_calls, n)
