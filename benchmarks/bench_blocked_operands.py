@@ -18,7 +18,8 @@ plus the outputs written once (GB/s), for
   which ``KERNEL_CONFIG["rows+rows_t"]`` / ``["rows+tiles_t"]`` would select;
 - ``gelu_pass``: XLA's GELU (``models.gpt_math.gelu_tanh``) alone, and ``gelu+rows[...]`` /
   ``gelu+tiles_t[...]``: the forward's two calls with the GELU applied inside the kernel
-  (``pre=``), which replace ``gelu_pass`` and the two calls on its output;
+  (``pre=``), which replace ``gelu_pass`` and the two calls on its output, and
+  ``gelu+rows+tiles_t[...,whole]``: both in one call (the GELU once per element);
 - with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
   into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
   ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
@@ -104,11 +105,11 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                     lambda x, second=second, w=w, whole=whole: quantize_blocked_2d(
                         x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
                         interpret=interpret, num_warps=w, whole=whole)), 2)
-    out.update(_gelu_variants(interpret))
+    out.update(_gelu_variants(warps, interpret))
     return out
 
 
-def _gelu_variants(interpret: bool) -> dict[str, tuple[Any, int]]:
+def _gelu_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
     """The forward of the MLP's second linear at its input: XLA's GELU pass alone
     (``gelu_pass``: bf16 in, bf16 out, counted as 2 bytes written), and each of the layer's
     two calls with the GELU inside the kernel (``gelu+rows`` / ``gelu+tiles_t``,
@@ -122,6 +123,11 @@ def _gelu_variants(interpret: bool) -> dict[str, tuple[Any, int]]:
                 x, rows=output == "rows", rows_t=False, tiles_t=output == "tiles_t",
                 interpret=interpret, num_warps=c.warps, block=c.block, whole=c.whole,
                 pre=gelu_tanh), output)), 1)
+    for w in warps:  # both from one loaded block: the GELU computed once per element
+        out[f"gelu+rows+tiles_t[128x128,w{w},whole]"] = (jax.jit(
+            lambda x, w=w: quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=True,
+                                               interpret=interpret, num_warps=w, whole=True,
+                                               pre=gelu_tanh)), 2)
     return out
 
 
