@@ -44,7 +44,8 @@ def _inner(value: Any) -> list[Any]:
 
 
 def _refused(jaxpr: Any) -> list[str]:
-    out: list[str] = []
+    out = [f"a captured array of shape {tuple(v.aval.shape)}" for v in jaxpr.constvars
+           if tuple(getattr(v.aval, "shape", ())) != ()]  # per position, not per element
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         nested = [j for v in eqn.params.values() for j in _inner(v)]
@@ -80,6 +81,6 @@ def check(pre: Prologue, dtype: Any, what: str) -> None:
     refused = sorted(set(_refused(closed.jaxpr)))
     if refused:
         raise ValueError(f"{what}: pre={pre!r} is not elementwise: it uses {refused}, which "
-                         f"combine elements, so a kernel applying it block by block would "
-                         f"quantize other values than pre(x). Apply it to x before the linear "
-                         f"instead (allowed: {sorted(ELEMENTWISE)})")
+                         f"combine elements or depend on their position, so a kernel applying "
+                         f"it block by block would quantize other values than pre(x). Apply "
+                         f"it to x before the linear instead (allowed: {sorted(ELEMENTWISE)})")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pytest
-
 from benchmarks import bench_train_step
 from common.model_config import PRESETS
 
@@ -130,13 +128,12 @@ def test_a_finished_run_leaves_no_model_behind(single_rank_world, monkeypatch):
     assert len(refs) > 3 and [r for r in refs if r() is not None] == []
 
 
-@pytest.mark.parametrize("switch", ["qkv1", "gelu-pass"])
-def test_a_switched_run_trains_as_the_default_run(switch, single_rank_world, monkeypatch):
-    """``mxfp8:u2:qkv1`` (the qkv linear as one GEMM and a split) and ``mxfp8:u2:gelu-pass``
-    (the GELU as a pass of its own) against ``mxfp8:u2`` (q, k and v from three GEMMs, the
-    GELU inside the MLP's second linear: ``fp8_blocked`` on the small GPT, whose 128-wide parts
-    are whole tiles): the same losses, bit for bit on the CPU, and only the default ran the
-    parts / the fused GELU."""
+def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch):
+    """``mxfp8:u2:qkv1:gelu-pass`` (the qkv linear as one GEMM and a split, the GELU as a pass
+    of its own) against ``mxfp8:u2`` (q, k and v from three GEMMs, the GELU inside the MLP's
+    second linear: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole tiles):
+    the same losses, bit for bit on the CPU, and only the default ran the parts and the fused
+    GELU (each switch's parsing: tests/benchmarks/test_plain_gpt.py)."""
     import argparse
 
     import jax
@@ -147,23 +144,22 @@ def test_a_switched_run_trains_as_the_default_run(switch, single_rank_world, mon
 
     for knob in bench_train_step.SWITCHES.values():
         monkeypatch.setattr(gpt_math, knob, True)  # restored after the test
-    ran = []
-    if switch == "qkv1":
-        real = unit_linear.row_parts
-        monkeypatch.setattr(unit_linear, "row_parts", lambda w, n: ran.append(n) or real(w, n))
-    else:
-        real_pre = U.unit_linear_pre
-        monkeypatch.setattr(U, "unit_linear_pre", lambda *a: ran.append(a[3]) or real_pre(*a))
+    ran: list[str] = []
+    real = unit_linear.row_parts
+    monkeypatch.setattr(unit_linear, "row_parts",
+                        lambda w, n: ran.append("parts") or real(w, n))
+    real_pre = U.unit_linear_pre
+    monkeypatch.setattr(U, "unit_linear_pre", lambda *a: ran.append("gelu") or real_pre(*a))
     jax.clear_caches()
     args = argparse.Namespace(device="cpu", precompile=False, batch_size=2, seq_len=64, warmup=1,
                               steps=1, world_size=1, profile=False, pyprofile=0,
                               gemm="fp8_blocked", shared_pool=False)
     losses, calls = {}, {}
-    switched = f"mxfp8:u2:{switch}"
+    switched = "mxfp8:u2:qkv1:gelu-pass"
     for run in ("mxfp8:u2", switched):
         ran.clear()
         losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
-        calls[run] = len(ran)
+        calls[run] = set(ran)
     jax.clear_caches()
-    assert calls[switched] == 0 and calls["mxfp8:u2"] > 0
+    assert calls[switched] == set() and calls["mxfp8:u2"] == {"parts", "gelu"}
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]

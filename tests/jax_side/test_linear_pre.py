@@ -225,6 +225,9 @@ def test_the_elementwise_check_looks_into_nested_calls():
     elementwise.check(lambda v: jnp.where(v > 0, v, 0.1 * v), jnp.bfloat16, "t")
     with pytest.raises(ValueError, match="cumsum"):
         elementwise.check(jax.jit(lambda v: jnp.cumsum(v, axis=1)), jnp.float32, "t")
+    ramp = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+    with pytest.raises(ValueError, match=r"a captured array of shape \(32, 128\)"):
+        elementwise.check(lambda v: v * ramp, jnp.float32, "t")  # per position
 
 
 def test_fuses_says_when_the_linear_takes_pre():
