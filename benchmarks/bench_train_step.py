@@ -36,6 +36,10 @@ Runs (``--runs``):
   (``models.gpt_math.GELU_IN_LINEAR`` off), against the default's GELU applied inside that
   linear's quantize of its input (docs/mxfp8_numerics.md, "The GELU inside the second MLP
   linear"); only for this project's runs.
+- ``:pairs`` at the very end (e.g. ``mxfp8:u4:pairs``): ``blocked_operands.KERNEL_CONFIG``
+  gets pair entries (``PAIR_CHOICE``: 128x128 blocks, 8 warps, ``whole=True``), so each
+  linear's two operands of x and of dy come from one kernel call that reads x once, against
+  the default's one call per output (the same bytes); only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -91,8 +95,12 @@ RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2",
 PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
 QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
 GELU_PASS = ":gelu-pass"  # a run's suffix: the GELU as a pass of its own
-# a run's trailing suffixes (any order, each once) -> the models.gpt_math knob each turns off
-SWITCHES = {QKV1: "QKV_PARTS", GELU_PASS: "GELU_IN_LINEAR"}
+PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
+# a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
+# it turns off, or "PAIRS" (blocked_operands.KERNEL_CONFIG's pair entries set to PAIR_CHOICE)
+SWITCHES = {QKV1: "QKV_PARTS", GELU_PASS: "GELU_IN_LINEAR", PAIRS: "PAIRS"}
+PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
+PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -206,16 +214,14 @@ def _build(run, cfg, args):
 
     from models import gpt_math
 
-    off = _switches(run)[1]
-    want = {knob: knob not in off for knob in SWITCHES.values()}
-    if any(getattr(gpt_math, k) != v for k, v in want.items()):
-        for k, v in want.items():
-            setattr(gpt_math, k, v)
+    if _apply_switches(_switches(run)[1], gpt_math):
         jax.clear_caches()  # trace this run's unit programs anew
     run, per_unit, recompute = _run_spec(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
     compute = "op" if run == "mxfp8-op" else "unit"
-    kernels = KernelConfig(gemm=args.gemm) if args.gemm else None
+    backend = getattr(args, "backend", "")
+    kernels = (KernelConfig(backend=backend or None, gemm=args.gemm or None)
+               if args.gemm or backend else None)
     model = TorchGPT(cfg, mode, seed=0, device=args.device, activations="bf16", compute=compute,
                      kernels=kernels, recompute=recompute)
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
@@ -270,15 +276,16 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
     if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
-                         f"as a pass of its own); drop them from {name!r}")
+                         f"as a pass of its own, the quantize's outputs in pairs); drop them "
+                         f"from {name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
-                         f"GEMM) and/or '{GELU_PASS}' (the GELU as a pass of its own), e.g. "
-                         f"'mxfp8:u4:r'")
+                         f"GEMM), '{GELU_PASS}' (the GELU as a pass of its own) and/or "
+                         f"'{PAIRS}' (the quantize's outputs in pairs), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
@@ -286,11 +293,14 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
 
 
 def _switches(run: str) -> tuple[str, frozenset[str]]:
-    """(the run without its trailing ``SWITCHES``, the ``models.gpt_math`` knobs they turn
-    off): ``:qkv1``, the GPT block asks its qkv linear for one output and splits it
-    (``QKV_PARTS``), to compare with the default's three GEMMs in one launch; ``:gelu-pass``,
-    the MLP's GELU runs as an XLA pass of its own before the second linear
-    (``GELU_IN_LINEAR``), to compare with the default's GELU inside that linear's quantize."""
+    """(the run without its trailing ``SWITCHES``, what they change): ``:qkv1``, the GPT block
+    asks its qkv linear for one output and splits it (``models.gpt_math.QKV_PARTS`` off), to
+    compare with the default's three GEMMs in one launch; ``:gelu-pass``, the MLP's GELU runs
+    as an XLA pass of its own before the second linear (``GELU_IN_LINEAR`` off), to compare
+    with the default's GELU inside that linear's quantize; ``:pairs``, the blocked-operand
+    quantize makes each linear's two operands of x (rows and x^T tiles) and of dy (rows and
+    dy^T rows) in one kernel call (``PAIR_CHOICE``: both from one loaded block), to compare
+    with the default's one call per output."""
     name, off = run, set()
     while True:
         hit = [(s, k) for s, k in SWITCHES.items() if name.endswith(s) and k not in off]
@@ -298,6 +308,28 @@ def _switches(run: str) -> tuple[str, frozenset[str]]:
             return name, frozenset(off)
         name = name.removesuffix(hit[0][0])
         off.add(hit[0][1])
+
+
+def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
+    """Set ``gpt_math``'s knobs and ``KERNEL_CONFIG``'s pair entries for a run's switches;
+    whether anything changed (the unit programs must then be traced anew)."""
+    from jax_side.mxfp8 import blocked_operands
+
+    changed = False
+    for knob in SWITCHES.values():
+        if knob != "PAIRS" and getattr(gpt_math, knob) != (knob not in switched):
+            setattr(gpt_math, knob, knob not in switched)
+            changed = True
+    config = blocked_operands.KERNEL_CONFIG
+    pairs = {e: blocked_operands.KernelChoice(*PAIR_CHOICE) for e in PAIR_ENTRIES}
+    has = {e: config[e] for e in PAIR_ENTRIES if e in config}
+    if has != (pairs if "PAIRS" in switched else {}):
+        for e in PAIR_ENTRIES:
+            config.pop(e, None)
+        if "PAIRS" in switched:
+            config.update(pairs)
+        changed = True
+    return changed
 
 
 def _whole_qkv(run: str) -> bool:
@@ -764,7 +796,8 @@ def main(argv=None) -> int:
                         f"blocks per FSDP unit (e.g. mxfp8:u4), then ':r' for the unit "
                         f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op), "
                         f"then '{QKV1}' for the GPT's qkv linear as one GEMM and a split "
-                        f"and/or '{GELU_PASS}' for the MLP's GELU as a pass of its own")
+                        f", '{GELU_PASS}' for the MLP's GELU as a pass of its own and/or "
+                        f"'{PAIRS}' for the quantize's two outputs of x and of dy in one call")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
     p.add_argument("--profile-top", type=int, default=8,
@@ -781,6 +814,9 @@ def main(argv=None) -> int:
     p.add_argument("--gemm", default="",
                    help="the GEMM of this project's MXFP8 runs (common.kernels.GemmImpl, e.g. "
                         "fp8_blocked: Hopper's FP8 tensor cores); default: the platform's")
+    p.add_argument("--backend", default="",
+                   help="the kernel backend of this project's MXFP8 runs (common.kernels.Backend, "
+                        "e.g. pallas); default: the platform's")
     p.add_argument("--freed-grad-buckets", type=int, default=None,
                    help="torch_side.Overlap.freed_grad_buckets of this project's runs: "
                         "handed-over grad buckets kept after their reduction until their "
@@ -807,11 +843,11 @@ def main(argv=None) -> int:
             Overlap(freed_grad_buckets=args.freed_grad_buckets)
         except ValueError as e:
             p.error(str(e))
-    if args.gemm:
-        from common.kernels import GemmImpl
+    if args.gemm or args.backend:
+        from common.kernels import KernelConfig
 
         try:
-            GemmImpl.parse(args.gemm)
+            KernelConfig(backend=args.backend or None, gemm=args.gemm or None)
         except ValueError as e:
             p.error(str(e))
     args.runs = [r for r in args.runs.split(",") if r]
@@ -835,7 +871,8 @@ def main(argv=None) -> int:
               f"{args.batch_size} x {args.seq_len} tokens per rank, {args.steps} timed steps "
               f"after {args.warmup} warm-up; torch {torch.__version__}, jax {jax.__version__}"
               f"{'; deterministic kernels' if args.deterministic else ''}"
-              f"{f'; gemm {args.gemm}' if args.gemm else ''}")
+              f"{f'; gemm {args.gemm}' if args.gemm else ''}"
+              f"{f'; backend {args.backend}' if args.backend else ''}")
     print(header)
     print(_table(rows, args))
     if any(r["gpu_ms_by_category"] for r in rows):

@@ -28,6 +28,9 @@ def test_an_unknown_gemm_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         bench_train_step.main(["--gemm", "fp9"])
     assert "fp9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_train_step.main(["--backend", "nope"])
+    assert "nope" in capsys.readouterr().err
 
 
 def test_a_recompute_run_trains_as_the_plain_run_through_recompute_programs(single_rank_world):
@@ -142,7 +145,7 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     from jax_side import unit_program as U
     from models import gpt_math
 
-    for knob in bench_train_step.SWITCHES.values():
+    for knob in ("QKV_PARTS", "GELU_IN_LINEAR"):
         monkeypatch.setattr(gpt_math, knob, True)  # restored after the test
     ran: list[str] = []
     real = unit_linear.row_parts
@@ -163,3 +166,41 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     jax.clear_caches()
     assert calls[switched] == set() and calls["mxfp8:u2"] == {"parts", "gelu"}
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
+
+
+def test_a_pairs_run_sets_the_pair_entries_and_trains_as_the_default(single_rank_world,
+                                                                      monkeypatch):
+    """``mxfp8:u2:pairs`` (each linear's two operands of x and of dy from one kernel call)
+    against ``mxfp8:u2`` on the Pallas kernels (interpreted): the same losses, bit for bit; the
+    pair entries are set for that run only and the pair calls ran."""
+    import argparse
+
+    import jax
+
+    from jax_side.mxfp8 import blocked_operands, pallas_blocked
+
+    monkeypatch.setattr(blocked_operands, "KERNEL_CONFIG",
+                        dict(blocked_operands.KERNEL_CONFIG))  # restored after the test
+    pairs = []
+    real = pallas_blocked.quantize_blocked_2d
+
+    def spy(x, **kw):
+        if kw["rows"] and (kw["rows_t"] or kw["tiles_t"]):
+            pairs.append(kw["whole"])
+        return real(x, **kw)
+
+    monkeypatch.setattr(blocked_operands, "quantize_blocked_2d", spy)
+    jax.clear_caches()
+    args = argparse.Namespace(device="cpu", precompile=False, batch_size=2, seq_len=32, warmup=0,
+                              steps=2, world_size=1, profile=False, pyprofile=0,
+                              gemm="fp8_blocked", backend="pallas", shared_pool=False)
+    losses, calls, entries = {}, {}, {}
+    for run in ("mxfp8:u2:pairs", "mxfp8:u2"):
+        pairs.clear()
+        losses[run] = bench_train_step._run_one(run, PRESETS["tiny"], args, rank=0).losses
+        calls[run] = list(pairs)
+        entries[run] = sorted(e for e in blocked_operands.KERNEL_CONFIG if "+" in e)
+    jax.clear_caches()
+    assert entries == {"mxfp8:u2:pairs": ["rows+rows_t", "rows+tiles_t"], "mxfp8:u2": []}
+    assert calls["mxfp8:u2"] == [] and calls["mxfp8:u2:pairs"] and all(calls["mxfp8:u2:pairs"])
+    assert len(losses["mxfp8:u2"]) == 2 and losses["mxfp8:u2:pairs"] == losses["mxfp8:u2"]

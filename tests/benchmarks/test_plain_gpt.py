@@ -87,7 +87,9 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
         assert _switches(run) == ("mxfp8:u4:r", {"GELU_IN_LINEAR", "QKV_PARTS"})
         assert _run_spec(run) == ("mxfp8", 4, True) and _whole_qkv(run)
     assert not _whole_qkv("mxfp8:u4:gelu-pass")
-    for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-pass"):
+    assert _switches("mxfp8:u4:qkv1:pairs") == ("mxfp8:u4", {"PAIRS", "QKV_PARTS"})
+    assert _run_spec("mxfp8:u4:pairs") == ("mxfp8", 4, False)
+    for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-pass", "fsdp2:pairs"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)
     for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",
