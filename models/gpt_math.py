@@ -183,7 +183,8 @@ def head_loss(x: jax.Array, targets: jax.Array, *, ln_f: Fn, lm_head: Fn) -> jax
 
 
 # (the block-relative layer name, x) -> y; GPTBlockFn also calls linear(name, x, parts=3) for
-# the qkv linear: y's three column parts (jax_side.unit_program's linear)
+# the qkv linear: y's three column parts, and linear(name, x, pre=gelu_tanh) for the MLP's second
+# linear: the linear of gelu_tanh(x) (jax_side.unit_program's linear)
 Linear = Callable[..., Any]
 
 
@@ -220,7 +221,8 @@ class GPTBlockFn:
     """``fn(params, linear, x) -> x``: one GPT block (``models.torch_gpt.Block``), with
     ``params`` its LayerNorm parameters by block-relative name (``ln_1.weight``, ...) and
     ``linear(name, h)`` its four linears (``attn.qkv``, ``attn.proj``, ``mlp.fc``,
-    ``mlp.proj``; the qkv one as ``linear("attn.qkv", h, parts=3)``: q, k and v)."""
+    ``mlp.proj``; the qkv one as ``linear("attn.qkv", h, parts=3)``: q, k and v; the MLP's
+    second as ``linear("mlp.proj", h, pre=gelu_tanh)``: the GELU applied by the linear)."""
 
     cfg: GPTConfig
     activations: Activations
