@@ -82,18 +82,23 @@ def test_qkv_in_three_gemms_gives_the_bytes_of_one_gemm_and_a_split(backend, fre
     assert parts[1] == whole[1], "dx and every weight's gradient"
 
 
-def test_the_recompute_backward_runs_the_parts_with_the_kept_backwards_bytes():
-    """Activation recompute (the forward again inside the backward program) with the qkv parts:
-    the bytes of the kept backward, and the forward alone (``unit_apply``) the output's."""
-    spec, params, rows, cols, x = _inputs("xla")
+def kept_and_recomputed(spec, params, rows, cols, x):
+    """The bytes of (the kept backward, the recompute backward, the forward's output, the
+    forward alone: ``unit_apply``) of one block."""
     out, saved = U.unit_forward(params, rows, x, (), spec=spec)
     kept = saved.forwarded.kept(params, rows, x, (), out)
     dout = (0.5 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
     packed = U.unit_backward(saved, kept, dout, cols, spec=spec).packed
     redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec).packed
-    assert np.asarray(packed).tobytes() == np.asarray(redo).tobytes()
-    assert np.asarray(out).tobytes() == np.asarray(
-        U.unit_apply(params, rows, x, (), spec=spec)).tobytes()
+    alone = U.unit_apply(params, rows, x, (), spec=spec)
+    return tuple(np.asarray(a).tobytes() for a in (packed, redo, out, alone))
+
+
+def test_the_recompute_backward_runs_the_parts_with_the_kept_backwards_bytes():
+    """Activation recompute (the forward again inside the backward program) with the qkv parts:
+    the bytes of the kept backward, and the forward alone (``unit_apply``) the output's."""
+    packed, redo, out, alone = kept_and_recomputed(*_inputs("xla"))
+    assert packed == redo and out == alone
 
 
 def _arrays(spec, params, x, packed):

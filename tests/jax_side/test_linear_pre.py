@@ -28,7 +28,7 @@ from jax_side.mxfp8 import blocked_operands, elementwise, resolve_kernels
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d
 from models import gpt_math
 from models.gpt_math import gelu_tanh
-from tests.jax_side.test_linear_parts import _arrays, _inputs, _step
+from tests.jax_side.test_linear_parts import _arrays, _inputs, _step, kept_and_recomputed
 
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
     "bytes: the compiled kernel's tanh is Triton's, not XLA's; the gpu-marked tests bound it"))
@@ -148,14 +148,11 @@ def test_the_forward_computes_the_gelu_only_inside_the_kernel(on, gelu_in_linear
 
 @on_cpu
 def test_the_recompute_backward_with_pre_has_the_kept_backwards_bytes(gelu_in_linear):
+    """Activation recompute with the GELU inside the kernel: the kept backward's bytes, and the
+    forward alone the output's."""
     gelu_in_linear(True)
-    spec, params, rows, cols, x = _inputs("pallas")
-    out, saved = U.unit_forward(params, rows, x, (), spec=spec)
-    kept = saved.forwarded.kept(params, rows, x, (), out)
-    dout = (0.5 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
-    packed = U.unit_backward(saved, kept, dout, cols, spec=spec).packed
-    redo = U.unit_recompute_backward(params, rows, x, (), dout, cols, spec=spec).packed
-    assert np.asarray(packed).tobytes() == np.asarray(redo).tobytes()
+    packed, redo, out, alone = kept_and_recomputed(*_inputs("pallas"))
+    assert packed == redo and out == alone
 
 
 @pytest.mark.parametrize("case", ["exact GEMM", "parts", "high-precision linear"])
