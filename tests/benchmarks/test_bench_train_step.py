@@ -168,39 +168,28 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
 
 
-def test_a_pairs_run_sets_the_pair_entries_and_trains_as_the_default(single_rank_world,
-                                                                      monkeypatch):
-    """``mxfp8:u2:pairs`` (each linear's two operands of x and of dy from one kernel call)
-    against ``mxfp8:u2`` on the Pallas kernels (interpreted): the same losses, bit for bit; the
-    pair entries are set for that run only and the pair calls ran."""
-    import argparse
+def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monkeypatch):
+    """``_apply_switches``: each knob off for its switch and back on without it, the pair
+    entries (``PAIR_CHOICE``) set for ``:pairs`` and removed without it, and whether anything
+    changed (the unit programs are then traced anew). The pair calls' bytes equal one call per
+    output (tests/jax_side/mxfp8/test_blocked_operands.py), so a ``:pairs`` run trains as the
+    default does."""
+    import types
 
-    import jax
-
-    from jax_side.mxfp8 import blocked_operands, pallas_blocked
+    from jax_side.mxfp8 import blocked_operands
 
     monkeypatch.setattr(blocked_operands, "KERNEL_CONFIG",
                         dict(blocked_operands.KERNEL_CONFIG))  # restored after the test
-    pairs = []
-    real = pallas_blocked.quantize_blocked_2d
-
-    def spy(x, **kw):
-        if kw["rows"] and (kw["rows_t"] or kw["tiles_t"]):
-            pairs.append(kw["whole"])
-        return real(x, **kw)
-
-    monkeypatch.setattr(blocked_operands, "quantize_blocked_2d", spy)
-    jax.clear_caches()
-    args = argparse.Namespace(device="cpu", precompile=False, batch_size=2, seq_len=32, warmup=0,
-                              steps=2, world_size=1, profile=False, pyprofile=0,
-                              gemm="fp8_blocked", backend="pallas", shared_pool=False)
-    losses, calls, entries = {}, {}, {}
-    for run in ("mxfp8:u2:pairs", "mxfp8:u2"):
-        pairs.clear()
-        losses[run] = bench_train_step._run_one(run, PRESETS["tiny"], args, rank=0).losses
-        calls[run] = list(pairs)
-        entries[run] = sorted(e for e in blocked_operands.KERNEL_CONFIG if "+" in e)
-    jax.clear_caches()
-    assert entries == {"mxfp8:u2:pairs": ["rows+rows_t", "rows+tiles_t"], "mxfp8:u2": []}
-    assert calls["mxfp8:u2"] == [] and calls["mxfp8:u2:pairs"] and all(calls["mxfp8:u2:pairs"])
-    assert len(losses["mxfp8:u2"]) == 2 and losses["mxfp8:u2:pairs"] == losses["mxfp8:u2"]
+    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=True)
+    apply = bench_train_step._apply_switches
+    assert not apply(frozenset(), knobs)
+    assert apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)
+    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (False, True)
+    pair = blocked_operands.KernelChoice(*bench_train_step.PAIR_CHOICE)
+    assert {e: c for e, c in blocked_operands.KERNEL_CONFIG.items() if "+" in e} == {
+        "rows+rows_t": pair, "rows+tiles_t": pair}
+    assert pair.whole and pair.block == (128, 128)
+    assert not apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)  # already so
+    assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
+    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, False)
+    assert [e for e in blocked_operands.KERNEL_CONFIG if "+" in e] == []
