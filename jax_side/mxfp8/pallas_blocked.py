@@ -74,10 +74,11 @@ def _row_expand(e: jax.Array) -> jax.Array:
     return jnp.broadcast_to(e[:, :, None], (r, _PER, _BS)).reshape(r, GROUP)
 
 
-def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
-    """x's block (or rows of it) as the kernel quantizes it: ``pre`` applied where given."""
-    v = x_ref[index] if index else x_ref[...]
-    return v if pre is None else pre(v)
+def _load(srcs: tuple[Any, ...], pre: Prologue | None, *index: Any) -> jax.Array:
+    """x's block (or rows of it) as the kernel quantizes it: ``pre`` applied where given, to
+    x's values and the same block of each ``pre_args`` array (``srcs``: x's ref, then theirs)."""
+    vals = [r[index] if index else r[...] for r in srcs]
+    return vals[0] if pre is None else pre(*vals)
 
 
 def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +89,7 @@ def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
     return shift_codes(cast(el, _row_expand(e)), _row_expand(e - top)), top.astype(jnp.uint8)
 
 
-def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
+def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
                   path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program, x's whole (32 * bands, W) block loaded once: the rows' codes from it (W =
     128), the colwise scales of its bands by one reshape, and the transposed codes stored at
@@ -96,7 +97,7 @@ def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     each band twice and stores 32 codes per row per band)."""
     queue = list(refs)
     elements, cast = element_fns(path, any_scale=False)
-    el = elements(fp32_bits(_load(x_ref, pre)))  # (R, W), R = 32 * bands
+    el = elements(fp32_bits(_load(srcs, pre)))  # (R, W), R = 32 * bands
     if rows:
         rd, rs = queue.pop(0), queue.pop(0)
         rd[...], rs[...] = _rows_of(el, cast)
@@ -115,7 +116,7 @@ def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     ts[...] = top.astype(jnp.uint8)
 
 
-def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
+def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
             path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
@@ -129,7 +130,7 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     elements, cast = element_fns(path, any_scale=False)
 
     def band(i: int) -> Any:
-        return elements(fp32_bits(_load(x_ref, pre, pl.ds(i * _BS, _BS), slice(None))))
+        return elements(fp32_bits(_load(srcs, pre, pl.ds(i * _BS, _BS), slice(None))))
 
     if rows:
         for i in range(bands):
@@ -151,7 +152,8 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
-                        whole: bool = False, pre: Prologue | None = None) -> BlockedPlanes:
+                        whole: bool = False, pre: Prologue | None = None,
+                        pre_args: Sequence[jax.Array] = ()) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -171,9 +173,38 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     ``pre``: an elementwise function (``elementwise.check``) that each program applies to x's
     values as it loads them: the operands of ``pre(x)``, byte for byte, with ``pre(x)`` never
     written to memory (the GPT's GELU before its MLP's second linear; ``pre`` must be hashable,
-    a module-level function, as it is part of the compiled kernel)."""
+    a module-level function, as it is part of the compiled kernel). ``pre_args``: further
+    (M, K) arrays that ``pre`` takes after x, block for block -- ``pre(x, *pre_args)``, e.g.
+    the GELU's gradient from dy and the GELU's input; x whole, not in column parts."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
     what = "quantize_blocked_2d"
+    _check_parts(parts, what)
+    if rows_t and tiles_t:
+        raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
+    if not (rows or rows_t or tiles_t):
+        raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
+    _check_block(tuple(block), rows, rows_t, tiles_t)
+    if whole and not (rows_t or tiles_t):
+        raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
+                         f"output (rows_t or tiles_t, with or without rows); rows alone take "
+                         f"whole=False")
+    extras = tuple(pre_args)
+    if extras and (pre is None or len(parts) > 1
+                   or any(a.shape != parts[0].shape for a in extras)):
+        raise ValueError(f"{what}: pre_args go with a pre and a whole x, each of x's shape "
+                         f"{tuple(parts[0].shape)}; got {[tuple(a.shape) for a in extras]} "
+                         f"with pre={pre!r} and {len(parts)} column part(s)")
+    if pre is not None:
+        elementwise.check(pre, parts[0].dtype, what, tuple(a.dtype for a in extras))
+    path = element_path(e4m3_cast, bool(interpret))
+    return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
+                             bool(interpret), path, int(num_warps),
+                             (int(block[0]), int(block[1])), bool(whole), pre, extras)
+
+
+def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
+    """A clear error unless ``parts`` are 2-D bf16/fp32 (M, K_i) of one M and dtype, each
+    dimension a multiple of 128."""
     if not parts:
         raise ValueError(f"{what}: no column parts given; pass an (M, K) array or its parts")
     for i, part in enumerate(parts):
@@ -189,21 +220,6 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
             raise ValueError(f"{what}: column parts must share M and dtype; part 0 is "
                              f"{parts[0].dtype}{tuple(parts[0].shape)}, part {i} "
                              f"{part.dtype}{tuple(part.shape)}")
-    if rows_t and tiles_t:
-        raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
-    if not (rows or rows_t or tiles_t):
-        raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
-    _check_block(tuple(block), rows, rows_t, tiles_t)
-    if whole and not (rows_t or tiles_t):
-        raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
-                         f"output (rows_t or tiles_t, with or without rows); rows alone take "
-                         f"whole=False")
-    if pre is not None:
-        elementwise.check(pre, parts[0].dtype, what)
-    path = element_path(e4m3_cast, bool(interpret))
-    return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
-                             bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), pre)
 
 
 def _check_block(block: tuple[int, ...], rows: bool, rows_t: bool, tiles_t: bool) -> None:
@@ -257,14 +273,17 @@ class _Call(NamedTuple):
         return outs
 
 
-def _skip_inputs(x_ref: Any, *refs: Any, skip: int, body: functools.partial[None]) -> None:
-    """The kernel body without the aliased output inputs (they are written, never read)."""
-    body(x_ref, *refs[skip:])
+def _inputs(*refs: Any, sources: int, skip: int, body: functools.partial[None]) -> None:
+    """The kernel body given x's ref and the ``pre_args``' (``sources`` in all) as one tuple,
+    and not the aliased output inputs (``skip``: written, never read)."""
+    body(refs[:sources], *refs[sources + skip:])
 
 
-def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Array]:
+def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
+               extras: tuple[jax.Array, ...] = ()) -> list[jax.Array]:
     """The raw uint8 outputs with ``x``'s columns written (into ``written``, the previous
-    parts' outputs, where given: aliased, so XLA updates them in place)."""
+    parts' outputs, where given: aliased, so XLA updates them in place); ``extras``: the
+    ``pre_args`` arrays, read block by block as x is."""
     m, kx = x.shape
     br, bc = c.block
     if c.whole:
@@ -274,29 +293,29 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
         kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
                                    path=c.path, bands=br // _BS, pre=c.pre)
     outs = c.outs(m)
-    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
-    if written:
-        kernel = functools.partial(_skip_inputs, skip=len(written), body=kernel)
-        in_specs += [o[0] for o in outs]
+    sources = 1 + len(extras)
+    kernel = functools.partial(_inputs, sources=sources, skip=len(written), body=kernel)
+    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))] * sources + [o[0] for o in outs
+                                                                          if written]
     return list(pl.pallas_call(
         kernel, out_shape=[o[1] for o in outs], grid=(m // br, kx // bc), in_specs=in_specs,
         out_specs=[o[0] for o in outs], compiler_params=triton_params(c.num_warps),
-        input_output_aliases={1 + i: i for i in range(len(written))},
+        input_output_aliases={sources + i: i for i in range(len(written))},
         interpret=c.interpret, name="mxfp8_quantize_blocked",
-    )(x, *written))
+    )(x, *extras, *written))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
-                      block: tuple[int, int], whole: bool,
-                      pre: Prologue | None) -> BlockedPlanes:
+                      block: tuple[int, int], whole: bool, pre: Prologue | None,
+                      extras: tuple[jax.Array, ...]) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
         res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, pre, c0, k))
+                                       whole, pre, c0, k), extras)
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
