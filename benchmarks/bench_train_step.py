@@ -31,11 +31,11 @@ Runs (``--runs``):
   GEMM whose output is split into q, k and v (``models.gpt_math.QKV_PARTS`` off), against the
   default's three GEMMs and no cut or join (docs/mxfp8_numerics.md, "q, k and v from three
   GEMMs"); only for this project's runs.
-- ``:gelu-pass`` at the very end (e.g. ``mxfp8:u4:gelu-pass``, ``mxfp8:u4:qkv1:gelu-pass``):
-  the MLP's GELU as an XLA pass of its own that writes GELU(h) before the second linear
-  (``models.gpt_math.GELU_IN_LINEAR`` off), against the default's GELU applied inside that
-  linear's quantize of its input (docs/mxfp8_numerics.md, "The GELU inside the second MLP
-  linear"); only for this project's runs.
+- ``:gelu-in`` at the very end (e.g. ``mxfp8:u4:gelu-in``, ``mxfp8:u4:qkv1:gelu-in``): the
+  MLP's GELU applied inside the second linear's quantize of its input
+  (``models.gpt_math.GELU_IN_LINEAR`` on), against the default's XLA pass of its own that
+  writes GELU(h) first (docs/mxfp8_numerics.md, "The GELU inside the second MLP linear");
+  only for this project's runs.
 - ``:pairs`` at the very end (e.g. ``mxfp8:u4:pairs``): ``blocked_operands.KERNEL_CONFIG``
   gets pair entries (``PAIR_CHOICE``: 128x128 blocks, 8 warps, ``whole=True``), so each
   linear's two operands of x and of dy come from one kernel call that reads x once, against
@@ -94,11 +94,13 @@ RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2",
         "torchao")
 PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
 QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
-GELU_PASS = ":gelu-pass"  # a run's suffix: the GELU as a pass of its own
+GELU_IN = ":gelu-in"  # a run's suffix: the GELU inside the MLP's second linear
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
-# it turns off, or "PAIRS" (blocked_operands.KERNEL_CONFIG's pair entries set to PAIR_CHOICE)
-SWITCHES = {QKV1: "QKV_PARTS", GELU_PASS: "GELU_IN_LINEAR", PAIRS: "PAIRS"}
+# it flips from its default (KNOB_DEFAULTS), or "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
+# entries set to PAIR_CHOICE)
+SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS"}
+KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
 PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
@@ -276,7 +278,7 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
     if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
-                         f"as a pass of its own, the quantize's outputs in pairs); drop them "
+                         f"inside the linear, the quantize's outputs in pairs); drop them "
                          f"from {name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
@@ -284,7 +286,7 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
-                         f"GEMM), '{GELU_PASS}' (the GELU as a pass of its own) and/or "
+                         f"GEMM), '{GELU_IN}' (the GELU inside the linear) and/or "
                          f"'{PAIRS}' (the quantize's outputs in pairs), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
@@ -295,9 +297,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
 def _switches(run: str) -> tuple[str, frozenset[str]]:
     """(the run without its trailing ``SWITCHES``, what they change): ``:qkv1``, the GPT block
     asks its qkv linear for one output and splits it (``models.gpt_math.QKV_PARTS`` off), to
-    compare with the default's three GEMMs in one launch; ``:gelu-pass``, the MLP's GELU runs
-    as an XLA pass of its own before the second linear (``GELU_IN_LINEAR`` off), to compare
-    with the default's GELU inside that linear's quantize; ``:pairs``, the blocked-operand
+    compare with the default's three GEMMs in one launch; ``:gelu-in``, the MLP's GELU runs
+    inside the second linear's quantize (``GELU_IN_LINEAR`` on), to compare with the default's
+    XLA pass of its own; ``:pairs``, the blocked-operand
     quantize makes each linear's two operands of x (rows and x^T tiles) and of dy (rows and
     dy^T rows) in one kernel call (``PAIR_CHOICE``: both from one loaded block), to compare
     with the default's one call per output."""
@@ -316,9 +318,10 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
     from jax_side.mxfp8 import blocked_operands
 
     changed = False
-    for knob in SWITCHES.values():
-        if knob != "PAIRS" and getattr(gpt_math, knob) != (knob not in switched):
-            setattr(gpt_math, knob, knob not in switched)
+    for knob, default in KNOB_DEFAULTS.items():
+        want = default != (knob in switched)
+        if getattr(gpt_math, knob) != want:
+            setattr(gpt_math, knob, want)
             changed = True
     config = blocked_operands.KERNEL_CONFIG
     pairs = {e: blocked_operands.KernelChoice(*PAIR_CHOICE) for e in PAIR_ENTRIES}
@@ -796,7 +799,7 @@ def main(argv=None) -> int:
                         f"blocks per FSDP unit (e.g. mxfp8:u4), then ':r' for the unit "
                         f"programs' activation recompute (e.g. mxfp8:u4:r; not mxfp8-op), "
                         f"then '{QKV1}' for the GPT's qkv linear as one GEMM and a split "
-                        f", '{GELU_PASS}' for the MLP's GELU as a pass of its own and/or "
+                        f", '{GELU_IN}' for the MLP's GELU inside its second linear and/or "
                         f"'{PAIRS}' for the quantize's two outputs of x and of dy in one call")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")

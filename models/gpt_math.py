@@ -192,8 +192,10 @@ Linear = Callable[..., Any]
 # benchmarks.bench_train_step's ':qkv1' runs switch it off to compare one GEMM and a split)
 QKV_PARTS = True
 # GPTBlockFn hands the MLP's second linear the GELU's input and the GELU as its ``pre`` (read
-# when a block is traced; ':gelu-pass' runs switch it off: the GELU as a pass of its own)
-GELU_IN_LINEAR = True
+# when a block is traced). Off: on the H200 the kernels with the GELU inside were slower than
+# XLA's GELU pass and the plain kernels together (BENCHMARKS.md, session 14); bench_train_step's
+# ':gelu-in' runs switch it on
+GELU_IN_LINEAR = False
 
 
 def _linear(linear: Linear, name: str) -> Fn:

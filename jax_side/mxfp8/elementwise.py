@@ -30,8 +30,8 @@ ELEMENTWISE = frozenset({
     "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
     "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow",
     "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "nextafter", "not", "or", "pow", "reduce_precision", "rem", "round", "rsqrt", "select_n",
-    "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor",
+    "nextafter", "not", "one_minus_square", "or", "pow", "reduce_precision", "rem", "round",
+    "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor",
 })
 _SCALAR_BROADCASTS = frozenset({"broadcast_in_dim"})  # allowed where the operand is a scalar
 
@@ -95,7 +95,9 @@ def check(pre: Prologue, dtype: Any, what: str, arg_dtypes: tuple[Any, ...] = ()
                          f"back to the input's dtype (as models.gpt_math.gelu_tanh does)")
     refused = sorted(set(_refused(closed.jaxpr)))
     if refused:
-        raise ValueError(f"{what}: pre={pre!r} is not elementwise: it uses {refused}, which "
-                         f"combine elements or depend on their position, so a kernel applying "
-                         f"it block by block would quantize other values than pre(x). Apply "
-                         f"it to x before the linear instead (allowed: {sorted(ELEMENTWISE)})")
+        raise ValueError(f"{what}: pre={pre!r} is not known to be elementwise: it uses "
+                         f"{refused}, which may combine elements or depend on their position, "
+                         f"so a kernel applying it block by block could quantize other values "
+                         f"than pre(x). Apply it to x before the linear instead; a primitive "
+                         f"that is elementwise (a JAX version's new one) belongs in "
+                         f"jax_side.mxfp8.elementwise.ELEMENTWISE (now {sorted(ELEMENTWISE)})")

@@ -10,8 +10,8 @@
 #          inside the kernel against XLA's GELU pass (BENCH_ONLY, a regex of variants), and the
 #          weights' re-block, XLA against the kernel
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
-#          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-pass compares the qkv
-#          linear as one GEMM and the GELU as a pass of its own),
+#          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-in compares the qkv
+#          linear as one GEMM and the GELU inside the linear),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log)

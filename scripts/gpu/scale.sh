@@ -6,8 +6,8 @@
 #   bash scripts/gpu/scale.sh ours1300 peers1300
 # RUNS picks the runs of the "custom" part (with CONFIG, default gpt-1.3b; bench_train_step --runs:
 # e.g. mxfp8:u4 = 4 blocks per FSDP unit, mxfp8:u4:r the same with activation recompute,
-# mxfp8:u4:qkv1 the same with the qkv linear as one GEMM and a split, mxfp8:u4:gelu-pass with
-# the MLP's GELU as a pass of its own, mxfp8:u4:pairs with the quantize's two operands of x and
+# mxfp8:u4:qkv1 the same with the qkv linear as one GEMM and a split, mxfp8:u4:gelu-in with
+# the MLP's GELU inside its second linear, mxfp8:u4:pairs with the quantize's two operands of x and
 # of dy made in one kernel call each);
 # GEMM=fp8_blocked (any common.kernels.GemmImpl) sets the GEMM of this project's runs; BATCH
 # (default 8) the sequences of 1024 tokens per step.

@@ -132,11 +132,11 @@ def test_a_finished_run_leaves_no_model_behind(single_rank_world, monkeypatch):
 
 
 def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch):
-    """``mxfp8:u2:qkv1:gelu-pass`` (the qkv linear as one GEMM and a split, the GELU as a pass
-    of its own) against ``mxfp8:u2`` (q, k and v from three GEMMs, the GELU inside the MLP's
-    second linear: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole tiles):
-    the same losses, bit for bit on the CPU, and only the default ran the parts and the fused
-    GELU (each switch's parsing: tests/benchmarks/test_plain_gpt.py)."""
+    """``mxfp8:u2:qkv1:gelu-in`` (the qkv linear as one GEMM and a split, the GELU inside the
+    MLP's second linear) against ``mxfp8:u2`` (q, k and v from three GEMMs, the GELU a pass of
+    its own: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole tiles): the same
+    losses, bit for bit on the CPU; the parts ran in the default only, the fused GELU in the
+    switched run only (each switch's parsing: tests/benchmarks/test_plain_gpt.py)."""
     import argparse
 
     import jax
@@ -145,8 +145,8 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     from jax_side import unit_program as U
     from models import gpt_math
 
-    for knob in ("QKV_PARTS", "GELU_IN_LINEAR"):
-        monkeypatch.setattr(gpt_math, knob, True)  # restored after the test
+    for knob, default in bench_train_step.KNOB_DEFAULTS.items():
+        monkeypatch.setattr(gpt_math, knob, default)  # restored after the test
     ran: list[str] = []
     real = unit_linear.row_parts
     monkeypatch.setattr(unit_linear, "row_parts",
@@ -158,13 +158,13 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
                               steps=1, world_size=1, profile=False, pyprofile=0,
                               gemm="fp8_blocked", shared_pool=False)
     losses, calls = {}, {}
-    switched = "mxfp8:u2:qkv1:gelu-pass"
+    switched = "mxfp8:u2:qkv1:gelu-in"
     for run in ("mxfp8:u2", switched):
         ran.clear()
         losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
         calls[run] = set(ran)
     jax.clear_caches()
-    assert calls[switched] == set() and calls["mxfp8:u2"] == {"parts", "gelu"}
+    assert calls[switched] == {"gelu"} and calls["mxfp8:u2"] == {"parts"}
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
 
 
@@ -180,16 +180,16 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
 
     monkeypatch.setattr(blocked_operands, "KERNEL_CONFIG",
                         dict(blocked_operands.KERNEL_CONFIG))  # restored after the test
-    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=True)
+    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=False)
     apply = bench_train_step._apply_switches
     assert not apply(frozenset(), knobs)
     assert apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)
-    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (False, True)
+    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (False, False)
     pair = blocked_operands.KernelChoice(*bench_train_step.PAIR_CHOICE)
     assert {e: c for e, c in blocked_operands.KERNEL_CONFIG.items() if "+" in e} == {
         "rows+rows_t": pair, "rows+tiles_t": pair}
     assert pair.whole and pair.block == (128, 128)
     assert not apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)  # already so
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
-    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, False)
+    assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, True)
     assert [e for e in blocked_operands.KERNEL_CONFIG if "+" in e] == []

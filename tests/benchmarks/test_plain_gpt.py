@@ -81,21 +81,21 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     assert _run_spec("bf16:qkv1") == ("bf16", 1, False) and not _whole_qkv("mxfp8:u4")
     from benchmarks.bench_train_step import _switches
 
-    assert _run_spec("mxfp8:u4:gelu-pass") == ("mxfp8", 4, False)
-    assert _switches("mxfp8:u4:gelu-pass") == ("mxfp8:u4", {"GELU_IN_LINEAR"})
-    for run in ("mxfp8:u4:r:qkv1:gelu-pass", "mxfp8:u4:r:gelu-pass:qkv1"):
+    assert _run_spec("mxfp8:u4:gelu-in") == ("mxfp8", 4, False)
+    assert _switches("mxfp8:u4:gelu-in") == ("mxfp8:u4", {"GELU_IN_LINEAR"})
+    for run in ("mxfp8:u4:r:qkv1:gelu-in", "mxfp8:u4:r:gelu-in:qkv1"):
         assert _switches(run) == ("mxfp8:u4:r", {"GELU_IN_LINEAR", "QKV_PARTS"})
         assert _run_spec(run) == ("mxfp8", 4, True) and _whole_qkv(run)
-    assert not _whole_qkv("mxfp8:u4:gelu-pass")
+    assert not _whole_qkv("mxfp8:u4:gelu-in")
     assert _switches("mxfp8:u4:qkv1:pairs") == ("mxfp8:u4", {"PAIRS", "QKV_PARTS"})
     assert _run_spec("mxfp8:u4:pairs") == ("mxfp8", 4, False)
-    for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-pass", "fsdp2:pairs"):
+    for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-in", "fsdp2:pairs"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)
     for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",
-                "mxfp8:qkv1:r", "mxfp8:gelu-pass:gelu-pass", "mxfp8:gelu-pass:r"):
+                "mxfp8:qkv1:r", "mxfp8:gelu-in:gelu-in", "mxfp8:gelu-in:r"):
         with pytest.raises(ValueError, match=f"unknown run {re.escape(repr(bad))}: expected .*"
-                                             "':u<N>'.*then ':r'.*':gelu-pass'.*'mxfp8:u4:r'"):
+                                             "':u<N>'.*then ':r'.*':gelu-in'.*'mxfp8:u4:r'"):
             _run_spec(bad)
 
 

@@ -134,7 +134,7 @@ def test_the_gelu_inside_the_linear_gives_the_bytes_of_the_gelu_first(gelu_in_li
                                                                        monkeypatch):
     """The GPT block (fp8_blocked, the Pallas kernels): its output, dx and every weight's and
     norm's gradient. (On the XLA backend the linear computes the GELU before its quantize: the
-    same values by construction, and bench_train_step's ':gelu-pass' test trains both.)"""
+    same values by construction, and bench_train_step's ':gelu-in' test trains both.)"""
     inputs = _inputs("pallas")
     ran = _spy(monkeypatch)
     gelu_in_linear(True)
@@ -290,7 +290,7 @@ def test_where_pre_cannot_be_fused_it_runs_first_with_the_same_bytes(case, monke
 
 
 @pytest.mark.parametrize(("pre", "match"), [
-    (jax.nn.softmax, "is not elementwise"),
+    (jax.nn.softmax, "is not known to be elementwise"),
     (lambda v: v.astype(jnp.float32), "must return one array of its input's shape and dtype"),
     (lambda v: v.T, "must return one array"),
     (lambda v: v - jnp.mean(v), r"reduce_sum"),
