@@ -18,7 +18,8 @@ array: a fixed handful per group, whatever the number of parameters. Each slice 
 Batches (``batched_partial_amax`` / ``batched_scales_and_cast_images``): several buffers, each
 with its own pieces (e.g. every MXFP8 group of an FSDP model on one communicator), in ONE program
 per step: each buffer still crosses once, the packed amax of the batch is the concatenation of
-the buffers' packed amax (buffer order), and the bytes of every buffer come back in one array.
+the buffers' packed amax (buffer order), and the bytes of every buffer come back in one array
+(one per ``runs`` of buffers past 2**31 bytes: the in-place kernels index with int32 offsets).
 Each buffer's part is the single-buffer program traced inside the batch's, so its bytes are
 identical to the single-buffer path.
 
@@ -46,7 +47,8 @@ from bridge.linear import resolve_for
 from bridge.shared import SharedBuffer
 from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.kernels import Backend, KernelConfig
-from jax_side.mxfp8 import cast_slice, partial_block_amax, scales_from_amax
+from jax_side.mxfp8 import cast_slice, cast_slice_into, partial_block_amax, scales_from_amax
+from jax_side.mxfp8.pallas_tiles import MAX_FLAT_INDEX
 
 __all__ = [
     "Piece",
@@ -57,6 +59,7 @@ __all__ = [
     "batched_partial_amax",
     "batched_scales_and_cast_images",
     "packed_partial_amax",
+    "runs",
     "scales_and_cast",
     "scales_and_cast_images",
     "slice_backend",
@@ -128,8 +131,10 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
                  scales: ScaleLayout) -> jax.Array:
     """``out`` (uint8) with one buffer's four images written at ``base`` (rowwise shard image,
     columnwise, rowwise scale buffer, columnwise: ``_scales_and_cast_images``' layout), each
-    piece by one in-place ``dynamic_update_slice``: no concatenation (a 1.3B model's refresh
-    spent 13 ms in concatenations on one H200)."""
+    piece's scales by one in-place ``dynamic_update_slice`` and its bytes by ``cast_slice_into``
+    (the ``pallas`` kernel writes a piece of whole rows straight into ``out``; otherwise two more
+    in-place updates): no concatenation (a 1.3B model's refresh spent 13 ms in concatenations
+    on one H200)."""
     scale_bytes = lax.bitcast_convert_type(
         scales_from_amax(packed_amax, backend=backend), jnp.uint8
     )
@@ -144,17 +149,12 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
         cs = scale_bytes[offset + n_scale:offset + 2 * n_scale]
         out = lax.dynamic_update_slice(out, rs, (at_row_s + at,))
         out = lax.dynamic_update_slice(out, cs, (at_col_s + at,))
-        if p.numel:
+        if p.numel:  # written into out where it goes (in place by the pallas kernel)
             planes = {Plane.ROWWISE: rs.reshape(m, k // BLOCK_SIZE),
                       Plane.COLWISE: cs.reshape(m // BLOCK_SIZE, k)}
-            cast = cast_slice(buf, (m, k), p.start, scales=planes, backend=backend,
-                              offset=p.offset, numel=p.numel, read_as=source)
-            out = lax.dynamic_update_slice(
-                out, lax.bitcast_convert_type(cast.rowwise, jnp.uint8).reshape(-1),
-                (base + p.offset,))
-            out = lax.dynamic_update_slice(
-                out, lax.bitcast_convert_type(cast.colwise, jnp.uint8).reshape(-1),
-                (at_col + p.offset,))
+            out = cast_slice_into(out, (base + p.offset, at_col + p.offset), buf, (m, k),
+                                  p.start, scales=planes, backend=backend, offset=p.offset,
+                                  numel=p.numel, read_as=source)
         offset += 2 * n_scale
     return out
 
@@ -202,19 +202,43 @@ def _batched_partial_amax(bufs, pieces, backend, source):
                             for b, p in zip(bufs, pieces, strict=True)])
 
 
-@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales"))
-def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, scales):
-    """Each buffer's ``_scales_and_cast_images`` bytes, one after another in one uint8 array
-    (written in place, ``_images_into``)."""
-    out = _zero_images(sum(_images_numel(b, s) for b, s in zip(bufs, scales, strict=True)))
-    at, base = 0, 0
-    for b, p, s in zip(bufs, pieces, scales, strict=True):
-        n = amax_numel(p)
-        out = _images_into(out, base, b, lax.slice(packed_amax, (at,), (at + n,)), p, backend,
-                           source, s)
-        at += n
-        base += _images_numel(b, s)
+RUN_LIMIT = MAX_FLAT_INDEX  # bytes of images per array of a batch (``runs``)
+
+
+def runs(sizes: Sequence[int], limit: int = MAX_FLAT_INDEX) -> list[list[int]]:
+    """The batch's buffers (indices, in order) in runs whose images share one array: each run's
+    total below ``limit`` (the kernels write an array with int32 offsets), so a model's refresh
+    returns one array, or a few at billions of parameters; a buffer too large alone is a run of
+    its own (its pieces are then written by XLA's updates)."""
+    out: list[list[int]] = []
+    total = limit
+    for i, n in enumerate(sizes):
+        if total + n >= limit:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales", "limit"))
+def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, scales,
+                                    limit=MAX_FLAT_INDEX):
+    """Each buffer's ``_scales_and_cast_images`` bytes, one after another in uint8 arrays, one
+    per run of buffers (``runs`` below ``limit``; written in place, ``_images_into``)."""
+    sizes = [_images_numel(b, s) for b, s in zip(bufs, scales, strict=True)]
+    starts = [0]
+    for p in pieces:  # each buffer's packed amax
+        starts.append(starts[-1] + amax_numel(p))
+    arrays = []
+    for run in runs(sizes, limit):
+        out, base = _zero_images(sum(sizes[i] for i in run)), 0
+        for i in run:
+            amax = lax.slice(packed_amax, (starts[i],), (starts[i + 1],))
+            out = _images_into(out, base, bufs[i], amax, pieces[i], backend, source, scales[i])
+            base += sizes[i]
+        arrays.append(out)
+    return tuple(arrays)
 
 
 def _static_pieces(pieces: Iterable[Iterable[Piece]]) -> tuple[tuple[Piece, ...], ...]:
@@ -251,22 +275,26 @@ def batched_scales_and_cast_images(
     source_dtype: torch.dtype = torch.bfloat16,
 ) -> list[GroupImages]:
     """``scales_and_cast_images`` of several buffers in one program, from the batch's reduced
-    packed amax (``batched_partial_amax``'s layout): per buffer its four images, views of ONE
-    Torch tensor over JAX's result (one crossing each way for the whole batch)."""
+    packed amax (``batched_partial_amax``'s layout): per buffer its four images, views of
+    Torch tensors over JAX's result, one per run of buffers (``runs``: one crossing each way for
+    the whole batch below 2**31 bytes of images)."""
     layouts = tuple(ScaleLayout(tuple(s.offsets), int(s.total)) for s in scales)
-    packed = to_torch(_batched_scales_and_cast_images(
+    arrays = _batched_scales_and_cast_images(
         tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
-        slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts,
-    ))
-    if packed.device != device:
-        packed = packed.to(device)
-    out, at = [], 0
-    for b, s in zip(bufs, layouts, strict=True):
-        n, t = b.tensor.numel(), s.total
-        cuts = (at, at + n, at + 2 * n, at + 2 * n + t, at + 2 * n + 2 * t)
-        spans = zip(cuts[:-1], cuts[1:], strict=True)
-        out.append(GroupImages(*(packed[lo:hi] for lo, hi in spans)))
-        at = cuts[-1]
+        slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT,
+    )
+    sizes = [2 * b.tensor.numel() + 2 * s.total for b, s in zip(bufs, layouts, strict=True)]
+    out = []
+    for run, array in zip(runs(sizes, RUN_LIMIT), arrays, strict=True):
+        packed, at = to_torch(array), 0
+        if packed.device != device:
+            packed = packed.to(device)
+        for i in run:
+            n, t = bufs[i].tensor.numel(), layouts[i].total
+            cuts = (at, at + n, at + 2 * n, at + 2 * n + t, at + 2 * n + 2 * t)
+            spans = zip(cuts[:-1], cuts[1:], strict=True)
+            out.append(GroupImages(*(packed[lo:hi] for lo, hi in spans)))
+            at = cuts[-1]
     return out
 
 

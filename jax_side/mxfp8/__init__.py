@@ -24,7 +24,7 @@ from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.gemm import matmul
 from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
 from jax_side.mxfp8.quantize import quantize
-from jax_side.mxfp8.slices import cast_slice, partial_block_amax, scales_from_amax
+from jax_side.mxfp8.slices import cast_slice, cast_slice_into, partial_block_amax, scales_from_amax
 from jax_side.mxfp8.te_probe import TEPath, TEProbe
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, PlaneData, SliceCast
 
@@ -46,6 +46,7 @@ __all__ = [
     "TEPath",
     "TEProbe",
     "cast_slice",
+    "cast_slice_into",
     "decide_backend",
     "dequantize",
     "kernel_report",

@@ -240,6 +240,22 @@ class KernelBackend(abc.ABC):
         ``partial_block_amax_at``)."""
         return self.cast_slice(_cut(buf, offset, n, read_as), shape, start, row_b, col_b)
 
+    def cast_slice_into(self, out: jax.Array, ats: tuple[int, int], buf: jax.Array,
+                        offset: int, n: int, shape: tuple[int, int], start: int,
+                        row_b: jax.Array, col_b: jax.Array, *,
+                        read_as: jnp.dtype | None = None) -> jax.Array:
+        """The validated 1-D uint8 ``out`` with ``cast_slice_at``'s rowwise bytes at
+        ``out[ats[0]:]`` and its columnwise at ``out[ats[1]:]`` (n each). This default casts,
+        then updates ``out`` in place (XLA's ``dynamic_update_slice``: a copy of each plane when
+        the cast is a custom call); a backend whose kernel can write into ``out`` overrides it
+        (``pallas``), with the same bytes."""
+        cast = self.cast_slice_at(buf, offset, n, shape, start, row_b, col_b, read_as=read_as)
+        for at, codes in zip(ats, (cast.rowwise, cast.colwise), strict=True):
+            assert codes is not None
+            out = lax.dynamic_update_slice(
+                out, lax.bitcast_convert_type(codes, jnp.uint8).reshape(-1), (at,))
+        return out
+
     @abc.abstractmethod
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
                gemm: GemmImpl | None) -> jax.Array:

@@ -158,6 +158,28 @@ def _cast_slice(flat: jax.Array, rs: jax.Array | None, cs: jax.Array | None, off
     return SliceCast(finish(out.rowwise), finish(out.colwise))
 
 
+def writes_in_place(buf: jax.Array, out: jax.Array, shape: tuple[int, int], start: int,
+                    n: int) -> bool:
+    """Whether ``cast_slice_into`` writes the slice's planes into ``out`` in place: a non-empty
+    slice of whole 32-row bands (no masked rows: a whole parameter, or block-atomic rows) and
+    both buffers within the kernels' int32 offsets."""
+    if n == 0 or max(buf.shape[0], out.shape[0]) >= MAX_FLAT_INDEX:
+        return False
+    b = band(*shape, start, n)
+    return b.pad_left == 0 and b.pad_right == 0
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _cast_slice_into(out: jax.Array, buf: jax.Array, rs: jax.Array, cs: jax.Array,
+                     ats: tuple[int, int], offset: int, n: int, shape: tuple[int, int],
+                     start: int, interpret: bool, read_as: str | None) -> jax.Array:
+    m, k = shape
+    b = band(m, k, start, n)
+    return pallas_impl.cast_into_in_place(
+        out, ats, buf, _in_place(b, k, offset, read_as), (b.rows, k), rs[b.row0:b.row1],
+        cs[b.row0 // _BS:b.row1 // _BS], interpret=interpret)
+
+
 class PallasBackend(KernelBackend):
     """The project's Pallas kernels: compiled on a CUDA GPU, interpreted (slow) on the CPU."""
 
@@ -219,6 +241,16 @@ class PallasBackend(KernelBackend):
             return super().cast_slice_at(buf, offset, n, shape, start, row_b, col_b,
                                          read_as=read_as)
         return cast_slice(buf, shape, start, row_b, col_b, offset, n, read_as)
+
+    def cast_slice_into(self, out: jax.Array, ats: tuple[int, int], buf: jax.Array,
+                        offset: int, n: int, shape: tuple[int, int], start: int,
+                        row_b: jax.Array, col_b: jax.Array, *,
+                        read_as: jnp.dtype | None = None) -> jax.Array:
+        if not writes_in_place(buf, out, shape, start, n):
+            return super().cast_slice_into(out, ats, buf, offset, n, shape, start, row_b, col_b,
+                                           read_as=read_as)
+        return _cast_slice_into(out, buf, row_b, col_b, ats, offset, n, shape, start,
+                                interpret_mode(), _name(buf, read_as))
 
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
                gemm: GemmImpl | None) -> jax.Array:

@@ -35,6 +35,8 @@ from jax_side.mxfp8.pallas_elements import (
 from jax_side.mxfp8.pallas_kernels import amax_kernel, cast_kernel, quantize_kernel, scale_kernel
 from jax_side.mxfp8.pallas_tiles import (
     DEFAULT_TILES,
+    MAX_FLAT_INDEX,
+    FlatInto,
     FlatView,
     Grid,
     KernelKind,
@@ -59,6 +61,7 @@ __all__ = [
     "block_amax_in_place",
     "cast_2d",
     "cast_in_place",
+    "cast_into_in_place",
     "element_path",
     "quantize_2d",
     "scales_from_amax",
@@ -228,6 +231,39 @@ def _cast_2d(x: jax.Array, rs: jax.Array | None, cs: jax.Array | None, interpret
     e4 = jnp.float8_e4m3fn
     return SliceCast(_as_f8(res.pop(0), e4) if rowwise else None,
                      _as_f8(res.pop(0), e4) if colwise else None)
+
+
+def cast_into_in_place(out: jax.Array, ats: tuple[int, int], buf: jax.Array, view: FlatView,
+                       shape: tuple[int, int], rowwise_scale: jax.Array,
+                       colwise_scale: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """``cast_in_place`` of both planes written into the 1-D uint8 ``out`` where they go, updated
+    in place (no plane-sized result, no copy of it into ``out``): the rowwise codes' element
+    (r, c) at ``out[ats[0] + r*K + c]``, the columnwise at ``ats[1] + ...`` (``FlatInto``).
+    ``out`` must hold both planes whole (int32 offsets: below ``MAX_FLAT_INDEX``)."""
+    m, k = (int(d) for d in shape)
+    if out.dtype != jnp.uint8 or out.ndim != 1 or min(ats) < 0 or (
+            max(ats) + m * k > out.shape[0]):
+        raise ValueError(f"cast_into_in_place: out must be a 1-D uint8 array holding both "
+                         f"{m}x{k} planes at {ats}; got {out.dtype}{tuple(out.shape)}")
+    if out.shape[0] >= MAX_FLAT_INDEX or view.masked:
+        raise ValueError(f"cast_into_in_place: out of {out.shape[0]} bytes (int32 offsets: "
+                         f"below {MAX_FLAT_INDEX}) and an unmasked view (whole band rows; got "
+                         f"masked={view.masked}); use cast_in_place and update out with its planes")
+    path = element_path(None, bool(interpret))
+    g = Grid.make(KernelKind.CAST, (m, k), None, buf.dtype, path)
+    return _cast_into(out, buf, rowwise_scale, colwise_scale, bool(interpret), g, path, (m, k),
+                      view, FlatInto(tuple(int(a) for a in ats), k))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8, 9))
+def _cast_into(out: jax.Array, x: jax.Array, rs: jax.Array, cs: jax.Array, interpret: bool,
+               g: Grid, path: ElementPath, shape: tuple[int, int], view: FlatView,
+               into: FlatInto) -> jax.Array:
+    kernel = g.kernel_into(cast_kernel, view, into, 3, rowwise=True, colwise=True, mode=path)
+    spec = pl.BlockSpec()
+    return g.call(kernel, shape, [g.x_spec(view), g.row_scale(), g.col_scale(), spec],
+                  [(spec, jax.ShapeDtypeStruct(out.shape, out.dtype))], interpret,
+                  aliases={3: 0})(x, rs, cs, out)[0]
 
 
 _SCALE_BLOCK = 1024  # elements per program of the scale kernel

@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 from common.formats import BLOCK_SIZE
 from jax_side.mxfp8.pallas_elements import ElementPath
 
-__all__ = ["DEFAULT_TILES", "MAX_FLAT_INDEX", "Chunking", "FlatView", "Grid", "KernelKind",
-           "TileKey", "Tiles", "triton_params"]
+__all__ = ["DEFAULT_TILES", "MAX_FLAT_INDEX", "Chunking", "FlatInto", "FlatView", "Grid",
+           "KernelKind", "TileKey", "Tiles", "triton_params"]
 
 _BS = BLOCK_SIZE
 MAX_FLAT_INDEX = 2**31  # kernels that read a buffer in place index it with int32 offsets
@@ -166,6 +166,40 @@ def _read_in_place(x_ref: Any, *refs: Any, body: functools.partial[None], view: 
     body(view.over(x_ref, bm, bk), *refs)
 
 
+class FlatInto(NamedTuple):
+    """Where a kernel writes its (R, K) outputs inside one 1-D uint8 array it updates in place
+    (the call's last operand, aliased to its only result): output i's element (r, c) at
+    ``ats[i] + r*K + c`` -- every element, so a band with rows outside its slice cannot be
+    written this way."""
+
+    ats: tuple[int, ...]
+    k: int
+
+
+class _FlatOut:
+    """What a kernel stores to as its (BM, BK) block of one output: ``[rows, cols] = v``
+    (static ``pl.ds``) writes those elements of this program's tile at their flat positions
+    (int32 offsets)."""
+
+    def __init__(self, ref: Any, at: int, k: int, bm: int, bk: int) -> None:
+        self.ref, self.at, self.k, self.bm, self.bk = ref, at, k, bm, bk
+
+    def __setitem__(self, idx: tuple[Any, Any], v: jax.Array) -> None:
+        rows, cols = idx
+        shape = (int(rows.size), int(cols.size))
+        r = pl.program_id(0) * self.bm + rows.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+        c = pl.program_id(1) * self.bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+        self.ref[self.at + r * self.k + c] = v
+
+
+def _write_in_place(*refs: Any, body: Any, into: FlatInto, inputs: int, bm: int,
+                    bk: int) -> None:
+    """``body`` given the call's ``inputs`` refs, then one writer per output into the aliased
+    array (its input ref, written never read, is skipped)."""
+    out = refs[-1]
+    body(*refs[:inputs], *(_FlatOut(out, at, into.k, bm, bk) for at in into.ats))
+
+
 def triton_params(num_warps: int) -> Any:
     # Explicit Triton params select the Triton lowering: with None, jax >= 0.10 lowers
     # pallas_call on GPU with Mosaic GPU (jax_pallas_use_mosaic_gpu defaults to True).
@@ -211,6 +245,12 @@ class Grid(NamedTuple):
             return body
         return functools.partial(_read_in_place, body=body, view=view, bm=self.bm, bk=self.bk)
 
+    def kernel_into(self, fn: Callable[..., None], view: FlatView | None, into: FlatInto,
+                    inputs: int, **kw: Any) -> functools.partial[None]:
+        """``kernel(fn, view)`` whose outputs are written in place (:class:`FlatInto`)."""
+        return functools.partial(_write_in_place, body=self.kernel(fn, view, **kw), into=into,
+                                 inputs=inputs, bm=self.bm, bk=self.bk)
+
     def x_spec(self, view: FlatView | None) -> Any:
         """x's BlockSpec: (BM, BK) blocks, or the whole buffer for a ``FlatView``."""
         return self.full() if view is None else pl.BlockSpec()
@@ -228,8 +268,10 @@ class Grid(NamedTuple):
         return pl.BlockSpec((self.bm // _BS, self.bk), lambda i, j: (i, j))
 
     def call(self, kernel: functools.partial[None], shape: tuple[int, int], in_specs: list[Any],
-             outs: list[tuple[Any, Any]], interpret: bool) -> Callable[..., Any]:
-        """outs: list of (BlockSpec, ShapeDtypeStruct); the ``pallas_call`` to apply."""
+             outs: list[tuple[Any, Any]], interpret: bool,
+             aliases: dict[int, int] | None = None) -> Callable[..., Any]:
+        """outs: list of (BlockSpec, ShapeDtypeStruct); the ``pallas_call`` to apply
+        (``aliases``: its ``input_output_aliases``)."""
         return pl.pallas_call(
             kernel,
             out_shape=[o[1] for o in outs],
@@ -238,5 +280,13 @@ class Grid(NamedTuple):
             out_specs=[o[0] for o in outs],
             compiler_params=triton_params(self.tiles.num_warps),
             interpret=interpret,
-            name="mxfp8_" + kernel.keywords.get("body", kernel).func.__name__.strip("_"),
+            input_output_aliases=aliases or {},
+            name="mxfp8_" + _body_name(kernel),
         )
+
+
+def _body_name(kernel: Any) -> str:
+    """The kernel function under its wrappers (``functools.partial``s with a ``body``)."""
+    while "body" in getattr(kernel, "keywords", {}):
+        kernel = kernel.keywords["body"]
+    return str(kernel.func.__name__).strip("_")

@@ -28,7 +28,8 @@ from jax_side.mxfp8.backends import backend_impl
 from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
 from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
-__all__ = ["BlockAmax", "SliceCast", "cast_slice", "partial_block_amax", "scales_from_amax"]
+__all__ = ["BlockAmax", "SliceCast", "cast_slice", "cast_slice_into", "partial_block_amax",
+           "scales_from_amax"]
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -181,17 +182,59 @@ def cast_slice(
     ``flat[offset : offset + numel]``, read in place where the backend can, and ``read_as``
     the dtype its values are converted to first (both as in ``partial_block_amax``).
     """
-    m, k, n, start = _check_slice(flat, shape, start, "cast_slice", offset, numel)
-    check_dtype(flat, "cast_slice")
-    read = _check_read_as(read_as, flat, "cast_slice")
-    planes = parse_planes(list(scales), "cast_slice scales")
-    given = {Plane.parse(p): s for p, s in scales.items()}
-    b = {
-        p: scale_bytes(given[p], scale_shape((m, k), p), f"cast_slice {p.value} scale")
-        for p in planes
-    }
-    impl = _slice_impl("cast_slice", kernels, backend, flat)
+    m, k, n, start, read, b, impl = _cast_args("cast_slice", flat, shape, start, scales,
+                                               backend, kernels, offset, numel, read_as)
     if offset == 0 and n == flat.shape[0] and read is None:
         return impl.cast_slice(flat, (m, k), start, b.get(Plane.ROWWISE), b.get(Plane.COLWISE))
     return impl.cast_slice_at(flat, int(offset), n, (m, k), start, b.get(Plane.ROWWISE),
                               b.get(Plane.COLWISE), read_as=read)
+
+
+def _cast_args(what: str, flat: jax.Array, shape: tuple[int, int], start: int,
+               scales: Mapping[Plane, jax.Array] | Mapping[str, jax.Array],
+               backend: Backend | str | None, kernels: KernelConfig | ResolvedKernels | None,
+               offset: int, numel: int | None, read_as: DTypeLike | None) -> tuple[Any, ...]:
+    """(m, k, n, start, read_as or None, {plane: scale bytes}, backend impl) of a checked cast."""
+    m, k, n, start = _check_slice(flat, shape, start, what, offset, numel)
+    check_dtype(flat, what)
+    read = _check_read_as(read_as, flat, what)
+    planes = parse_planes(list(scales), f"{what} scales")
+    given = {Plane.parse(p): s for p, s in scales.items()}
+    b = {p: scale_bytes(given[p], scale_shape((m, k), p), f"{what} {p.value} scale")
+         for p in planes}
+    return m, k, n, start, read, b, _slice_impl(what, kernels, backend, flat)
+
+
+def cast_slice_into(
+    out: jax.Array,
+    at: tuple[int, int],
+    flat: jax.Array,
+    shape: tuple[int, int],
+    start: int,
+    *,
+    scales: Mapping[Plane, jax.Array] | Mapping[str, jax.Array],
+    backend: Backend | str | None = None,
+    kernels: KernelConfig | ResolvedKernels | None = None,
+    offset: int = 0,
+    numel: int | None = None,
+    read_as: DTypeLike | None = None,
+) -> jax.Array:
+    """``cast_slice`` of both planes written into ``out``, a 1-D uint8 array: ``out`` with the
+    rowwise bytes at ``out[at[0] : at[0] + n]`` and the columnwise at ``out[at[1] : ...]``
+    (``at`` static), the rest of ``out`` as it was. A backend that can write there in place
+    does (``pallas``, for a slice of whole rows: no plane-sized result and no copy of it);
+    otherwise the two planes are cast and written by XLA's in-place updates. Same bytes."""
+    what = "cast_slice_into"
+    m, k, n, start, read, b, impl = _cast_args(what, flat, shape, start, scales, backend,
+                                               kernels, offset, numel, read_as)
+    if set(b) != set(ALL_PLANES):
+        raise ValueError(f"{what}: scales must give both planes' scales (rowwise (M, K/32) and "
+                         f"colwise (M/32, K)); got {[p.value for p in b]}")
+    ats = tuple(_check_start(a, what, "at", "position in out", "where a plane goes in out")
+                for a in at)
+    if out.ndim != 1 or out.dtype != jnp.uint8 or len(ats) != 2 or min(ats) < 0 or (
+            max(ats) + n > out.shape[0]):
+        raise ValueError(f"{what}: out must be a 1-D uint8 array with room for the slice's {n} "
+                         f"bytes per plane at at={ats}; got {out.dtype}{tuple(out.shape)}")
+    return impl.cast_slice_into(out, (ats[0], ats[1]), flat, int(offset), n, (m, k), start,
+                                b[Plane.ROWWISE], b[Plane.COLWISE], read_as=read)

@@ -54,7 +54,8 @@ def test_batched_images_are_the_concatenated_bytes_in_place_with_a_fill_not_a_pa
     cases = [_case(0), _case(1)]
     args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
             tuple(c[2] for c in cases), None, jnp.bfloat16, tuple(c[3] for c in cases))
-    got = np.asarray(S._batched_scales_and_cast_images(*args))
+    (got,) = S._batched_scales_and_cast_images(*args)  # one run: below 2**31 bytes
+    got = np.asarray(got)
     want = np.concatenate([_placed(*c) for c in cases])
     assert got.tobytes() == want.tobytes()
     single = np.asarray(S._scales_and_cast_images(cases[1][0], cases[1][1], cases[1][2], None,
@@ -82,3 +83,24 @@ def test_the_pallas_refresh_reads_fp32_buffers_as_bf16_with_the_reference_bytes(
             got = np.asarray(S._scales_and_cast_images(b, amax, pieces, Backend.PALLAS,
                                                        jnp.bfloat16, layout))
             assert got.tobytes() == want.tobytes()
+
+
+def test_runs_keep_each_array_below_the_limit_in_order():
+    assert S.runs([10, 20, 30], limit=100) == [[0, 1, 2]]
+    assert S.runs([60, 30, 20, 50], limit=100) == [[0, 1], [2, 3]]
+    assert S.runs([150, 10, 10], limit=100) == [[0], [1, 2]]  # too large alone: its own run
+    assert S.runs([10, 150, 10], limit=100) == [[0], [1], [2]]
+    assert S.runs([], limit=100) == []
+
+
+def test_a_batch_past_the_limit_comes_back_in_runs_with_the_same_bytes():
+    """Images past the limit (2**31 bytes in use: the kernels' int32 offsets) come back as one
+    array per run, each run's buffers one after another as in one array."""
+    cases = [_case(0), _case(1), _case(0)]
+    args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
+            tuple(c[2] for c in cases), None, jnp.bfloat16, tuple(c[3] for c in cases))
+    want = [_placed(*c) for c in cases]
+    limit = want[0].shape[0] + want[1].shape[0] + 1  # the first two fit, the third does not
+    got = S._batched_scales_and_cast_images(*args, limit=limit)
+    assert [np.asarray(g).tobytes() for g in got] == [np.concatenate(want[:2]).tobytes(),
+                                                      want[2].tobytes()]

@@ -207,7 +207,13 @@ def test_mxfp8_fill_of_one_shard_of_two_writes_that_shard_of_the_whole_tensors_b
                                       ref[f"{plane.value}_scale"])
 
 
-def test_a_batch_of_groups_reduces_once_and_writes_each_groups_own_bytes(single_rank_world):
+@pytest.mark.parametrize("runs", ["one array", "an array per group"])
+def test_a_batch_of_groups_reduces_once_and_writes_each_groups_own_bytes(single_rank_world, runs,
+                                                                        monkeypatch):
+    """Also with the images in one array per group (``bridge.mxfp8_slices.runs``: what a batch
+    of more than 2**31 bytes of images comes back as)."""
+    if runs != "one array":
+        monkeypatch.setattr("bridge.mxfp8_slices.RUN_LIMIT", 1)
     codec = codec_for(MX)
     layout = FlatLayout.build(["a", "b"], SHAPES, 1)
     comm = Communicator(dist.group.WORLD, "dp")
