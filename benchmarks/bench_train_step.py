@@ -630,11 +630,16 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
     comm_us = sum(b - a for a, b in _union(comm))
     table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    copies = ""
+    if args.profile_copies:
+        from benchmarks.trace_copies import profile_copies
+
+        copies = "\n--- the same step, where its copies come from\n" + profile_copies(prof)
     return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
         + "\n--- the same step, top 25 by self host time\n" + host
         + "\n--- the same step, GPU ms by category and kernel\n"
-        + _kernels_by_category(by_kernel, args.profile_top))
+        + _kernels_by_category(by_kernel, args.profile_top) + copies)
 
 
 def _kernels_by_category(by_kernel: dict[str, list], top: int = 8) -> str:
@@ -803,6 +808,9 @@ def main(argv=None) -> int:
                         f"'{PAIRS}' for the quantize's two outputs of x and of dy in one call")
     p.add_argument("--profile", action="store_true",
                    help="print torch.profiler tables of one warm step of every run")
+    p.add_argument("--profile-copies", action="store_true",
+                   help="with --profile: the step's device copies grouped by what launched "
+                        "them (benchmarks/trace_copies.py)")
     p.add_argument("--profile-top", type=int, default=8,
                    help="kernels listed per category in --profile's table")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")
