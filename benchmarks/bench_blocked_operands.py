@@ -12,10 +12,7 @@ plus the outputs written once (GB/s), for
 - ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
   ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output; ``...,whole]``: the
-  transposed outputs with each program's block loaded at once (``whole=True``); ``...,codes16]``
-  / ``...,input]``: the banded transposed outputs with the codes transposed as int16 / x's
-  band transposed as loaded (``transpose=``, ``pallas_blocked.TRANSPOSES``), ``...,whole,input]``
-  the whole block transposed as loaded;
+  transposed outputs with each program's block loaded at once (``whole=True``);
   ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
   memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block),
   which ``KERNEL_CONFIG["rows+rows_t"]`` / ``["rows+tiles_t"]`` would select;
@@ -59,7 +56,7 @@ from jax_side import mxfp8  # noqa: E402
 from jax_side.linear import FlatPlane  # noqa: E402
 from jax_side.mxfp8.blocked_operands import KERNEL_CONFIG, from_planes  # noqa: E402
 from jax_side.mxfp8.gemm_impls import b_tiles  # noqa: E402
-from jax_side.mxfp8.pallas_blocked import TRANSPOSES, quantize_blocked_2d  # noqa: E402
+from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d  # noqa: E402
 from jax_side.mxfp8.pallas_reblock import reblock_tiles_2d, reblock_tiles_flat  # noqa: E402
 from models.gpt_math import gelu_tanh  # noqa: E402
 
@@ -95,24 +92,12 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                         block=block), output))
 
                 out[f"{output}[{block[0]}x{block[1]},w{w}]"] = (one(), 1)
-                for t in TRANSPOSES[1:] if output != "rows" else ():  # other transposes
-                    out[f"{output}[{block[0]}x{block[1]},w{w},{t}]"] = (jax.jit(
-                        lambda x, output=output, block=block, w=w, t=t: getattr(
-                            quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
-                                                tiles_t=output == "tiles_t",
-                                                interpret=interpret, num_warps=w, block=block,
-                                                transpose=t), output)), 1)
                 if output != "rows":  # the same output, each program's block loaded at once
                     out[f"{output}[{block[0]}x{block[1]},w{w},whole]"] = (jax.jit(
                         lambda x, output=output, block=block, w=w: getattr(quantize_blocked_2d(
                             x, rows=False, rows_t=output == "rows_t",
                             tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
                             block=block, whole=True), output)), 1)
-                    out[f"{output}[{block[0]}x{block[1]},w{w},whole,input]"] = (jax.jit(
-                        lambda x, output=output, block=block, w=w: getattr(quantize_blocked_2d(
-                            x, rows=False, rows_t=output == "rows_t",
-                            tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
-                            block=block, whole=True, transpose="input"), output)), 1)
     for second in ("rows_t", "tiles_t"):  # two outputs in one call: x read once from DRAM
         for w in warps:
             for whole in (False, True):

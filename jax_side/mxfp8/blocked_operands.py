@@ -75,7 +75,6 @@ class KernelChoice(NamedTuple):
     block: tuple[int, int]  # x's block per program
     warps: int  # Triton warps per program
     whole: bool = False  # each program's block loaded at once (the transposed outputs only)
-    transpose: str = "codes"  # pallas_blocked.TRANSPOSES: how a banded program transposes
 
 
 # The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
@@ -255,8 +254,7 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
         return quantize_blocked_2d(xp, rows="rows" in outputs, rows_t="rows_t" in outputs,
                                    tiles_t="tiles_t" in outputs, interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
-                                   whole=choice.whole, pre=pre, pre_args=pre_args,
-                                   transpose=choice.transpose)
+                                   whole=choice.whole, pre=pre, pre_args=pre_args)
 
     second = "rows_t" if rows_t else "tiles_t" if tiles_t else ""
     if rows and f"rows+{second}" in KERNEL_CONFIG:

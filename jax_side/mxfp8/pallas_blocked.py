@@ -48,16 +48,11 @@ from jax_side.mxfp8.pallas_impl import element_path
 from jax_side.mxfp8.pallas_tiles import triton_params
 from jax_side.mxfp8.reblock import GROUP, Reblocked, shift_codes
 
-__all__ = ["NUM_WARPS", "TRANSPOSES", "BlockedPlanes", "quantize_blocked_2d"]
+__all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d"]
 
 _BS = 32  # MXFP8 block
 _PER = GROUP // _BS  # 1x32 blocks per 1x128 block
 NUM_WARPS = 8  # Triton warps per program (the default of quantize_blocked_2d)
-# How the banded kernel turns a 32-row band into the transposed outputs' (W, 32) codes: its codes
-# widened to int32 then transposed ("codes", the default), widened to int16 ("codes16"), or x's
-# band transposed as loaded and its codes made in the transposed orientation ("input": 2 bytes
-# a bf16 element through the transpose instead of 4). The same bytes every way.
-TRANSPOSES = ("codes", "codes16", "input")
 
 
 class BlockedPlanes(NamedTuple):
@@ -95,17 +90,13 @@ def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
-                  path: ElementPath, bands: int, pre: Prologue | None, transpose: str) -> None:
+                  path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program, x's whole (32 * bands, W) block loaded once: the rows' codes from it (W =
     128), the colwise scales of its bands by one reshape, and the transposed codes stored at
     once, so each output row gets its 32 * bands codes in one store (the banded kernel reads
-    each band twice and stores 32 codes per row per band). ``transpose="input"`` (no rows):
-    the block transposed as loaded, everything made in the (W, R) orientation."""
+    each band twice and stores 32 codes per row per band)."""
     queue = list(refs)
     elements, cast = element_fns(path, any_scale=False)
-    if transpose == "input":
-        _whole_from_transposed(_load(srcs, pre).T, queue, tiles, bands, elements, cast)
-        return
     el = elements(fp32_bits(_load(srcs, pre)))  # (R, W), R = 32 * bands
     if rows:
         rd, rs = queue.pop(0), queue.pop(0)
@@ -125,30 +116,12 @@ def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, til
     ts[...] = top.astype(jnp.uint8)
 
 
-def _whole_from_transposed(xt: jax.Array, refs: list[Any], tiles: bool, bands: int,
-                           elements: Any, cast: Any) -> None:
-    """``_kernel_whole``'s transposed output from x's block already transposed, (W, R): each
-    output row's 1x32 blocks run along its own columns."""
-    td, ts = refs
-    el = elements(fp32_bits(xt))  # (W, R)
-    w = xt.shape[0]
-    ec = scale_bytes_of_bits(jnp.max(el.amax_in.reshape(w, bands, _BS), axis=2),
-                             any_bits=False)  # (W, bands): the 32x1 blocks of x
-    top = jnp.max(ec, axis=1, keepdims=True)  # (W, 1): per column of x over the R rows
-    if tiles:
-        top = jnp.max(top, axis=0, keepdims=True)  # (1, 1): the whole tile
-    e = jnp.broadcast_to(ec[:, :, None], (w, bands, _BS)).reshape(w, bands * _BS)
-    td[...] = shift_codes(cast(el, e), e - top)
-    ts[...] = top.reshape(1, top.shape[0]).astype(jnp.uint8)
-
-
 def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
-            path: ElementPath, bands: int, pre: Prologue | None, transpose: str) -> None:
+            path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
     need every band's colwise scale before the first cast, so their bands are read twice: once
-    for the amax, then again (from cache) for the codes, transposed as ``transpose`` says
-    (``TRANSPOSES``)."""
+    for the amax, then again (from cache) for the codes."""
     queue = list(refs)
     rd: Any = queue.pop(0) if rows else None
     rs: Any = queue.pop(0) if rows else None
@@ -169,13 +142,8 @@ def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bo
         if tiles:
             top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
         for i in range(bands):
-            if transpose == "input":  # x's band transposed as loaded, its codes made (W, 32)
-                el = elements(fp32_bits(_load(srcs, pre, pl.ds(i * _BS, _BS), slice(None)).T))
-                td[:, pl.ds(i * _BS, _BS)] = shift_codes(cast(el, ec[i].T), (ec[i] - top).T)
-                continue
             codes = shift_codes(cast(band(i), ec[i]), ec[i] - top)  # (32, W)
-            wide = jnp.int16 if transpose == "codes16" else jnp.int32
-            td[:, pl.ds(i * _BS, _BS)] = codes.astype(wide).T.astype(jnp.uint8)
+            td[:, pl.ds(i * _BS, _BS)] = codes.astype(jnp.int32).T.astype(jnp.uint8)
         ts[...] = top.astype(jnp.uint8)
 
 
@@ -185,8 +153,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
                         whole: bool = False, pre: Prologue | None = None,
-                        pre_args: Sequence[jax.Array] = (),
-                        transpose: str = "codes") -> BlockedPlanes:
+                        pre_args: Sequence[jax.Array] = ()) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -195,9 +162,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (a transposed
     output, with or without ``rows``): each program loads its whole block at once and stores
     each output row's 128 codes in one store, instead of 32-row bands read twice, and makes
-    ``rows`` from the same loaded block (the bytes are the same); ``transpose`` (one of
-    ``TRANSPOSES``): how the kernel transposes (``whole`` takes ``"codes"``, or ``"input"``
-    without ``rows``);
+    ``rows`` from the same loaded block (the bytes are the same);
     benchmarks/bench_blocked_operands.py times them.
 
     ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
@@ -223,11 +188,6 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
                          f"output (rows_t or tiles_t, with or without rows); rows alone take "
                          f"whole=False")
-    if transpose not in TRANSPOSES or (whole and transpose == "codes16") or (
-            whole and rows and transpose != "codes"):
-        raise ValueError(f"{what}: transpose={transpose!r}; expected one of {TRANSPOSES}, "
-                         f"'codes' or 'input' with whole=True, and 'codes' with whole=True and "
-                         f"rows (made from the block as loaded)")
     extras = tuple(pre_args)
     if extras and (pre is None or len(parts) > 1
                    or any(a.shape != parts[0].shape for a in extras)):
@@ -239,8 +199,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), pre, extras,
-                             transpose)
+                             (int(block[0]), int(block[1])), bool(whole), pre, extras)
 
 
 def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
@@ -290,7 +249,6 @@ class _Call(NamedTuple):
     block: tuple[int, int]
     whole: bool
     pre: Prologue | None  # applied to x's values as they are loaded
-    transpose: str  # TRANSPOSES: how the banded kernel transposes
     c0: int  # the part's first column in the whole (M, K)
     k: int  # the whole's K
 
@@ -330,12 +288,10 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
     br, bc = c.block
     if c.whole:
         kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
-                                   path=c.path, bands=br // _BS, pre=c.pre,
-                                   transpose=c.transpose)
+                                   path=c.path, bands=br // _BS, pre=c.pre)
     else:
         kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
-                                   path=c.path, bands=br // _BS, pre=c.pre,
-                                   transpose=c.transpose)
+                                   path=c.path, bands=br // _BS, pre=c.pre)
     outs = c.outs(m)
     sources = 1 + len(extras)
     kernel = functools.partial(_inputs, sources=sources, skip=len(written), body=kernel)
@@ -349,17 +305,17 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
     )(x, *extras, *written))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 11))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
                       block: tuple[int, int], whole: bool, pre: Prologue | None,
-                      extras: tuple[jax.Array, ...], transpose: str) -> BlockedPlanes:
+                      extras: tuple[jax.Array, ...]) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
         res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, pre, transpose, c0, k), extras)
+                                       whole, pre, c0, k), extras)
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None

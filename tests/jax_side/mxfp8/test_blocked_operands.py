@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,41 +108,6 @@ def test_whole_block_programs_write_the_same_bytes(output, block, dtype):
                               tiles_t=output == "tiles_t", interpret=True, block=block,
                               whole=True)
     _assert_same(got, want, f"{output} {block} whole")
-
-
-TRANSPOSED = [("rows_t", (128, 32)), ("rows_t", (128, 64)), ("rows_t", (128, 128)),
-              ("tiles_t", (128, 128))]
-
-
-@pytest.mark.parametrize("transpose", ["codes16", "input", "whole,input"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize(("output", "block"), TRANSPOSED, ids=str)
-def test_every_way_of_transposing_writes_the_same_bytes(output, block, dtype, transpose):
-    """``transpose="codes16"`` (codes through the transpose as int16) and ``"input"`` (x's band,
-    or with ``whole`` its block, transposed as loaded, codes made in that orientation): the
-    bytes of quantize-then-re-block, also for column parts."""
-    x = jnp.asarray(_hostile((256, 384), 13)).astype(dtype)
-    kw = dict(rows=False, rows_t=output == "rows_t", tiles_t=output == "tiles_t",
-              interpret=True, block=block, transpose=transpose.split(",")[-1],
-              whole=transpose.startswith("whole"))
-    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=False,
-                               rows_t=kw["rows_t"], tiles_t=kw["tiles_t"])
-    _assert_same(quantize_blocked_2d(x, **kw), want, f"{output} {block} {transpose}")
-    parts = (x[:, :128], x[:, 128:])
-    _assert_same(quantize_blocked_2d(parts, **kw), want, f"{output} {block} {transpose} parts")
-
-
-def test_a_transpose_is_checked_by_name():
-    x = jnp.zeros((128, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="transpose='rows'; expected one of"):
-        quantize_blocked_2d(x, rows=False, rows_t=True, tiles_t=False, interpret=True,
-                            transpose="rows")
-    with pytest.raises(ValueError, match="'codes' or 'input' with whole=True"):
-        quantize_blocked_2d(x, rows=False, rows_t=True, tiles_t=False, interpret=True,
-                            whole=True, transpose="codes16")
-    with pytest.raises(ValueError, match="'codes' with whole=True and rows"):
-        quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False, interpret=True,
-                            whole=True, transpose="input")
 
 
 PART_CALLS = [("rows", (32, 128), False), ("rows", (128, 128), False),
@@ -344,16 +307,6 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
                 np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
                                               _u8(getattr(getattr(want, output), part)),
                                               err_msg=f"{output} {block} whole {part}")
-        for transpose, (output, block) in itertools.product(("codes16", "input", "whole,input"),
-                                                            TRANSPOSED):
-            got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
-                                      tiles_t=output == "tiles_t", block=block,
-                                      transpose=transpose.split(",")[-1],
-                                      whole=transpose.startswith("whole"))
-            for part in ("data", "scale"):
-                np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
-                                              _u8(getattr(getattr(want, output), part)),
-                                              err_msg=f"{output} {block} {transpose} {part}")
         c = x.shape[1] // 3 // 128 * 128  # column parts into shared outputs (aliased), compiled
         parts = (x[:, :c], x[:, c:2 * c], x[:, 2 * c:])
         for output, block, whole in PART_CALLS:
