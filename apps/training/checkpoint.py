@@ -285,7 +285,8 @@ class CheckpointSaver:
             try:
                 lock = WriterLock.acquire(save_dir, run_id)
                 _report_takeover(lock)
-                for line in recover(save_dir):  # what a killed save left (we hold the lock)
+                # what a killed save left (we hold the lock), a half-written pointer included
+                for line in recover(save_dir, texts=(LATEST,)):
                     print(f"checkpoint: {save_dir}: {line}", file=sys.stderr, flush=True)
             except (CheckpointError, OSError) as e:
                 if lock is not None:

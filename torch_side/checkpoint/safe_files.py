@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -42,6 +43,7 @@ __all__ = [
     "read_bounded",
     "read_json",
     "replace_text",
+    "stale_temporaries",
     "write_new",
 ]
 
@@ -159,6 +161,15 @@ def replace_text(path: Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _sync_dir(path.parent)
+
+
+def stale_temporaries(directory: Path, name: str) -> list[Path]:
+    """The temporaries of ``replace_text(directory / name, ...)`` that a write killed before its
+    rename left behind: regular files named as ``tempfile.mkstemp`` names them for it
+    (``.<name>.`` + 8 characters + ``.tmp``; other hidden files are not matched)."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}\.tmp")
+    return sorted(p for p in Path(directory).iterdir()
+                  if pattern.fullmatch(p.name) and p.is_file() and not p.is_symlink())
 
 
 def publish_dir(staging: Path, target: Path, aside: Path, *,

@@ -22,7 +22,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from torch_side.checkpoint.safe_files import publish_dir
+from torch_side.checkpoint.safe_files import publish_dir, stale_temporaries
 
 __all__ = ["META", "abandon", "interrupted_copies", "prepare", "publish", "rank_files",
            "recover", "staging"]
@@ -109,14 +109,20 @@ def abandon(stage: Path, path: Path) -> None:
     _settle(path, _hidden(path.parent, path.name))
 
 
-def recover(directory: str | os.PathLike) -> list[str]:
+def recover(directory: str | os.PathLike, texts: tuple[str, ...] = ()) -> list[str]:
     """Tidy ``directory`` after saves that were killed (the caller writes there alone, holding
     its lock): a swap cut between its renames is finished (the complete new copy, else the old
-    one, takes the step's name); other staging and set-aside copies are removed. Returns what
-    it did, one line each."""
+    one, takes the step's name); other staging and set-aside copies are removed, and so are the
+    temporaries of a ``safe_files.replace_text`` of a file named in ``texts`` (the ``latest``
+    pointer) that was killed before its rename. Returns what it did, one line each."""
     directory = Path(directory)
     by_target: dict[str, list[Path]] = {}
     for p in _hidden(directory):
         by_target.setdefault(p.name[1:].rsplit(".", 2)[0], []).append(p)  # .<name>.<id>.<kind>
-    return [line for name, copies in sorted(by_target.items())
+    done = [line for name, copies in sorted(by_target.items())
             for line in _settle(directory / name, copies)]
+    for name in texts:
+        for p in stale_temporaries(directory, name):
+            p.unlink(missing_ok=True)
+            done.append(f"removed {p.name} (left by an interrupted write of {name})")
+    return done

@@ -53,3 +53,18 @@ def test_leftovers_beside_a_complete_step_are_removed_and_other_files_kept(tmp_p
     assert _contents(tmp_path) == {"step_000002": "kept", "writer.lock": "incomplete",
                                    ".hidden_user_dir": "incomplete"}
     assert recover(tmp_path) == []
+
+
+def test_a_pointer_write_killed_before_its_rename_leaves_nothing_behind(tmp_path):
+    """``replace_text``'s temporary of ``latest`` (a SIGKILL between its write and its rename)
+    is removed by the next writer; a hidden file of another shape, or of another name, stays."""
+    (tmp_path / "latest").write_text("step_000002\n")
+    (tmp_path / ".latest._9dmq8ta.tmp").write_text("step_0000")
+    (tmp_path / ".latest.mine.tmp").write_text("a user's")
+    (tmp_path / ".other.abcd1234.tmp").write_text("not a pointer's")
+    (tmp_path / ".latest.zz99zz99.tmp").mkdir()  # not a regular file
+    assert recover(tmp_path) == []  # no pointer named: nothing of that kind removed
+    assert recover(tmp_path, texts=("latest",)) == [
+        "removed .latest._9dmq8ta.tmp (left by an interrupted write of latest)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".latest.mine.tmp", ".latest.zz99zz99.tmp", ".other.abcd1234.tmp", "latest"]
