@@ -67,7 +67,9 @@ distributed-quantization time (the refresh after the optimizer step: on CUDA the
 between events around it, read after the step, so the step itself never waits for the GPU; host
 time on the CPU), bridge crossings per step and their host time, and the ratio to fsdp2.
 ``--profile`` adds torch.profiler tables of one warm step of every run (its top costs by device
-and by host time, and each category's kernels: the top 8, ``--profile-top N`` for more).
+and by host time, and each category's kernels: the top 8, ``--profile-top N`` for more);
+``--profile-copies`` adds its device copies grouped by what launched them
+(``benchmarks/trace_copies.py``).
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\

@@ -159,8 +159,9 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
     return out
 
 
-def _images_numel(buf: jax.Array, scales: ScaleLayout) -> int:
-    return 2 * buf.shape[0] + 2 * scales.total
+def _images_numel(n: int, scales: ScaleLayout) -> int:
+    """Bytes of one buffer's images: its two shard images (``n`` each) and two scale buffers."""
+    return 2 * n + 2 * scales.total
 
 
 def _zero_images(n: int) -> jax.Array:
@@ -178,7 +179,7 @@ def _scales_and_cast_images(buf: jax.Array, packed_amax: jax.Array, pieces: tupl
     """``_scales_and_cast`` with its bytes laid out as the caller's buffers are: the rowwise and
     columnwise shard images (each ``len(buf)`` bytes, piece i at ``pieces[i].offset``, zeros
     between pieces), then the rowwise and columnwise scale buffers (``scales``)."""
-    out = _zero_images(_images_numel(buf, scales))
+    out = _zero_images(_images_numel(buf.shape[0], scales))
     return _images_into(out, 0, buf, packed_amax, pieces, backend, source, scales)
 
 
@@ -226,7 +227,7 @@ def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, 
                                     limit=MAX_FLAT_INDEX):
     """Each buffer's ``_scales_and_cast_images`` bytes, one after another in uint8 arrays, one
     per run of buffers (``runs`` below ``limit``; written in place, ``_images_into``)."""
-    sizes = [_images_numel(b, s) for b, s in zip(bufs, scales, strict=True)]
+    sizes = [_images_numel(b.shape[0], s) for b, s in zip(bufs, scales, strict=True)]
     starts = [0]
     for p in pieces:  # each buffer's packed amax
         starts.append(starts[-1] + amax_numel(p))
@@ -283,7 +284,7 @@ def batched_scales_and_cast_images(
         tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
         slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT,
     )
-    sizes = [2 * b.tensor.numel() + 2 * s.total for b, s in zip(bufs, layouts, strict=True)]
+    sizes = [_images_numel(b.tensor.numel(), s) for b, s in zip(bufs, layouts, strict=True)]
     out = []
     for run, array in zip(runs(sizes, RUN_LIMIT), arrays, strict=True):
         packed, at = to_torch(array), 0

@@ -138,6 +138,15 @@ class FlatView(NamedTuple):
         return _FlatRef(ref, self, bm, bk)
 
 
+def _tile_positions(rows: Any, cols: Any, bm: int, bk: int, k: int) -> jax.Array:
+    """Flat row-major positions ``r*K + c`` (int32) of the elements ``[rows, cols]`` (static
+    ``pl.ds``) of this program's (BM, BK) tile."""
+    shape = (int(rows.size), int(cols.size))
+    r = pl.program_id(0) * bm + rows.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    c = pl.program_id(1) * bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return r * k + c
+
+
 class _FlatRef:
     """What a kernel indexes as its (BM, BK) block of x: ``[rows, cols]`` (static ``pl.ds``)
     loads those elements of this program's tile from the buffer (int32 offsets)."""
@@ -146,11 +155,7 @@ class _FlatRef:
         self.ref, self.view, self.bm, self.bk = ref, view, bm, bk
 
     def __getitem__(self, idx: tuple[Any, Any]) -> jax.Array:
-        rows, cols = idx
-        shape = (int(rows.size), int(cols.size))
-        r = pl.program_id(0) * self.bm + rows.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        c = pl.program_id(1) * self.bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        f = r * self.view.k + c
+        f = _tile_positions(*idx, self.bm, self.bk, self.view.k)
         if not self.view.masked:
             return self._read(self.ref[self.view.base + f])
         ok = (f >= self.view.lo) & (f < self.view.hi)
@@ -185,11 +190,7 @@ class _FlatOut:
         self.ref, self.at, self.k, self.bm, self.bk = ref, at, k, bm, bk
 
     def __setitem__(self, idx: tuple[Any, Any], v: jax.Array) -> None:
-        rows, cols = idx
-        shape = (int(rows.size), int(cols.size))
-        r = pl.program_id(0) * self.bm + rows.start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-        c = pl.program_id(1) * self.bk + cols.start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-        self.ref[self.at + r * self.k + c] = v
+        self.ref[self.at + _tile_positions(*idx, self.bm, self.bk, self.k)] = v
 
 
 def _write_in_place(*refs: Any, body: Any, into: FlatInto, inputs: int, bm: int,

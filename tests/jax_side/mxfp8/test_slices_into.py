@@ -23,6 +23,7 @@ SENTINEL = 0xAB
 
 
 def _case(dtype, seed=0):
+    """An fp32 buffer holding the tensor at AT, and the scales of the tensor as ``dtype``."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((M, K)) * np.exp2(rng.integers(-12, 12, (M, 1)))
     x[3, 5], x[40, 7], x[70, 9] = np.nan, -np.inf, 1e-41
@@ -31,7 +32,7 @@ def _case(dtype, seed=0):
     want = mxfp8.partial_block_amax(buf[AT:AT + M * K].astype(dtype), (M, K), 0, backend="xla")
     scales = {"rowwise": mxfp8.scales_from_amax(want.rowwise),
               "colwise": mxfp8.scales_from_amax(want.colwise)}
-    return buf.astype(dtype), scales
+    return buf, scales
 
 
 def _expected(out, ats, cut, start, scales):
@@ -50,7 +51,7 @@ def test_the_planes_land_where_they_go_with_the_bytes_of_the_slice_cut_out(start
     dtype = jnp.bfloat16 if read == "bf16" else jnp.float32
     read_as = jnp.bfloat16 if read == "f32 as bf16" else None
     buf, scales = _case(read_as or dtype)
-    buf = buf.astype(dtype) if read_as is None else _case(jnp.float32)[0]
+    buf = buf if read_as is not None else buf.astype(dtype)
     out = jnp.full((2 * M * K + 300,), SENTINEL, jnp.uint8)
     ats = (7, M * K + 150)
     got = mxfp8.cast_slice_into(out, ats, buf, (M, K), start, scales=scales, backend=backend,
@@ -81,7 +82,7 @@ def test_the_pallas_kernel_writes_whole_bands_in_place_and_hands_other_slices_on
     """A slice of whole 32-row bands: one kernel whose operands are the whole buffer and the
     whole array, no update of a plane's size; a slice inside rows: the planes cast apart and
     written by two updates (the backends' default)."""
-    buf, scales = _case(jnp.float32)
+    buf, scales = _case(jnp.bfloat16)
     out = jnp.zeros((2 * M * K,), jnp.uint8)
 
     def into(o, b, start, n):
@@ -111,6 +112,7 @@ def test_the_pallas_kernel_writes_whole_bands_in_place_and_hands_other_slices_on
 ])
 def test_bad_arrays_and_positions_are_refused_by_name(kw, msg):
     buf, scales = _case(jnp.bfloat16)
+    buf = buf.astype(jnp.bfloat16)
     planes = kw.get("planes", ("rowwise", "colwise"))
     with pytest.raises((ValueError, TypeError), match=msg):
         mxfp8.cast_slice_into(kw.get("out", jnp.zeros((4000,), jnp.uint8)),
@@ -125,8 +127,7 @@ def test_the_compiled_kernel_writes_in_place_with_the_reference_bytes(read):
     the reference's bytes, the array's other bytes untouched."""
     read_as = jnp.bfloat16 if read == "f32 as bf16" else None
     buf, scales = _case(jnp.bfloat16)
-    if read_as is not None:
-        buf = _case(jnp.float32)[0]
+    buf = buf if read_as is not None else buf.astype(jnp.bfloat16)
     out = jnp.full((2 * M * K + 300,), SENTINEL, jnp.uint8)
     ats = (7, M * K + 150)
     for start, n in SLICES:
