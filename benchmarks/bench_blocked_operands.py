@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
 
 from benchmarks.bench_fp8_gemm import kernel_ms, timed  # noqa: E402
 from common.formats import Plane  # noqa: E402
@@ -92,6 +93,12 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                         block=block), output))
 
                 out[f"{output}[{block[0]}x{block[1]},w{w}]"] = (one(), 1)
+                if output != "rows":  # four rows' codes per int32 word through the transpose
+                    out[f"{output}[{block[0]}x{block[1]},w{w},packed]"] = (jax.jit(
+                        lambda x, output=output, block=block, w=w: getattr(quantize_blocked_2d(
+                            x, rows=False, rows_t=output == "rows_t",
+                            tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
+                            block=block, packed=True), output)), 1)
                 if output != "rows":  # the same output, each program's block loaded at once
                     out[f"{output}[{block[0]}x{block[1]},w{w},whole]"] = (jax.jit(
                         lambda x, output=output, block=block, w=w: getattr(quantize_blocked_2d(
@@ -106,6 +113,57 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                         x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
                         interpret=interpret, num_warps=w, whole=whole)), 2)
     out.update(_gelu_variants(warps, interpret))
+    out.update(_copy_variants(warps, interpret))
+    return out
+
+
+def _copy_t_kernel(x_ref: Any, o_ref: Any, *, packed: bool) -> None:
+    """No quantization: each element's high byte (bf16 x), transposed and stored, as bytes or
+    as int32 words of four rows (row-strided quarters, as ``packed`` loads them)."""
+    def high(v: Any) -> Any:
+        return lax.shift_right_logical(lax.bitcast_convert_type(v, jnp.int16).astype(jnp.int32),
+                                       jnp.int32(8)) & jnp.int32(0xFF)
+
+    if not packed:
+        o_ref[...] = high(x_ref[...]).T.astype(jnp.uint8)
+        return
+    rows = x_ref.shape[0] // 4
+    words = functools.reduce(jnp.bitwise_or, [
+        lax.shift_left(high(x_ref[pl.ds(r, rows, stride=4), :]), jnp.int32(8 * r))
+        for r in range(4)])
+    o_ref[...] = words.T
+
+
+def _copy_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
+    """What the transposed outputs' memory traffic costs without their arithmetic: bf16 x read,
+    one byte an element written transposed by a Pallas program per (128, C) block of x
+    (``copy_t[...]``, ``,packed]``: as int32 words), and XLA's own transpose of x
+    (``xla_transpose_u8``: the high bytes; ``xla_transpose_bf16``: x itself, 2 bytes written)."""
+    from jax_side.mxfp8.pallas_tiles import triton_params
+
+    def copy_t(bc: int, w: int, packed: bool) -> Any:
+        def run(x: jax.Array) -> jax.Array:
+            m, k = x.shape
+            q = 4 if packed else 1
+            o = pl.pallas_call(
+                functools.partial(_copy_t_kernel, packed=packed),
+                out_shape=jax.ShapeDtypeStruct((k, m // q), jnp.int32 if packed else jnp.uint8),
+                grid=(m // 128, k // bc), in_specs=[pl.BlockSpec((128, bc), lambda i, j: (i, j))],
+                out_specs=pl.BlockSpec((bc, 128 // q), lambda i, j: (j, i)),
+                compiler_params=None if interpret else triton_params(w), interpret=interpret,
+                name="copy_t")(x)
+            return lax.bitcast_convert_type(o, jnp.uint8).reshape(k, m) if packed else o
+        return jax.jit(run)
+
+    out: dict[str, tuple[Any, int]] = {}
+    for bc in (64, 128):
+        for w in warps:
+            for packed in (False, True):
+                out[f"copy_t[128x{bc},w{w}{',packed' if packed else ''}]"] = (
+                    copy_t(bc, w, packed), 1)
+    out["xla_transpose_u8"] = (jax.jit(lambda x: (lax.bitcast_convert_type(x, jnp.uint16).T
+                                                  >> 8).astype(jnp.uint8)), 1)
+    out["xla_transpose_bf16"] = (jax.jit(lambda x: x.T), 2)
     return out
 
 

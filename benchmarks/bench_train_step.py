@@ -86,6 +86,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import statistics
@@ -98,10 +99,12 @@ PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit cou
 QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
 GELU_IN = ":gelu-in"  # a run's suffix: the GELU inside the MLP's second linear
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
+PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
 # it flips from its default (KNOB_DEFAULTS), or "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
 # entries set to PAIR_CHOICE)
-SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS"}
+SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS", PACKED: "PACKED"}
+TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed`` flips
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
 PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
@@ -280,7 +283,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
     if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
-                         f"inside the linear, the quantize's outputs in pairs); drop them "
+                         f"inside the linear, the quantize's outputs in pairs or packed); drop "
+                         f"them "
                          f"from {name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
@@ -288,8 +292,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
-                         f"GEMM), '{GELU_IN}' (the GELU inside the linear) and/or "
-                         f"'{PAIRS}' (the quantize's outputs in pairs), e.g. 'mxfp8:u4:r'")
+                         f"GEMM), '{GELU_IN}' (the GELU inside the linear), '{PAIRS}' (the "
+                         f"quantize's outputs in pairs) and/or '{PACKED}' (its transposed "
+                         f"outputs' packing flipped), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
@@ -304,7 +309,9 @@ def _switches(run: str) -> tuple[str, frozenset[str]]:
     XLA pass of its own; ``:pairs``, the blocked-operand
     quantize makes each linear's two operands of x (rows and x^T tiles) and of dy (rows and
     dy^T rows) in one kernel call (``PAIR_CHOICE``: both from one loaded block), to compare
-    with the default's one call per output."""
+    with the default's one call per output; ``:packed``, the transposed outputs' kernels
+    (``rows_t``, ``tiles_t``) with ``KernelChoice.packed`` flipped from ``KERNEL_CONFIG``'s
+    default (four rows' codes per int32 word through the transpose, or not)."""
     name, off = run, set()
     while True:
         hit = [(s, k) for s, k in SWITCHES.items() if name.endswith(s) and k not in off]
@@ -326,6 +333,11 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
             setattr(gpt_math, knob, want)
             changed = True
     config = blocked_operands.KERNEL_CONFIG
+    for e in TRANSPOSED:
+        want = _default_packed(e) != ("PACKED" in switched)
+        if config[e].packed != want:
+            config[e] = config[e]._replace(packed=want)
+            changed = True
     pairs = {e: blocked_operands.KernelChoice(*PAIR_CHOICE) for e in PAIR_ENTRIES}
     has = {e: config[e] for e in PAIR_ENTRIES if e in config}
     if has != (pairs if "PAIRS" in switched else {}):
@@ -335,6 +347,14 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
             config.update(pairs)
         changed = True
     return changed
+
+
+@functools.cache
+def _default_packed(entry: str) -> bool:
+    """``KERNEL_CONFIG[entry].packed`` as the module set it (read before any switch flips it)."""
+    from jax_side.mxfp8 import blocked_operands
+
+    return blocked_operands.KERNEL_CONFIG[entry].packed
 
 
 def _whole_qkv(run: str) -> bool:

@@ -75,6 +75,7 @@ class KernelChoice(NamedTuple):
     block: tuple[int, int]  # x's block per program
     warps: int  # Triton warps per program
     whole: bool = False  # each program's block loaded at once (the transposed outputs only)
+    packed: bool = False  # four rows' codes per int32 word through the transpose (likewise)
 
 
 # The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
@@ -254,7 +255,8 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
         return quantize_blocked_2d(xp, rows="rows" in outputs, rows_t="rows_t" in outputs,
                                    tiles_t="tiles_t" in outputs, interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
-                                   whole=choice.whole, pre=pre, pre_args=pre_args)
+                                   whole=choice.whole, packed=choice.packed, pre=pre,
+                                   pre_args=pre_args)
 
     second = "rows_t" if rows_t else "tiles_t" if tiles_t else ""
     if rows and f"rows+{second}" in KERNEL_CONFIG:

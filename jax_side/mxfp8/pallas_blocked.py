@@ -52,6 +52,7 @@ __all__ = ["NUM_WARPS", "BlockedPlanes", "quantize_blocked_2d"]
 
 _BS = 32  # MXFP8 block
 _PER = GROUP // _BS  # 1x32 blocks per 1x128 block
+_PACK = 4  # e4m3 codes per int32 word (``packed``)
 NUM_WARPS = 8  # Triton warps per program (the default of quantize_blocked_2d)
 
 
@@ -147,12 +148,41 @@ def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bo
         ts[...] = top.astype(jnp.uint8)
 
 
+def _kernel_packed(srcs: tuple[Any, ...], td: Any, ts: Any, *, tiles: bool, path: ElementPath,
+                   pre: Prologue | None) -> None:
+    """One program, a transposed output alone: x's (128, W) block read as four quarters of
+    rows r, r + 4, ..., r + 124 (row-strided loads; a quarter's row 8b + j lies in 32-row band
+    b), each read twice as the banded kernel reads its bands (amax, then codes). The codes of
+    rows 4i .. 4i + 3 become the bytes 0 .. 3 of one int32 word, and the (32, W) words are
+    transposed and stored: the output's row c gets its 128 codes as 32 little-endian words."""
+    elements, cast = element_fns(path, any_scale=False)
+    rows = GROUP // _PACK  # 32 rows per quarter: 8 from each band
+    w = td.shape[0]
+
+    def quarter(r: int) -> Any:
+        return elements(fp32_bits(_load(srcs, pre, pl.ds(r, rows, stride=_PACK), slice(None))))
+
+    amax = functools.reduce(jnp.maximum, [
+        jnp.max(quarter(r).amax_in.reshape(_PER, rows // _PER, w), axis=1)
+        for r in range(_PACK)])  # (4, W): each 32-row band's amax per column
+    ec = scale_bytes_of_bits(amax, any_bits=False)
+    top = jnp.max(ec, axis=0, keepdims=True)  # (1, W): per column over the 128 rows
+    if tiles:
+        top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
+    e = jnp.broadcast_to(ec[:, None, :], (_PER, rows // _PER, w)).reshape(rows, w)
+    words = functools.reduce(jnp.bitwise_or, [
+        lax.shift_left(shift_codes(cast(quarter(r), e), e - top).astype(jnp.int32),
+                       jnp.int32(8 * r)) for r in range(_PACK)])  # (32, W)
+    td[...] = words.T
+    ts[...] = top.astype(jnp.uint8)
+
+
 def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_t: bool,
                         tiles_t: bool, interpret: bool = False,
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
-                        whole: bool = False, pre: Prologue | None = None,
+                        whole: bool = False, packed: bool = False, pre: Prologue | None = None,
                         pre_args: Sequence[jax.Array] = ()) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
@@ -162,7 +192,10 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     rows), (128, 128) otherwise (``tiles_t`` needs the whole tile); ``whole`` (a transposed
     output, with or without ``rows``): each program loads its whole block at once and stores
     each output row's 128 codes in one store, instead of 32-row bands read twice, and makes
-    ``rows`` from the same loaded block (the bytes are the same);
+    ``rows`` from the same loaded block (the bytes are the same); ``packed`` (a transposed
+    output alone): each program loads x's block as four row-strided quarters (rows r, r + 4,
+    ...), packs the codes of four consecutive rows into one int32 and transposes and stores
+    words, a quarter of the elements through the transpose (the bytes are the same);
     benchmarks/bench_blocked_operands.py times them.
 
     ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
@@ -183,6 +216,9 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
         raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
     if not (rows or rows_t or tiles_t):
         raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
+    if packed and (rows or whole or not (rows_t or tiles_t)):
+        raise ValueError(f"{what}: packed=True packs one transposed output (rows_t or tiles_t) "
+                         f"made alone; got rows={rows}, whole={whole}; use packed=False")
     _check_block(tuple(block), rows, rows_t, tiles_t)
     if whole and not (rows_t or tiles_t):
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
@@ -199,7 +235,8 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), pre, extras)
+                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
+                             extras)
 
 
 def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
@@ -248,6 +285,7 @@ class _Call(NamedTuple):
     num_warps: int
     block: tuple[int, int]
     whole: bool
+    packed: bool  # the transposed codes stored as int32 words of four (``_kernel_packed``)
     pre: Prologue | None  # applied to x's values as they are loaded
     c0: int  # the part's first column in the whole (M, K)
     k: int  # the whole's K
@@ -266,8 +304,9 @@ class _Call(NamedTuple):
                       jax.ShapeDtypeStruct((m, k // GROUP), u8))]
         if self.cols:  # br == 128; scales (M/128, K) or (M/128, K/128), transposed at the end
             width, js = (1, self.c0 // GROUP) if self.tiles else (bc, jc)
-            outs += [(pl.BlockSpec((bc, br), lambda i, j: (j + jc, i)),
-                      jax.ShapeDtypeStruct((k, m), u8)),
+            q, t = (_PACK, jnp.int32) if self.packed else (1, u8)  # codes per stored element
+            outs += [(pl.BlockSpec((bc, br // q), lambda i, j: (j + jc, i)),
+                      jax.ShapeDtypeStruct((k, m // q), t)),
                      (pl.BlockSpec((1, width), lambda i, j: (i, j + js)),
                       jax.ShapeDtypeStruct((m // GROUP, k // GROUP if self.tiles else k), u8))]
         return outs
@@ -286,7 +325,9 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
     ``pre_args`` arrays, read block by block as x is."""
     m, kx = x.shape
     br, bc = c.block
-    if c.whole:
+    if c.packed:
+        kernel = functools.partial(_kernel_packed, tiles=c.tiles, path=c.path, pre=c.pre)
+    elif c.whole:
         kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
                                    path=c.path, bands=br // _BS, pre=c.pre)
     else:
@@ -308,16 +349,22 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
-                      block: tuple[int, int], whole: bool, pre: Prologue | None,
+                      block: tuple[int, int], whole: bool, packed: bool,
+                      pre: Prologue | None,
                       extras: tuple[jax.Array, ...]) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
         res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, pre, c0, k), extras)
+                                       whole, packed, pre, c0, k), extras)
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
-    t = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0).T) if cols else None
+    t = None
+    if cols:
+        codes = res.pop(0)
+        if packed:  # int32 words (K, M/4) -> their little-endian bytes, row 4i + r at byte r
+            codes = lax.bitcast_convert_type(codes, jnp.uint8).reshape(k, -1)
+        t = Reblocked(lax.bitcast_convert_type(codes, e4), res.pop(0).T)
     return BlockedPlanes(r, None if tiles else t, t if tiles else None)

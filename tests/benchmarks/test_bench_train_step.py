@@ -193,3 +193,11 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
     assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, True)
     assert [e for e in blocked_operands.KERNEL_CONFIG if "+" in e] == []
+    config = blocked_operands.KERNEL_CONFIG  # ``:packed`` flips the transposed outputs' packing
+    default = {e: config[e] for e in bench_train_step.TRANSPOSED}
+    assert apply(frozenset({"GELU_IN_LINEAR", "PACKED"}), knobs)
+    assert {e: config[e] for e in default} == {e: c._replace(packed=not c.packed)
+                                               for e, c in default.items()}
+    assert not apply(frozenset({"GELU_IN_LINEAR", "PACKED"}), knobs)  # already so
+    assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
+    assert {e: config[e] for e in default} == default

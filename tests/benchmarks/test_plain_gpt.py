@@ -89,6 +89,7 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     assert not _whole_qkv("mxfp8:u4:gelu-in")
     assert _switches("mxfp8:u4:qkv1:pairs") == ("mxfp8:u4", {"PAIRS", "QKV_PARTS"})
     assert _run_spec("mxfp8:u4:pairs") == ("mxfp8", 4, False)
+    assert _switches("mxfp8:u4:packed:pairs") == ("mxfp8:u4", {"PAIRS", "PACKED"})
     for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-in", "fsdp2:pairs"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)

@@ -110,6 +110,25 @@ def test_whole_block_programs_write_the_same_bytes(output, block, dtype):
     _assert_same(got, want, f"{output} {block} whole")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize(("output", "block"), WHOLE, ids=str)
+def test_packed_programs_write_the_same_bytes(output, block, dtype):
+    """``packed=True`` (row-strided quarters, four rows' codes per int32 word through the
+    transpose): the bytes of quantize-then-re-block, also for column parts into shared
+    outputs; with rows, or with whole, it is refused."""
+    x = jnp.asarray(_hostile((256, 384), 9)).astype(dtype)
+    kw = dict(rows=False, rows_t=output == "rows_t", tiles_t=output == "tiles_t",
+              interpret=True, block=block, packed=True)
+    want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), **{
+        k: kw[k] for k in ("rows", "rows_t", "tiles_t")})
+    _assert_same(quantize_blocked_2d(x, **kw), want, f"{output} {block} packed")
+    _assert_same(quantize_blocked_2d((x[:, :128], x[:, 128:]), **kw), want,
+                 f"{output} {block} packed, column parts")
+    for bad in (dict(rows=True), dict(whole=True)):
+        with pytest.raises(ValueError, match="packed=True packs one transposed output"):
+            quantize_blocked_2d(x, **{**kw, **bad})
+
+
 PART_CALLS = [("rows", (32, 128), False), ("rows", (128, 128), False),
               ("rows_t", (128, 64), False), ("rows_t", (128, 32), True),
               ("tiles_t", (128, 128), False), ("tiles_t", (128, 128), True)]
@@ -300,13 +319,14 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
             _assert_same(got, blocked.BlockedPlanes(
                 want.rows, want.rows_t if second == "rows_t" else None,
                 want.tiles_t if second == "tiles_t" else None), f"rows+{second} whole {shape}")
-        for output, block in WHOLE:  # each program's block loaded at once
+        for (output, block), how in [(o, h) for o in WHOLE for h in ("whole", "packed")]:
+            # each program's block loaded at once / four rows' codes per word
             got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
-                                      tiles_t=output == "tiles_t", block=block, whole=True)
+                                      tiles_t=output == "tiles_t", block=block, **{how: True})
             for part in ("data", "scale"):
                 np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
                                               _u8(getattr(getattr(want, output), part)),
-                                              err_msg=f"{output} {block} whole {part}")
+                                              err_msg=f"{output} {block} {how} {part}")
         c = x.shape[1] // 3 // 128 * 128  # column parts into shared outputs (aliased), compiled
         parts = (x[:, :c], x[:, c:2 * c], x[:, 2 * c:])
         for output, block, whole in PART_CALLS:
