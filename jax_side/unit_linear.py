@@ -12,18 +12,6 @@ forward does not read), so autodiff sums it where a layer is called twice.
 ``unit_linear_pre`` the linear of ``pre(x2d)`` for an elementwise ``pre`` that the quantize of
 x applies as it loads x (the GPT's GELU), with the same rule around them.
 
-**The GELU's gradient quantized from its inputs.** ``unit_linear_pre``'s rule returns dx =
-``GradOf(pre)(dh, x2d)`` (dh: the cotangent of ``pre(x2d)``) and offers it to the scope
-(``BackwardScope.offer``). When x2d is another MXFP8 linear's output (the MLP's first linear:
-``unit_program`` hands it over as it came) and that value reaches the first linear's rule
-unchanged as its dy (no other use of x2d added a cotangent), that rule takes it
-(``BackwardScope.take``) and quantizes dy from (dh, x2d) with ``GradOf(pre)`` as the kernel's
-prologue (``blocked_operands.backward(pre=, pre_args=)``): where the kernel configuration makes
-dy's two operands in one call, the gradient is computed in the kernel and never written out
-(else it is computed first, as before, and XLA drops the rule's own dx). In the kernel the
-gradient's fp32 arithmetic is compiled otherwise than alone, so its operands are held to a
-bound (tests/jax_side/test_linear_pre.py), not to bytes.
-
 **dW written in place.** For the linears a scope is opened with in ``defer``, the rule also
 records its wgrad operands (``blocked_operands.WgradOperands``) in the scope; ``writers`` then
 hands the gradient groups one writer per linear whose rule ran exactly once, and
@@ -59,9 +47,8 @@ from jax_side.mxfp8.blocked_operands import (
     forward_parts,
     row_parts,
 )
-from jax_side.mxfp8.blocked_operands import backward as backward_blocked
 from jax_side.mxfp8.blocked_operands import forward as forward_blocked
-from jax_side.mxfp8.elementwise import GradOf, Prologue
+from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.reblock import GROUP
 from jax_side.unit_grads import Writer
@@ -79,21 +66,6 @@ class BackwardScope:
         self.cols = cols
         self.defer = defer
         self.wgrads: dict[int, list[WgradOperands]] = {}
-        self.handoffs: dict[int, tuple[jax.Array, Prologue, tuple[jax.Array, ...]]] = {}
-
-    def offer(self, dx: jax.Array, fn: Prologue, args: tuple[jax.Array, ...]) -> None:
-        """A rule's dx that is ``fn(*args)`` elementwise, for the rule that receives it as its
-        dy to quantize from ``args`` instead (``take``)."""
-        self.handoffs[id(dx)] = (dx, fn, args)
-
-    def take(self, dy: jax.Array) -> tuple[Prologue, tuple[jax.Array, ...]] | None:
-        """``(fn, args)`` if ``dy`` is a value ``offer``-ed (the same traced value, not one
-        derived from it: a sum with another cotangent, a reshape), once; else None."""
-        hit = self.handoffs.get(id(dy))
-        if hit is None or hit[0] is not dy:
-            return None
-        del self.handoffs[id(dy)]
-        return hit[1], hit[2]
 
     def on_wgrad(self, index: int) -> Callable[[WgradOperands], None] | None:
         if index not in self.defer:
@@ -137,14 +109,6 @@ def _unit_linear_bwd(index, kernels, res, dy):
     x_colwise, x_dtype, dw_dtype = res
     scope = _scope()
     on_wgrad = scope.on_wgrad(index)
-    given = scope.take(dy) if isinstance(x_colwise, KeptTiles) else None
-    if given is not None:  # dy = fn(*args), quantized from args (module docstring)
-        fn, args = given
-        dx_dt, dw_dt = jnp.dtype(x_dtype.dtype), jnp.dtype(dw_dtype.dtype)
-        dx, dw = backward_blocked(args[0], scope.cols[index], x_colwise,
-                                  (dx_dt, gemm_dtype(dx_dt)), (dw_dt, gemm_dtype(dw_dt)),
-                                  kernels, on_wgrad, pre=fn, pre_args=args[1:])
-        return dx, None, dw
     run = backward if on_wgrad is None else functools.partial(backward_traced, on_wgrad=on_wgrad)
     out = run(dy, scope.cols[index], x_colwise, dx_dtype=x_dtype.dtype, dw_dtype=dw_dtype.dtype,
               kernels=kernels)
@@ -226,10 +190,7 @@ def _unit_linear_pre_fwd(x2d, w_row, carrier, index, kernels, pre):
 def _unit_linear_pre_bwd(index, kernels, pre, res, dy):
     kept, x2d, dw_dtype = res
     dh, _, dw = _unit_linear_bwd(index, kernels, (kept, x2d, dw_dtype), dy)
-    grad = GradOf(pre)
-    dx = grad(dh, x2d)
-    _scope().offer(dx, grad, (dh, x2d))  # for the rule of the linear that made x2d
-    return dx, None, dw
+    return jax.vjp(pre, x2d)[1](dh)[0], None, dw
 
 
 unit_linear_pre.defvjp(_unit_linear_pre_fwd, _unit_linear_pre_bwd)

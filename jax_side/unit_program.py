@@ -206,10 +206,7 @@ def _call(fn, params, linear, x, aux):
 def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = None) -> Callable:
     """``f((param values, carriers), x) -> out`` with the linears filled in: the unit function
     over all of ``spec.params`` and ``spec.mxfp8``, or block ``stage`` of a ``SpanFn`` over its
-    own (``_stage``). A linear handed another MXFP8 linear's output as it came takes that
-    linear's 2-D value itself, not a reshape of a reshape: the backward's cotangent then
-    reaches the first linear's rule as the second's rule returned it, so a GELU gradient the
-    second offers (``unit_linear.BackwardScope.offer``) can be quantized from its inputs."""
+    own (``_stage``)."""
     index = {name: i for i, name in enumerate(spec.mxfp8)}
     hp_lin = set(spec.hp_linears)
     names = spec.params if stage is None else tuple(spec.params[i] for i in _stage(spec, stage))
@@ -219,7 +216,6 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
     def f(weights, x):
         values, carriers = weights
         params = dict(zip(names, values, strict=True))
-        made: dict[int, tuple[jax.Array, jax.Array]] = {}  # id(y) -> (y, y2): MXFP8 outputs
 
         def linear(name, h, parts=1, pre=None):
             if parts != 1:
@@ -232,8 +228,7 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                                                                spec.kernels)):
                     h, pre = jax.checkpoint(pre)(h), None  # pre(h) first, then the linear
             lead = h.shape[:-1]
-            hit = made.get(id(h))  # an MXFP8 linear's output: its 2-D value (_bound's note)
-            h2 = hit[1] if hit is not None and hit[0] is h else h.reshape(-1, h.shape[-1])
+            h2 = h.reshape(-1, h.shape[-1])
             if name in index:
                 i = index[name]
                 if parts > 1 and splits(row_planes[i], parts, spec.kernels):
@@ -251,8 +246,6 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                     f"{spec.mxfp8} nor a high-precision one {spec.hp_linears} of this unit"
                 )
             y = y2.reshape(*lead, y2.shape[-1])
-            if parts == 1 and name in index:
-                made[id(y)] = (y, y2)
             return y if parts == 1 else tuple(jnp.split(y, parts, axis=-1))
 
         return _call(fn, params, linear, x, aux)

@@ -186,8 +186,7 @@ Parts = tuple[jax.Array, ...]  # column parts of one (T, C) tensor, each C_i a m
 
 def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
                       tiles_t: bool = False, kernels: ResolvedKernels,
-                      pre: Prologue | None = None,
-                      pre_args: tuple[jax.Array, ...] = ()) -> BlockedPlanes:
+                      pre: Prologue | None = None) -> BlockedPlanes:
     """The blocked operands of a (T, C) bf16/fp32 activation or gradient, padded (module
     docstring): ``rows`` (T128, C128) 1x128 along C; ``rows_t`` / ``tiles_t`` (C128, T128).
     ``x`` may be a tuple of column parts (each C_i a multiple of 128): the operands of their
@@ -197,23 +196,18 @@ def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
     ``pre`` (elementwise, ``elementwise.check``): the operands of ``pre(x)``. The ``pallas``
     kernels apply it as they load x when x needs no padding (T and C multiples of 128), so
     ``pre(x)`` is never written; otherwise ``pre(x)`` is computed first (XLA fuses it into its
-    own quantize on the other backends). The same bytes either way on the CPU. ``pre_args``:
-    arrays of x's shape that ``pre`` takes after x (``pre(x, *pre_args)``: the GELU's gradient
-    from dy and the GELU's input); applied inside the kernels only where ``KERNEL_CONFIG`` makes
-    the operands asked for in one call (a pair entry: the arrays are then read once, and ``pre``
-    evaluated once per element), else first."""
+    own quantize on the other backends). The same bytes either way on the CPU."""
     if not (rows or rows_t or tiles_t):
         raise ValueError("quantize_operands: rows, rows_t and tiles_t all False asks for nothing")
     if pre is not None:
         if isinstance(x, tuple):
             raise ValueError("quantize_operands: pre with column parts; apply it to each part "
                              "first")
-        elementwise.check(pre, x.dtype, "quantize_operands", tuple(a.dtype for a in pre_args))
+        elementwise.check(pre, x.dtype, "quantize_operands")
         t, c = x.shape
         if not (kernels.backend is Backend.PALLAS and (t, c) == (blocked_tokens(t),
-                                                                 round_up(c, _G))
-                and (not pre_args or _pair(rows, rows_t, tiles_t) in KERNEL_CONFIG)):
-            x, pre, pre_args = pre(x, *pre_args), None, ()
+                                                                 round_up(c, _G))):
+            x, pre = pre(x), None
     if isinstance(x, tuple):
         if any(p.ndim != 2 or p.shape[1] % _G for p in x):
             raise ValueError(f"quantize_operands: column parts must be 2-D with widths that are "
@@ -224,7 +218,7 @@ def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
         x = jnp.concatenate(x, axis=1)
     xp = _padded(x)
     if kernels.backend is Backend.PALLAS:
-        return _pallas_operands(xp, rows, rows_t, tiles_t, pre, pre_args)
+        return _pallas_operands(xp, rows, rows_t, tiles_t, pre)
     planes = tuple(p for p, need in ((Plane.ROWWISE, rows), (Plane.COLWISE, rows_t or tiles_t))
                    if need)
     return from_planes(quantize(xp, planes=planes, kernels=kernels), rows=rows, rows_t=rows_t,
@@ -238,8 +232,7 @@ def _pair(rows: bool, rows_t: bool, tiles_t: bool) -> str:
 
 
 def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: bool,
-                     pre: Prologue | None = None,
-                     pre_args: tuple[jax.Array, ...] = ()) -> BlockedPlanes:
+                     pre: Prologue | None = None) -> BlockedPlanes:
     """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers
     than all together (measured on the H200, benchmarks/bench_blocked_operands.py: at 8192x8192
     bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us) -- unless
@@ -255,8 +248,7 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
         return quantize_blocked_2d(xp, rows="rows" in outputs, rows_t="rows_t" in outputs,
                                    tiles_t="tiles_t" in outputs, interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
-                                   whole=choice.whole, packed=choice.packed, pre=pre,
-                                   pre_args=pre_args)
+                                   whole=choice.whole, packed=choice.packed, pre=pre)
 
     second = "rows_t" if rows_t else "tiles_t" if tiles_t else ""
     if rows and f"rows+{second}" in KERNEL_CONFIG:
@@ -370,22 +362,19 @@ def row_parts(w: Weight, parts: int) -> tuple[Weight, ...]:
 def backward(dy2d: jax.Array | Parts, w: Weight | None, kept: KeptTiles | None, dx: Dtypes,
              dw: Dtypes, kernels: ResolvedKernels,
              on_wgrad: Callable[[WgradOperands], None] | None = None,
-             pre: Prologue | None = None, pre_args: tuple[jax.Array, ...] = (),
              ) -> tuple[jax.Array | None, jax.Array | None]:
     """dgrad (T, K) if the weight's colwise planes ``w`` are given, wgrad (N, K) if x's tiles
     are: dy quantized once into dgrad's 1x128 rows and wgrad's dy^T rows (dy may be column
     parts, as ``forward_parts``' cotangents come: ``quantize_operands``). ``on_wgrad`` (where
     dW's two dtypes agree) also gets wgrad's operands: a caller that writes dW with them
-    elsewhere (``WgradOperands.into``) leaves the returned dW unused, and XLA drops its GEMM.
-    ``pre``, ``pre_args``: dy is ``pre(dy2d, *pre_args)`` (``quantize_operands``)."""
+    elsewhere (``WgradOperands.into``) leaves the returned dW unused, and XLA drops its GEMM."""
     if isinstance(dy2d, tuple):  # column parts (forward_parts' cotangents): no concatenation
         t, n = dy2d[0].shape[0], sum(p.shape[1] for p in dy2d)
     else:
         t, n = dy2d.shape
     if w is None and kept is None:
         return None, None
-    ops = quantize_operands(dy2d, rows=w is not None, rows_t=kept is not None, kernels=kernels,
-                            pre=pre, pre_args=pre_args)
+    ops = quantize_operands(dy2d, rows=w is not None, rows_t=kept is not None, kernels=kernels)
     gx = gw = None
     if w is not None:
         gx = blocked_gemm(_made(ops.rows), w, GemmRole.DGRAD, kernels, t, w.shape[1],

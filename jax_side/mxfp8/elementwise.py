@@ -11,16 +11,15 @@ would depend on the kernel's block) is refused by name instead of quantizing wro
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["ELEMENTWISE", "GradOf", "Prologue", "check"]
+__all__ = ["ELEMENTWISE", "Prologue", "check"]
 
-Prologue = Callable[..., jax.Array]  # pre(x) or pre(x, *pre_args), each of x's shape
+Prologue = Callable[[jax.Array], jax.Array]  # pre(x), of x's shape and dtype
 
 # Primitives that compute each output element from the same element of their operands (scalars
 # broadcast: constants); calls of nested jaxprs (jit, custom_jvp / custom_vjp, checkpoint) are
@@ -34,18 +33,6 @@ ELEMENTWISE = frozenset({
     "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor",
 })
 _SCALAR_BROADCASTS = frozenset({"broadcast_in_dim"})  # allowed where the operand is a scalar
-
-
-@dataclasses.dataclass(frozen=True)
-class GradOf:
-    """``grad(dy, x) -> dx``: the cotangent of an elementwise ``fn``'s input x given its
-    output's, ``jax.vjp(fn, x)``'s (elementwise too); equal for equal ``fn``, so a kernel
-    compiled with it as its prologue is reused."""
-
-    fn: Prologue
-
-    def __call__(self, dy: jax.Array, x: jax.Array) -> jax.Array:
-        return jax.vjp(self.fn, x)[1](dy)[0]
 
 
 def _inner(value: Any) -> list[Any]:
@@ -73,16 +60,14 @@ def _refused(jaxpr: Any) -> list[str]:
     return out
 
 
-def check(pre: Prologue, dtype: Any, what: str, arg_dtypes: tuple[Any, ...] = ()) -> None:
-    """A clear error unless ``pre`` maps a 2-D ``dtype`` array (and, after it, one array of its
-    shape per dtype in ``arg_dtypes``) to one array of the first one's shape and dtype using
-    elementwise primitives only (``ELEMENTWISE``; ``what`` names the caller)."""
+def check(pre: Prologue, dtype: Any, what: str) -> None:
+    """A clear error unless ``pre`` maps a 2-D ``dtype`` array to one array of its shape and
+    dtype using elementwise primitives only (``ELEMENTWISE``; ``what`` names the caller)."""
     if not callable(pre):
         raise TypeError(f"{what}: pre must be a function of an array, got {pre!r}")
     probe = jax.ShapeDtypeStruct((32, 128), dtype)
     try:
-        closed = jax.make_jaxpr(pre)(probe, *(jax.ShapeDtypeStruct((32, 128), d)
-                                              for d in arg_dtypes))
+        closed = jax.make_jaxpr(pre)(probe)
     except Exception as e:  # noqa: BLE001 -- any tracing failure, reported with its cause
         raise TypeError(f"{what}: pre={pre!r} could not be traced on a {np.dtype(dtype).name}"
                         f"(32, 128) array ({type(e).__name__}: {e}); it must be a function "

@@ -75,11 +75,10 @@ def _row_expand(e: jax.Array) -> jax.Array:
     return jnp.broadcast_to(e[:, :, None], (r, _PER, _BS)).reshape(r, GROUP)
 
 
-def _load(srcs: tuple[Any, ...], pre: Prologue | None, *index: Any) -> jax.Array:
-    """x's block (or rows of it) as the kernel quantizes it: ``pre`` applied where given, to
-    x's values and the same block of each ``pre_args`` array (``srcs``: x's ref, then theirs)."""
-    vals = [r[index] if index else r[...] for r in srcs]
-    return vals[0] if pre is None else pre(*vals)
+def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
+    """x's block (or rows of it) as the kernel quantizes it: ``pre`` applied where given."""
+    v = x_ref[index] if index else x_ref[...]
+    return v if pre is None else pre(v)
 
 
 def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
@@ -90,7 +89,7 @@ def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
     return shift_codes(cast(el, _row_expand(e)), _row_expand(e - top)), top.astype(jnp.uint8)
 
 
-def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
+def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
                   path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program, x's whole (32 * bands, W) block loaded once: the rows' codes from it (W =
     128), the colwise scales of its bands by one reshape, and the transposed codes stored at
@@ -98,7 +97,7 @@ def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, til
     each band twice and stores 32 codes per row per band)."""
     queue = list(refs)
     elements, cast = element_fns(path, any_scale=False)
-    el = elements(fp32_bits(_load(srcs, pre)))  # (R, W), R = 32 * bands
+    el = elements(fp32_bits(_load(x_ref, pre)))  # (R, W), R = 32 * bands
     if rows:
         rd, rs = queue.pop(0), queue.pop(0)
         rd[...], rs[...] = _rows_of(el, cast)
@@ -117,7 +116,7 @@ def _kernel_whole(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, til
     ts[...] = top.astype(jnp.uint8)
 
 
-def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bool,
+def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
             path: ElementPath, bands: int, pre: Prologue | None) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
@@ -131,7 +130,7 @@ def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bo
     elements, cast = element_fns(path, any_scale=False)
 
     def band(i: int) -> Any:
-        return elements(fp32_bits(_load(srcs, pre, pl.ds(i * _BS, _BS), slice(None))))
+        return elements(fp32_bits(_load(x_ref, pre, pl.ds(i * _BS, _BS), slice(None))))
 
     if rows:
         for i in range(bands):
@@ -148,7 +147,7 @@ def _kernel(srcs: tuple[Any, ...], *refs: Any, rows: bool, cols: bool, tiles: bo
         ts[...] = top.astype(jnp.uint8)
 
 
-def _kernel_packed(srcs: tuple[Any, ...], td: Any, ts: Any, *, tiles: bool, path: ElementPath,
+def _kernel_packed(x_ref: Any, td: Any, ts: Any, *, tiles: bool, path: ElementPath,
                    pre: Prologue | None) -> None:
     """One program, a transposed output alone: x's (128, W) block read as four quarters of
     rows r, r + 4, ..., r + 124 (row-strided loads; a quarter's row 8b + j lies in 32-row band
@@ -160,7 +159,7 @@ def _kernel_packed(srcs: tuple[Any, ...], td: Any, ts: Any, *, tiles: bool, path
     w = td.shape[0]
 
     def quarter(r: int) -> Any:
-        return elements(fp32_bits(_load(srcs, pre, pl.ds(r, rows, stride=_PACK), slice(None))))
+        return elements(fp32_bits(_load(x_ref, pre, pl.ds(r, rows, stride=_PACK), slice(None))))
 
     amax = functools.reduce(jnp.maximum, [
         jnp.max(quarter(r).amax_in.reshape(_PER, rows // _PER, w), axis=1)
@@ -182,8 +181,8 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         e4m3_cast: ElementPath | str | None = None,
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
-                        whole: bool = False, packed: bool = False, pre: Prologue | None = None,
-                        pre_args: Sequence[jax.Array] = ()) -> BlockedPlanes:
+                        whole: bool = False, packed: bool = False,
+                        pre: Prologue | None = None) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -206,9 +205,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     ``pre``: an elementwise function (``elementwise.check``) that each program applies to x's
     values as it loads them: the operands of ``pre(x)``, byte for byte, with ``pre(x)`` never
     written to memory (the GPT's GELU before its MLP's second linear; ``pre`` must be hashable,
-    a module-level function, as it is part of the compiled kernel). ``pre_args``: further
-    (M, K) arrays that ``pre`` takes after x, block for block -- ``pre(x, *pre_args)``, e.g.
-    the GELU's gradient from dy and the GELU's input; x whole, not in column parts."""
+    a module-level function, as it is part of the compiled kernel)."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
     what = "quantize_blocked_2d"
     _check_parts(parts, what)
@@ -224,19 +221,12 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
                          f"output (rows_t or tiles_t, with or without rows); rows alone take "
                          f"whole=False")
-    extras = tuple(pre_args)
-    if extras and (pre is None or len(parts) > 1
-                   or any(a.shape != parts[0].shape for a in extras)):
-        raise ValueError(f"{what}: pre_args go with a pre and a whole x, each of x's shape "
-                         f"{tuple(parts[0].shape)}; got {[tuple(a.shape) for a in extras]} "
-                         f"with pre={pre!r} and {len(parts)} column part(s)")
     if pre is not None:
-        elementwise.check(pre, parts[0].dtype, what, tuple(a.dtype for a in extras))
+        elementwise.check(pre, parts[0].dtype, what)
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
-                             extras)
+                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre)
 
 
 def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
@@ -312,17 +302,15 @@ class _Call(NamedTuple):
         return outs
 
 
-def _inputs(*refs: Any, sources: int, skip: int, body: functools.partial[None]) -> None:
-    """The kernel body given x's ref and the ``pre_args``' (``sources`` in all) as one tuple,
-    and not the aliased output inputs (``skip``: written, never read)."""
-    body(refs[:sources], *refs[sources + skip:])
+def _inputs(x_ref: Any, *refs: Any, skip: int, body: functools.partial[None]) -> None:
+    """The kernel body given x's ref and the outputs, not the aliased output inputs (``skip``:
+    written, never read)."""
+    body(x_ref, *refs[skip:])
 
 
-def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
-               extras: tuple[jax.Array, ...] = ()) -> list[jax.Array]:
+def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Array]:
     """The raw uint8 outputs with ``x``'s columns written (into ``written``, the previous
-    parts' outputs, where given: aliased, so XLA updates them in place); ``extras``: the
-    ``pre_args`` arrays, read block by block as x is."""
+    parts' outputs, where given: aliased, so XLA updates them in place)."""
     m, kx = x.shape
     br, bc = c.block
     if c.packed:
@@ -334,30 +322,27 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call,
         kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
                                    path=c.path, bands=br // _BS, pre=c.pre)
     outs = c.outs(m)
-    sources = 1 + len(extras)
-    kernel = functools.partial(_inputs, sources=sources, skip=len(written), body=kernel)
-    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))] * sources + [o[0] for o in outs
-                                                                          if written]
+    kernel = functools.partial(_inputs, skip=len(written), body=kernel)
+    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))] + [o[0] for o in outs if written]
     return list(pl.pallas_call(
         kernel, out_shape=[o[1] for o in outs], grid=(m // br, kx // bc), in_specs=in_specs,
         out_specs=[o[0] for o in outs], compiler_params=triton_params(c.num_warps),
-        input_output_aliases={sources + i: i for i in range(len(written))},
+        input_output_aliases={1 + i: i for i in range(len(written))},
         interpret=c.interpret, name="mxfp8_quantize_blocked",
-    )(x, *extras, *written))
+    )(x, *written))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
                       block: tuple[int, int], whole: bool, packed: bool,
-                      pre: Prologue | None,
-                      extras: tuple[jax.Array, ...]) -> BlockedPlanes:
+                      pre: Prologue | None) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
         res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, packed, pre, c0, k), extras)
+                                       whole, packed, pre, c0, k))
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
