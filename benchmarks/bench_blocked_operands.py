@@ -12,14 +12,19 @@ plus the outputs written once (GB/s), for
 - ``rows[RxC,wW]`` / ``rows_t[...]`` / ``tiles_t[...]``: one output of the kernel, each program
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
   ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output; ``...,whole]``: the
-  transposed outputs with each program's block loaded at once (``whole=True``);
+  transposed outputs with each program's block loaded at once (``whole=True``); ``...,packed]``:
+  four rows' codes per int32 word through the transpose (``packed=True``);
   ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
-  memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block),
+  memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block;
+  ``,packed]``: both from row-strided quarters, the transposed codes packed),
   which ``KERNEL_CONFIG["rows+rows_t"]`` / ``["rows+tiles_t"]`` would select;
 - ``gelu_pass``: XLA's GELU (``models.gpt_math.gelu_tanh``) alone, and ``gelu+rows[...]`` /
   ``gelu+tiles_t[...]``: the forward's two calls with the GELU applied inside the kernel
   (``pre=``), which replace ``gelu_pass`` and the two calls on its output, and
   ``gelu+rows+tiles_t[...,whole]``: both in one call (the GELU once per element);
+- ``copy_t[128xC,wW]`` (``,packed]``) and ``xla_transpose_u8`` / ``xla_transpose_bf16``: the
+  transposed write without the arithmetic, by a Pallas program per block and by XLA: what the
+  memory traffic of a transposed output costs alone;
 - with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
   into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
   ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
@@ -107,11 +112,12 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                             block=block, whole=True), output)), 1)
     for second in ("rows_t", "tiles_t"):  # two outputs in one call: x read once from DRAM
         for w in warps:
-            for whole in (False, True):
-                out[f"rows+{second}[128x128,w{w}{',whole' if whole else ''}]"] = (jax.jit(
-                    lambda x, second=second, w=w, whole=whole: quantize_blocked_2d(
+            for how in ("", "whole", "packed"):
+                out[f"rows+{second}[128x128,w{w}{',' if how else ''}{how}]"] = (jax.jit(
+                    lambda x, second=second, w=w, how=how: quantize_blocked_2d(
                         x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
-                        interpret=interpret, num_warps=w, whole=whole)), 2)
+                        interpret=interpret, num_warps=w, whole=how == "whole",
+                        packed=how == "packed")), 2)
     out.update(_gelu_variants(warps, interpret))
     out.update(_copy_variants(warps, interpret))
     return out

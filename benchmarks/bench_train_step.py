@@ -108,6 +108,7 @@ TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
 PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
+PACKED_PAIR_CHOICE = (128, 128), 8, False, True  # ... packed: both from row-strided quarters
 DEFAULT_RUNS = ("mxfp8", "mxfp8-op", "bf16", "fsdp2")
 
 
@@ -311,7 +312,8 @@ def _switches(run: str) -> tuple[str, frozenset[str]]:
     dy^T rows) in one kernel call (``PAIR_CHOICE``: both from one loaded block), to compare
     with the default's one call per output; ``:packed``, the transposed outputs' kernels
     (``rows_t``, ``tiles_t``) with ``KernelChoice.packed`` flipped from ``KERNEL_CONFIG``'s
-    default (four rows' codes per int32 word through the transpose, or not)."""
+    default (four rows' codes per int32 word through the transpose, or not), and with
+    ``:pairs`` the pair entries packed (``PACKED_PAIR_CHOICE``) instead of whole-block."""
     name, off = run, set()
     while True:
         hit = [(s, k) for s, k in SWITCHES.items() if name.endswith(s) and k not in off]
@@ -333,12 +335,14 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
             setattr(gpt_math, knob, want)
             changed = True
     config = blocked_operands.KERNEL_CONFIG
+    packed = "PACKED" in switched
     for e in TRANSPOSED:
-        want = _default_packed(e) != ("PACKED" in switched)
+        want = _default_packed(e) != packed
         if config[e].packed != want:
             config[e] = config[e]._replace(packed=want)
             changed = True
-    pairs = {e: blocked_operands.KernelChoice(*PAIR_CHOICE) for e in PAIR_ENTRIES}
+    pairs = {e: blocked_operands.KernelChoice(*(PACKED_PAIR_CHOICE if packed else PAIR_CHOICE))
+             for e in PAIR_ENTRIES}
     has = {e: config[e] for e in PAIR_ENTRIES if e in config}
     if has != (pairs if "PAIRS" in switched else {}):
         for e in PAIR_ENTRIES:

@@ -147,31 +147,40 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
         ts[...] = top.astype(jnp.uint8)
 
 
-def _kernel_packed(x_ref: Any, td: Any, ts: Any, *, tiles: bool, path: ElementPath,
+def _kernel_packed(x_ref: Any, *refs: Any, rows: bool, tiles: bool, path: ElementPath,
                    pre: Prologue | None) -> None:
-    """One program, a transposed output alone: x's (128, W) block read as four quarters of
-    rows r, r + 4, ..., r + 124 (row-strided loads; a quarter's row 8b + j lies in 32-row band
-    b), each read twice as the banded kernel reads its bands (amax, then codes). The codes of
-    rows 4i .. 4i + 3 become the bytes 0 .. 3 of one int32 word, and the (32, W) words are
-    transposed and stored: the output's row c gets its 128 codes as 32 little-endian words."""
+    """One program, a transposed output (and ``rows``, W = 128): x's (128, W) block read as four
+    quarters of rows r, r + 4, ..., r + 124 (row-strided loads; a quarter's row 8b + j lies in
+    32-row band b), each read twice as the banded kernel reads its bands (amax, then codes).
+    The codes of rows 4i .. 4i + 3 become the bytes 0 .. 3 of one int32 word, and the (32, W)
+    words are transposed and stored: the output's row c gets its 128 codes as 32 little-endian
+    words. ``rows``: each quarter's 1x128 rows are made from the elements of its second read
+    and stored at its rows (row-strided stores)."""
+    rd, rs, td, ts = refs if rows else (None, None, *refs)
     elements, cast = element_fns(path, any_scale=False)
-    rows = GROUP // _PACK  # 32 rows per quarter: 8 from each band
+    n = GROUP // _PACK  # 32 rows per quarter: 8 from each band
     w = td.shape[0]
 
     def quarter(r: int) -> Any:
-        return elements(fp32_bits(_load(x_ref, pre, pl.ds(r, rows, stride=_PACK), slice(None))))
+        return elements(fp32_bits(_load(x_ref, pre, pl.ds(r, n, stride=_PACK), slice(None))))
 
     amax = functools.reduce(jnp.maximum, [
-        jnp.max(quarter(r).amax_in.reshape(_PER, rows // _PER, w), axis=1)
+        jnp.max(quarter(r).amax_in.reshape(_PER, n // _PER, w), axis=1)
         for r in range(_PACK)])  # (4, W): each 32-row band's amax per column
     ec = scale_bytes_of_bits(amax, any_bits=False)
     top = jnp.max(ec, axis=0, keepdims=True)  # (1, W): per column over the 128 rows
     if tiles:
         top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
-    e = jnp.broadcast_to(ec[:, None, :], (_PER, rows // _PER, w)).reshape(rows, w)
-    words = functools.reduce(jnp.bitwise_or, [
-        lax.shift_left(shift_codes(cast(quarter(r), e), e - top).astype(jnp.int32),
-                       jnp.int32(8 * r)) for r in range(_PACK)])  # (32, W)
+    e = jnp.broadcast_to(ec[:, None, :], (_PER, n // _PER, w)).reshape(n, w)
+    words = None
+    for r in range(_PACK):
+        el = quarter(r)
+        if rows:
+            at = pl.ds(r, n, stride=_PACK)
+            rd[at, :], rs[at, :] = _rows_of(el, cast)
+        word = lax.shift_left(shift_codes(cast(el, e), e - top).astype(jnp.int32),
+                              jnp.int32(8 * r))  # (32, W)
+        words = word if words is None else words | word
     td[...] = words.T
     ts[...] = top.astype(jnp.uint8)
 
@@ -192,9 +201,10 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     output, with or without ``rows``): each program loads its whole block at once and stores
     each output row's 128 codes in one store, instead of 32-row bands read twice, and makes
     ``rows`` from the same loaded block (the bytes are the same); ``packed`` (a transposed
-    output alone): each program loads x's block as four row-strided quarters (rows r, r + 4,
-    ...), packs the codes of four consecutive rows into one int32 and transposes and stores
-    words, a quarter of the elements through the transpose (the bytes are the same);
+    output, with or without ``rows``; not ``whole``): each program loads x's block as four
+    row-strided quarters (rows r, r + 4, ...), packs the codes of four consecutive rows into
+    one int32 and transposes and stores words, a quarter of the elements through the transpose,
+    and makes ``rows`` from each quarter's second read (the bytes are the same);
     benchmarks/bench_blocked_operands.py times them.
 
     ``x`` may also be a sequence of column parts (M, K_i) of one dtype, each K_i a multiple of
@@ -213,9 +223,10 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
         raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
     if not (rows or rows_t or tiles_t):
         raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
-    if packed and (rows or whole or not (rows_t or tiles_t)):
-        raise ValueError(f"{what}: packed=True packs one transposed output (rows_t or tiles_t) "
-                         f"made alone; got rows={rows}, whole={whole}; use packed=False")
+    if packed and (whole or not (rows_t or tiles_t)):
+        raise ValueError(f"{what}: packed=True packs a transposed output (rows_t or tiles_t, "
+                         f"with or without rows) without whole=True; got rows_t={rows_t}, "
+                         f"tiles_t={tiles_t}, whole={whole}")
     _check_block(tuple(block), rows, rows_t, tiles_t)
     if whole and not (rows_t or tiles_t):
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
@@ -314,7 +325,8 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     m, kx = x.shape
     br, bc = c.block
     if c.packed:
-        kernel = functools.partial(_kernel_packed, tiles=c.tiles, path=c.path, pre=c.pre)
+        kernel = functools.partial(_kernel_packed, rows=c.rows, tiles=c.tiles, path=c.path,
+                                   pre=c.pre)
     elif c.whole:
         kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
                                    path=c.path, bands=br // _BS, pre=c.pre)

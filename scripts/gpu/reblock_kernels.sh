@@ -3,15 +3,17 @@
 #   bash scripts/gpu/reblock_kernels.sh [tests] [bench] [step]
 #   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
 #          pallas_reblock; slices read in place, also as bf16 of fp32; the blocked-operand
-#          quantize, whole-block and in column parts; q, k, v from three GEMMs within 1e-3;
+#          quantize, whole-block, packed and in column parts; q, k, v from three GEMMs within 1e-3;
 #          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
-#          banded and whole-block, two outputs in one call (banded and whole-block), the GELU
-#          inside the kernel against XLA's GELU pass (BENCH_ONLY, a regex of variants), and the
-#          weights' re-block, XLA against the kernel
+#          banded, whole-block and packed, two outputs in one call (banded and whole-block), the
+#          GELU inside the kernel against XLA's GELU pass, the transposed write without the
+#          arithmetic (copy_t, xla_transpose) (BENCH_ONLY, a regex of variants), and the
+#          weights' re-block, XLA against the kernel (WEIGHTS=0 leaves it out)
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
 #          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-in compares the qkv
-#          linear as one GEMM and the GELU inside the linear),
+#          linear as one GEMM and the GELU inside the linear; mxfp8:u4:packed the transposed
+#          outputs packed),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log)
@@ -37,6 +39,7 @@ for part in "${parts[@]}"; do
         --only "${BENCH_ONLY:-rows\[32x128,w2|rows_t|tiles_t|rows\+|gelu}" --out "$OUT/operands.json" \
         > "$OUT/operands.log" 2>&1
       echo "operands bench: rc=$?"; grep '"shape"' "$OUT/operands.log"
+      [ "${WEIGHTS:-1}" = 0 ] && { echo "$part: $((SECONDS - t0)) s"; continue; }
       timeout 200 python3 benchmarks/bench_blocked_operands.py --weights --warps 2,4,8 \
         --out "$OUT/weights.json" > "$OUT/weights.log" 2>&1
       echo "weights bench: rc=$?"; grep '"shape"' "$OUT/weights.log" ;;

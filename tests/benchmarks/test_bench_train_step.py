@@ -201,3 +201,9 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert not apply(frozenset({"GELU_IN_LINEAR", "PACKED"}), knobs)  # already so
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
     assert {e: config[e] for e in default} == default
+    assert apply(frozenset({"PAIRS", "PACKED"}), knobs)  # pairs from row-strided quarters
+    packed_pair = blocked_operands.KernelChoice(*bench_train_step.PACKED_PAIR_CHOICE)
+    assert packed_pair.packed and not packed_pair.whole
+    assert {e: c for e, c in config.items() if "+" in e} == {
+        "rows+rows_t": packed_pair, "rows+tiles_t": packed_pair}
+    assert all(config[e].packed for e in default)

@@ -110,23 +110,27 @@ def test_whole_block_programs_write_the_same_bytes(output, block, dtype):
     _assert_same(got, want, f"{output} {block} whole")
 
 
+PACKED = [(False, *c) for c in WHOLE] + [(True, "rows_t", (128, 128)),
+                                         (True, "tiles_t", (128, 128))]
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize(("output", "block"), WHOLE, ids=str)
-def test_packed_programs_write_the_same_bytes(output, block, dtype):
+@pytest.mark.parametrize(("rows", "output", "block"), PACKED, ids=str)
+def test_packed_programs_write_the_same_bytes(rows, output, block, dtype):
     """``packed=True`` (row-strided quarters, four rows' codes per int32 word through the
-    transpose): the bytes of quantize-then-re-block, also for column parts into shared
-    outputs; with rows, or with whole, it is refused."""
+    transpose; with ``rows``, each quarter's rows stored row-strided): the bytes of
+    quantize-then-re-block, also for column parts into shared outputs; with ``whole`` it is
+    refused."""
     x = jnp.asarray(_hostile((256, 384), 9)).astype(dtype)
-    kw = dict(rows=False, rows_t=output == "rows_t", tiles_t=output == "tiles_t",
+    kw = dict(rows=rows, rows_t=output == "rows_t", tiles_t=output == "tiles_t",
               interpret=True, block=block, packed=True)
     want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), **{
         k: kw[k] for k in ("rows", "rows_t", "tiles_t")})
     _assert_same(quantize_blocked_2d(x, **kw), want, f"{output} {block} packed")
     _assert_same(quantize_blocked_2d((x[:, :128], x[:, 128:]), **kw), want,
                  f"{output} {block} packed, column parts")
-    for bad in (dict(rows=True), dict(whole=True)):
-        with pytest.raises(ValueError, match="packed=True packs one transposed output"):
-            quantize_blocked_2d(x, **{**kw, **bad})
+    with pytest.raises(ValueError, match="packed=True packs a transposed output"):
+        quantize_blocked_2d(x, **{**kw, "whole": True})
 
 
 PART_CALLS = [("rows", (32, 128), False), ("rows", (128, 128), False),
@@ -319,14 +323,20 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
             _assert_same(got, blocked.BlockedPlanes(
                 want.rows, want.rows_t if second == "rows_t" else None,
                 want.tiles_t if second == "tiles_t" else None), f"rows+{second} whole {shape}")
-        for (output, block), how in [(o, h) for o in WHOLE for h in ("whole", "packed")]:
-            # each program's block loaded at once / four rows' codes per word
+        for output, block in WHOLE:  # each program's block loaded at once
             got = quantize_blocked_2d(x, rows=False, rows_t=output == "rows_t",
-                                      tiles_t=output == "tiles_t", block=block, **{how: True})
+                                      tiles_t=output == "tiles_t", block=block, whole=True)
             for part in ("data", "scale"):
                 np.testing.assert_array_equal(_u8(getattr(getattr(got, output), part)),
                                               _u8(getattr(getattr(want, output), part)),
-                                              err_msg=f"{output} {block} {how} {part}")
+                                              err_msg=f"{output} {block} whole {part}")
+        for rows, output, block in PACKED:  # four rows' codes per int32 word
+            got = quantize_blocked_2d(x, rows=rows, rows_t=output == "rows_t",
+                                      tiles_t=output == "tiles_t", block=block, packed=True)
+            _assert_same(got, blocked.BlockedPlanes(
+                want.rows if rows else None, want.rows_t if output == "rows_t" else None,
+                want.tiles_t if output == "tiles_t" else None),
+                f"{'rows+' if rows else ''}{output} {block} packed {shape}")
         c = x.shape[1] // 3 // 128 * 128  # column parts into shared outputs (aliased), compiled
         parts = (x[:, :c], x[:, c:2 * c], x[:, 2 * c:])
         for output, block, whole in PART_CALLS:
@@ -362,11 +372,12 @@ def test_unit_programs_on_the_pallas_kernel_train_as_on_the_composition(single_r
     assert on_kernel == losses("xla")
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["banded", "whole"])
-def test_a_pair_entry_in_the_kernel_config_makes_both_outputs_in_one_call(whole, monkeypatch):
+@pytest.mark.parametrize("how", ["banded", "whole", "packed"])
+def test_a_pair_entry_in_the_kernel_config_makes_both_outputs_in_one_call(how, monkeypatch):
     """``KERNEL_CONFIG["rows+tiles_t"]`` / ``["rows+rows_t"]``: the forward's and the
     backward's two operands from one kernel call (x read once), with the bytes of one call per
-    output; a third output asked beside the pair takes its own call."""
+    output; a third output asked beside the pair takes its own call (packed: its transposed
+    outputs packed too)."""
     x = jnp.asarray(_hostile((256, 384), 13)).astype(jnp.bfloat16)
     k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
     asks = [dict(rows=True, tiles_t=True), dict(rows=True, rows_t=True),
@@ -374,9 +385,13 @@ def test_a_pair_entry_in_the_kernel_config_makes_both_outputs_in_one_call(whole,
     apart = [blocked.quantize_operands(x, kernels=k, **kw) for kw in asks]
     calls_apart = [len(pallas_operand_shapes(
         lambda v, kw=kw: blocked.quantize_operands(v, kernels=k, **kw), x)) for kw in asks]
-    pair = blocked.KernelChoice((128, 128), 8, whole)
+    pair = blocked.KernelChoice((128, 128), 8, how == "whole", how == "packed")
     monkeypatch.setitem(blocked.KERNEL_CONFIG, "rows+tiles_t", pair)
     monkeypatch.setitem(blocked.KERNEL_CONFIG, "rows+rows_t", pair)
+    if how == "packed":
+        for e in ("rows_t", "tiles_t"):
+            monkeypatch.setitem(blocked.KERNEL_CONFIG, e,
+                                blocked.KERNEL_CONFIG[e]._replace(packed=True))
     for kw, want, n in zip(asks, apart, calls_apart, strict=True):
         _assert_same(blocked.quantize_operands(x, kernels=k, **kw), want, str(kw))
         got_calls = len(pallas_operand_shapes(
