@@ -40,6 +40,11 @@ Runs (``--runs``):
   gets pair entries (``PAIR_CHOICE``: 128x128 blocks, 8 warps, ``whole=True``), so each
   linear's two operands of x and of dy come from one kernel call that reads x once, against
   the default's one call per output (the same bytes); only for this project's runs.
+- ``:packed`` at the very end (e.g. ``mxfp8:u4:packed``, ``mxfp8:u4:pairs:packed``): the
+  transposed outputs' kernels (``KERNEL_CONFIG["rows_t"]``, ``["tiles_t"]``) pack four rows'
+  codes into one int32 word before the transpose (``KernelChoice.packed`` flipped from its
+  default), and ``:pairs`` entries come from row-strided quarters (``PACKED_PAIR_CHOICE``)
+  instead of a whole loaded block (the same bytes); only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
