@@ -225,12 +225,6 @@ def quantize_operands(x: jax.Array | Parts, *, rows: bool, rows_t: bool = False,
                        tiles_t=tiles_t)
 
 
-def _pair(rows: bool, rows_t: bool, tiles_t: bool) -> str:
-    """The ``KERNEL_CONFIG`` entry that would make the outputs asked for in one call."""
-    return "+".join(o for o, asked in (("rows", rows), ("rows_t", rows_t),
-                                       ("tiles_t", tiles_t)) if asked)
-
-
 def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: bool,
                      pre: Prologue | None = None) -> BlockedPlanes:
     """One kernel call per output (``KERNEL_CONFIG``): each alone keeps less of x in registers

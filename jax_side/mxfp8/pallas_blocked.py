@@ -172,16 +172,15 @@ def _kernel_packed(x_ref: Any, *refs: Any, rows: bool, tiles: bool, path: Elemen
     if tiles:
         top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
     e = jnp.broadcast_to(ec[:, None, :], (_PER, n // _PER, w)).reshape(n, w)
-    words = None
+    words = []
     for r in range(_PACK):
         el = quarter(r)
         if rows:
             at = pl.ds(r, n, stride=_PACK)
             rd[at, :], rs[at, :] = _rows_of(el, cast)
-        word = lax.shift_left(shift_codes(cast(el, e), e - top).astype(jnp.int32),
-                              jnp.int32(8 * r))  # (32, W)
-        words = word if words is None else words | word
-    td[...] = words.T
+        words.append(lax.shift_left(shift_codes(cast(el, e), e - top).astype(jnp.int32),
+                                    jnp.int32(8 * r)))  # (32, W)
+    td[...] = functools.reduce(jnp.bitwise_or, words).T
     ts[...] = top.astype(jnp.uint8)
 
 
@@ -224,9 +223,9 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     if not (rows or rows_t or tiles_t):
         raise ValueError(f"{what}: rows, rows_t and tiles_t all False asks for nothing")
     if packed and (whole or not (rows_t or tiles_t)):
-        raise ValueError(f"{what}: packed=True packs a transposed output (rows_t or tiles_t, "
-                         f"with or without rows) without whole=True; got rows_t={rows_t}, "
-                         f"tiles_t={tiles_t}, whole={whole}")
+        raise ValueError(f"{what}: packed=True packs a transposed output, so it needs rows_t "
+                         f"or tiles_t (with or without rows) and whole=False; got "
+                         f"rows_t={rows_t}, tiles_t={tiles_t}, whole={whole}")
     _check_block(tuple(block), rows, rows_t, tiles_t)
     if whole and not (rows_t or tiles_t):
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
@@ -320,8 +319,9 @@ def _inputs(x_ref: Any, *refs: Any, skip: int, body: functools.partial[None]) ->
 
 
 def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Array]:
-    """The raw uint8 outputs with ``x``'s columns written (into ``written``, the previous
-    parts' outputs, where given: aliased, so XLA updates them in place)."""
+    """The raw outputs (uint8; the transposed codes int32 words if packed) with ``x``'s columns
+    written (into ``written``, the previous parts' outputs, where given: aliased, so XLA updates
+    them in place)."""
     m, kx = x.shape
     br, bc = c.block
     if c.packed:
