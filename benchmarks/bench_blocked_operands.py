@@ -22,9 +22,9 @@ plus the outputs written once (GB/s), for
   ``gelu+tiles_t[...]``: the forward's two calls with the GELU applied inside the kernel
   (``pre=``), which replace ``gelu_pass`` and the two calls on its output, and
   ``gelu+rows+tiles_t[...,whole]``: both in one call (the GELU once per element);
-- ``copy_t[128xC,wW]`` (``,packed]``) and ``xla_transpose_u8`` / ``xla_transpose_bf16``: the
-  transposed write without the arithmetic, by a Pallas program per block and by XLA: what the
-  memory traffic of a transposed output costs alone;
+- ``copy_t[128xC,wW]`` (``,packed]``), ``copy[32x128,w2]`` and ``xla_transpose_u8`` /
+  ``xla_transpose_bf16``: the transposed (and the rows') write without the arithmetic, by a
+  Pallas program per block and by XLA: what the memory traffic of an output costs alone;
 - with ``--weights``, per weight shape (N, K) of the 1.3B GPT, the re-block of its MXFP8 planes
   into the GEMM's 128x128 tiles, the planes in flat buffers as in a unit program (``FlatPlane``):
   ``xla_fwd`` / ``xla_dgrad`` (``gemm_impls.b_tiles`` on the sliced planes: XLA's fusions, the
@@ -140,10 +140,17 @@ def _copy_t_kernel(x_ref: Any, o_ref: Any, *, packed: bool) -> None:
     o_ref[...] = words.T
 
 
+def _copy_kernel(x_ref: Any, o_ref: Any) -> None:
+    """No quantization: each element's high byte (bf16 x), stored where it lies."""
+    o_ref[...] = lax.shift_right_logical(lax.bitcast_convert_type(x_ref[...], jnp.uint16),
+                                         jnp.uint16(8)).astype(jnp.uint8)
+
+
 def _copy_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
-    """What the transposed outputs' memory traffic costs without their arithmetic: bf16 x read,
-    one byte an element written transposed by a Pallas program per (128, C) block of x
-    (``copy_t[...]``, ``,packed]``: as int32 words), and XLA's own transpose of x
+    """What the outputs' memory traffic costs without their arithmetic: bf16 x read, one byte
+    an element written transposed by a Pallas program per (128, C) block of x (``copy_t[...]``,
+    ``,packed]``: as int32 words), or not transposed per (32, 128) block as the rows' kernel
+    writes (``copy[32x128,w2]``), and XLA's own transpose of x
     (``xla_transpose_u8``: the high bytes; ``xla_transpose_bf16``: x itself, 2 bytes written)."""
     from jax_side.mxfp8.pallas_tiles import triton_params
 
@@ -167,6 +174,13 @@ def _copy_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, in
             for packed in (False, True):
                 out[f"copy_t[128x{bc},w{w}{',packed' if packed else ''}]"] = (
                     copy_t(bc, w, packed), 1)
+    out["copy[32x128,w2]"] = (jax.jit(lambda x: pl.pallas_call(  # the rows' pattern
+        _copy_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.uint8), grid=(x.shape[0] // 32,
+                                                                  x.shape[1] // 128),
+        in_specs=[pl.BlockSpec((32, 128), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((32, 128), lambda i, j: (i, j)),
+        compiler_params=None if interpret else triton_params(2), interpret=interpret,
+        name="copy")(x)), 1)
     out["xla_transpose_u8"] = (jax.jit(lambda x: (lax.bitcast_convert_type(x, jnp.uint16).T
                                                   >> 8).astype(jnp.uint8)), 1)
     out["xla_transpose_bf16"] = (jax.jit(lambda x: x.T), 2)
