@@ -106,8 +106,9 @@ GELU_IN = ":gelu-in"  # a run's suffix: the GELU inside the MLP's second linear
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
-# it flips from its default (KNOB_DEFAULTS), or "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
-# entries set to PAIR_CHOICE)
+# it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
+# entries set to PAIR_CHOICE) or "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
+# set to PACKED_PAIR_CHOICE)
 SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS", PACKED: "PACKED"}
 TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed`` flips
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False}
