@@ -49,6 +49,7 @@ from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.kernels import Backend, KernelConfig
 from jax_side.mxfp8 import cast_slice, cast_slice_into, partial_block_amax, scales_from_amax
 from jax_side.mxfp8.pallas_tiles import MAX_FLAT_INDEX
+from jax_side.unit_grads import written_buffer
 
 __all__ = [
     "Piece",
@@ -164,22 +165,54 @@ def _images_numel(n: int, scales: ScaleLayout) -> int:
     return 2 * n + 2 * scales.total
 
 
-def _zero_images(n: int) -> jax.Array:
-    """The zero uint8 array the images are written into, kept apart from its first update: XLA
-    otherwise folds zeros + that update into one pad of the whole array, several times slower
-    than a fill and in-place updates (CPU, 21.6 MB of images: 800 against 98 ms;
-    ``tests/bridge/test_mxfp8_slices.py`` reads the HLO)."""
-    return lax.optimization_barrier(jnp.zeros((n,), jnp.uint8))
+def _images_spans(base: int, n: int, pieces: tuple[Piece, ...],
+                  scales: ScaleLayout) -> list[tuple[int, int]]:
+    """The (start, length) byte ranges ``_images_into`` writes of one buffer's images at
+    ``base``: each piece's two scale ranges, and its rowwise and columnwise bytes where it owns
+    any; the rest (padding, other ranks' parts, scale alignment) must be zero."""
+    at_col, at_row_s = base + n, base + 2 * n
+    at_col_s = at_row_s + scales.total
+    spans = []
+    for p, at in zip(pieces, scales.offsets, strict=True):
+        n_scale = p.shape[0] * p.shape[1] // BLOCK_SIZE
+        spans += [(at_row_s + at, n_scale), (at_col_s + at, n_scale)]
+        if p.numel:
+            spans += [(base + p.offset, p.numel), (at_col + p.offset, p.numel)]
+    return spans
 
 
-@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales"))
+def _new_images(numel: int, spans: list[tuple[int, int]], gapped: bool) -> jax.Array:
+    """The uint8 array the images are written into: zeros behind an optimization barrier (XLA
+    would otherwise fold zeros + the first update into one pad of the whole array, several times
+    slower than a fill and in-place updates: CPU, 21.6 MB of images, 800 against 98 ms;
+    ``tests/bridge/test_mxfp8_slices.py`` reads the HLO), or with ``gapped`` only the gaps
+    between the ``spans`` zeroed where the cuBLASLt handlers run (``unit_grads.written_buffer``;
+    the ``fp8_blocked`` GEMMs' library, so ``gapped`` is asked only where they are in use:
+    ``_gapped``). Every span is written by ``_images_into``; a 1.3B step's refresh filled about
+    2.4 GB of images first (about 1 ms on the H200)."""
+    if gapped:
+        return written_buffer(numel, jnp.uint8, spans)
+    return lax.optimization_barrier(jnp.zeros((numel,), jnp.uint8))
+
+
+def _gapped(kernels: KernelConfig | None, device: torch.device) -> bool:
+    """Whether the images start with only their gaps zeroed: on a CUDA device whose GEMM is an
+    ``fp8_blocked`` one (whose cuBLASLt library holds the gaps handler; other modes do not build
+    it for the refresh's sake)."""
+    from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
+
+    return device.type == "cuda" and resolve_for(kernels, device).gemm in BLOCKED_GEMMS
+
+
+@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales", "gapped"))
 def _scales_and_cast_images(buf: jax.Array, packed_amax: jax.Array, pieces: tuple[Piece, ...],
                             backend: Backend | None, source: DTypeLike,
-                            scales: ScaleLayout) -> jax.Array:
+                            scales: ScaleLayout, gapped: bool = False) -> jax.Array:
     """``_scales_and_cast`` with its bytes laid out as the caller's buffers are: the rowwise and
     columnwise shard images (each ``len(buf)`` bytes, piece i at ``pieces[i].offset``, zeros
     between pieces), then the rowwise and columnwise scale buffers (``scales``)."""
-    out = _zero_images(_images_numel(buf.shape[0], scales))
+    n = buf.shape[0]
+    out = _new_images(_images_numel(n, scales), _images_spans(0, n, pieces, scales), gapped)
     return _images_into(out, 0, buf, packed_amax, pieces, backend, source, scales)
 
 
@@ -222,9 +255,10 @@ def runs(sizes: Sequence[int], limit: int = MAX_FLAT_INDEX) -> list[list[int]]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales", "limit"))
+@functools.partial(jax.jit,
+                   static_argnames=("pieces", "backend", "source", "scales", "limit", "gapped"))
 def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, scales,
-                                    limit=MAX_FLAT_INDEX):
+                                    limit=MAX_FLAT_INDEX, gapped=False):
     """Each buffer's ``_scales_and_cast_images`` bytes, one after another in uint8 arrays, one
     per run of buffers (``runs`` below ``limit``; written in place, ``_images_into``)."""
     sizes = [_images_numel(b.shape[0], s) for b, s in zip(bufs, scales, strict=True)]
@@ -233,7 +267,11 @@ def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, 
         starts.append(starts[-1] + amax_numel(p))
     arrays = []
     for run in runs(sizes, limit):
-        out, base = _zero_images(sum(sizes[i] for i in run)), 0
+        spans, base = [], 0
+        for i in run:
+            spans += _images_spans(base, bufs[i].shape[0], pieces[i], scales[i])
+            base += sizes[i]
+        out, base = _new_images(base, spans, gapped), 0
         for i in run:
             amax = lax.slice(packed_amax, (starts[i],), (starts[i + 1],))
             out = _images_into(out, base, bufs[i], amax, pieces[i], backend, source, scales[i])
@@ -283,6 +321,7 @@ def batched_scales_and_cast_images(
     arrays = _batched_scales_and_cast_images(
         tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
         slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT,
+        gapped=_gapped(kernels, device),
     )
     sizes = [_images_numel(b.tensor.numel(), s) for b, s in zip(bufs, layouts, strict=True)]
     out = []
@@ -315,7 +354,7 @@ def scales_and_cast_images(
     packed = to_torch(_scales_and_cast_images(
         buf.jax(), to_jax(packed_amax.contiguous()), tuple(Piece(*p) for p in pieces),
         slice_backend(kernels, device), jax_dtype_for(source_dtype),
-        ScaleLayout(tuple(scales.offsets), int(scales.total)),
+        ScaleLayout(tuple(scales.offsets), int(scales.total)), gapped=_gapped(kernels, device),
     ))
     if packed.device != device:
         packed = packed.to(device)

@@ -36,7 +36,7 @@ from jax.typing import DTypeLike
 from common.formats import round_up
 
 __all__ = ["ALIGN", "GradGroup", "GradLayout", "Grads", "Segment", "Writer", "flat_group",
-           "flat_group_reference", "gaps", "grad_layout", "pack_grads"]
+           "flat_group_reference", "gaps", "grad_layout", "pack_grads", "written_buffer"]
 
 ALIGN = 16  # byte alignment of every segment of the packed gradients
 
@@ -167,25 +167,34 @@ def gaps(numel: int, spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int],
     return tuple(out)
 
 
-def _first_buffer(group: GradGroup, spans: list[tuple[int, int]], direct: bool) -> jax.Array:
-    """What the gradients are written into. With a writer writing in place (cuBLASLt, on a
-    GPU): a buffer with only the gaps between the slots zeroed (``cublaslt.zeroed_gaps``) --
-    every other element is written by the program, so the bucket is not filled first (an XLA
-    fill kernel of about 0.14 ms per 805 MB fp32 bucket on the H200). Otherwise zeros behind an
-    optimization barrier: left alone, XLA turns zeros + the first update into one pad of the
-    whole buffer (the cast widening all of it), several times slower than a fill and in-place
-    updates (CPU, a 256 MB group: 496 against 58 ms; tests/jax_side/test_unit_program.py reads
-    the HLO)."""
+def written_buffer(numel: int, dtype: DTypeLike, spans: Iterable[tuple[int, int]]) -> jax.Array:
+    """A 1-D buffer for a program that writes every (start, length) span itself. On a GPU with
+    the cuBLASLt handlers: only the gaps between the spans zeroed (``cublaslt.zeroed_gaps``), so
+    the buffer is not filled first (an XLA fill kernel streams all of it: about 0.14 ms per
+    805 MB fp32 grad bucket on the H200); every span's element is undefined until the program
+    writes it. Otherwise zeros behind an optimization barrier: left alone, XLA turns zeros + the
+    first update into one pad of the whole buffer (the cast widening all of it), several times
+    slower than a fill and in-place updates (CPU, a 256 MB group: 496 against 58 ms;
+    tests/jax_side/test_unit_program.py reads the HLO)."""
     def zeros() -> jax.Array:
-        return lax.optimization_barrier(jnp.zeros((group.numel,), group.dtype))
+        return lax.optimization_barrier(jnp.zeros((numel,), dtype))
 
     from jax_side.mxfp8 import cublaslt
 
-    if not direct or not cublaslt.status().ok:
+    if not cublaslt.status().ok:
         return zeros()
-    holes = gaps(group.numel, spans)
-    return lax.platform_dependent(
-        cuda=lambda: cublaslt.zeroed_gaps(group.numel, group.dtype, holes), default=zeros)
+    holes = gaps(numel, spans)
+    return lax.platform_dependent(cuda=lambda: cublaslt.zeroed_gaps(numel, dtype, holes),
+                                  default=zeros)
+
+
+def _first_buffer(group: GradGroup, spans: list[tuple[int, int]], direct: bool) -> jax.Array:
+    """What the gradients are written into: with a writer writing in place (``direct``), a
+    ``written_buffer`` (its gaps zeroed, the slots written by the program); otherwise zeros
+    behind an optimization barrier (``written_buffer``'s note)."""
+    if not direct:
+        return lax.optimization_barrier(jnp.zeros((group.numel,), group.dtype))
+    return written_buffer(group.numel, group.dtype, spans)
 
 
 def flat_group_reference(group: GradGroup, grads: Sequence[jax.Array]) -> jax.Array:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from bridge import mxfp8_slices as S
 
@@ -104,3 +105,75 @@ def test_a_batch_past_the_limit_comes_back_in_runs_with_the_same_bytes():
     got = S._batched_scales_and_cast_images(*args, limit=limit)
     assert [np.asarray(g).tobytes() for g in got] == [np.concatenate(want[:2]).tobytes(),
                                                       want[2].tobytes()]
+
+
+def _poisoned(numel, dtype, spans):
+    """``unit_grads.written_buffer`` as the GPU's ``cublaslt.zeroed_gaps`` leaves memory: the
+    gaps between the spans zero, every other byte left as it was (0xA5 here)."""
+    from jax_side.unit_grads import gaps
+
+    a = jnp.full((numel,), 0xA5, dtype)
+    for start, length in gaps(numel, spans):
+        a = a.at[start:start + length].set(0)
+    return a
+
+
+def test_gapped_images_write_every_byte_the_gaps_do_not_zero(monkeypatch):
+    """With ``gapped`` (a GPU with the ``fp8_blocked`` GEMMs) the images array is not filled
+    first: only the gaps between the bytes ``_images_into`` writes are zeroed. On memory whose
+    every other byte is poison, the images still hold the reference's bytes (every span is
+    written), for each backend, batched and alone; the spans and the gaps tile the array."""
+    from common.kernels import Backend
+    from jax_side.unit_grads import gaps
+
+    monkeypatch.setattr(S, "written_buffer", _poisoned)
+    cases = [_case(0), _case(1)]
+    for backend in (None, Backend.PALLAS):
+        args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
+                tuple(c[2] for c in cases), backend, jnp.bfloat16, tuple(c[3] for c in cases))
+        (got,) = S._batched_scales_and_cast_images(*args, gapped=True)
+        want = np.concatenate([_placed(*c) for c in cases])
+        assert np.asarray(got).tobytes() == want.tobytes(), backend
+        buf, amax, pieces, layout = cases[1]
+        single = S._scales_and_cast_images(buf, amax, pieces, backend, jnp.bfloat16, layout,
+                                           gapped=True)
+        assert np.asarray(single).tobytes() == _placed(*cases[1]).tobytes(), backend
+    buf, _, pieces, layout = cases[1]
+    numel = S._images_numel(buf.shape[0], layout)
+    spans = S._images_spans(0, buf.shape[0], pieces, layout)
+    covered = np.zeros(numel, np.int64)
+    for start, length in [*spans, *gaps(numel, spans)]:
+        covered[start:start + length] += 1
+    assert (covered == 1).all()
+
+
+def test_images_are_gapped_only_with_the_blocked_gemms_on_a_gpu(monkeypatch):
+    import torch
+
+    from common.kernels import GemmImpl
+
+    assert not S._gapped(None, torch.device("cpu"))
+    for gemm, want in ((GemmImpl.FP8_BLOCKED, True), (GemmImpl.FP8_BLOCKED_PALLAS, True),
+                       (GemmImpl.DEQUANT_DOT, False)):
+        monkeypatch.setattr(S, "resolve_for", lambda kernels, device, gemm=gemm:
+                            type("R", (), {"gemm": gemm})())
+        assert S._gapped(None, torch.device("cuda")) is want, gemm
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_gapped_images_on_dirty_memory_hold_the_reference_bytes():
+    """Compiled, with ``cublaslt.zeroed_gaps`` on memory that held 0xFF bytes: the images hold
+    the reference's bytes (the xla backend's concatenating program), zeros in the gaps."""
+    from common.kernels import Backend
+    from jax_side.mxfp8 import cublaslt
+
+    assert cublaslt.status().ok, cublaslt.status().reason
+    cases = [_case(0), _case(1)]
+    args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
+            tuple(c[2] for c in cases), Backend.PALLAS, jnp.bfloat16, tuple(c[3] for c in cases))
+    want = np.concatenate([_placed(*c) for c in cases])
+    jax.block_until_ready(S._batched_scales_and_cast_images(*args, gapped=True))  # compiled
+    dirty = jnp.full(want.shape, 0xFF, jnp.uint8).block_until_ready()
+    del dirty
+    (got,) = S._batched_scales_and_cast_images(*args, gapped=True)
+    assert np.asarray(got).tobytes() == want.tobytes()
