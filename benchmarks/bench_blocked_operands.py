@@ -21,7 +21,8 @@ plus the outputs written once (GB/s), for
 - ``gelu_pass``: XLA's GELU (``models.gpt_math.gelu_tanh``) alone, and ``gelu+rows[...]`` /
   ``gelu+tiles_t[...]``: the forward's two calls with the GELU applied inside the kernel
   (``pre=``), which replace ``gelu_pass`` and the two calls on its output, and
-  ``gelu+rows+tiles_t[...,whole]``: both in one call (the GELU once per element);
+  ``gelu+rows+tiles_t[...,whole]`` / ``[...,packed]``: both in one call (the GELU once per
+  element; from one loaded block / from row-strided quarters);
 - ``copy_t[128xC,wW]`` (``,packed]``), ``copy[32x128,w2]`` and ``xla_transpose_u8`` /
   ``xla_transpose_bf16``: the transposed (and the rows') write without the arithmetic, by a
   Pallas program per block and by XLA: what the memory traffic of an output costs alone;
@@ -201,11 +202,12 @@ def _gelu_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, in
                 x, rows=output == "rows", rows_t=False, tiles_t=output == "tiles_t",
                 interpret=interpret, num_warps=c.warps, block=c.block, whole=c.whole,
                 pre=gelu_tanh), output)), 1)
-    for w in warps:  # both from one loaded block: the GELU computed once per element
-        out[f"gelu+rows+tiles_t[128x128,w{w},whole]"] = (jax.jit(
-            lambda x, w=w: quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=True,
-                                               interpret=interpret, num_warps=w, whole=True,
-                                               pre=gelu_tanh)), 2)
+    for w in warps:  # both in one call: the GELU computed once per element
+        for how in ("whole", "packed"):  # from one loaded block / from row-strided quarters
+            out[f"gelu+rows+tiles_t[128x128,w{w},{how}]"] = (jax.jit(
+                lambda x, w=w, how=how: quantize_blocked_2d(
+                    x, rows=True, rows_t=False, tiles_t=True, interpret=interpret, num_warps=w,
+                    whole=how == "whole", packed=how == "packed", pre=gelu_tanh)), 2)
     return out
 
 

@@ -39,6 +39,7 @@ KERNEL_CALLS = [
     dict(rows=False, rows_t=True, tiles_t=False, block=(128, 64), num_warps=2),
     dict(rows=False, rows_t=True, tiles_t=False, block=(128, 64), whole=True),
     dict(rows=True, rows_t=True, tiles_t=False),
+    dict(rows=True, rows_t=False, tiles_t=True, packed=True, num_warps=8),
 ]
 
 
@@ -55,7 +56,8 @@ def _planes_bytes(planes):
 
 @on_cpu
 @pytest.mark.parametrize("call", KERNEL_CALLS, ids=lambda c: "+".join(
-    k for k in ("rows", "rows_t", "tiles_t") if c[k]) + ("-whole" if c.get("whole") else ""))
+    k for k in ("rows", "rows_t", "tiles_t") if c[k]) + ("-whole" if c.get("whole") else "")
+    + ("-packed" if c.get("packed") else ""))
 def test_the_kernel_with_pre_writes_the_bytes_of_pre_first(call):
     u = _u()
     got = quantize_blocked_2d(u, interpret=True, pre=gelu_tanh, **call)
