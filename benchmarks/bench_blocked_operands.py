@@ -124,27 +124,28 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
     return out
 
 
+def _high(v: Any) -> Any:
+    """int32 high byte of each bf16 element (what the copy probes write instead of a code)."""
+    return lax.shift_right_logical(lax.bitcast_convert_type(v, jnp.int16).astype(jnp.int32),
+                                   jnp.int32(8)) & jnp.int32(0xFF)
+
+
 def _copy_t_kernel(x_ref: Any, o_ref: Any, *, packed: bool) -> None:
     """No quantization: each element's high byte (bf16 x), transposed and stored, as bytes or
     as int32 words of four rows (row-strided quarters, as ``packed`` loads them)."""
-    def high(v: Any) -> Any:
-        return lax.shift_right_logical(lax.bitcast_convert_type(v, jnp.int16).astype(jnp.int32),
-                                       jnp.int32(8)) & jnp.int32(0xFF)
-
     if not packed:
-        o_ref[...] = high(x_ref[...]).T.astype(jnp.uint8)
+        o_ref[...] = _high(x_ref[...]).T.astype(jnp.uint8)
         return
     rows = x_ref.shape[0] // 4
     words = functools.reduce(jnp.bitwise_or, [
-        lax.shift_left(high(x_ref[pl.ds(r, rows, stride=4), :]), jnp.int32(8 * r))
+        lax.shift_left(_high(x_ref[pl.ds(r, rows, stride=4), :]), jnp.int32(8 * r))
         for r in range(4)])
     o_ref[...] = words.T
 
 
 def _copy_kernel(x_ref: Any, o_ref: Any) -> None:
     """No quantization: each element's high byte (bf16 x), stored where it lies."""
-    o_ref[...] = lax.shift_right_logical(lax.bitcast_convert_type(x_ref[...], jnp.uint16),
-                                         jnp.uint16(8)).astype(jnp.uint8)
+    o_ref[...] = _high(x_ref[...]).astype(jnp.uint8)
 
 
 def _copy_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:

@@ -139,9 +139,7 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
     scale_bytes = lax.bitcast_convert_type(
         scales_from_amax(packed_amax, backend=backend), jnp.uint8
     )
-    n = buf.shape[0]
-    at_col, at_row_s = base + n, base + 2 * n
-    at_col_s = at_row_s + scales.total
+    at_col, at_row_s, at_col_s = _image_starts(base, buf.shape[0], scales)
     offset = 0
     for p, at in zip(pieces, scales.offsets, strict=True):
         m, k = p.shape
@@ -165,13 +163,18 @@ def _images_numel(n: int, scales: ScaleLayout) -> int:
     return 2 * n + 2 * scales.total
 
 
+def _image_starts(base: int, n: int, scales: ScaleLayout) -> tuple[int, int, int]:
+    """Where one buffer's columnwise shard image, rowwise and columnwise scale buffers start in
+    the images array (its rowwise shard image starts at ``base``; ``n``: the buffer's length)."""
+    return base + n, base + 2 * n, base + 2 * n + scales.total
+
+
 def _images_spans(base: int, n: int, pieces: tuple[Piece, ...],
                   scales: ScaleLayout) -> list[tuple[int, int]]:
     """The (start, length) byte ranges ``_images_into`` writes of one buffer's images at
     ``base``: each piece's two scale ranges, and its rowwise and columnwise bytes where it owns
     any; the rest (padding, other ranks' parts, scale alignment) must be zero."""
-    at_col, at_row_s = base + n, base + 2 * n
-    at_col_s = at_row_s + scales.total
+    at_col, at_row_s, at_col_s = _image_starts(base, n, scales)
     spans = []
     for p, at in zip(pieces, scales.offsets, strict=True):
         n_scale = p.shape[0] * p.shape[1] // BLOCK_SIZE
@@ -188,20 +191,22 @@ def _new_images(numel: int, spans: list[tuple[int, int]], gapped: bool) -> jax.A
     ``tests/bridge/test_mxfp8_slices.py`` reads the HLO), or with ``gapped`` only the gaps
     between the ``spans`` zeroed where the cuBLASLt handlers run (``unit_grads.written_buffer``;
     the ``fp8_blocked`` GEMMs' library, so ``gapped`` is asked only where they are in use:
-    ``_gapped``). Every span is written by ``_images_into``; a 1.3B step's refresh filled about
-    2.4 GB of images first (about 1 ms on the H200)."""
+    ``_images_kernels``). Every span is written by ``_images_into``; a 1.3B step's refresh
+    filled about 2.4 GB of images first (about 1 ms on the H200)."""
     if gapped:
         return written_buffer(numel, jnp.uint8, spans)
     return lax.optimization_barrier(jnp.zeros((numel,), jnp.uint8))
 
 
-def _gapped(kernels: KernelConfig | None, device: torch.device) -> bool:
-    """Whether the images start with only their gaps zeroed: on a CUDA device whose GEMM is an
-    ``fp8_blocked`` one (whose cuBLASLt library holds the gaps handler; other modes do not build
-    it for the refresh's sake)."""
+def _images_kernels(kernels: KernelConfig | None, device: torch.device) -> tuple[Backend, bool]:
+    """(``slice_backend``, gapped) of the images' program, from one resolve: the images start
+    with only their gaps zeroed on a CUDA device whose GEMM is an ``fp8_blocked`` one (whose
+    cuBLASLt library holds the gaps handler; other modes do not build it for the refresh's
+    sake)."""
     from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
 
-    return device.type == "cuda" and resolve_for(kernels, device).gemm in BLOCKED_GEMMS
+    resolved = resolve_for(kernels, device)
+    return resolved.slices, device.type == "cuda" and resolved.gemm in BLOCKED_GEMMS
 
 
 @functools.partial(jax.jit, static_argnames=("pieces", "backend", "source", "scales", "gapped"))
@@ -318,10 +323,10 @@ def batched_scales_and_cast_images(
     Torch tensors over JAX's result, one per run of buffers (``runs``: one crossing each way for
     the whole batch below 2**31 bytes of images)."""
     layouts = tuple(ScaleLayout(tuple(s.offsets), int(s.total)) for s in scales)
+    backend, gapped = _images_kernels(kernels, device)
     arrays = _batched_scales_and_cast_images(
         tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
-        slice_backend(kernels, device), jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT,
-        gapped=_gapped(kernels, device),
+        backend, jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT, gapped=gapped,
     )
     sizes = [_images_numel(b.tensor.numel(), s) for b, s in zip(bufs, layouts, strict=True)]
     out = []
@@ -351,10 +356,11 @@ def scales_and_cast_images(
     """Steps 3-4 as ``scales_and_cast``, returned as four uint8 images of the caller's buffers:
     (rowwise shard, columnwise shard, rowwise scale buffer, columnwise scale buffer), views of
     one packed Torch tensor over JAX's result (the caller copies each with one ``copy_``)."""
+    backend, gapped = _images_kernels(kernels, device)
     packed = to_torch(_scales_and_cast_images(
-        buf.jax(), to_jax(packed_amax.contiguous()), tuple(Piece(*p) for p in pieces),
-        slice_backend(kernels, device), jax_dtype_for(source_dtype),
-        ScaleLayout(tuple(scales.offsets), int(scales.total)), gapped=_gapped(kernels, device),
+        buf.jax(), to_jax(packed_amax.contiguous()), tuple(Piece(*p) for p in pieces), backend,
+        jax_dtype_for(source_dtype), ScaleLayout(tuple(scales.offsets), int(scales.total)),
+        gapped=gapped,
     ))
     if packed.device != device:
         packed = packed.to(device)

@@ -152,12 +152,12 @@ def test_images_are_gapped_only_with_the_blocked_gemms_on_a_gpu(monkeypatch):
 
     from common.kernels import GemmImpl
 
-    assert not S._gapped(None, torch.device("cpu"))
+    assert not S._images_kernels(None, torch.device("cpu"))[1]
     for gemm, want in ((GemmImpl.FP8_BLOCKED, True), (GemmImpl.FP8_BLOCKED_PALLAS, True),
                        (GemmImpl.DEQUANT_DOT, False)):
         monkeypatch.setattr(S, "resolve_for", lambda kernels, device, gemm=gemm:
-                            type("R", (), {"gemm": gemm})())
-        assert S._gapped(None, torch.device("cuda")) is want, gemm
+                            type("R", (), {"gemm": gemm, "slices": "b"})())
+        assert S._images_kernels(None, torch.device("cuda")) == ("b", want), gemm
 
 
 @pytest.mark.gpu
