@@ -9,7 +9,8 @@ steps the guide names, and nothing else of the library changes:
 2. its codec: ``Block16Codec``, a ``torch_side.fsdp.weight_codecs.BlockScaledCodec`` whose
    ``quantize_images`` emulates the numerics with the numpy oracle (``tests/oracle/mxfp8_ref``,
    block 16): partial block amax of bf16 of the owned elements, the injected amax reduction,
-   scales and cast of the owned elements. It enters ``torch_side.fsdp.weight_codecs.CODECS``.
+   scales and cast of the owned elements, in new tensors each call (``fresh_images``: a
+   sharded group keeps them as its buffers). It enters ``torch_side.fsdp.weight_codecs.CODECS``.
 
 The linear op and the unit programs read its planes by its ``ScaleBlocks``
 (``jax_side.block_scaled``: E4M3 x E8M0 at any block size), so nothing is registered for them.
@@ -49,6 +50,8 @@ def _full_image(main: np.ndarray, piece) -> np.ndarray:
 
 class Block16Codec(BlockScaledCodec):
     """``MXFP8_B16``'s numerics, emulated on the host with the numpy oracle (module note)."""
+
+    fresh_images = True  # new tensors per call, kept by nothing else
 
     def quantize_images(self, mains, pieces, reduce_max, device, layouts, kernels) -> BatchImages:
         src = [m.detach().to(torch.bfloat16).float().cpu().numpy() for m in mains]

@@ -20,12 +20,15 @@ The temporary buckets (all-gathered planes, staged gradients) are not here: ``Pl
 ``GradReducer`` own them. ``refresh`` rewrites the model weights and scales from ``main``
 through the group's ``WeightCodec``, which sees only a ``CodecContext`` of these buffers;
 ``refresh_from`` writes bytes that a batched quantization of several groups made
-(``torch_side.fsdp.batched_refresh``).
+(``torch_side.fsdp.batched_refresh``). A codec whose images are its own each call
+(``BlockScaledCodec.fresh_images``: MXFP8) has them kept, not copied, where only the gathers read
+the buffers: ZeRO-3's model shards are rebound to the images, ZeRO-1/2's staged gathers send
+them (docs/fsdp.md, "Batched refresh").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -145,6 +148,11 @@ class GroupBuffers:
 
     def refresh(self, phase: Phase) -> None:
         """Model weight buffers (and scales) from ``main``; all-gathered where replicated."""
+        if _adopts(self):  # the codec's own quantization, its images then kept (refresh_from)
+            assert isinstance(self.codec, BlockScaledCodec), self.codec
+            made = self.codec.quantize_batch([self.codec_context()], phase, f"{self.label}/amax")
+            self.refresh_from(made.images[0], made.amax[0], phase)
+            return
         targets = self._targets()
         self.codec.fill(self.codec_context(), targets, phase)
         self._publish(targets, phase)
@@ -152,11 +160,20 @@ class GroupBuffers:
     def refresh_from(self, images: GroupImages, amax: torch.Tensor, phase: Phase) -> None:
         """``refresh`` of a block-scaled group whose bytes a batched quantization made
         (``torch_side.fsdp.batched_refresh``): the codec's copies (and the telemetry's amax slice),
-        then the all-gathers where replicated, as ``refresh`` does."""
-        targets = self._targets()
+        then the all-gathers where replicated, as ``refresh`` does. Where the group adopts its
+        images (``_adopts``), the planes' images are not copied: under ZeRO-3 they become the
+        model buffers, under ZeRO-1/2 they are what each rank's staged gather sends."""
         assert isinstance(self.codec, BlockScaledCodec), self.codec  # batched: block-scaled
-        self.codec.write_images(self.codec_context(), images, amax, targets, phase)
-        self._publish(targets, phase)
+        adopt = _adopts(self)
+        targets: dict[Plane, torch.Tensor | None] = (
+            dict.fromkeys(self.codec.planes) if adopt else dict(self._targets()))
+        written = self.codec.write_images(self.codec_context(), images, amax, targets, phase)
+        if adopt:
+            for p, t in written.items():
+                _check_image(self, p, t)
+                if not self._staged():
+                    self.model[p] = t  # the old buffer goes when nothing else holds it
+        self._publish(written, phase)
 
     def _staged(self) -> bool:
         return self.facts.main_weights_sharded and not self.facts.model_weights_sharded
@@ -170,7 +187,7 @@ class GroupBuffers:
             for p in self.codec.planes
         }
 
-    def _publish(self, targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
+    def _publish(self, targets: Mapping[Plane, torch.Tensor], phase: Phase) -> None:
         if self._staged():
             for p in self.codec.planes:
                 label = f"{self.label}/{'model' if p is Plane.ROWWISE else p.value}"
@@ -192,3 +209,29 @@ class GroupBuffers:
         full = torch.empty(self.layout.padded_numel, dtype=grad.dtype, device=self.device)
         self.comm.all_gather(full, grad, phase, f"{self.label}/main_grad")
         return full
+
+
+def _adopts(b: GroupBuffers) -> bool:
+    """Whether a refresh keeps the codec's images instead of copying them
+    (``BlockScaledCodec.fresh_images``): for buffers that only the gathers read, ZeRO-3's model
+    shards (``PlaneBucket`` reads ``model`` at each gather) and ZeRO-1/2's staging areas.
+    Replicated buffers are written in place: module parameters (fp32/bf16 formats) and JAX's
+    shares (``PlaneBucket.shared_data``) point at them."""
+    return (isinstance(b.codec, BlockScaledCodec) and b.codec.fresh_images
+            and (b.facts.model_weights_sharded or b._staged()))
+
+
+def _check_image(b: GroupBuffers, plane: Plane, t: torch.Tensor) -> None:
+    """An image kept as a buffer must be laid out as that buffer (1-D, ``main``'s length,
+    contiguous, the codec's buffer dtype, on the group's device)."""
+    n, dtype = b.main.numel(), b.codec.buffer_dtype
+    if (t.dim() != 1 or t.numel() != n or t.dtype != dtype or t.device != b.device
+            or not t.is_contiguous()):
+        raise RuntimeError(
+            f"group {b.label!r}: {type(b.codec).__name__}.quantize_images returned a "
+            f"{plane.value} image of shape {tuple(t.shape)}, {t.dtype} on {t.device} "
+            f"(contiguous: {t.is_contiguous()}); a group keeps its images as its buffers, "
+            f"which needs a contiguous 1-D {dtype} tensor of {n} elements on {b.device}. "
+            f"Return images laid out like the main weights, or set the codec's "
+            f"fresh_images = False to have them copied"
+        )

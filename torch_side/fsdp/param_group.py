@@ -174,7 +174,7 @@ class ParamGroup(GroupWeights, GroupGrads):
         )
         self._buckets: dict[Plane, PlaneBucket] = {
             p: PlaneBucket(
-                label, p, b.model[p], self.facts.model_weights_sharded,
+                label, p, b.model, self.facts.model_weights_sharded,
                 self.layout.padded_numel, comm, allocator,
             )
             for p in self.planes

@@ -13,8 +13,10 @@ Tensors owned:
   ordering argument is in ``bridge/shared.py``, "Reuse across in-place rewrites").
 
 The plane's shard (or replicated buffer) itself belongs to ``GroupBuffers.model[plane]``; the
-bucket only reads it. Transitions, each checked by ``expect`` (an internal error naming the rank,
-group and plane, and the states it expected)::
+bucket only reads it, looked up at each use (``local``): a refresh may put another tensor there
+(``GroupBuffers.refresh_from`` keeps the codec's images as ZeRO-3's shards). Transitions, each
+checked by ``expect`` (an internal error naming the rank, group and plane, and the states it
+expected)::
 
     REPLICATED                                     (no_shard, ZeRO-1/2: unshard/reshard no-ops)
     SHARDED --unshard--> UNSHARDED --reshard--> SHARDED
@@ -24,6 +26,7 @@ group and plane, and the states it expected)::
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,15 +60,16 @@ class PlaneBucket:
         self,
         label: str,
         plane: Plane,
-        local: torch.Tensor,
+        buffers: Mapping[Plane, torch.Tensor],
         sharded: bool,
         padded_numel: int,
         comm: Communicator,
         allocator: BucketAllocator,
     ):
-        """local: the group's model buffer of this plane (the rank's shard when ``sharded``,
-        else the full replicated buffer); padded_numel: the full buffer's length."""
-        self.label, self.plane, self.local = label, plane, local
+        """buffers: the group's model buffers by plane (``GroupBuffers.model``; this plane's is
+        the rank's shard when ``sharded``, else the full replicated buffer), read at each use;
+        padded_numel: the full buffer's length."""
+        self.label, self.plane, self._buffers = label, plane, buffers
         self.padded_numel, self.comm, self.allocator = padded_numel, comm, allocator
         self.state = PlaneState.SHARDED if sharded else PlaneState.REPLICATED
         self._bucket: torch.Tensor | None = None
@@ -80,6 +84,11 @@ class PlaneBucket:
                 f"rank {_rank()}: group {self.label!r} plane {self.plane.value} is "
                 f"{self.state.value}, expected {' or '.join(e.value for e in expected)}"
             )
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This plane's model buffer now (the shard, or the replicated buffer)."""
+        return self._buffers[self.plane]
 
     @property
     def live(self) -> bool:
@@ -113,12 +122,13 @@ class PlaneBucket:
                 self.wait()
             return None
         self.expect(PlaneState.SHARDED)
+        local = self.local
         bucket = self.allocator.allocate(  # written whole by the gather: no zero-fill
-            self.label, self.plane.value, self.padded_numel, self.local.dtype, self.local.device,
+            self.label, self.plane.value, self.padded_numel, local.dtype, local.device,
             zero=False,
         )
         work = self.comm.all_gather(
-            bucket, self.local, phase, f"{self.label}/{self.plane.value}", async_op=async_op
+            bucket, local, phase, f"{self.label}/{self.plane.value}", async_op=async_op
         )
         self._bucket, self.state = bucket, PlaneState.UNSHARDED
         if work is not None:

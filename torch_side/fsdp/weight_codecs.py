@@ -42,8 +42,8 @@ reduction -- exactly what a codec reads and writes, nothing else of the group.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -200,6 +200,12 @@ class BlockScaledCodec(WeightCodec):
     """
 
     param_storage = ParamStorage.PLACEHOLDER
+    # Whether ``quantize_images`` returns tensors made by each call and kept by nothing else
+    # (MXFP8: views of the JAX program's result), so that a group whose model buffers only the
+    # gathers read (ZeRO-3's shards, ZeRO-1/2's staging areas) takes the images themselves as
+    # those buffers instead of copying them (``GroupBuffers.refresh_from``). A codec whose images
+    # are views of storage it reuses keeps the default: its images are copied.
+    fresh_images: ClassVar[bool] = False
 
     def __init__(self, fmt: FormatKey):
         super().__init__(fmt)
@@ -296,15 +302,22 @@ class BlockScaledCodec(WeightCodec):
         self.write_images(ctx, made.images[0], made.amax[0], targets, phase)
 
     def write_images(self, ctx: CodecContext, images: GroupImages, amax: torch.Tensor,
-                     targets: dict[Plane, torch.Tensor], phase: Phase) -> None:
-        """Copy a group's images into its targets and scale buffers (one ``copy_`` each); with
-        block-atomic shards, all-gather each scale buffer from every rank's own slice; then
-        show its reduced packed amax to ``ctx.amax_observer``."""
+                     targets: Mapping[Plane, torch.Tensor | None],
+                     phase: Phase) -> dict[Plane, torch.Tensor]:
+        """Copy a group's images into its targets and scale buffers (one ``copy_`` each); a
+        target given as None is not copied: the plane's image itself is handed back for the
+        caller to keep (``fresh_images``). With block-atomic shards, all-gather each scale buffer
+        from every rank's own slice; then show its reduced packed amax to
+        ``ctx.amax_observer``. Returns where each plane's bytes now are."""
         data = {Plane.ROWWISE: (images.rowwise, images.rowwise_scale),
                 Plane.COLWISE: (images.colwise, images.colwise_scale)}
+        written: dict[Plane, torch.Tensor] = {}
         # whole-buffer copies: the images hold zeros where padding or other ranks' parts are
         for plane in self.planes:
-            targets[plane].copy_(data[plane][0])
+            target = targets[plane]
+            if target is not None:
+                target.copy_(data[plane][0])
+            written[plane] = data[plane][0] if target is None else target
             ctx.scale_buffers[plane].copy_(data[plane][1])
         if _gathers_scales(ctx):
             assert ctx.scale_shard is not None
@@ -315,11 +328,15 @@ class BlockScaledCodec(WeightCodec):
                                     f"{ctx.label}/scales/{plane.value}")
         if ctx.amax_observer is not None:
             ctx.amax_observer(amax)
+        return written
 
 
 class MXFP8Codec(BlockScaledCodec):
     """MXFP8 planes of ``bf16(main)``: the numerics are ``jax_side.mxfp8``'s slice kernels
-    (``bridge.mxfp8_slices``), one program per step for a group alone, one for a batch."""
+    (``bridge.mxfp8_slices``), one program per step for a group alone, one for a batch. Its
+    images are views of each program's own result (``fresh_images``)."""
+
+    fresh_images = True
 
     def quantize_images(
         self, mains: list[torch.Tensor], pieces: list[list[Piece]],

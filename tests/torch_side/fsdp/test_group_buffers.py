@@ -21,7 +21,7 @@ from torch_side.comm.collectives import Collective, Communicator, Phase
 from torch_side.fsdp.flat_layout import ALIGN_ELEMENTS, FlatLayout, OwnedPiece
 from torch_side.fsdp.group_buffers import GroupBuffers
 from torch_side.fsdp.strategy import STRATEGY_FACTS, ShardingStrategy
-from torch_side.fsdp.weight_codecs import CodecContext, codec_for
+from torch_side.fsdp.weight_codecs import CodecContext, MXFP8Codec, codec_for
 
 SHAPES = [(64, 96), (32, 64), (32, 32)]  # MXFP8 weights: (M, K), multiples of 32
 NAMES = ["a", "b", "c"]
@@ -39,11 +39,11 @@ def _values(seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _buffers(strategy, fmt=MX, comm=None, grads=torch.float32):
+def _buffers(strategy, fmt=MX, comm=None, grads=torch.float32, device="cpu"):
     comm = _Ranked(0, 2) if comm is None else comm
     layout = FlatLayout.build(NAMES, SHAPES, comm.world_size)
     facts = STRATEGY_FACTS[ShardingStrategy(strategy)]
-    return GroupBuffers("u/g", layout, facts, codec_for(fmt), comm, grads, torch.device("cpu"))
+    return GroupBuffers("u/g", layout, facts, codec_for(fmt), comm, grads, torch.device(device))
 
 
 @pytest.mark.parametrize("strategy", list(ShardingStrategy))
@@ -172,3 +172,78 @@ def test_refresh_of_a_cast_format_is_the_cast_of_main(single_rank_world):
     b.refresh(Phase.OPTIMIZER)
     assert torch.equal(b.model[Plane.ROWWISE], b.main.to(torch.bfloat16))
     assert [r.op for r in comm.records] == []  # replicated main: no collective
+
+
+class _CopyingMXFP8(MXFP8Codec):
+    fresh_images = False  # the images copied into the buffers, as a reusing codec has them
+
+
+def _spied_images(monkeypatch) -> list:
+    """Each refresh's GroupImages, as MXFP8Codec.quantize_images returned them."""
+    made, real = [], MXFP8Codec.quantize_images
+
+    def spy(self, *args, **kw):
+        out = real(self, *args, **kw)
+        made.append(out.images[0])
+        return out
+
+    monkeypatch.setattr(MXFP8Codec, "quantize_images", spy)
+    return made
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("strategy", list(ShardingStrategy))
+def test_a_refresh_keeps_the_images_where_only_gathers_read_them(
+    single_rank_world, monkeypatch, strategy, device
+):
+    """ZeRO-3: the images become the model shards (data pointers, no copy); ZeRO-1/2: they are
+    what the staged gather sends; replicated buffers are written in place. The bytes are those
+    of a codec whose images are copied, refresh after refresh (on the GPU: JAX's result handed
+    to Torch, the first images freed while the second are made)."""
+    comm = Communicator(dist.group.WORLD, "dp")
+    b, copied = (_buffers(strategy, comm=comm, device=device) for _ in range(2))
+    copied.codec = _CopyingMXFP8(MX)
+    made, sent = _spied_images(monkeypatch), []
+    real_gather = Communicator.all_gather
+
+    def gather(self, out, shard, *args, **kw):
+        sent.append(shard.data_ptr())
+        return real_gather(self, out, shard, *args, **kw)
+
+    monkeypatch.setattr(Communicator, "all_gather", gather)
+    first = {p: t.data_ptr() for p, t in b.model.items()}
+    for seed in (5, 6):
+        for g in (b, copied):
+            g.load_main([v.to(device) for v in _values(seed)])
+        sent.clear()
+        b.refresh(Phase.OPTIMIZER)
+        images = {Plane.ROWWISE: made[-1].rowwise, Plane.COLWISE: made[-1].colwise}
+        kept = {p: t.data_ptr() for p, t in images.items()}
+        if b.facts.model_weights_sharded:
+            assert {p: t.data_ptr() for p, t in b.model.items()} == kept
+        else:
+            assert {p: t.data_ptr() for p, t in b.model.items()} == first
+        assert sent == ([kept[Plane.ROWWISE], kept[Plane.COLWISE]] if b._staged() else [])
+        copied.refresh(Phase.OPTIMIZER)
+        for p in b.model:
+            assert torch.equal(b.model[p], copied.model[p]), (seed, p)
+            assert torch.equal(b.scale_buffers[p], copied.scale_buffers[p]), (seed, p)
+
+
+def test_images_unlike_the_buffers_are_refused_naming_the_group_and_the_fix(
+    single_rank_world, monkeypatch
+):
+    """A codec that declares fresh images must return them laid out like the main weights."""
+    real = MXFP8Codec.quantize_images
+
+    def short(self, *args, **kw):
+        out = real(self, *args, **kw)
+        img = out.images[0]
+        return out._replace(images=[img._replace(colwise=img.colwise[:-1])])
+
+    monkeypatch.setattr(MXFP8Codec, "quantize_images", short)
+    b = _buffers("optim_grads_params", comm=Communicator(dist.group.WORLD, "dp"))
+    b.load_main(_values(7))
+    with pytest.raises(RuntimeError, match=r"group 'u/g': MXFP8Codec.quantize_images returned "
+                       r"a colwise image of shape .*fresh_images = False"):
+        b.refresh(Phase.OPTIMIZER)

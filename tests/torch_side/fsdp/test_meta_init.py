@@ -84,16 +84,18 @@ def test_any_slice_of_the_rule_is_the_slice_of_the_whole():
     assert torch.equal(ln, torch.ones(4))
 
 
-def _held_bytes(group) -> int:
-    """Bytes of the distinct tensor storages a group's buffers hold (main, main_grad, model
-    weight planes, scales)."""
+def _held_bytes(groups) -> int:
+    """Bytes of the distinct tensor storages the groups' buffers hold (main, main_grad, model
+    weight planes, scales), each storage once: the MXFP8 groups' sharded planes are views of
+    their batch's one images array (GroupBuffers.refresh_from keeps it)."""
     seen: dict[int, int] = {}
-    for value in vars(group._buffers).values():
-        tensors = value.values() if isinstance(value, dict) else [value]
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
+    for group in groups:
+        for value in vars(group._buffers).values():
+            tensors = value.values() if isinstance(value, dict) else [value]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -121,7 +123,7 @@ def _build_big(ctx, out) -> None:
     shard = max(g.layout.shard_numel for g in groups)
     module_bytes = sum(p.untyped_storage().nbytes() for p in meta.parameters())
     assert module_bytes < 2**20, f"the module's parameters hold {module_bytes} bytes"
-    out[ctx.rank] = (rule.largest, shard, sum(_held_bytes(g) for g in groups),
+    out[ctx.rank] = (rule.largest, shard, _held_bytes(groups),
                      sum(p.numel for g in groups for p in g.main_pieces()))
 
 

@@ -53,7 +53,7 @@ def _local() -> torch.Tensor:
 def _bucket(sharded: bool = True, comm=None, plane: Plane = Plane.COLWISE):
     alloc = BucketAllocator()
     comm = _DeferredComm() if comm is None else comm
-    return PlaneBucket("blk/mxfp8", plane, _local(), sharded, N, comm, alloc), alloc
+    return PlaneBucket("blk/mxfp8", plane, {plane: _local()}, sharded, N, comm, alloc), alloc
 
 
 def test_a_replicated_plane_is_its_model_buffer_and_never_gathers():
@@ -175,8 +175,10 @@ def test_a_bucket_share_follows_the_tensor_through_the_pool_to_the_next_owner():
 
     alloc = BucketAllocator()
     comm = _DeferredComm()
-    first = PlaneBucket("a/mxfp8", Plane.ROWWISE, _local(), True, N, comm, alloc)
-    second = PlaneBucket("b/mxfp8", Plane.ROWWISE, _local().flip(0), True, N, comm, alloc)
+    first = PlaneBucket("a/mxfp8", Plane.ROWWISE, {Plane.ROWWISE: _local()}, True, N, comm,
+                        alloc)
+    second = PlaneBucket("b/mxfp8", Plane.ROWWISE, {Plane.ROWWISE: _local().flip(0)}, True,
+                         N, comm, alloc)
     first.unshard(Phase.FORWARD)
     share = first.shared_data()
     jax_view = share.jax()
@@ -245,3 +247,15 @@ def test_a_refresh_keeps_the_scale_share(single_rank_world):
     g.reshard()
     assert after is before and g.live_buckets() == []
     assert after.tensor is scale_bytes
+
+
+def test_a_gather_reads_the_shard_the_group_holds_now():
+    """A refresh may put another tensor in the group's model buffers (GroupBuffers keeps the
+    codec's images as ZeRO-3's shards): the next gather sends that one, not the first."""
+    buffers = {Plane.COLWISE: _local()}
+    b = PlaneBucket("blk/mxfp8", Plane.COLWISE, buffers, True, N, _DeferredComm(),
+                    BucketAllocator())
+    buffers[Plane.COLWISE] = kept = _local().flip(0)
+    assert b.local is kept
+    b.unshard(Phase.FORWARD)
+    assert torch.equal(b.full(), kept)
