@@ -223,15 +223,16 @@ def _adopts(b: GroupBuffers) -> bool:
 
 def _check_image(b: GroupBuffers, plane: Plane, t: torch.Tensor) -> None:
     """An image kept as a buffer must be laid out as that buffer (1-D, ``main``'s length,
-    contiguous, the codec's buffer dtype, on the group's device)."""
-    n, dtype = b.main.numel(), b.codec.buffer_dtype
-    if (t.dim() != 1 or t.numel() != n or t.dtype != dtype or t.device != b.device
+    contiguous, the codec's buffer dtype, on ``main``'s device: ``cuda:0`` where the group
+    was given ``cuda``)."""
+    n, dtype, device = b.main.numel(), b.codec.buffer_dtype, b.main.device
+    if (t.dim() != 1 or t.numel() != n or t.dtype != dtype or t.device != device
             or not t.is_contiguous()):
         raise RuntimeError(
             f"group {b.label!r}: {type(b.codec).__name__}.quantize_images returned a "
             f"{plane.value} image of shape {tuple(t.shape)}, {t.dtype} on {t.device} "
             f"(contiguous: {t.is_contiguous()}); a group keeps its images as its buffers, "
-            f"which needs a contiguous 1-D {dtype} tensor of {n} elements on {b.device}. "
+            f"which needs a contiguous 1-D {dtype} tensor of {n} elements on {device}. "
             f"Return images laid out like the main weights, or set the codec's "
             f"fresh_images = False to have them copied"
         )
