@@ -47,7 +47,13 @@ from bridge.linear import resolve_for
 from bridge.shared import SharedBuffer
 from common.formats import BLOCK_SIZE, Plane, scale_shape
 from common.kernels import Backend, KernelConfig
-from jax_side.mxfp8 import cast_slice, cast_slice_into, partial_block_amax, scales_from_amax
+from jax_side.mxfp8 import (
+    cast_slice,
+    cast_slice_into,
+    partial_block_amax,
+    quantize_slice_into,
+    scales_from_amax,
+)
 from jax_side.mxfp8.pallas_tiles import MAX_FLAT_INDEX
 from jax_side.unit_grads import written_buffer
 
@@ -58,6 +64,7 @@ __all__ = [
     "SliceBytes",
     "amax_numel",
     "batched_partial_amax",
+    "batched_quantize_images",
     "batched_scales_and_cast_images",
     "packed_partial_amax",
     "runs",
@@ -127,15 +134,18 @@ class ScaleLayout(NamedTuple):
     total: int  # the buffer's length
 
 
-def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Array,
+def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Array | None,
                  pieces: tuple[Piece, ...], backend: Backend | None, source: DTypeLike,
-                 scales: ScaleLayout) -> jax.Array:
+                 scales: ScaleLayout) -> tuple[jax.Array, jax.Array]:
     """``out`` (uint8) with one buffer's four images written at ``base`` (rowwise shard image,
     columnwise, rowwise scale buffer, columnwise: ``_scales_and_cast_images``' layout), each
     piece's scales by one in-place ``dynamic_update_slice`` and its bytes by ``cast_slice_into``
     (the ``pallas`` kernel writes a piece of whole rows straight into ``out``; otherwise two more
     in-place updates): no concatenation (a 1.3B model's refresh spent 13 ms in concatenations
-    on one H200)."""
+    on one H200); and the packed amax. With ``packed_amax`` None (``batched_quantize_images``),
+    each piece's amax and bytes from one read of it (``_whole_images_into``)."""
+    if packed_amax is None:
+        return _whole_images_into(out, base, buf, pieces, backend, source, scales)
     scale_bytes = lax.bitcast_convert_type(
         scales_from_amax(packed_amax, backend=backend), jnp.uint8
     )
@@ -155,7 +165,31 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
                                   p.start, scales=planes, backend=backend, offset=p.offset,
                                   numel=p.numel, read_as=source)
         offset += 2 * n_scale
-    return out
+    return out, packed_amax
+
+
+def _whole_images_into(out: jax.Array, base: int, buf: jax.Array, pieces: tuple[Piece, ...],
+                       backend: Backend | None, source: DTypeLike,
+                       scales: ScaleLayout) -> tuple[jax.Array, jax.Array]:
+    """``_images_into`` where each piece's scales are those of its own amax, bytes and amax
+    from one read of the piece (``quantize_slice_into``); a piece this rank owns none of gets
+    the scales of a zero amax, as the packed partial amax has it."""
+    at_col, at_row_s, at_col_s = _image_starts(base, buf.shape[0], scales)
+    parts = []
+    for p, at in zip(pieces, scales.offsets, strict=True):
+        m, k = p.shape
+        amax = jnp.zeros((2 * m * k // BLOCK_SIZE,), jnp.float32)
+        if p.numel:
+            out, a = quantize_slice_into(out, (base + p.offset, at_col + p.offset), buf, (m, k),
+                                         p.start, backend=backend, offset=p.offset,
+                                         numel=p.numel, read_as=source)
+            amax = jnp.concatenate([b.reshape(-1) for b in a if b is not None])  # row, col
+        row_s, col_s = jnp.split(lax.bitcast_convert_type(
+            scales_from_amax(amax, backend=backend), jnp.uint8), 2)
+        out = lax.dynamic_update_slice(out, row_s, (at_row_s + at,))
+        out = lax.dynamic_update_slice(out, col_s, (at_col_s + at,))
+        parts.append(amax)
+    return out, jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
 
 
 def _images_numel(n: int, scales: ScaleLayout) -> int:
@@ -218,7 +252,7 @@ def _scales_and_cast_images(buf: jax.Array, packed_amax: jax.Array, pieces: tupl
     between pieces), then the rowwise and columnwise scale buffers (``scales``)."""
     n = buf.shape[0]
     out = _new_images(_images_numel(n, scales), _images_spans(0, n, pieces, scales), gapped)
-    return _images_into(out, 0, buf, packed_amax, pieces, backend, source, scales)
+    return _images_into(out, 0, buf, packed_amax, pieces, backend, source, scales)[0]
 
 
 class GroupImages(NamedTuple):
@@ -265,12 +299,14 @@ def runs(sizes: Sequence[int], limit: int = MAX_FLAT_INDEX) -> list[list[int]]:
 def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, scales,
                                     limit=MAX_FLAT_INDEX, gapped=False):
     """Each buffer's ``_scales_and_cast_images`` bytes, one after another in uint8 arrays, one
-    per run of buffers (``runs`` below ``limit``; written in place, ``_images_into``)."""
+    per run of buffers (``runs`` below ``limit``; written in place, ``_images_into``); with
+    ``packed_amax`` None, also the batch's packed amax, made in the same pass
+    (``batched_quantize_images``)."""
     sizes = [_images_numel(b.shape[0], s) for b, s in zip(bufs, scales, strict=True)]
     starts = [0]
     for p in pieces:  # each buffer's packed amax
         starts.append(starts[-1] + amax_numel(p))
-    arrays = []
+    arrays, made = [], []
     for run in runs(sizes, limit):
         spans, base = [], 0
         for i in run:
@@ -278,11 +314,14 @@ def _batched_scales_and_cast_images(bufs, packed_amax, pieces, backend, source, 
             base += sizes[i]
         out, base = _new_images(base, spans, gapped), 0
         for i in run:
-            amax = lax.slice(packed_amax, (starts[i],), (starts[i + 1],))
-            out = _images_into(out, base, bufs[i], amax, pieces[i], backend, source, scales[i])
+            amax = None if packed_amax is None else lax.slice(
+                packed_amax, (starts[i],), (starts[i + 1],))
+            out, amax = _images_into(out, base, bufs[i], amax, pieces[i], backend, source,
+                                     scales[i])
+            made.append(amax)
             base += sizes[i]
         arrays.append(out)
-    return tuple(arrays)
+    return tuple(arrays), None if packed_amax is not None else jnp.concatenate(made)
 
 
 def _static_pieces(pieces: Iterable[Iterable[Piece]]) -> tuple[tuple[Piece, ...], ...]:
@@ -322,10 +361,36 @@ def batched_scales_and_cast_images(
     packed amax (``batched_partial_amax``'s layout): per buffer its four images, views of
     Torch tensors over JAX's result, one per run of buffers (``runs``: one crossing each way for
     the whole batch below 2**31 bytes of images)."""
+    return _batched_images(bufs, to_jax(packed_amax.contiguous()), pieces, scales, device,
+                           kernels, source_dtype)[0]
+
+
+def batched_quantize_images(
+    bufs: Sequence[SharedBuffer],
+    pieces: Sequence[Sequence[Piece]],
+    scales: Sequence[ScaleLayout],
+    device: torch.device,
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[list[GroupImages], torch.Tensor]:
+    """``batched_partial_amax`` and ``batched_scales_and_cast_images`` of that amax, unreduced,
+    in one program reading each piece once where it can (``quantize_slice_into``): for a batch
+    whose amax no reduction over the ranks would change (one rank, or every block whole in one
+    rank's pieces: the caller knows). The images and the packed amax (a view of JAX's result)."""
+    images, amax = _batched_images(bufs, None, pieces, scales, device, kernels, source_dtype)
+    assert amax is not None
+    return images, amax
+
+
+def _batched_images(bufs: Sequence[SharedBuffer], packed_amax: jax.Array | None,
+                    pieces: Sequence[Sequence[Piece]], scales: Sequence[ScaleLayout],
+                    device: torch.device, kernels: KernelConfig | None,
+                    source_dtype: torch.dtype) -> tuple[list[GroupImages], torch.Tensor | None]:
     layouts = tuple(ScaleLayout(tuple(s.offsets), int(s.total)) for s in scales)
     backend, gapped = _images_kernels(kernels, device)
-    arrays = _batched_scales_and_cast_images(
-        tuple(b.jax() for b in bufs), to_jax(packed_amax.contiguous()), _static_pieces(pieces),
+    arrays, amax = _batched_scales_and_cast_images(
+        tuple(b.jax() for b in bufs), packed_amax, _static_pieces(pieces),
         backend, jax_dtype_for(source_dtype), layouts, limit=RUN_LIMIT, gapped=gapped,
     )
     sizes = [_images_numel(b.tensor.numel(), s) for b, s in zip(bufs, layouts, strict=True)]
@@ -340,7 +405,8 @@ def batched_scales_and_cast_images(
             spans = zip(cuts[:-1], cuts[1:], strict=True)
             out.append(GroupImages(*(packed[lo:hi] for lo, hi in spans)))
             at = cuts[-1]
-    return out
+    amax_t = None if amax is None else to_torch(amax)
+    return out, amax_t if amax_t is None or amax_t.device == device else amax_t.to(device)
 
 
 def scales_and_cast_images(

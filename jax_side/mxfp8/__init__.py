@@ -24,7 +24,13 @@ from jax_side.mxfp8.dequantize import dequantize
 from jax_side.mxfp8.gemm import matmul
 from jax_side.mxfp8.kernels import ResolvedKernels, kernel_report, resolve_kernels
 from jax_side.mxfp8.quantize import quantize
-from jax_side.mxfp8.slices import cast_slice, cast_slice_into, partial_block_amax, scales_from_amax
+from jax_side.mxfp8.slices import (
+    cast_slice,
+    cast_slice_into,
+    partial_block_amax,
+    quantize_slice_into,
+    scales_from_amax,
+)
 from jax_side.mxfp8.te_probe import TEPath, TEProbe
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, PlaneData, SliceCast
 
@@ -53,6 +59,7 @@ __all__ = [
     "matmul",
     "partial_block_amax",
     "quantize",
+    "quantize_slice_into",
     "register_backend",
     "resolve_kernels",
     "scales_from_amax",

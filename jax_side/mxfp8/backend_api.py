@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from common.formats import ALL_PLANES
 from common.gemm_roles import GemmRole
 from common.kernels import Backend, GemmImpl, Platform
 from jax_side.mxfp8.tensor import BlockAmax, MXFP8Tensor, Plane, SliceCast
@@ -255,6 +256,21 @@ class KernelBackend(abc.ABC):
             out = lax.dynamic_update_slice(
                 out, lax.bitcast_convert_type(codes, jnp.uint8).reshape(-1), (at,))
         return out
+
+    def quantize_slice_into(self, out: jax.Array, ats: tuple[int, int], buf: jax.Array,
+                            offset: int, n: int, shape: tuple[int, int], start: int, *,
+                            read_as: jnp.dtype | None = None) -> tuple[jax.Array, BlockAmax]:
+        """(``cast_slice_into``'s ``out``, the slice's ``partial_block_amax_at``) with the scales
+        made from that amax alone: the bytes where no other rank's part raises a block's amax
+        (the caller knows; every block whole in the slice, or one rank). This default runs the
+        two passes (amax, then the cast: the slice read twice); a backend whose kernel makes both
+        from one read overrides it (``pallas``), with the same bytes."""
+        amax = self.partial_block_amax_at(buf, offset, n, shape, start, ALL_PLANES,
+                                          read_as=read_as)
+        rs, cs = (lax.bitcast_convert_type(self.scales_from_amax(a), jnp.uint8)
+                  for a in (amax.rowwise, amax.colwise))
+        return self.cast_slice_into(out, ats, buf, offset, n, shape, start, rs, cs,
+                                    read_as=read_as), amax
 
     @abc.abstractmethod
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,

@@ -180,6 +180,21 @@ def _cast_slice_into(out: jax.Array, buf: jax.Array, rs: jax.Array, cs: jax.Arra
         cs[b.row0 // _BS:b.row1 // _BS], interpret=interpret)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _quantize_slice_into(out: jax.Array, buf: jax.Array, ats: tuple[int, int], offset: int,
+                         n: int, shape: tuple[int, int], start: int, interpret: bool,
+                         read_as: str | None) -> tuple[jax.Array, BlockAmax]:
+    m, k = shape
+    b = band(m, k, start, n)
+    out, part = pallas_impl.quantize_into_in_place(
+        out, ats, buf, _in_place(b, k, offset, read_as), (b.rows, k), interpret=interpret)
+    row = lax.dynamic_update_slice(jnp.zeros((m, k // _BS), jnp.float32), part.rowwise,
+                                   (b.row0, 0))
+    col = lax.dynamic_update_slice(jnp.zeros((m // _BS, k), jnp.float32), part.colwise,
+                                   (b.row0 // _BS, 0))
+    return out, BlockAmax(row, col)
+
+
 class PallasBackend(KernelBackend):
     """The project's Pallas kernels: compiled on a CUDA GPU, interpreted (slow) on the CPU."""
 
@@ -251,6 +266,15 @@ class PallasBackend(KernelBackend):
                                            read_as=read_as)
         return _cast_slice_into(out, buf, row_b, col_b, ats, offset, n, shape, start,
                                 interpret_mode(), _name(buf, read_as))
+
+    def quantize_slice_into(self, out: jax.Array, ats: tuple[int, int], buf: jax.Array,
+                            offset: int, n: int, shape: tuple[int, int], start: int, *,
+                            read_as: jnp.dtype | None = None) -> tuple[jax.Array, BlockAmax]:
+        if not writes_in_place(buf, out, shape, start, n):
+            return super().quantize_slice_into(out, ats, buf, offset, n, shape, start,
+                                               read_as=read_as)
+        return _quantize_slice_into(out, buf, ats, offset, n, shape, start, interpret_mode(),
+                                    _name(buf, read_as))
 
     def matmul(self, a: MXFP8Tensor, b: MXFP8Tensor, role: GemmRole,
                gemm: GemmImpl | None) -> jax.Array:

@@ -32,7 +32,13 @@ from jax_side.mxfp8.pallas_elements import (
     INTERPRET_DEFAULT,
     ElementPath,
 )
-from jax_side.mxfp8.pallas_kernels import amax_kernel, cast_kernel, quantize_kernel, scale_kernel
+from jax_side.mxfp8.pallas_kernels import (
+    amax_kernel,
+    cast_kernel,
+    quantize_amax_kernel,
+    quantize_kernel,
+    scale_kernel,
+)
 from jax_side.mxfp8.pallas_tiles import (
     DEFAULT_TILES,
     MAX_FLAT_INDEX,
@@ -64,6 +70,7 @@ __all__ = [
     "cast_into_in_place",
     "element_path",
     "quantize_2d",
+    "quantize_into_in_place",
     "scales_from_amax",
 ]
 
@@ -240,15 +247,8 @@ def cast_into_in_place(out: jax.Array, ats: tuple[int, int], buf: jax.Array, vie
     in place (no plane-sized result, no copy of it into ``out``): the rowwise codes' element
     (r, c) at ``out[ats[0] + r*K + c]``, the columnwise at ``ats[1] + ...`` (``FlatInto``).
     ``out`` must hold both planes whole (int32 offsets: below ``MAX_FLAT_INDEX``)."""
-    m, k = (int(d) for d in shape)
-    if out.dtype != jnp.uint8 or out.ndim != 1 or min(ats) < 0 or (
-            max(ats) + m * k > out.shape[0]):
-        raise ValueError(f"cast_into_in_place: out must be a 1-D uint8 array holding both "
-                         f"{m}x{k} planes at {ats}; got {out.dtype}{tuple(out.shape)}")
-    if out.shape[0] >= MAX_FLAT_INDEX or view.masked:
-        raise ValueError(f"cast_into_in_place: out of {out.shape[0]} bytes (int32 offsets: "
-                         f"below {MAX_FLAT_INDEX}) and an unmasked view (whole band rows; got "
-                         f"masked={view.masked}); use cast_in_place and update out with its planes")
+    m, k = _check_into("cast_into_in_place", out, ats, view, shape,
+                       "use cast_in_place and update out with its planes")
     path = element_path(None, bool(interpret))
     g = Grid.make(KernelKind.CAST, (m, k), None, buf.dtype, path)
     return _cast_into(out, buf, rowwise_scale, colwise_scale, bool(interpret), g, path, (m, k),
@@ -264,6 +264,52 @@ def _cast_into(out: jax.Array, x: jax.Array, rs: jax.Array, cs: jax.Array, inter
     return g.call(kernel, shape, [g.x_spec(view), g.row_scale(), g.col_scale(), spec],
                   [(spec, jax.ShapeDtypeStruct(out.shape, out.dtype))], interpret,
                   aliases={3: 0})(x, rs, cs, out)[0]
+
+
+def _check_into(what: str, out: jax.Array, ats: tuple[int, int], view: FlatView,
+                shape: tuple[int, int], fix: str) -> tuple[int, int]:
+    """(M, K) of a kernel writing both planes into ``out`` in place, or a ValueError."""
+    m, k = (int(d) for d in shape)
+    if out.dtype != jnp.uint8 or out.ndim != 1 or min(ats) < 0 or (
+            max(ats) + m * k > out.shape[0]):
+        raise ValueError(f"{what}: out must be a 1-D uint8 array holding both {m}x{k} planes at "
+                         f"{ats}; got {out.dtype}{tuple(out.shape)}")
+    if out.shape[0] >= MAX_FLAT_INDEX or view.masked:
+        raise ValueError(f"{what}: out of {out.shape[0]} bytes (int32 offsets: below "
+                         f"{MAX_FLAT_INDEX}) and an unmasked view (whole band rows; got "
+                         f"masked={view.masked}); {fix}")
+    return m, k
+
+
+def quantize_into_in_place(out: jax.Array, ats: tuple[int, int], buf: jax.Array,
+                           view: FlatView, shape: tuple[int, int], *,
+                           interpret: bool = False) -> tuple[jax.Array, BlockAmax]:
+    """Both planes of the (M, K) x that ``view`` reads from ``buf``, x read once: the codes
+    written into ``out`` where they go (as ``cast_into_in_place``, each block at its own scale,
+    as ``quantize_2d``), and both planes' block amax (``block_amax_in_place``'s), from which
+    the caller makes the scale bytes (``scales_from_amax``: the bytes ``quantize_2d`` writes)."""
+    m, k = _check_into("quantize_into_in_place", out, ats, view, shape,
+                       "a block cut by the slice needs the amax of every rank's part first "
+                       "(block_amax_in_place, then cast_into_in_place)")
+    path = element_path(None, bool(interpret))
+    g = Grid.make(KernelKind.QUANTIZE, (m, k), None, buf.dtype, path)
+    return _quantize_into(out, buf, bool(interpret), g, path, (m, k), view,
+                          FlatInto(tuple(int(a) for a in ats), k))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _quantize_into(out: jax.Array, x: jax.Array, interpret: bool, g: Grid, path: ElementPath,
+                   shape: tuple[int, int], view: FlatView,
+                   into: FlatInto) -> tuple[jax.Array, BlockAmax]:
+    m, k = shape
+    kernel = g.kernel_into(quantize_amax_kernel, view, into, 1, mode=path)
+    spec = pl.BlockSpec()
+    ra, ca, out = g.call(kernel, shape, [g.x_spec(view), spec],
+                         [(g.row_scale(), jax.ShapeDtypeStruct((m, k // _BS), jnp.float32)),
+                          (g.col_scale(), jax.ShapeDtypeStruct((m // _BS, k), jnp.float32)),
+                          (spec, jax.ShapeDtypeStruct(out.shape, out.dtype))], interpret,
+                         aliases={1: 2})(x, out)
+    return out, BlockAmax(ra, ca)
 
 
 _SCALE_BLOCK = 1024  # elements per program of the scale kernel

@@ -24,7 +24,8 @@ from jax_side.mxfp8.pallas_elements import (
 )
 from jax_side.mxfp8.pallas_tiles import Chunking
 
-__all__ = ["amax_kernel", "cast_kernel", "quantize_kernel", "scale_kernel"]
+__all__ = ["amax_kernel", "cast_kernel", "quantize_amax_kernel", "quantize_kernel",
+           "scale_kernel"]
 
 
 # Refs are Pallas memory references (``Any``: Pallas exports no public type for them); an output
@@ -49,6 +50,22 @@ def quantize_kernel(x_ref: Any, *refs: Any, rowwise: bool, colwise: bool, ch: Ch
             e = scale_bytes_of_bits(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
             cs[pl.ds(i, 1), cols] = e.astype(jnp.uint8)  # (1, CK): one per column
             cd[rows, cols] = cast(el, e)
+
+
+def quantize_amax_kernel(x_ref: Any, rd: Any, cd: Any, ra: Any, ca: Any, *, ch: Chunking,
+                         mode: ElementPath) -> None:
+    """Both planes' codes (``quantize_kernel``'s) and both planes' block amax (``amax_kernel``'s)
+    from one read of x: the refresh's one pass where no rank's amax changes a block's scale
+    (``slices.quantize_slice_into``). The scale bytes are left to the caller (from the amax)."""
+    elements, cast = element_fns(mode, any_scale=False)
+    for i, j, rows, cols, x in ch.chunks(x_ref):
+        el = elements(fp32_bits(x))
+        row_max = ch.row_max(el.amax_in)  # (32, CK/32) int32 |x| bits, NaN zeroed
+        col_max = jnp.max(el.amax_in, axis=0, keepdims=True)  # (1, CK)
+        ra[rows, ch.row_scales(j)] = lax.bitcast_convert_type(row_max, jnp.float32)
+        ca[pl.ds(i, 1), cols] = lax.bitcast_convert_type(col_max, jnp.float32)
+        rd[rows, cols] = cast(el, ch.row_expand(scale_bytes_of_bits(row_max, any_bits=False)))
+        cd[rows, cols] = cast(el, scale_bytes_of_bits(col_max, any_bits=False))
 
 
 def amax_kernel(x_ref: Any, *refs: Any, rowwise: bool, colwise: bool, ch: Chunking) -> None:

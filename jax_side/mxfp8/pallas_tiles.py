@@ -196,9 +196,11 @@ class _FlatOut:
 def _write_in_place(*refs: Any, body: Any, into: FlatInto, inputs: int, bm: int,
                     bk: int) -> None:
     """``body`` given the call's ``inputs`` refs, then one writer per output into the aliased
-    array (its input ref, written never read, is skipped)."""
+    array (its input ref, written never read, is skipped), then the call's other outputs (those
+    between the aliased input and the aliased output: blocks as their specs say)."""
     out = refs[-1]
-    body(*refs[:inputs], *(_FlatOut(out, at, into.k, bm, bk) for at in into.ats))
+    body(*refs[:inputs], *(_FlatOut(out, at, into.k, bm, bk) for at in into.ats),
+         *refs[inputs + 1:-1])
 
 
 def triton_params(num_warps: int) -> Any:

@@ -29,7 +29,7 @@ from jax_side.mxfp8.kernels import ResolvedKernels, resolve_call
 from jax_side.mxfp8.tensor import BlockAmax, SliceCast, scale_bytes
 
 __all__ = ["BlockAmax", "SliceCast", "cast_slice", "cast_slice_into", "partial_block_amax",
-           "scales_from_amax"]
+           "quantize_slice_into", "scales_from_amax"]
 
 INPUT_DTYPES = (jnp.bfloat16, jnp.float32)
 
@@ -230,11 +230,48 @@ def cast_slice_into(
     if set(b) != set(ALL_PLANES):
         raise ValueError(f"{what}: scales must give both planes' scales (rowwise (M, K/32) and "
                          f"colwise (M/32, K)); got {[p.value for p in b]}")
+    ats = _check_out(what, out, at, n)
+    return impl.cast_slice_into(out, ats, flat, int(offset), n, (m, k), start,
+                                b[Plane.ROWWISE], b[Plane.COLWISE], read_as=read)
+
+
+def _check_out(what: str, out: jax.Array, at: tuple[int, int], n: int) -> tuple[int, int]:
+    """The two planes' positions in ``out``, a 1-D uint8 array with room for n bytes at each."""
     ats = tuple(_check_start(a, what, "at", "position in out", "where a plane goes in out")
                 for a in at)
     if out.ndim != 1 or out.dtype != jnp.uint8 or len(ats) != 2 or min(ats) < 0 or (
             max(ats) + n > out.shape[0]):
         raise ValueError(f"{what}: out must be a 1-D uint8 array with room for the slice's {n} "
                          f"bytes per plane at at={ats}; got {out.dtype}{tuple(out.shape)}")
-    return impl.cast_slice_into(out, (ats[0], ats[1]), flat, int(offset), n, (m, k), start,
-                                b[Plane.ROWWISE], b[Plane.COLWISE], read_as=read)
+    return ats[0], ats[1]
+
+
+def quantize_slice_into(
+    out: jax.Array,
+    at: tuple[int, int],
+    flat: jax.Array,
+    shape: tuple[int, int],
+    start: int,
+    *,
+    backend: Backend | str | None = None,
+    kernels: KernelConfig | ResolvedKernels | None = None,
+    offset: int = 0,
+    numel: int | None = None,
+    read_as: DTypeLike | None = None,
+) -> tuple[jax.Array, BlockAmax]:
+    """``partial_block_amax``, ``scales_from_amax`` of that amax and ``cast_slice_into``, for a
+    slice whose scales need no other rank's amax: ``(out, amax)``, ``out`` as
+    ``cast_slice_into`` writes it with the scales of this slice's own amax, and the amax (both
+    planes, full scale shapes, zeros outside the slice). This is the distributed recipe's result
+    exactly where no other rank holds part of a block the slice touches (one rank; or every
+    block whole in the slice: a whole parameter, whole 32-row bands), which the caller knows
+    (DESIGN.md 5); elsewhere the amax must be reduced over the ranks first. A backend that can
+    (``pallas``, a slice of whole 32-row bands) makes both from one read of the slice; otherwise
+    the slice is read twice. Same bytes either way."""
+    what = "quantize_slice_into"
+    m, k, n, start = _check_slice(flat, shape, start, what, offset, numel)
+    check_dtype(flat, what)
+    read = _check_read_as(read_as, flat, what)
+    ats = _check_out(what, out, at, n)
+    impl = _slice_impl(what, kernels, backend, flat)
+    return impl.quantize_slice_into(out, ats, flat, int(offset), n, (m, k), start, read_as=read)

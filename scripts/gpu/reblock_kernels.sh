@@ -4,8 +4,8 @@
 #   tests: the compiled kernels against their references, byte for byte (the weights' re-block,
 #          pallas_reblock; slices read in place, also as bf16 of fp32; the blocked-operand
 #          quantize, whole-block, packed and in column parts; the refresh's gapped images on dirty
-#          memory; the images kept as ZeRO-3's shards, bytes as copied; q, k, v from three GEMMs
-#          within 1e-3;
+#          memory; the images kept as ZeRO-3's shards, bytes as copied; the refresh's one-pass
+#          kernel (amax and both planes from one read); q, k, v from three GEMMs within 1e-3;
 #          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
 #          banded, whole-block and packed, two outputs in one call (banded and whole-block), the
@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
         tests/jax_side/mxfp8/test_pallas_reblock.py tests/jax_side/mxfp8/test_slices_in_place.py \
         tests/jax_side/mxfp8/test_blocked_operands.py tests/jax_side/test_linear_parts.py \
         tests/jax_side/test_linear_pre.py tests/bridge/test_mxfp8_slices.py \
-        tests/torch_side/fsdp/test_group_buffers.py \
+        tests/torch_side/fsdp/test_group_buffers.py tests/jax_side/mxfp8/test_quantize_slice_into.py \
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;

@@ -55,7 +55,7 @@ def test_batched_images_are_the_concatenated_bytes_in_place_with_a_fill_not_a_pa
     cases = [_case(0), _case(1)]
     args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
             tuple(c[2] for c in cases), None, jnp.bfloat16, tuple(c[3] for c in cases))
-    (got,) = S._batched_scales_and_cast_images(*args)  # one run: below 2**31 bytes
+    (got,), _ = S._batched_scales_and_cast_images(*args)  # one run: below 2**31 bytes
     got = np.asarray(got)
     want = np.concatenate([_placed(*c) for c in cases])
     assert got.tobytes() == want.tobytes()
@@ -86,6 +86,25 @@ def test_the_pallas_refresh_reads_fp32_buffers_as_bf16_with_the_reference_bytes(
             assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_one_pass_images_and_amax_are_the_two_programs_of_the_unreduced_amax(backend):
+    """``batched_quantize_images``' program (no packed amax given): the packed partial amax and
+    the images of the two programs fed that amax unreduced, for whole parameters, halves (one
+    of whole 32-row bands, one inside a band: read twice) and a piece the rank owns none of."""
+    from common.kernels import Backend
+
+    b = Backend(backend)
+    (buf0, _, whole, lay0), (buf1, _, halves, lay1) = _case(0), _case(1)
+    halves = (*halves[:2], halves[2]._replace(numel=0))  # owns none of the last parameter
+    args = ((buf0, buf1), (whole, halves), b, jnp.bfloat16, (lay0, lay1))
+    packed = S._batched_partial_amax(args[0], args[1], b, jnp.bfloat16)
+    (want,), none = S._batched_scales_and_cast_images(args[0], packed, *args[1:])
+    (got,), amax = S._batched_scales_and_cast_images(args[0], None, *args[1:])
+    assert none is None
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert np.asarray(amax).tobytes() == np.asarray(packed).tobytes()
+
+
 def test_runs_keep_each_array_below_the_limit_in_order():
     assert S.runs([10, 20, 30], limit=100) == [[0, 1, 2]]
     assert S.runs([60, 30, 20, 50], limit=100) == [[0, 1], [2, 3]]
@@ -102,7 +121,7 @@ def test_a_batch_past_the_limit_comes_back_in_runs_with_the_same_bytes():
             tuple(c[2] for c in cases), None, jnp.bfloat16, tuple(c[3] for c in cases))
     want = [_placed(*c) for c in cases]
     limit = want[0].shape[0] + want[1].shape[0] + 1  # the first two fit, the third does not
-    got = S._batched_scales_and_cast_images(*args, limit=limit)
+    got, _ = S._batched_scales_and_cast_images(*args, limit=limit)
     assert [np.asarray(g).tobytes() for g in got] == [np.concatenate(want[:2]).tobytes(),
                                                       want[2].tobytes()]
 
@@ -131,7 +150,7 @@ def test_gapped_images_write_every_byte_the_gaps_do_not_zero(monkeypatch):
     for backend in (None, Backend.PALLAS):
         args = (tuple(c[0] for c in cases), jnp.concatenate([c[1] for c in cases]),
                 tuple(c[2] for c in cases), backend, jnp.bfloat16, tuple(c[3] for c in cases))
-        (got,) = S._batched_scales_and_cast_images(*args, gapped=True)
+        (got,), _ = S._batched_scales_and_cast_images(*args, gapped=True)
         want = np.concatenate([_placed(*c) for c in cases])
         assert np.asarray(got).tobytes() == want.tobytes(), backend
         buf, amax, pieces, layout = cases[1]
@@ -175,5 +194,5 @@ def test_on_the_gpu_gapped_images_on_dirty_memory_hold_the_reference_bytes():
     jax.block_until_ready(S._batched_scales_and_cast_images(*args, gapped=True))  # compiled
     dirty = jnp.full(want.shape, 0xFF, jnp.uint8).block_until_ready()
     del dirty
-    (got,) = S._batched_scales_and_cast_images(*args, gapped=True)
+    (got,), _ = S._batched_scales_and_cast_images(*args, gapped=True)
     assert np.asarray(got).tobytes() == want.tobytes()

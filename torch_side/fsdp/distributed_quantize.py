@@ -31,6 +31,7 @@ from bridge.mxfp8_slices import (
     SliceBytes,
     amax_numel,
     batched_partial_amax,
+    batched_quantize_images,
     batched_scales_and_cast_images,
     packed_partial_amax,
     scales_and_cast,
@@ -42,6 +43,7 @@ from common.kernels import KernelConfig
 from torch_side.comm.collectives import Collective, all_reduce_on
 
 __all__ = [
+    "AmaxReduction",
     "BatchImages",
     "GroupImages",
     "Piece",
@@ -49,6 +51,7 @@ __all__ = [
     "ScaleLayout",
     "distributed_mxfp8_quantize",
     "quantize_batch_into_images",
+    "quantize_batch_whole_images",
     "quantize_into_images",
     "quantize_with_reducer",
 ]
@@ -196,12 +199,52 @@ def quantize_batch_into_images(
     packed = batched_partial_amax(shared, pieces, device, **kw)
     all_reduce_max(packed)
     images = batched_scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
+    return BatchImages(images, _split_amax(packed, pieces))
+
+
+def _split_amax(packed: torch.Tensor, pieces: Sequence[Sequence[Piece]]) -> list[torch.Tensor]:
+    """Each buffer's slice of the batch's packed amax (views, buffer order)."""
     amax, at = [], 0
     for ps in pieces:
         n = amax_numel(ps)
         amax.append(packed[at:at + n])
         at += n
-    return BatchImages(images, amax)
+    return amax
+
+
+def quantize_batch_whole_images(
+    buffers: Sequence[torch.Tensor],
+    pieces: Sequence[Sequence[Piece]],
+    all_reduce_max: Callable[[torch.Tensor], None],
+    device: torch.device,
+    scales: Sequence[ScaleLayout],
+    *,
+    kernels: KernelConfig | None = None,
+    source_dtype: torch.dtype = torch.bfloat16,
+) -> BatchImages:
+    """``quantize_batch_into_images`` for a batch whose reduction changes no amax
+    (``AmaxReduction.identity``): the packed amax and the bytes from ONE program that reads each
+    piece once where the kernels can (``bridge.mxfp8_slices.batched_quantize_images``), then the
+    reduction called once with that amax (its collective, if any, still issued). Same bytes."""
+    shared = [SharedBuffer(b) for b in buffers]
+    images, packed = batched_quantize_images(shared, pieces, scales, device, kernels=kernels,
+                                             source_dtype=source_dtype)
+    all_reduce_max(packed)
+    return BatchImages(images, _split_amax(packed, pieces))
+
+
+class AmaxReduction:
+    """The amax reduction a ``BlockScaledCodec`` injects into ``quantize_images``: call it once
+    with the packed partial amax (in place: its maximum over the ranks, or nothing). ``identity``
+    says the call cannot change a value -- one rank, every rank holding whole parameters, or
+    block-atomic owners whose scales are all-gathered -- so a codec may make the amax and the
+    cast in one pass over the main weights before calling it (``MXFP8Codec``)."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], None], identity: bool) -> None:
+        self._reduce, self.identity = reduce, identity
+
+    def __call__(self, packed: torch.Tensor) -> None:
+        self._reduce(packed)
 
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:

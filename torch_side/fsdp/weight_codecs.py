@@ -60,11 +60,13 @@ from common.kernels import KernelConfig
 from common.modes import GatherMode
 from torch_side.comm.collectives import Collective, Communicator, Phase
 from torch_side.fsdp.distributed_quantize import (
+    AmaxReduction,
     BatchImages,
     GroupImages,
     Piece,
     ScaleLayout,
     quantize_batch_into_images,
+    quantize_batch_whole_images,
     quantize_into_images,
 )
 from torch_side.fsdp.flat_layout import OwnedPiece
@@ -278,15 +280,19 @@ class BlockScaledCodec(WeightCodec):
         # all-gathered (write_images), unless telemetry reads every block's reduced amax
         own_blocks = all(_gathers_scales(c) for c in ctxs)
 
+        sharded = any(c.main_sharded for c in ctxs)  # else every rank holds whole parameters
+
         def reduce_max(packed: torch.Tensor) -> None:
             reductions.append(label)
             if own_blocks:
                 return
-            if any(c.main_sharded for c in ctxs):  # else every rank holds whole parameters
+            if sharded:
                 first.comm.all_reduce(packed, Collective.ALL_REDUCE_MAX, phase, label)
 
+        identity = own_blocks or not sharded or first.comm.world_size == 1
         made = self.quantize_images(
-            [c.main for c in ctxs], [_pieces(c) for c in ctxs], reduce_max, first.main.device,
+            [c.main for c in ctxs], [_pieces(c) for c in ctxs],
+            AmaxReduction(reduce_max, identity), first.main.device,
             [_scale_layout(c) for c in ctxs], first.kernels,
         )
         if len(reductions) != 1:
@@ -344,6 +350,8 @@ class MXFP8Codec(BlockScaledCodec):
         layouts: list[ScaleLayout], kernels: KernelConfig | None,
     ) -> BatchImages:
         kw: dict[str, Any] = {"kernels": kernels, "source_dtype": self.source_dtype}
+        if getattr(reduce_max, "identity", False):  # one pass: amax and bytes from one read
+            return quantize_batch_whole_images(mains, pieces, reduce_max, device, layouts, **kw)
         if len(mains) > 1:
             return quantize_batch_into_images(mains, pieces, reduce_max, device, layouts, **kw)
         reduced: list[torch.Tensor] = []

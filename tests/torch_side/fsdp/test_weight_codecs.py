@@ -250,3 +250,56 @@ def test_bf16_gathers_quantize_the_gathered_weights_into_the_formats_bytes(singl
             got = planes[plane][s.start : s.end].view(s.shape).numpy()
             assert np.array_equal(got, ref[f"{plane.value}_data"]), (s.name, plane)
             assert np.array_equal(ctx.scales[plane][i].numpy(), ref[f"{plane.value}_scale"])
+
+
+class _Comm:
+    """A communicator of ``world_size`` ranks whose all-reduce changes nothing (the test looks at
+    which program the codec runs, not at the values of other ranks)."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.reduced = world_size, 0
+
+    def all_reduce(self, t, op, phase, label):
+        self.reduced += 1
+
+
+@pytest.mark.parametrize(("world", "sharded", "own_blocks", "one_pass"), [
+    (1, True, False, True),  # one rank: its amax is every rank's
+    (2, False, False, True),  # every rank holds whole parameters
+    (2, True, True, True),  # block-atomic owners: the scales are gathered from them
+    (2, True, False, False),  # blocks cut between ranks: reduce first, then cast
+])
+def test_the_refresh_reads_main_once_where_no_reduction_changes_an_amax(
+    monkeypatch, world, sharded, own_blocks, one_pass
+):
+    """``BlockScaledCodec.quantize_batch`` tells the codec (``AmaxReduction.identity``) when
+    the reduction cannot change a value; MXFP8 then makes the packed amax and the bytes in ONE
+    program (no partial-amax program), still calling the reduction once, with the bytes of the
+    whole tensors (the oracle's: this rank's view is the whole tensor)."""
+    import torch_side.fsdp.distributed_quantize as dq
+
+    codec, seen, programs = codec_for(MX), [], []
+    real_images = MXFP8Codec.quantize_images
+    monkeypatch.setattr(MXFP8Codec, "quantize_images", lambda self, mains, pieces, reduce, *a:
+                        seen.append(reduce.identity) or real_images(self, mains, pieces, reduce,
+                                                                    *a))
+    def counted(real):
+        return lambda *a, **k: programs.append("amax") or real(*a, **k)
+
+    for name in ("batched_partial_amax", "packed_partial_amax"):  # a batch's, a group's alone
+        monkeypatch.setattr(dq, name, counted(getattr(dq, name)))
+    layout = FlatLayout.build(["a", "b"], SHAPES, 1)
+    values = _values(8)
+    comm = _Comm(world)
+    ctx, _ = _context(codec, _flat(values, layout), layout, 0, comm, sharded)
+    ctx = ctx._replace(scale_shard=(0, 1) if own_blocks else None)
+    made = codec.quantize_batch([ctx], Phase.OPTIMIZER, "g/amax")
+    assert seen == [one_pass] and programs == ([] if one_pass else ["amax"])
+    assert comm.reduced == int(sharded and not own_blocks)
+    for v, s in zip(values, layout.slots, strict=True):
+        for plane in BOTH:
+            got = getattr(made.images[0], plane.value)[s.start:s.end].view(s.shape).numpy()
+            assert np.array_equal(got, _oracle(v)[f"{plane.value}_data"]), (s.name, plane)
+    packed = [a.reshape(-1) for v in values
+              for a in mxfp8_ref.block_amax(v.to(torch.bfloat16).float().numpy())]
+    assert np.array_equal(made.amax[0].numpy(), np.concatenate(packed))
