@@ -143,9 +143,10 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
     (the ``pallas`` kernel writes a piece of whole rows straight into ``out``; otherwise two more
     in-place updates): no concatenation (a 1.3B model's refresh spent 13 ms in concatenations
     on one H200); and the packed amax. With ``packed_amax`` None (``batched_quantize_images``),
-    each piece's amax and bytes from one read of it (``_whole_images_into``)."""
-    if packed_amax is None:
-        return _whole_images_into(out, base, buf, pieces, backend, source, scales)
+    each piece's amax and bytes from one read of it (``_codes_and_amax_into``)."""
+    one_pass = packed_amax is None
+    if one_pass:  # the codes and the amax first; the scales below, from that amax
+        out, packed_amax = _codes_and_amax_into(out, base, buf, pieces, backend, source, scales)
     scale_bytes = lax.bitcast_convert_type(
         scales_from_amax(packed_amax, backend=backend), jnp.uint8
     )
@@ -158,7 +159,7 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
         cs = scale_bytes[offset + n_scale:offset + 2 * n_scale]
         out = lax.dynamic_update_slice(out, rs, (at_row_s + at,))
         out = lax.dynamic_update_slice(out, cs, (at_col_s + at,))
-        if p.numel:  # written into out where it goes (in place by the pallas kernel)
+        if p.numel and not one_pass:  # written into out where it goes (in place: pallas)
             planes = {Plane.ROWWISE: rs.reshape(m, k // BLOCK_SIZE),
                       Plane.COLWISE: cs.reshape(m // BLOCK_SIZE, k)}
             out = cast_slice_into(out, (base + p.offset, at_col + p.offset), buf, (m, k),
@@ -168,15 +169,15 @@ def _images_into(out: jax.Array, base: int, buf: jax.Array, packed_amax: jax.Arr
     return out, packed_amax
 
 
-def _whole_images_into(out: jax.Array, base: int, buf: jax.Array, pieces: tuple[Piece, ...],
-                       backend: Backend | None, source: DTypeLike,
-                       scales: ScaleLayout) -> tuple[jax.Array, jax.Array]:
-    """``_images_into`` where each piece's scales are those of its own amax, bytes and amax
-    from one read of the piece (``quantize_slice_into``); a piece this rank owns none of gets
-    the scales of a zero amax, as the packed partial amax has it."""
-    at_col, at_row_s, at_col_s = _image_starts(base, buf.shape[0], scales)
+def _codes_and_amax_into(out: jax.Array, base: int, buf: jax.Array, pieces: tuple[Piece, ...],
+                         backend: Backend | None, source: DTypeLike,
+                         scales: ScaleLayout) -> tuple[jax.Array, jax.Array]:
+    """``out`` with each piece's codes at the scales of its own amax, and the buffer's packed
+    amax, from one read of each piece (``quantize_slice_into``); a piece this rank owns none of
+    has a zero amax, as the packed partial amax has it."""
+    at_col = _image_starts(base, buf.shape[0], scales)[0]
     parts = []
-    for p, at in zip(pieces, scales.offsets, strict=True):
+    for p in pieces:
         m, k = p.shape
         amax = jnp.zeros((2 * m * k // BLOCK_SIZE,), jnp.float32)
         if p.numel:
@@ -184,10 +185,6 @@ def _whole_images_into(out: jax.Array, base: int, buf: jax.Array, pieces: tuple[
                                          p.start, backend=backend, offset=p.offset,
                                          numel=p.numel, read_as=source)
             amax = jnp.concatenate([b.reshape(-1) for b in a if b is not None])  # row, col
-        row_s, col_s = jnp.split(lax.bitcast_convert_type(
-            scales_from_amax(amax, backend=backend), jnp.uint8), 2)
-        out = lax.dynamic_update_slice(out, row_s, (at_row_s + at,))
-        out = lax.dynamic_update_slice(out, col_s, (at_col_s + at,))
         parts.append(amax)
     return out, jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
 
