@@ -13,7 +13,9 @@ plus the outputs written once (GB/s), for
   quantizing an R x C block of x with W warps (``quantize_blocked_2d(block=, num_warps=)``);
   ``blocked_operands.KERNEL_CONFIG`` holds the fastest of each output; ``...,whole]``: the
   transposed outputs with each program's block loaded at once (``whole=True``); ``...,packed]``:
-  four rows' codes per int32 word through the transpose (``packed=True``);
+  four rows' codes per int32 word through the transpose (``packed=True``); ``...,shift_codes]``
+  (``KERNEL_CONFIG``'s block and warps): each code cast at its 1x32 block's scale, then shifted
+  to the merged block's (``one_cast=False``), where the default makes it by one e4m3 cast;
   ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
   memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block;
   ``,packed]``: both from row-strided quarters, the transposed codes packed),
@@ -111,6 +113,13 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                             x, rows=False, rows_t=output == "rows_t",
                             tiles_t=output == "tiles_t", interpret=interpret, num_warps=w,
                             block=block, whole=True), output)), 1)
+    for output in ("rows", "rows_t", "tiles_t"):  # the codes cast, then shifted (one_cast off)
+        c = KERNEL_CONFIG[output]
+        out[f"{output}[{c.block[0]}x{c.block[1]},w{c.warps},shift_codes]"] = (jax.jit(
+            lambda x, output=output, c=c: getattr(quantize_blocked_2d(
+                x, rows=output == "rows", rows_t=output == "rows_t",
+                tiles_t=output == "tiles_t", interpret=interpret, num_warps=c.warps,
+                block=c.block, one_cast=False), output)), 1)
     for second in ("rows_t", "tiles_t"):  # two outputs in one call: x read once from DRAM
         for w in warps:
             for how in ("", "whole", "packed"):

@@ -40,6 +40,7 @@ from jax_side.mxfp8 import elementwise
 from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.pallas_elements import (
     ElementPath,
+    cast_shift_native,
     element_fns,
     fp32_bits,
     scale_bytes_of_bits,
@@ -81,26 +82,37 @@ def _load(x_ref: Any, pre: Prologue | None, *index: Any) -> jax.Array:
     return v if pre is None else pre(v)
 
 
-def _rows_of(el: Any, cast: Any) -> tuple[jax.Array, jax.Array]:
+def _cast_shift(path: ElementPath, one_cast: bool) -> tuple[Any, Any]:
+    """``(elements, cast_shift)``: ``cast_shift(el, E, diff)`` is ``shift_codes(cast(el, E),
+    diff)``, the codes at each 1x32 block's own scale E shifted to the merged block's; on the
+    native path with ``one_cast``, by one e4m3 cast (``pallas_elements.cast_shift_native``:
+    the same bytes)."""
+    elements, cast = element_fns(path, any_scale=False)
+    if path is ElementPath.NATIVE and one_cast:
+        return elements, cast_shift_native
+    return elements, lambda el, e, diff: shift_codes(cast(el, e), diff)
+
+
+def _rows_of(el: Any, cast_shift: Any) -> tuple[jax.Array, jax.Array]:
     """(codes, scale bytes) of R rows of elements in 1x128 blocks: each 1x32 block cast at its
     own scale, then shifted to its 1x128 block's largest."""
     e = scale_bytes_of_bits(_row_blocks(el.amax_in), any_bits=False)  # (R, 4)
     top = jnp.max(e, axis=1, keepdims=True)  # (R, 1)
-    return shift_codes(cast(el, _row_expand(e)), _row_expand(e - top)), top.astype(jnp.uint8)
+    return cast_shift(el, _row_expand(e), _row_expand(e - top)), top.astype(jnp.uint8)
 
 
 def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
-                  path: ElementPath, bands: int, pre: Prologue | None) -> None:
+                  path: ElementPath, one_cast: bool, bands: int, pre: Prologue | None) -> None:
     """One program, x's whole (32 * bands, W) block loaded once: the rows' codes from it (W =
     128), the colwise scales of its bands by one reshape, and the transposed codes stored at
     once, so each output row gets its 32 * bands codes in one store (the banded kernel reads
     each band twice and stores 32 codes per row per band)."""
     queue = list(refs)
-    elements, cast = element_fns(path, any_scale=False)
+    elements, cast_shift = _cast_shift(path, one_cast)
     el = elements(fp32_bits(_load(x_ref, pre)))  # (R, W), R = 32 * bands
     if rows:
         rd, rs = queue.pop(0), queue.pop(0)
-        rd[...], rs[...] = _rows_of(el, cast)
+        rd[...], rs[...] = _rows_of(el, cast_shift)
     if not cols:
         return
     td, ts = queue
@@ -111,13 +123,13 @@ def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     if tiles:
         top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
     e = jnp.broadcast_to(ec[:, None, :], (bands, _BS, w)).reshape(bands * _BS, w)
-    codes = shift_codes(cast(el, e), e - top)  # (R, W)
+    codes = cast_shift(el, e, e - top)  # (R, W)
     td[...] = codes.astype(jnp.int32).T.astype(jnp.uint8)
     ts[...] = top.astype(jnp.uint8)
 
 
 def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
-            path: ElementPath, bands: int, pre: Prologue | None) -> None:
+            path: ElementPath, one_cast: bool, bands: int, pre: Prologue | None) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
     need every band's colwise scale before the first cast, so their bands are read twice: once
@@ -127,14 +139,14 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     rs: Any = queue.pop(0) if rows else None
     td: Any = queue.pop(0) if cols else None
     ts: Any = queue.pop(0) if cols else None
-    elements, cast = element_fns(path, any_scale=False)
+    elements, cast_shift = _cast_shift(path, one_cast)
 
     def band(i: int) -> Any:
         return elements(fp32_bits(_load(x_ref, pre, pl.ds(i * _BS, _BS), slice(None))))
 
     if rows:
         for i in range(bands):
-            rd[pl.ds(i * _BS, _BS), :], rs[pl.ds(i * _BS, _BS), :] = _rows_of(band(i), cast)
+            rd[pl.ds(i * _BS, _BS), :], rs[pl.ds(i * _BS, _BS), :] = _rows_of(band(i), cast_shift)
     if cols:
         ec = [scale_bytes_of_bits(jnp.max(band(i).amax_in, axis=0, keepdims=True),
                                   any_bits=False) for i in range(bands)]  # (1, W) per band
@@ -142,13 +154,13 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
         if tiles:
             top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
         for i in range(bands):
-            codes = shift_codes(cast(band(i), ec[i]), ec[i] - top)  # (32, W)
+            codes = cast_shift(band(i), ec[i], ec[i] - top)  # (32, W)
             td[:, pl.ds(i * _BS, _BS)] = codes.astype(jnp.int32).T.astype(jnp.uint8)
         ts[...] = top.astype(jnp.uint8)
 
 
 def _kernel_packed(x_ref: Any, *refs: Any, rows: bool, tiles: bool, path: ElementPath,
-                   pre: Prologue | None) -> None:
+                   one_cast: bool, pre: Prologue | None) -> None:
     """One program, a transposed output (and ``rows``, W = 128): x's (128, W) block read as four
     quarters of rows r, r + 4, ..., r + 124 (row-strided loads; a quarter's row 8b + j lies in
     32-row band b), each read twice as the banded kernel reads its bands (amax, then codes).
@@ -157,7 +169,7 @@ def _kernel_packed(x_ref: Any, *refs: Any, rows: bool, tiles: bool, path: Elemen
     words. ``rows``: each quarter's 1x128 rows are made from the elements of its second read
     and stored at its rows (row-strided stores)."""
     rd, rs, td, ts = refs if rows else (None, None, *refs)
-    elements, cast = element_fns(path, any_scale=False)
+    elements, cast_shift = _cast_shift(path, one_cast)
     n = GROUP // _PACK  # 32 rows per quarter: 8 from each band
     w = td.shape[0]
 
@@ -177,8 +189,8 @@ def _kernel_packed(x_ref: Any, *refs: Any, rows: bool, tiles: bool, path: Elemen
         el = quarter(r)
         if rows:
             at = pl.ds(r, n, stride=_PACK)
-            rd[at, :], rs[at, :] = _rows_of(el, cast)
-        words.append(lax.shift_left(shift_codes(cast(el, e), e - top).astype(jnp.int32),
+            rd[at, :], rs[at, :] = _rows_of(el, cast_shift)
+        words.append(lax.shift_left(cast_shift(el, e, e - top).astype(jnp.int32),
                                     jnp.int32(8 * r)))  # (32, W)
     td[...] = functools.reduce(jnp.bitwise_or, words).T
     ts[...] = top.astype(jnp.uint8)
@@ -190,7 +202,7 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
                         whole: bool = False, packed: bool = False,
-                        pre: Prologue | None = None) -> BlockedPlanes:
+                        pre: Prologue | None = None, one_cast: bool = True) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -214,7 +226,13 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     ``pre``: an elementwise function (``elementwise.check``) that each program applies to x's
     values as it loads them: the operands of ``pre(x)``, byte for byte, with ``pre(x)`` never
     written to memory (the GPT's GELU before its MLP's second linear; ``pre`` must be hashable,
-    a module-level function, as it is part of the compiled kernel)."""
+    a module-level function, as it is part of the compiled kernel).
+
+    ``one_cast`` (the native element path, compiled kernels): each code made by one e4m3 cast
+    at the merged block's scale from x's value rounded onto its own 1x32 block's grid in fp32
+    (``pallas_elements.cast_shift_native``); False: cast at the own scale, then shifted by
+    ``reblock.shift_codes``, the composition it replaces (the same bytes: the GPU test compares
+    them; the benchmark times them). The FTZ-proof paths always take the composition."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
     what = "quantize_blocked_2d"
     _check_parts(parts, what)
@@ -236,7 +254,8 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     path = element_path(e4m3_cast, bool(interpret))
     return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
                              bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre)
+                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
+                             bool(one_cast))
 
 
 def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
@@ -282,6 +301,7 @@ class _Call(NamedTuple):
     tiles: bool
     interpret: bool
     path: ElementPath
+    one_cast: bool  # the native path's codes by one e4m3 cast (``_cast_shift``)
     num_warps: int
     block: tuple[int, int]
     whole: bool
@@ -326,13 +346,11 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     br, bc = c.block
     if c.packed:
         kernel = functools.partial(_kernel_packed, rows=c.rows, tiles=c.tiles, path=c.path,
-                                   pre=c.pre)
-    elif c.whole:
-        kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
-                                   path=c.path, bands=br // _BS, pre=c.pre)
+                                   one_cast=c.one_cast, pre=c.pre)
     else:
-        kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
-                                   path=c.path, bands=br // _BS, pre=c.pre)
+        kernel = functools.partial(_kernel_whole if c.whole else _kernel, rows=c.rows,
+                                   cols=c.cols, tiles=c.tiles, path=c.path,
+                                   one_cast=c.one_cast, bands=br // _BS, pre=c.pre)
     outs = c.outs(m)
     kernel = functools.partial(_inputs, skip=len(written), body=kernel)
     in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))] + [o[0] for o in outs if written]
@@ -344,17 +362,17 @@ def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Arr
     )(x, *written))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
 def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
                       interpret: bool, path: ElementPath, num_warps: int,
                       block: tuple[int, int], whole: bool, packed: bool,
-                      pre: Prologue | None) -> BlockedPlanes:
+                      pre: Prologue | None, one_cast: bool) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
-        res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, num_warps, block,
-                                       whole, packed, pre, c0, k))
+        res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, one_cast,
+                                       num_warps, block, whole, packed, pre, c0, k))
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None

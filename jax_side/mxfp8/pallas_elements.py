@@ -63,6 +63,7 @@ __all__ = [
     "cast_any",
     "cast_native",
     "cast_own",
+    "cast_shift_native",
     "e4m3_from_v",
     "element_fns",
     "elements",
@@ -246,6 +247,39 @@ def cast_native(el: NativeElements, scale: jax.Array, nan_scale: bool) -> jax.Ar
     if nan_scale:
         y = y | jnp.where(scale == 0xFF, jnp.int32(0x7F), jnp.int32(0)).astype(jnp.uint8)
     return y
+
+
+_GRID_LO = np.int32(0x3C800000)  # 2**-6, e4m3's smallest normal: below it the grid is 2**-9
+_GRID_HI = np.int32(0x43800000)  # 2**8, the binade of 448 (finite |x| * 2**k stays below 512)
+_TO_MAGIC = np.int32(20 << 23)  # 2**E -> 2**(E + 20), whose fp32 ulp is 2**(E - 3)
+_MIN_DIFF = np.int32(-30)  # reblock's: every e4m3 code times 2**-30 rounds to (signed) zero
+
+
+def cast_shift_native(el: NativeElements, scale: jax.Array, diff: jax.Array) -> jax.Array:
+    """uint8 ``reblock.shift_codes(cast_native(el, scale, nan_scale=False), diff)`` (the
+    block's own scale E, then the codes shifted by int32 ``diff <= 0`` to a merged block's
+    scale, each rounded to nearest even) with one e4m3 cast instead of three conversions.
+
+    y = |x| * 2**(127 - E) (as ``cast_native``) is rounded onto e4m3's grid in fp32:
+    ``(y + m) - m`` with m = 2**(b + 20), b the binade of y clamped to [-6, 8], whose fp32
+    ulp 2**(b - 3) is e4m3's spacing there (3 mantissa bits; 2**-9 below 2**-6, the
+    subnormals): fp32's round-to-nearest-even of the sum is e4m3's of y, and the difference is
+    exact. That value (at most 4 significant bits) times 2**diff is exact (>= 2**-39, normal),
+    and the hardware cast rounds it the second time (RNE; e4m3 subnormals included). A finite
+    y is below 448 * (1 + 2**-20) (RCEIL), so it lands on 448 at most, as the first cast's
+    satfinite gives. Inf and NaN stay themselves through the sum; Inf comes with diff 0 (its
+    block's byte is 0xFE, the largest), so the cast saturates it to 448 as cast_native does,
+    and NaN gives 0x7F, kept as shift_codes keeps it; the sign is or-ed in last. Compiled
+    kernels only, as ``cast_native`` (a flushed y is 0 either way: it rounds to 0 at any
+    scale, so XLA:CPU gives the same bytes where it gives ``cast_native``'s)."""
+    y = el.mag * _pow2_k(scale)
+    binade = jnp.clip(lax.bitcast_convert_type(y, jnp.int32) & INF_BITS, _GRID_LO, _GRID_HI)
+    m = lax.bitcast_convert_type(binade + _TO_MAGIC, jnp.float32)
+    q = (y + m) - m
+    f = lax.bitcast_convert_type(
+        lax.shift_left(jnp.maximum(diff, _MIN_DIFF) + jnp.int32(127), jnp.int32(23)),
+        jnp.float32)
+    return lax.bitcast_convert_type((q * f).astype(jnp.float8_e4m3fn), jnp.uint8) | el.sign8
 
 
 class ElementFns(NamedTuple):

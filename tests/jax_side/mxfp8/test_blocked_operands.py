@@ -297,11 +297,29 @@ def test_requests_that_cannot_be_served_are_refused():
         blocked.blocked_gemm(ops.rows, w, mxfp8.GemmRole.FORWARD, kb, 128, 128)
 
 
+@pytest.mark.parametrize("one_cast", [True, False], ids=["one-cast", "shift-codes"])
+@pytest.mark.parametrize("call", [
+    dict(rows=True, rows_t=False, tiles_t=False, block=(32, 128), num_warps=2),
+    dict(rows=False, rows_t=True, tiles_t=False, block=(128, 64), num_warps=2),
+    dict(rows=True, rows_t=False, tiles_t=True, packed=True),
+    dict(rows=True, rows_t=True, tiles_t=False, whole=True),
+], ids=["rows", "rows_t", "rows+tiles_t-packed", "rows+rows_t-whole"])
+def test_the_compiled_kernels_lower_to_triton_for_cuda(call, one_cast):
+    """On the CPU: the native path's kernels (never run here) have a Triton lowering for every
+    primitive, with each code by one cast and cast then shifted."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the gpu-marked test compiles the kernels for real")
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    traced = jax.jit(lambda v: quantize_blocked_2d(v, one_cast=one_cast, **call)).trace(x)
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
     """On the GPU: the native element path, compiled, against the xla quantize then re-block
-    (XLA keeps subnormals there), on hostile data and a larger tensor."""
+    (XLA keeps subnormals there), on hostile data and a larger tensor; each code by one e4m3
+    cast (the default) and cast then shifted (``one_cast=False``)."""
     for shape, seed in (((256, 384), 0), ((1024, 2048), 5)):
         x = jnp.asarray(_hostile(shape, seed)).astype(dtype)
         want = blocked.from_planes(mxfp8.quantize(x, backend="xla"), rows=True, rows_t=True,
@@ -310,6 +328,10 @@ def test_the_compiled_kernel_writes_the_bytes_of_quantize_then_reblock(dtype):
         second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True)
         _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
                      f"{jnp.dtype(dtype).name} {shape}")
+        first = quantize_blocked_2d(x, rows=True, rows_t=True, tiles_t=False, one_cast=False)
+        second = quantize_blocked_2d(x, rows=False, rows_t=False, tiles_t=True, one_cast=False)
+        _assert_same(blocked.BlockedPlanes(first.rows, first.rows_t, second.tiles_t), want,
+                     f"{jnp.dtype(dtype).name} {shape}, cast then shift_codes")
         for output, block in BLOCKS:
             got = quantize_blocked_2d(x, rows=output == "rows", rows_t=output == "rows_t",
                                       tiles_t=False, block=block)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from common.formats import Plane
 from jax_side import mxfp8
-from jax_side.mxfp8 import e8m0, xla_impl
+from jax_side.mxfp8 import e8m0, reblock, xla_impl
 from jax_side.mxfp8 import pallas_elements as pe
 from jax_side.mxfp8 import pallas_impl as pk
 from jax_side.mxfp8.pallas_tiles import KernelKind, TileKey
@@ -137,6 +137,36 @@ def test_native_cast_every_normal_bf16_pattern_at_every_scale_byte(nan_scale):
                            f"native, scale byte {e}")
         checked += int(ok.sum())
     assert checked > 254 * 30000
+
+
+def test_native_cast_and_shift_in_one_cast_every_normal_bf16_pattern():
+    # pallas_blocked's codes on the native path: x cast at its 1x32 block's own scale byte E,
+    # then shifted by diff <= 0 to the merged block's (reblock.shift_codes), made by one e4m3
+    # cast (cast_shift_native). Against the FTZ-proof composition, as plain jnp on the CPU: every
+    # bf16 pattern but the subnormals (XLA:CPU flushes them, and the factor 2**-127 of scale
+    # byte 254; the compiled GPU test of the blocked kernel covers both) and +-Inf (XLA:CPU's
+    # convert makes NaN of them where the GPU saturates), at every other own-scale byte E
+    # (|x| * 2**(127 - E) below 448 * (1 + 2**-20), as the block's RCEIL scale keeps it) and
+    # shifts across the range, past the clamp at -30 too.
+    bits = _normal_bf16_bits()
+    with np.errstate(invalid="ignore"):
+        x64 = np.abs(bits.view(np.float32).astype(np.float64))
+    b = jnp.asarray(bits.view(np.int32))
+    native, ftz_proof = pe.native_elements(b), pe.elements(b)
+    fused = jax.jit(lambda e, d: pe.cast_shift_native(native, e, d))
+    ref = jax.jit(lambda e, d: reblock.shift_codes(
+        pe.cast_own(ftz_proof, e, pe.ElementPath.FLOAT), d))
+    checked = 0
+    for e in range(254):
+        with np.errstate(over="ignore", invalid="ignore"):
+            ok = np.isnan(x64) | (np.isfinite(x64)
+                                  & (np.ldexp(x64, 127 - e) < 448.0 * (1 + 2.0**-20)))
+        for d in (0, -1, -2, -3, -4, -5, -7, -9, -12, -17, -25, -30, -31, -40):
+            assert_bytes_equal(u8(fused(jnp.int32(e), jnp.int32(d)))[ok],
+                               u8(ref(jnp.int32(e), jnp.int32(d)))[ok],
+                               f"scale byte {e}, shift {d}")
+            checked += int(ok.sum())
+    assert checked > 100_000_000
 
 
 def test_native_mode_is_refused_in_interpret_mode_and_default_follows_the_mode():
