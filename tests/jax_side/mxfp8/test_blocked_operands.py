@@ -25,9 +25,10 @@ from common.kernels import KernelConfig
 from jax_side import linear as L
 from jax_side import mxfp8
 from jax_side.mxfp8 import blocked_operands as blocked
-from jax_side.mxfp8 import reblock
+from jax_side.mxfp8 import pallas_blocked, reblock
 from jax_side.mxfp8.kernels import resolve_kernels
 from jax_side.mxfp8.pallas_blocked import quantize_blocked_2d
+from jax_side.mxfp8.pallas_elements import ElementPath, cast_shift_native
 from jax_side.mxfp8.reblock import shift_codes
 from tests.jax_side.mxfp8.pallas_calls import pallas_operand_shapes
 from tests.jax_side.mxfp8.tiny_training import two_step_losses
@@ -306,12 +307,17 @@ def test_requests_that_cannot_be_served_are_refused():
 ], ids=["rows", "rows_t", "rows+tiles_t-packed", "rows+rows_t-whole"])
 def test_the_compiled_kernels_lower_to_triton_for_cuda(call, one_cast):
     """On the CPU: the native path's kernels (never run here) have a Triton lowering for every
-    primitive, with each code by one cast and cast then shifted."""
+    primitive, with each code by one cast and cast then shifted, and ``one_cast`` picks the
+    one-cast function on the native path only (the interpreter's FTZ-proof paths compose)."""
     if jax.default_backend() == "gpu":
         pytest.skip("the gpu-marked test compiles the kernels for real")
     x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     traced = jax.jit(lambda v: quantize_blocked_2d(v, one_cast=one_cast, **call)).trace(x)
     assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # which codes function the kernels take: the one-cast one only on the native path
+    native = pallas_blocked._cast_shift(ElementPath.NATIVE, one_cast)[1]
+    assert (native is cast_shift_native) == one_cast
+    assert pallas_blocked._cast_shift(ElementPath.FLOAT, one_cast)[1] is not cast_shift_native
 
 
 @pytest.mark.gpu
