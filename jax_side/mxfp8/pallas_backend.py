@@ -102,10 +102,8 @@ def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], 
                   rowwise: bool, colwise: bool, interpret: bool, in_place: bool,
                   read_as: str | None) -> BlockAmax:
     m, k = shape
-    row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
-    col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
     if n == 0:
-        return BlockAmax(row, col)
+        return _placed(BlockAmax(None, None), None, shape, rowwise, colwise)
     b = band(m, k, start, n)
     if in_place:
         part = pallas_impl.block_amax_in_place(flat, _in_place(b, k, offset, read_as),
@@ -114,9 +112,19 @@ def _partial_amax(flat: jax.Array, offset: int, n: int, shape: tuple[int, int], 
     else:  # zero padding never raises an amax
         part = pallas_impl.block_amax_2d(band_values(flat, k, b), rowwise=rowwise,
                                          colwise=colwise, interpret=interpret)
-    if rowwise:
+    return _placed(part, b, shape, rowwise, colwise)
+
+
+def _placed(part: BlockAmax, b: Band | None, shape: tuple[int, int], rowwise: bool,
+            colwise: bool) -> BlockAmax:
+    """The (M, K) parameter's block amax planes asked for: zeros, with band ``b``'s amax
+    ``part`` (if any) at its rows."""
+    m, k = shape
+    row = jnp.zeros((m, k // _BS), jnp.float32) if rowwise else None
+    col = jnp.zeros((m // _BS, k), jnp.float32) if colwise else None
+    if b is not None and row is not None:
         row = lax.dynamic_update_slice(row, part.rowwise, (b.row0, 0))
-    if colwise:
+    if b is not None and col is not None:
         col = lax.dynamic_update_slice(col, part.colwise, (b.row0 // _BS, 0))
     return BlockAmax(row, col)
 
@@ -188,11 +196,7 @@ def _quantize_slice_into(out: jax.Array, buf: jax.Array, ats: tuple[int, int], o
     b = band(m, k, start, n)
     out, part = pallas_impl.quantize_into_in_place(
         out, ats, buf, _in_place(b, k, offset, read_as), (b.rows, k), interpret=interpret)
-    row = lax.dynamic_update_slice(jnp.zeros((m, k // _BS), jnp.float32), part.rowwise,
-                                   (b.row0, 0))
-    col = lax.dynamic_update_slice(jnp.zeros((m // _BS, k), jnp.float32), part.colwise,
-                                   (b.row0 // _BS, 0))
-    return out, BlockAmax(row, col)
+    return out, _placed(part, b, shape, True, True)
 
 
 class PallasBackend(KernelBackend):

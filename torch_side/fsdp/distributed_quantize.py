@@ -51,7 +51,6 @@ __all__ = [
     "ScaleLayout",
     "distributed_mxfp8_quantize",
     "quantize_batch_into_images",
-    "quantize_batch_whole_images",
     "quantize_into_images",
     "quantize_with_reducer",
 ]
@@ -187,18 +186,28 @@ def quantize_batch_into_images(
     *,
     kernels: KernelConfig | None = None,
     source_dtype: torch.dtype = torch.bfloat16,
+    one_pass: bool = False,
 ) -> BatchImages:
     """``quantize_into_images`` of several buffers at once (``pieces[j]``, ``scales[j]``: buffer
     j's), e.g. every MXFP8 group of an FSDP model on one communicator: one program for the partial
     amax of all of them, ONE ``all_reduce_max`` of the concatenated packed amax, one program for
     every buffer's scales and bytes. Each buffer crosses to JAX once; the bytes are identical to
     ``quantize_into_images`` of each buffer alone (amax and scales are per block; the reduction
-    is elementwise)."""
+    is elementwise).
+
+    ``one_pass``, for a batch whose reduction changes no amax (``AmaxReduction.identity``): the
+    packed amax and the bytes from ONE program that reads each piece once where the kernels can
+    (``bridge.mxfp8_slices.batched_quantize_images``), then the reduction called once with that
+    amax (its collective, if any, still issued). Same bytes."""
     shared = [SharedBuffer(b) for b in buffers]
     kw = {"kernels": kernels, "source_dtype": source_dtype}
-    packed = batched_partial_amax(shared, pieces, device, **kw)
-    all_reduce_max(packed)
-    images = batched_scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
+    if one_pass:
+        images, packed = batched_quantize_images(shared, pieces, scales, device, **kw)
+        all_reduce_max(packed)
+    else:
+        packed = batched_partial_amax(shared, pieces, device, **kw)
+        all_reduce_max(packed)
+        images = batched_scales_and_cast_images(shared, packed, pieces, scales, device, **kw)
     return BatchImages(images, _split_amax(packed, pieces))
 
 
@@ -210,27 +219,6 @@ def _split_amax(packed: torch.Tensor, pieces: Sequence[Sequence[Piece]]) -> list
         amax.append(packed[at:at + n])
         at += n
     return amax
-
-
-def quantize_batch_whole_images(
-    buffers: Sequence[torch.Tensor],
-    pieces: Sequence[Sequence[Piece]],
-    all_reduce_max: Callable[[torch.Tensor], None],
-    device: torch.device,
-    scales: Sequence[ScaleLayout],
-    *,
-    kernels: KernelConfig | None = None,
-    source_dtype: torch.dtype = torch.bfloat16,
-) -> BatchImages:
-    """``quantize_batch_into_images`` for a batch whose reduction changes no amax
-    (``AmaxReduction.identity``): the packed amax and the bytes from ONE program that reads each
-    piece once where the kernels can (``bridge.mxfp8_slices.batched_quantize_images``), then the
-    reduction called once with that amax (its collective, if any, still issued). Same bytes."""
-    shared = [SharedBuffer(b) for b in buffers]
-    images, packed = batched_quantize_images(shared, pieces, scales, device, kernels=kernels,
-                                             source_dtype=source_dtype)
-    all_reduce_max(packed)
-    return BatchImages(images, _split_amax(packed, pieces))
 
 
 class AmaxReduction:

@@ -66,7 +66,6 @@ from torch_side.fsdp.distributed_quantize import (
     Piece,
     ScaleLayout,
     quantize_batch_into_images,
-    quantize_batch_whole_images,
     quantize_into_images,
 )
 from torch_side.fsdp.flat_layout import OwnedPiece
@@ -350,10 +349,10 @@ class MXFP8Codec(BlockScaledCodec):
         layouts: list[ScaleLayout], kernels: KernelConfig | None,
     ) -> BatchImages:
         kw: dict[str, Any] = {"kernels": kernels, "source_dtype": self.source_dtype}
-        if getattr(reduce_max, "identity", False):  # one pass: amax and bytes from one read
-            return quantize_batch_whole_images(mains, pieces, reduce_max, device, layouts, **kw)
-        if len(mains) > 1:
-            return quantize_batch_into_images(mains, pieces, reduce_max, device, layouts, **kw)
+        one_pass = getattr(reduce_max, "identity", False)  # amax and bytes from one read
+        if one_pass or len(mains) > 1:
+            return quantize_batch_into_images(mains, pieces, reduce_max, device, layouts,
+                                              one_pass=one_pass, **kw)
         reduced: list[torch.Tensor] = []
 
         def keep(packed: torch.Tensor) -> None:
