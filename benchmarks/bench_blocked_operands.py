@@ -16,6 +16,11 @@ plus the outputs written once (GB/s), for
   four rows' codes per int32 word through the transpose (``packed=True``); ``...,shift_codes]``
   (``KERNEL_CONFIG``'s block and warps): each code cast at its 1x32 block's scale, then shifted
   to the merged block's (``one_cast=False``), where the default makes it by one e4m3 cast;
+  ``rows>rows_t[...]`` / ``rows>tiles_t[...]``: the rows' call and the transposed output's
+  call, the colwise scale bytes made by the first (``col_scales``) and read by the second
+  (``given_scales``: its bands of x read once), against ``rows,rows_t[...]`` /
+  ``rows,tiles_t[...]``, the same two calls each on its own, and ``rows+cs[...]``, the rows'
+  call with the scale bytes;
   ``rows+rows_t[...]`` / ``rows+tiles_t[...]``: two outputs in one call (x read once from
   memory, the sum of the two layer calls' work; ``,whole]``: both from one loaded block;
   ``,packed]``: both from row-strided quarters, the transposed codes packed),
@@ -128,8 +133,43 @@ def _variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
                         x, rows=True, rows_t=second == "rows_t", tiles_t=second == "tiles_t",
                         interpret=interpret, num_warps=w, whole=how == "whole",
                         packed=how == "packed")), 2)
+    out.update(_given_variants(warps, interpret))
     out.update(_gelu_variants(warps, interpret))
     out.update(_copy_variants(warps, interpret))
+    return out
+
+
+def _given_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, int]]:
+    """The layer's two calls on one x with the transposed output's colwise scale bytes made by
+    the rows' call (``rows>rows_t[...]`` / ``rows>tiles_t[...]``: ``col_scales=True``, then
+    ``given_scales``, the transposed call's block and warps named) against the same two calls
+    apart (``rows,rows_t[...]`` / ``rows,tiles_t[...]``: each transposed program reads its
+    bands twice), and the rows' call alone with the scale bytes (``rows+cs[...]``); the rows'
+    call takes ``KERNEL_CONFIG["rows"]``'s block and warps."""
+    c = KERNEL_CONFIG["rows"]
+
+    def rows(x: jax.Array, col_scales: bool) -> Any:
+        return quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=False,
+                                   interpret=interpret, num_warps=c.warps, block=c.block,
+                                   col_scales=col_scales)
+
+    def pair(x: jax.Array, second: str, block: tuple[int, int], w: int, given: bool) -> Any:
+        r = rows(x, given)
+        t = quantize_blocked_2d(x, rows=False, rows_t=second == "rows_t",
+                                tiles_t=second == "tiles_t", interpret=interpret, num_warps=w,
+                                block=block, given_scales=r.col_scales if given else None)
+        return r.rows, getattr(t, second)
+
+    out: dict[str, tuple[Any, int]] = {
+        f"rows+cs[{c.block[0]}x{c.block[1]},w{c.warps}]": (
+            jax.jit(lambda x: rows(x, True)), 1)}
+    for second in ("rows_t", "tiles_t"):
+        for block in BLOCKS[second]:
+            for w in warps:
+                for given in (True, False):
+                    name = f"rows{'>' if given else ','}{second}[{block[0]}x{block[1]},w{w}]"
+                    out[name] = (jax.jit(functools.partial(
+                        pair, second=second, block=block, w=w, given=given)), 2)
     return out
 
 

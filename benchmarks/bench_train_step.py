@@ -45,6 +45,10 @@ Runs (``--runs``):
   codes into one int32 word before the transpose (``KernelChoice.packed`` flipped from its
   default), and ``:pairs`` entries come from row-strided quarters (``PACKED_PAIR_CHOICE``)
   instead of a whole loaded block (the same bytes); only for this project's runs.
+- ``:given`` at the very end (e.g. ``mxfp8:u4:given``): the transposed outputs' kernels
+  (``KERNEL_CONFIG["rows_t"]``, ``["tiles_t"]``) take their colwise scale bytes from the rows'
+  call (``KernelChoice.given`` flipped from its default), so they read x once instead of twice
+  (the same bytes); only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -105,12 +109,14 @@ QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
 GELU_IN = ":gelu-in"  # a run's suffix: the GELU inside the MLP's second linear
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
+GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (KERNEL_CONFIG)
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
 # it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
-# entries set to PAIR_CHOICE) or "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
-# set to PACKED_PAIR_CHOICE)
-SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS", PACKED: "PACKED"}
-TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed`` flips
+# entries set to PAIR_CHOICE), "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
+# set to PACKED_PAIR_CHOICE) or "GIVEN" (the TRANSPOSED entries' ``given`` flipped)
+SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", PAIRS: "PAIRS", PACKED: "PACKED",
+            GIVEN: "GIVEN"}
+TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``, ``:given`` flip
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
 PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
@@ -290,9 +296,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
     if name != run and name.split(":")[0] in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
-                         f"inside the linear, the quantize's outputs in pairs or packed); drop "
-                         f"them "
-                         f"from {name!r}")
+                         f"inside the linear, the quantize's outputs in pairs, packed or with "
+                         f"given scales); drop them from {name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
@@ -300,8 +305,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
                          f"GEMM), '{GELU_IN}' (the GELU inside the linear), '{PAIRS}' (the "
-                         f"quantize's outputs in pairs) and/or '{PACKED}' (its transposed "
-                         f"outputs' packing flipped), e.g. 'mxfp8:u4:r'")
+                         f"quantize's outputs in pairs), '{PACKED}' (its transposed "
+                         f"outputs' packing flipped) and/or '{GIVEN}' (their scales given by "
+                         f"the rows' call), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
@@ -343,10 +349,11 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
     config = blocked_operands.KERNEL_CONFIG
     packed = "PACKED" in switched
     for e in TRANSPOSED:
-        want = _default_packed(e) != packed
-        if config[e].packed != want:
-            config[e] = config[e]._replace(packed=want)
-            changed = True
+        for field in ("packed", "given"):
+            want = _default(e, field) != (field.upper() in switched)
+            if getattr(config[e], field) != want:
+                config[e] = config[e]._replace(**{field: want})
+                changed = True
     pairs = {e: blocked_operands.KernelChoice(*(PACKED_PAIR_CHOICE if packed else PAIR_CHOICE))
              for e in PAIR_ENTRIES}
     has = {e: config[e] for e in PAIR_ENTRIES if e in config}
@@ -360,11 +367,12 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
 
 
 @functools.cache
-def _default_packed(entry: str) -> bool:
-    """``KERNEL_CONFIG[entry].packed`` as the module set it (read before any switch flips it)."""
+def _default(entry: str, field: str) -> bool:
+    """``KERNEL_CONFIG[entry]``'s ``field`` as the module set it (read before any switch flips
+    it)."""
     from jax_side.mxfp8 import blocked_operands
 
-    return blocked_operands.KERNEL_CONFIG[entry].packed
+    return bool(getattr(blocked_operands.KERNEL_CONFIG[entry], field))
 
 
 def _whole_qkv(run: str) -> bool:

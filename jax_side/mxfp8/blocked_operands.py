@@ -76,6 +76,9 @@ class KernelChoice(NamedTuple):
     warps: int  # Triton warps per program
     whole: bool = False  # each program's block loaded at once (the transposed outputs only)
     packed: bool = False  # four rows' codes per int32 word through the transpose (likewise)
+    # (a transposed output asked beside the rows) its colwise scale bytes made by the rows'
+    # call, so this call reads x once (``quantize_blocked_2d``'s col_scales / given_scales)
+    given: bool = False
 
 
 # The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
@@ -232,26 +235,39 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
     bf16 the rows took 83 us and the x^T tiles 144 us alone, both together 296 us) -- unless
     ``KERNEL_CONFIG`` holds an entry for the pair asked, ``"rows+rows_t"`` or
     ``"rows+tiles_t"``: then one call makes both (x read once; ``whole=True`` makes both from
-    one loaded block). The bytes are the same either way."""
+    one loaded block). A transposed output whose entry says ``given``, asked beside the rows,
+    takes its colwise scale bytes from the rows' call (which writes them, ``col_scales``), so
+    its own call reads x once instead of twice. The bytes are the same either way."""
     from jax_side.mxfp8.pallas_backend import interpret_mode
 
     interpret = interpret_mode()
 
-    def call(*outputs: str) -> BlockedPlanes:
+    def call(*outputs: str, col_scales: bool = False,
+             given: jax.Array | None = None) -> BlockedPlanes:
         choice = KERNEL_CONFIG["+".join(outputs)]
         return quantize_blocked_2d(xp, rows="rows" in outputs, rows_t="rows_t" in outputs,
                                    tiles_t="tiles_t" in outputs, interpret=interpret,
                                    num_warps=choice.warps, block=choice.block,
-                                   whole=choice.whole, packed=choice.packed, pre=pre)
+                                   whole=choice.whole, packed=choice.packed, pre=pre,
+                                   col_scales=col_scales, given_scales=given)
 
     second = "rows_t" if rows_t else "tiles_t" if tiles_t else ""
     if rows and f"rows+{second}" in KERNEL_CONFIG:
         both = call("rows", second)
         third = call("tiles_t").tiles_t if rows_t and tiles_t else None
         return BlockedPlanes(both.rows, both.rows_t, both.tiles_t if third is None else third)
-    return BlockedPlanes(call("rows").rows if rows else None,
-                         call("rows_t").rows_t if rows_t else None,
-                         call("tiles_t").tiles_t if tiles_t else None)
+    asked = {"rows_t": rows_t, "tiles_t": tiles_t}
+    given = rows and any(KERNEL_CONFIG[e].given for e, on in asked.items() if on)
+    first = call("rows", col_scales=given) if rows else None
+
+    def transposed(e: str) -> reblock.Reblocked | None:
+        if not asked[e]:
+            return None
+        use = first is not None and KERNEL_CONFIG[e].given
+        return getattr(call(e, given=first.col_scales if use else None), e)
+
+    return BlockedPlanes(None if first is None else first.rows, transposed("rows_t"),
+                         transposed("tiles_t"))
 
 
 def blocked_gemm(a: reblock.Reblocked, b: Weight | reblock.Reblocked, role: GemmRole,

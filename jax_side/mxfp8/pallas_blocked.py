@@ -63,6 +63,9 @@ class BlockedPlanes(NamedTuple):
     rows: Reblocked | None  # (M, K), scales (M, K/128)
     rows_t: Reblocked | None  # (K, M), scales (K, M/128)
     tiles_t: Reblocked | None  # (K, M), scales (K/128, M/128)
+    # (M/32, K) uint8: the colwise plane's scale bytes (32x1 blocks), made beside the rows
+    # (``col_scales=True``) for a transposed output's call (``given_scales``)
+    col_scales: jax.Array | None = None
 
 
 def _row_blocks(v: jax.Array) -> jax.Array:
@@ -128,15 +131,25 @@ def _kernel_whole(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
     ts[...] = top.astype(jnp.uint8)
 
 
+def _col_scales(el: Any) -> jax.Array:
+    """(1, W) int32: the scale bytes of a band's 32x1 blocks (the colwise plane's)."""
+    return scale_bytes_of_bits(jnp.max(el.amax_in, axis=0, keepdims=True), any_bits=False)
+
+
 def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
-            path: ElementPath, one_cast: bool, bands: int, pre: Prologue | None) -> None:
+            path: ElementPath, one_cast: bool, bands: int, pre: Prologue | None,
+            col_scales: bool = False, given: bool = False) -> None:
     """One program: x's (32 * bands, W) block in bands of 32 rows, each band's elements made
     when it is cast (not all of them up front: fewer live registers). The transposed outputs
     need every band's colwise scale before the first cast, so their bands are read twice: once
-    for the amax, then again (from cache) for the codes."""
+    for the amax, then again (from cache) for the codes -- unless the scale bytes are
+    ``given`` (the first ref, (bands, W): a ``col_scales`` call wrote them beside its rows),
+    then each band is read once."""
     queue = list(refs)
+    gs: Any = queue.pop(0) if given else None
     rd: Any = queue.pop(0) if rows else None
     rs: Any = queue.pop(0) if rows else None
+    cs: Any = queue.pop(0) if col_scales else None
     td: Any = queue.pop(0) if cols else None
     ts: Any = queue.pop(0) if cols else None
     elements, cast_shift = _cast_shift(path, one_cast)
@@ -146,10 +159,13 @@ def _kernel(x_ref: Any, *refs: Any, rows: bool, cols: bool, tiles: bool,
 
     if rows:
         for i in range(bands):
-            rd[pl.ds(i * _BS, _BS), :], rs[pl.ds(i * _BS, _BS), :] = _rows_of(band(i), cast_shift)
+            el = band(i)
+            rd[pl.ds(i * _BS, _BS), :], rs[pl.ds(i * _BS, _BS), :] = _rows_of(el, cast_shift)
+            if col_scales:
+                cs[pl.ds(i, 1), :] = _col_scales(el).astype(jnp.uint8)
     if cols:
-        ec = [scale_bytes_of_bits(jnp.max(band(i).amax_in, axis=0, keepdims=True),
-                                  any_bits=False) for i in range(bands)]  # (1, W) per band
+        ec = [gs[pl.ds(i, 1), :].astype(jnp.int32) if given else _col_scales(band(i))
+              for i in range(bands)]  # (1, W) per band
         top = functools.reduce(jnp.maximum, ec)  # (1, W): per column over the 128 rows
         if tiles:
             top = jnp.max(top, axis=1, keepdims=True)  # (1, 1): the whole tile
@@ -202,7 +218,9 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                         num_warps: int = NUM_WARPS,
                         block: tuple[int, int] = (GROUP, GROUP),
                         whole: bool = False, packed: bool = False,
-                        pre: Prologue | None = None, one_cast: bool = True) -> BlockedPlanes:
+                        pre: Prologue | None = None, one_cast: bool = True,
+                        col_scales: bool = False,
+                        given_scales: jax.Array | None = None) -> BlockedPlanes:
     """The operands asked for (module docstring) of a 2-D (M, K) bf16/fp32 x, M and K multiples
     of 128; ``rows_t`` and ``tiles_t`` exclude each other (one transposed output per call).
     ``num_warps``: Triton warps per program; ``block``: the (rows, columns) of x each program
@@ -232,7 +250,15 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     at the merged block's scale from x's value rounded onto its own 1x32 block's grid in fp32
     (``pallas_elements.cast_shift_native``); False: cast at the own scale, then shifted by
     ``reblock.shift_codes``, the composition it replaces (the same bytes: the GPU test compares
-    them; the benchmark times them). The FTZ-proof paths always take the composition."""
+    them; the benchmark times them). The FTZ-proof paths always take the composition.
+
+    ``col_scales`` (``rows`` alone): the call also writes the colwise plane's scale bytes,
+    (M/32, K) uint8 (each 32x1 block's E8M0 byte, from the amax the rows' bands are loaded for),
+    as ``BlockedPlanes.col_scales``. ``given_scales`` (a transposed output alone, banded, not
+    packed): those bytes, read instead of computed, so each program reads its bands of x once
+    (the first of its two passes is the amax). They must be what a ``col_scales`` call returned
+    for the same x (and ``pre``): other bytes give other codes (only the shape and dtype are
+    checked). The operands are those of one call per output, byte for byte."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
     what = "quantize_blocked_2d"
     _check_parts(parts, what)
@@ -251,11 +277,36 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
                          f"whole=False")
     if pre is not None:
         elementwise.check(pre, parts[0].dtype, what)
+    _check_scales(parts, bool(col_scales), given_scales, rows, rows_t or tiles_t,
+                  whole or packed)
     path = element_path(e4m3_cast, bool(interpret))
-    return _quantize_blocked(parts, bool(rows), bool(rows_t or tiles_t), bool(tiles_t),
-                             bool(interpret), path, int(num_warps),
+    return _quantize_blocked(parts, given_scales, bool(rows), bool(rows_t or tiles_t),
+                             bool(tiles_t), bool(interpret), path, int(num_warps),
                              (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
-                             bool(one_cast))
+                             bool(one_cast), bool(col_scales))
+
+
+def _check_scales(parts: tuple[jax.Array, ...], col_scales: bool, given: jax.Array | None,
+                  rows: bool, transposed: bool, whole_or_packed: bool) -> None:
+    """A clear error unless ``col_scales`` comes with ``rows`` alone and ``given_scales`` (the
+    (M/32, K) uint8 bytes) with a banded transposed output alone."""
+    what = "quantize_blocked_2d"
+    if col_scales and (not rows or transposed):
+        raise ValueError(f"{what}: col_scales=True writes the colwise scale bytes beside the "
+                         f"rows of a call that makes the rows alone; got rows={rows} and a "
+                         f"transposed output={transposed}")
+    if given is None:
+        return
+    if rows or not transposed or whole_or_packed:
+        raise ValueError(f"{what}: given_scales serve a call that makes one transposed output "
+                         f"(rows_t or tiles_t) alone with banded programs (whole=False, "
+                         f"packed=False); got rows={rows}, a transposed output={transposed}, "
+                         f"whole or packed={whole_or_packed}")
+    want = (parts[0].shape[0] // _BS, sum(int(p.shape[1]) for p in parts))
+    if tuple(given.shape) != want or given.dtype != jnp.uint8:
+        raise ValueError(f"{what}: given_scales must be the (M/32, K) = {want} uint8 scale "
+                         f"bytes a col_scales=True call of the same x returned; got "
+                         f"{given.dtype}{tuple(given.shape)}")
 
 
 def _check_parts(parts: tuple[jax.Array, ...], what: str) -> None:
@@ -307,6 +358,8 @@ class _Call(NamedTuple):
     whole: bool
     packed: bool  # the transposed codes stored as int32 words of four (``_kernel_packed``)
     pre: Prologue | None  # applied to x's values as they are loaded
+    col_scales: bool  # the rows' call also writes the colwise scale bytes (M/32, K)
+    given: bool  # the transposed output's call reads them (an input after x)
     c0: int  # the part's first column in the whole (M, K)
     k: int  # the whole's K
 
@@ -322,6 +375,9 @@ class _Call(NamedTuple):
                       jax.ShapeDtypeStruct((m, k), u8)),
                      (pl.BlockSpec((br, 1), lambda i, j: (i, j + jr)),
                       jax.ShapeDtypeStruct((m, k // GROUP), u8))]
+        if self.col_scales:  # one byte per 32x1 block: (bands, 128) per program
+            outs.append((pl.BlockSpec((br // _BS, bc), lambda i, j: (i, j + jr)),
+                         jax.ShapeDtypeStruct((m // _BS, k), u8)))
         if self.cols:  # br == 128; scales (M/128, K) or (M/128, K/128), transposed at the end
             width, js = (1, self.c0 // GROUP) if self.tiles else (bc, jc)
             q, t = (_PACK, jnp.int32) if self.packed else (1, u8)  # codes per stored element
@@ -332,54 +388,65 @@ class _Call(NamedTuple):
         return outs
 
 
-def _inputs(x_ref: Any, *refs: Any, skip: int, body: functools.partial[None]) -> None:
-    """The kernel body given x's ref and the outputs, not the aliased output inputs (``skip``:
-    written, never read)."""
-    body(x_ref, *refs[skip:])
+def _inputs(x_ref: Any, *refs: Any, read: int, skip: int, body: functools.partial[None]
+            ) -> None:
+    """The kernel body given x's ref, the ``read`` inputs after it and the outputs, not the
+    aliased output inputs (``skip``: written, never read)."""
+    body(x_ref, *refs[:read], *refs[read + skip:])
 
 
-def _call_part(x: jax.Array, written: list[jax.Array], c: _Call) -> list[jax.Array]:
+def _call_part(x: jax.Array, given: jax.Array | None, written: list[jax.Array], c: _Call
+               ) -> list[jax.Array]:
     """The raw outputs (uint8; the transposed codes int32 words if packed) with ``x``'s columns
     written (into ``written``, the previous parts' outputs, where given: aliased, so XLA updates
-    them in place)."""
+    them in place); ``given``: the whole's colwise scale bytes (``_Call.given``)."""
     m, kx = x.shape
     br, bc = c.block
     if c.packed:
         kernel = functools.partial(_kernel_packed, rows=c.rows, tiles=c.tiles, path=c.path,
                                    one_cast=c.one_cast, pre=c.pre)
+    elif c.whole:
+        kernel = functools.partial(_kernel_whole, rows=c.rows, cols=c.cols, tiles=c.tiles,
+                                   path=c.path, one_cast=c.one_cast, bands=br // _BS, pre=c.pre)
     else:
-        kernel = functools.partial(_kernel_whole if c.whole else _kernel, rows=c.rows,
-                                   cols=c.cols, tiles=c.tiles, path=c.path,
-                                   one_cast=c.one_cast, bands=br // _BS, pre=c.pre)
+        kernel = functools.partial(_kernel, rows=c.rows, cols=c.cols, tiles=c.tiles,
+                                   path=c.path, one_cast=c.one_cast, bands=br // _BS, pre=c.pre,
+                                   col_scales=c.col_scales, given=c.given)
     outs = c.outs(m)
-    kernel = functools.partial(_inputs, skip=len(written), body=kernel)
-    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))] + [o[0] for o in outs if written]
+    read = [given] if c.given else []  # the part's columns of the whole's bytes
+    jc = c.c0 // bc
+    kernel = functools.partial(_inputs, read=len(read), skip=len(written), body=kernel)
+    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+    in_specs += [pl.BlockSpec((br // _BS, bc), lambda i, j: (i, j + jc)) for _ in read]
+    in_specs += [o[0] for o in outs if written]
     return list(pl.pallas_call(
         kernel, out_shape=[o[1] for o in outs], grid=(m // br, kx // bc), in_specs=in_specs,
         out_specs=[o[0] for o in outs], compiler_params=triton_params(c.num_warps),
-        input_output_aliases={1 + i: i for i in range(len(written))},
+        input_output_aliases={1 + len(read) + i: i for i in range(len(written))},
         interpret=c.interpret, name="mxfp8_quantize_blocked",
-    )(x, *written))
+    )(x, *read, *written))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
-def _quantize_blocked(parts: tuple[jax.Array, ...], rows: bool, cols: bool, tiles: bool,
-                      interpret: bool, path: ElementPath, num_warps: int,
-                      block: tuple[int, int], whole: bool, packed: bool,
-                      pre: Prologue | None, one_cast: bool) -> BlockedPlanes:
+@functools.partial(jax.jit, static_argnums=tuple(range(2, 14)))
+def _quantize_blocked(parts: tuple[jax.Array, ...], given: jax.Array | None, rows: bool,
+                      cols: bool, tiles: bool, interpret: bool, path: ElementPath,
+                      num_warps: int, block: tuple[int, int], whole: bool, packed: bool,
+                      pre: Prologue | None, one_cast: bool, col_scales: bool) -> BlockedPlanes:
     k = sum(int(p.shape[1]) for p in parts)
     res: list[jax.Array] = []
     c0 = 0
     for x in parts:
-        res = _call_part(x, res, _Call(rows, cols, tiles, interpret, path, one_cast,
-                                       num_warps, block, whole, packed, pre, c0, k))
+        res = _call_part(x, given, res, _Call(
+            rows, cols, tiles, interpret, path, one_cast, num_warps, block, whole, packed, pre,
+            col_scales, given is not None, c0, k))
         c0 += int(x.shape[1])
     e4 = jnp.float8_e4m3fn
     r = Reblocked(lax.bitcast_convert_type(res.pop(0), e4), res.pop(0)) if rows else None
+    cs = res.pop(0) if col_scales else None
     t = None
     if cols:
         codes = res.pop(0)
         if packed:  # int32 words (K, M/4) -> their little-endian bytes, row 4i + r at byte r
             codes = lax.bitcast_convert_type(codes, jnp.uint8).reshape(k, -1)
         t = Reblocked(lax.bitcast_convert_type(codes, e4), res.pop(0).T)
-    return BlockedPlanes(r, None if tiles else t, t if tiles else None)
+    return BlockedPlanes(r, None if tiles else t, t if tiles else None, cs)

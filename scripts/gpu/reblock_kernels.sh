@@ -36,6 +36,7 @@ for part in "${parts[@]}"; do
         tests/jax_side/mxfp8/test_blocked_operands.py tests/jax_side/test_linear_parts.py \
         tests/jax_side/test_linear_pre.py tests/bridge/test_mxfp8_slices.py \
         tests/torch_side/fsdp/test_group_buffers.py tests/jax_side/mxfp8/test_quantize_slice_into.py \
+        tests/jax_side/mxfp8/test_given_scales.py \
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;

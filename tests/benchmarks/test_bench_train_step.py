@@ -207,3 +207,10 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert {e: c for e, c in config.items() if "+" in e} == {
         "rows+rows_t": packed_pair, "rows+tiles_t": packed_pair}
     assert all(config[e].packed for e in default)
+    assert apply(frozenset({"GIVEN"}), knobs)  # ``:given``: their scales from the rows' call
+    assert {e: config[e] for e in default} == {e: c._replace(given=not c.given)
+                                               for e, c in default.items()}
+    assert [e for e in config if "+" in e] == []
+    assert not apply(frozenset({"GIVEN"}), knobs)  # already so
+    assert apply(frozenset(), knobs)
+    assert {e: config[e] for e in default} == default
