@@ -259,12 +259,12 @@ def _pallas_operands(xp: jax.Array | Parts, rows: bool, rows_t: bool, tiles_t: b
     asked = {"rows_t": rows_t, "tiles_t": tiles_t}
     given = rows and any(KERNEL_CONFIG[e].given for e, on in asked.items() if on)
     first = call("rows", col_scales=given) if rows else None
+    scales = None if first is None else first.col_scales
 
     def transposed(e: str) -> reblock.Reblocked | None:
         if not asked[e]:
             return None
-        use = first is not None and KERNEL_CONFIG[e].given
-        return getattr(call(e, given=first.col_scales if use else None), e)
+        return getattr(call(e, given=scales if KERNEL_CONFIG[e].given else None), e)
 
     return BlockedPlanes(None if first is None else first.rows, transposed("rows_t"),
                          transposed("tiles_t"))

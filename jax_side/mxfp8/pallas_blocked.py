@@ -260,8 +260,23 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
     for the same x (and ``pre``): other bytes give other codes (only the shape and dtype are
     checked). The operands are those of one call per output, byte for byte."""
     parts = tuple(x) if isinstance(x, (list, tuple)) else (x,)
+    _check_parts(parts, "quantize_blocked_2d")
+    _check_request(rows, rows_t, tiles_t, whole, packed, tuple(block))
+    if pre is not None:
+        elementwise.check(pre, parts[0].dtype, "quantize_blocked_2d")
+    _check_scales(parts, bool(col_scales), given_scales, rows, rows_t or tiles_t,
+                  whole or packed)
+    path = element_path(e4m3_cast, bool(interpret))
+    return _quantize_blocked(parts, given_scales, bool(rows), bool(rows_t or tiles_t),
+                             bool(tiles_t), bool(interpret), path, int(num_warps),
+                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
+                             bool(one_cast), bool(col_scales))
+
+
+def _check_request(rows: bool, rows_t: bool, tiles_t: bool, whole: bool, packed: bool,
+                   block: tuple[int, ...]) -> None:
+    """A clear error unless the outputs, ``whole``, ``packed`` and ``block`` fit together."""
     what = "quantize_blocked_2d"
-    _check_parts(parts, what)
     if rows_t and tiles_t:
         raise ValueError(f"{what}: rows_t and tiles_t in one call; make them in two")
     if not (rows or rows_t or tiles_t):
@@ -270,20 +285,11 @@ def quantize_blocked_2d(x: jax.Array | Sequence[jax.Array], *, rows: bool, rows_
         raise ValueError(f"{what}: packed=True packs a transposed output, so it needs rows_t "
                          f"or tiles_t (with or without rows) and whole=False; got "
                          f"rows_t={rows_t}, tiles_t={tiles_t}, whole={whole}")
-    _check_block(tuple(block), rows, rows_t, tiles_t)
+    _check_block(block, rows, rows_t, tiles_t)
     if whole and not (rows_t or tiles_t):
         raise ValueError(f"{what}: whole=True loads each program's block once for a transposed "
                          f"output (rows_t or tiles_t, with or without rows); rows alone take "
                          f"whole=False")
-    if pre is not None:
-        elementwise.check(pre, parts[0].dtype, what)
-    _check_scales(parts, bool(col_scales), given_scales, rows, rows_t or tiles_t,
-                  whole or packed)
-    path = element_path(e4m3_cast, bool(interpret))
-    return _quantize_blocked(parts, given_scales, bool(rows), bool(rows_t or tiles_t),
-                             bool(tiles_t), bool(interpret), path, int(num_warps),
-                             (int(block[0]), int(block[1])), bool(whole), bool(packed), pre,
-                             bool(one_cast), bool(col_scales))
 
 
 def _check_scales(parts: tuple[jax.Array, ...], col_scales: bool, given: jax.Array | None,

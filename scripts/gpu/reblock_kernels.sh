@@ -6,7 +6,8 @@
 #          quantize, whole-block, packed and in column parts; the refresh's gapped images on dirty
 #          memory; the images kept as ZeRO-3's shards, bytes as copied; the refresh's one-pass
 #          kernel (amax and both planes from one read); q, k, v from three GEMMs within 1e-3;
-#          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3)
+#          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3;
+#          the transposed outputs from the colwise scale bytes the rows' call wrote)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
 #          banded, whole-block and packed, two outputs in one call (banded and whole-block), the
 #          GELU inside the kernel against XLA's GELU pass, the transposed write without the
@@ -15,7 +16,7 @@
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
 #          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-in compares the qkv
 #          linear as one GEMM and the GELU inside the linear; mxfp8:u4:packed the transposed
-#          outputs packed),
+#          outputs packed, mxfp8:u4:given their colwise scales made by the rows' call),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log)
