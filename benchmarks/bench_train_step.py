@@ -250,8 +250,11 @@ def _build(run, cfg, args):
     freed = getattr(args, "freed_grad_buckets", None)  # (None: Overlap's default)
     if freed is not None:
         overlap = dataclasses.replace(overlap, freed_grad_buckets=freed)
+    # FSDP's own MXFP8 work (the refresh after each step) on the model's kernels, as
+    # apps.training passes them: with an fp8_blocked GEMM the refresh's images start with only
+    # their gaps zeroed (bridge.mxfp8_slices._images_kernels), not a fill of every byte
     fsdp = fully_shard(model, unit_modules=model.block_units(min(per_unit, cfg.n_layer)),
-                       policy=policy, overlap=overlap)
+                       policy=policy, overlap=overlap, kernels=kernels)
     opt = FSDPOptimizer(fsdp, torch.optim.AdamW, **_adamw(args))
     timing = {"requant_s": 0.0, "events": []}
     refresh = fsdp.refresh_model_weights

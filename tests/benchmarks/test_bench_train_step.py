@@ -88,6 +88,21 @@ def test_freed_grad_buckets_reaches_the_models_bucket_pool(single_rank_world):
         assert model.allocator.retiring_limit == want, (run, n)
 
 
+def test_fsdps_own_work_runs_on_the_models_kernels(single_rank_world):
+    """``--gemm`` / ``--backend`` reach ``fully_shard`` as well as the model (as apps.training
+    passes them): FSDP's refresh resolves the same kernels, so with an ``fp8_blocked`` GEMM its
+    images start with only their gaps zeroed on a GPU; unset, both take the device default."""
+    import argparse
+
+    from common.kernels import KernelConfig
+
+    for gemm, want in (("fp8_blocked", KernelConfig(gemm="fp8_blocked")), ("", None)):
+        args = argparse.Namespace(device="cpu", gemm=gemm)
+        fsdp = bench_train_step._build("mxfp8:u2", PRESETS["tiny"], args)[0]
+        assert fsdp.kernels == want, gemm
+        assert all(g.kernels == want for g in fsdp.param_groups), gemm
+
+
 def test_a_negative_freed_grad_buckets_is_refused_by_name(capsys):
     import pytest
 
