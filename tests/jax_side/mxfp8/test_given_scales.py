@@ -92,31 +92,35 @@ def test_given_scales_serve_column_parts_and_a_prologue(output):
 
 
 def test_the_layer_takes_given_scales_where_the_kernel_config_says_so(monkeypatch):
-    """``KernelChoice.given`` on the transposed entries: ``quantize_operands`` makes the same
-    bytes with as many kernel calls; the rows' call then writes the (M/32, K) bytes and the
-    transposed call reads them."""
+    """``KernelChoice.given`` on the transposed entries (the default): ``quantize_operands``
+    makes the bytes it makes without it, with as many kernel calls; the rows' call then writes
+    the (M/32, K) bytes and every transposed call reads them (none without ``given``, nor
+    where the rows are not asked)."""
     x = jnp.asarray(_hostile((256, 384), 27)).astype(jnp.bfloat16)
     k = resolve_kernels(KernelConfig(backend="pallas", gemm="fp8_blocked"))
     asks = [dict(rows=True, tiles_t=True), dict(rows=True, rows_t=True),
             dict(rows=True, rows_t=True, tiles_t=True), dict(rows=False, rows_t=True)]
+    assert all(blocked.KERNEL_CONFIG[e].given for e in ("rows_t", "tiles_t"))
+
+    def given(on):
+        for e in ("rows_t", "tiles_t"):
+            monkeypatch.setitem(blocked.KERNEL_CONFIG, e,
+                                blocked.KERNEL_CONFIG[e]._replace(given=on))
 
     def run(kw):
-        return blocked.quantize_operands(x, kernels=k, **kw)
+        calls = pallas_operands(lambda v: blocked.quantize_operands(v, kernels=k, **kw), x)
+        reading = sum([(tuple(a.shape), a.dtype) for a in ops[1:]] == [((8, 384), jnp.uint8)]
+                      for ops in calls)
+        return blocked.quantize_operands(x, kernels=k, **kw), len(calls), reading
 
+    given(False)
     apart = [run(kw) for kw in asks]
-    n_apart = [len(pallas_operands(lambda v, kw=kw: blocked.quantize_operands(
-        v, kernels=k, **kw), x)) for kw in asks]
-    for e in ("rows_t", "tiles_t"):
-        monkeypatch.setitem(blocked.KERNEL_CONFIG, e,
-                            blocked.KERNEL_CONFIG[e]._replace(given=True))
-    for kw, want, n in zip(asks, apart, n_apart, strict=True):
-        _assert_same(run(kw), want, str(kw))
-        calls = pallas_operands(lambda v, kw=kw: blocked.quantize_operands(
-            v, kernels=k, **kw), x)
-        assert len(calls) == n, (kw, len(calls), n)
-        read = [[(tuple(a.shape), a.dtype) for a in ops[1:]] for ops in calls]
-        # rows asked: every transposed call reads the rows' call's scale bytes
-        assert sum(r == [((8, 384), jnp.uint8)] for r in read) == (n - 1 if kw["rows"] else 0)
+    given(True)
+    for kw, (want, n, none) in zip(asks, apart, strict=True):
+        got, calls, reading = run(kw)
+        _assert_same(got, want, str(kw))
+        assert calls == n and none == 0, (kw, calls, n, none)
+        assert reading == (n - 1 if kw["rows"] else 0), (kw, reading)
 
 
 def test_requests_for_scale_bytes_that_cannot_be_served_are_refused():
