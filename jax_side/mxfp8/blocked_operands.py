@@ -84,7 +84,7 @@ class KernelChoice(NamedTuple):
 # The fastest on the H200 at the 1.3B GPT's shapes (benchmarks/bench_blocked_operands.py,
 # BENCHMARKS.md session 8; whole-block, packed and pair calls measured slower, sessions 14 and
 # 18). The transposed outputs take their scale bytes from the rows' call (``given``): on an
-# H100 a linear's two calls took 7-14 % less at the 1.3B shapes (BENCHMARKS.md session 19).
+# H100 a linear's two calls took 4-14 % less at the 1.3B shapes (BENCHMARKS.md session 19).
 # An entry "rows+rows_t" or "rows+tiles_t" (block (128, 128)) makes that pair in one call
 # (_pallas_operands); none is set until the bench shows one faster than two calls.
 KERNEL_CONFIG: dict[str, KernelChoice] = {
