@@ -317,8 +317,8 @@ def fully_shard(
     quantization after each step; None: the device default). The layers' GEMMs use the kernels the
     model's ``MXFP8Linear`` layers were built with; pass the same config here (as apps.training
     does): with an ``fp8_blocked`` GEMM on CUDA the refresh then zeroes only the gaps of its
-    images instead of filling all of them each step (fill kernels of about 3.2 ms at 1.3B on
-    an H100, BENCHMARKS.md session 19). check_collectives: before each FSDP collective, check
+    images instead of filling all of them each step (3.1 ms a step at 1.3B on an H100,
+    BENCHMARKS.md session 19). check_collectives: before each FSDP collective, check
     that every rank is about to run the same one, and raise naming each rank's
     unit if not (a debug switch with a cost per collective; the applications set it from the
     environment variable ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.comm.collective_check``).
