@@ -313,16 +313,13 @@ def fully_shard(
     every rank, naming the first differing parameter, if the ranks built different values
     (``torch_side.fsdp.init_sync``; collectives at wrap time).
     grad_check: ``GradCheck.FINITE`` raises, naming the parameter and rank, on a non-finite local
-    gradient. kernels: the ``KernelConfig`` of FSDP's own MXFP8 numerics (the distributed
-    quantization after each step; None: the device default). The layers' GEMMs use the kernels the
-    model's ``MXFP8Linear`` layers were built with; pass the same config here (as apps.training
-    does): with an ``fp8_blocked`` GEMM on CUDA the refresh then zeroes only the gaps of its
-    images instead of filling all of them each step (3.1 ms a step at 1.3B on an H100,
-    BENCHMARKS.md session 19). check_collectives: before each FSDP collective, check
-    that every rank is about to run the same one, and raise naming each rank's
-    unit if not (a debug switch with a cost per collective; the applications set it from the
-    environment variable ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.comm.collective_check``).
-    overlap: how far
+    gradient. kernels: the ``KernelConfig`` of FSDP's own MXFP8 numerics (the refresh after each
+    step; None: the device default); the layers' GEMMs use their own: pass the same config (with
+    ``fp8_blocked`` on CUDA the refresh zeroes only its images' gaps; BENCHMARKS.md session 19).
+    check_collectives: before each FSDP collective, check that every rank is about to run the
+    same one, and raise naming each rank's unit if not (a debug switch with a cost per
+    collective; the applications set it from the environment variable
+    ``MXFP8_FSDP_CHECK_COLLECTIVES=1``; ``torch_side.comm.collective_check``). overlap: how far
     all-gathers run ahead of the compute and whether gradient reductions are asynchronous
     (``torch_side.Overlap``; None: one unit ahead, asynchronous reductions).
     init, device: for a model built on the meta device, the ``ParamInit`` that fills each rank's
