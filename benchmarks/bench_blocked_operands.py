@@ -144,13 +144,15 @@ def _given_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, i
     the rows' call (``rows>rows_t[...]`` / ``rows>tiles_t[...]``: ``col_scales=True``, then
     ``given_scales``, the transposed call's block and warps named) against the same two calls
     apart (``rows,rows_t[...]`` / ``rows,tiles_t[...]``: each transposed program reads its
-    bands twice), and the rows' call alone with the scale bytes (``rows+cs[...]``); the rows'
-    call takes ``KERNEL_CONFIG["rows"]``'s block and warps."""
+    bands twice), and the rows' call alone with the scale bytes at every rows block and warps
+    (``rows+cs[...]``, against ``rows[...]``); the pairs' rows call takes
+    ``KERNEL_CONFIG["rows"]``'s block and warps."""
     c = KERNEL_CONFIG["rows"]
 
-    def rows(x: jax.Array, col_scales: bool) -> Any:
+    def rows(x: jax.Array, col_scales: bool, block: tuple[int, int] = c.block,
+             w: int = c.warps) -> Any:
         return quantize_blocked_2d(x, rows=True, rows_t=False, tiles_t=False,
-                                   interpret=interpret, num_warps=c.warps, block=c.block,
+                                   interpret=interpret, num_warps=w, block=block,
                                    col_scales=col_scales)
 
     def pair(x: jax.Array, second: str, block: tuple[int, int], w: int, given: bool) -> Any:
@@ -161,8 +163,9 @@ def _given_variants(warps: list[int], interpret: bool) -> dict[str, tuple[Any, i
         return r.rows, getattr(t, second)
 
     out: dict[str, tuple[Any, int]] = {
-        f"rows+cs[{c.block[0]}x{c.block[1]},w{c.warps}]": (
-            jax.jit(lambda x: rows(x, True)), 1)}
+        f"rows+cs[{b[0]}x{b[1]},w{w}]": (jax.jit(functools.partial(
+            rows, col_scales=True, block=b, w=w)), 1)
+        for b in BLOCKS["rows"] for w in warps}
     for second in ("rows_t", "tiles_t"):
         for block in BLOCKS[second]:
             for w in warps:
