@@ -49,6 +49,7 @@ from jax import lax
 from common.enums import Parseable
 from common.formats import E4M3_MAX
 from jax_side.mxfp8.e8m0 import e8m0_thresholds, fp32_reciprocal_of_max
+from jax_side.mxfp8.reblock import shift_factor
 
 __all__ = [
     "COMPILED_DEFAULT",
@@ -252,7 +253,6 @@ def cast_native(el: NativeElements, scale: jax.Array, nan_scale: bool) -> jax.Ar
 _GRID_LO = np.int32(0x3C800000)  # 2**-6, e4m3's smallest normal: below it the grid is 2**-9
 _GRID_HI = np.int32(0x43800000)  # 2**8, the binade of 448 (finite |x| * 2**k stays below 512)
 _TO_MAGIC = np.int32(20 << 23)  # 2**E -> 2**(E + 20), whose fp32 ulp is 2**(E - 3)
-_MIN_DIFF = np.int32(-30)  # reblock's: every e4m3 code times 2**-30 rounds to (signed) zero
 
 
 def cast_shift_native(el: NativeElements, scale: jax.Array, diff: jax.Array) -> jax.Array:
@@ -276,10 +276,8 @@ def cast_shift_native(el: NativeElements, scale: jax.Array, diff: jax.Array) -> 
     binade = jnp.clip(lax.bitcast_convert_type(y, jnp.int32) & INF_BITS, _GRID_LO, _GRID_HI)
     m = lax.bitcast_convert_type(binade + _TO_MAGIC, jnp.float32)
     q = (y + m) - m
-    f = lax.bitcast_convert_type(
-        lax.shift_left(jnp.maximum(diff, _MIN_DIFF) + jnp.int32(127), jnp.int32(23)),
-        jnp.float32)
-    return lax.bitcast_convert_type((q * f).astype(jnp.float8_e4m3fn), jnp.uint8) | el.sign8
+    shifted = (q * shift_factor(diff)).astype(jnp.float8_e4m3fn)
+    return lax.bitcast_convert_type(shifted, jnp.uint8) | el.sign8
 
 
 class ElementFns(NamedTuple):

@@ -46,6 +46,7 @@ __all__ = [
     "reblock_tiles",
     "scale_fp32",
     "shift_codes",
+    "shift_factor",
 ]
 
 GROUP = 128  # elements along K of one re-blocked block; rows of one tile
@@ -78,6 +79,14 @@ def _check(data: jax.Array, scale: jax.Array, tiles: bool, what: str) -> tuple[i
     return rows, k
 
 
+def shift_factor(diff: jax.Array) -> jax.Array:
+    """float32 2**max(diff, -30) for int32 ``diff <= 0``, built from its exponent bits (a
+    normal power of two; below -30 every e4m3 value rounds to zero anyway)."""
+    d = jnp.maximum(diff, jnp.int32(_MIN_SHIFT))
+    return lax.bitcast_convert_type(lax.shift_left(d + jnp.int32(127), jnp.int32(23)),
+                                    jnp.float32)
+
+
 def shift_codes(codes: jax.Array, diff: jax.Array) -> jax.Array:
     """uint8 e4m3 ``codes * 2**diff`` rounded to nearest even, int32 ``diff <= 0`` (broadcast):
     the magnitude shifted through fp32 (exact: an e4m3 value times a normal power of two), the
@@ -87,10 +96,8 @@ def shift_codes(codes: jax.Array, diff: jax.Array) -> jax.Array:
     c = codes.astype(jnp.int32)
     mag = c & jnp.int32(0x7F)
     v = lax.bitcast_convert_type(mag.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32)
-    d = jnp.maximum(diff, jnp.int32(_MIN_SHIFT))
-    factor = lax.bitcast_convert_type(lax.shift_left(d + jnp.int32(127), jnp.int32(23)),
-                                      jnp.float32)
-    shifted = lax.bitcast_convert_type((v * factor).astype(jnp.float8_e4m3fn), jnp.uint8)
+    shifted = lax.bitcast_convert_type((v * shift_factor(diff)).astype(jnp.float8_e4m3fn),
+                                       jnp.uint8)
     out = shifted.astype(jnp.int32) | (c & jnp.int32(0x80))
     return jnp.where(mag == jnp.int32(0x7F), c, out).astype(jnp.uint8)
 
