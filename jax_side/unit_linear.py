@@ -10,7 +10,9 @@ dW leaves as the cotangent of ``carrier`` (zeros of the weight's shape in dW's d
 forward does not read), so autodiff sums it where a layer is called twice.
 ``unit_linear_parts`` is the same linear with its output in column parts (q, k and v), and
 ``unit_linear_pre`` the linear of ``pre(x2d)`` for an elementwise ``pre`` that the quantize of
-x applies as it loads x (the GPT's GELU), with the same rule around them.
+x applies as it loads x (the GPT's GELU), and ``unit_linear_post`` the GELU of the linear's output
+written by the GEMM's epilogue with its input (``jax_side.mxfp8.epilogue``), with the same rule
+around them.
 
 **dW written in place.** For the linears a scope is opened with in ``defer``, the rule also
 records its wgrad operands (``blocked_operands.WgradOperands``) in the scope; ``writers`` then
@@ -44,17 +46,19 @@ from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.blocked_operands import (
     KeptTiles,
     WgradOperands,
+    forward_gelu,
     forward_parts,
     row_parts,
 )
 from jax_side.mxfp8.blocked_operands import forward as forward_blocked
 from jax_side.mxfp8.elementwise import Prologue
+from jax_side.mxfp8.epilogue import EPILOGUES
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.mxfp8.reblock import GROUP
 from jax_side.unit_grads import Writer
 
-__all__ = ["backward_scope", "fuses", "splits", "unit_linear", "unit_linear_parts",
-           "unit_linear_pre"]
+__all__ = ["backward_scope", "fuses", "fuses_post", "splits", "unit_linear", "unit_linear_parts",
+           "unit_linear_post", "unit_linear_pre"]
 
 class BackwardScope:
     """The colwise planes of one ``unit_backward`` trace (read by the rules, never written),
@@ -194,6 +198,39 @@ def _unit_linear_pre_bwd(index, kernels, pre, res, dy):
 
 
 unit_linear_pre.defvjp(_unit_linear_pre_fwd, _unit_linear_pre_bwd)
+
+
+def fuses_post(w_row: Any, kernels: ResolvedKernels, dtype: Any) -> bool:
+    """Whether ``unit_linear_post`` runs: ``fuses``, and bfloat16 activations (the epilogue
+    writes bfloat16)."""
+    return fuses(w_row, kernels) and jnp.dtype(dtype) == jnp.bfloat16
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def unit_linear_post(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
+                     kernels: ResolvedKernels, post: str) -> jax.Array:
+    """``EPILOGUES[post]`` of ``unit_linear``'s y (the GPT's GELU after its MLP's first linear)
+    written by the GEMM's epilogue from the fp32 accumulator, with y itself, in one pass
+    (``blocked_operands.forward_gelu``; ``fuses_post`` says when). Residuals: x's tiles for
+    wgrad and y (what ``jax.checkpoint(post)`` keeps); the backward takes the cotangent of
+    ``post(y)`` through ``jax.vjp(post, y)``, then ``unit_linear``'s rule. The values differ from
+    ``jax.checkpoint(post)(unit_linear(...))`` by the rounding of the accumulator to bfloat16
+    before the GELU (``jax_side.mxfp8.epilogue``)."""
+    return forward_gelu(x2d, w_row, False, kernels)[0]
+
+
+def _unit_linear_post_fwd(x2d, w_row, carrier, index, kernels, post):
+    g, h, kept = forward_gelu(x2d, w_row, True, kernels)
+    return g, (kept, h, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
+
+
+def _unit_linear_post_bwd(index, kernels, post, res, dg):
+    kept, h, x_dtype, dw_dtype = res
+    dh = jax.vjp(EPILOGUES[post], h)[1](dg)[0]
+    return _unit_linear_bwd(index, kernels, (kept, x_dtype, dw_dtype), dh)
+
+
+unit_linear_post.defvjp(_unit_linear_post_fwd, _unit_linear_post_bwd)
 
 
 @contextlib.contextmanager

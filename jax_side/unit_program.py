@@ -10,7 +10,11 @@ cotangents reach the backward as they are: ``unit_linear.unit_linear_parts``; an
 ``linear(name, h, pre=fn)``: the linear of ``fn(h)`` for an elementwise ``fn`` of h's shape and
 dtype, checked by ``jax_side.mxfp8.elementwise.check``, which with the ``fp8_blocked`` GEMM
 runs inside the quantize of h so that ``fn(h)`` is never written out:
-``unit_linear.unit_linear_pre``; elsewhere ``jax.checkpoint(fn)(h)`` first) with
+``unit_linear.unit_linear_pre``; elsewhere ``jax.checkpoint(fn)(h)`` first; and
+``linear(name, h, post="gelu_tanh")``: the GELU of the linear's output, written by the
+``fp8_blocked`` GEMM's epilogue with the output itself for bfloat16 activations
+(``unit_linear.unit_linear_post``, ``jax_side.mxfp8.epilogue``), elsewhere
+``jax.checkpoint(gelu)`` of the linear's output) with
 
 - the MXFP8 linear (``jax_side.linear``: the same jitted forward / backward pieces, hence the same
   bytes, as the per-linear op and the Flax twin) for each name in ``UnitSpec.mxfp8``, reading
@@ -80,16 +84,18 @@ from jax import lax
 
 from common.formats import ALL_PLANES, Plane
 from jax_side.linear import FlatPlane, high_precision_linear, quantize_weight
-from jax_side.mxfp8 import MXFP8Tensor, elementwise
+from jax_side.mxfp8 import MXFP8Tensor, elementwise, epilogue
 from jax_side.mxfp8.blocked_operands import BLOCKED_GEMMS
 from jax_side.mxfp8.kernels import ResolvedKernels
 from jax_side.unit_grads import GradGroup, GradLayout, Grads, grad_layout, pack_grads
 from jax_side.unit_linear import (
     backward_scope,
     fuses,
+    fuses_post,
     splits,
     unit_linear,
     unit_linear_parts,
+    unit_linear_post,
     unit_linear_pre,
 )
 
@@ -167,8 +173,8 @@ class SpanFn:
         """Block ``i`` on ``x``; ``params`` holds (at least) its own ``<i>.<name>`` entries."""
         prefix = f"{i}."
         own = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
-        return self.fns[i](own, lambda name, h, parts=1, pre=None: linear(
-            prefix + name, h, parts, pre), x)
+        return self.fns[i](own, lambda name, h, parts=1, pre=None, post=None: linear(
+            prefix + name, h, parts, pre, post), x)
 
 
 # ---------------------------------------------------------------- the MXFP8 linear of a unit
@@ -217,7 +223,15 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
         values, carriers = weights
         params = dict(zip(names, values, strict=True))
 
-        def linear(name, h, parts=1, pre=None):
+        def linear(name, h, parts=1, pre=None, post=None):
+            if post is not None:
+                epilogue.check_post(post, f"unit program {spec.fn!r}: linear {name!r}")
+                if parts != 1:
+                    raise ValueError(f"unit program {spec.fn!r}: linear {name!r}: post applies "
+                                     f"to one output, not to parts={parts}")
+                if not (name in index and parts == 1 and pre is None and fuses_post(
+                        row_planes[index[name]], spec.kernels, h.dtype)):
+                    return jax.checkpoint(epilogue.EPILOGUES[post])(linear(name, h, parts, pre))
             if parts != 1:
                 _check_parts(spec, name, parts, row_planes[index[name]].shape[0]
                              if name in index else params[f"{name}.weight"].shape[0]
@@ -235,9 +249,9 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                     ys = unit_linear_parts(h2, row_planes[i], carriers[own[i]], i,
                                            spec.kernels, parts)
                     return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)
-                y2 = (unit_linear(h2, row_planes[i], carriers[own[i]], i, spec.kernels)
-                      if pre is None else unit_linear_pre(h2, row_planes[i], carriers[own[i]],
-                                                          i, spec.kernels, pre))
+                args = (h2, row_planes[i], carriers[own[i]], i, spec.kernels)
+                y2 = (unit_linear_post(*args, post) if post is not None else
+                      unit_linear(*args) if pre is None else unit_linear_pre(*args, pre))
             elif name in hp_lin:
                 y2 = high_precision_linear(h2, params[f"{name}.weight"], kernels=spec.kernels)
             else:

@@ -103,12 +103,17 @@ def gelu_tanh(hid: jax.Array) -> jax.Array:
 _gelu = jax.checkpoint(gelu_tanh)
 
 
-def mlp(x: jax.Array, *, fc: Fn, proj: Fn, gelu_in_proj: bool = False) -> jax.Array:
+def mlp(x: jax.Array, *, fc: Fn, proj: Fn, gelu_in_proj: bool = False,
+        gelu_in_fc: bool = False) -> jax.Array:
     """x (B, S, D) -> (B, S, D); the GELU (tanh) in fp32, rounded once to x's dtype.
     ``gelu_in_proj``: ``proj`` takes the GELU's input and applies ``gelu_tanh`` itself (a unit
-    program's ``linear(name, h, pre=gelu_tanh)``), with the values of ``proj(_gelu(h))``."""
+    program's ``linear(name, h, pre=gelu_tanh)``), with the values of ``proj(_gelu(h))``.
+    ``gelu_in_fc``: ``fc`` returns the GELU's output itself (a unit program's ``linear(name, x,
+    post="gelu_tanh")``: in the GEMM's epilogue, from its fp32 accumulator, where it can)."""
+    if gelu_in_proj and gelu_in_fc:
+        raise ValueError("mlp: the GELU goes in one linear: gelu_in_proj or gelu_in_fc, not both")
     hid = fc(x)  # (B, S, F)
-    return proj(hid) if gelu_in_proj else proj(_gelu(hid))
+    return proj(hid) if gelu_in_proj or gelu_in_fc else proj(_gelu(hid))
 
 
 def block(x: jax.Array, *, ln_1: Fn, attn: Fn, ln_2: Fn, mlp: Fn) -> jax.Array:
@@ -196,6 +201,11 @@ QKV_PARTS = True
 # XLA's GELU pass and the plain kernels together (BENCHMARKS.md, session 14); bench_train_step's
 # ':gelu-in' runs switch it on
 GELU_IN_LINEAR = False
+# GPTBlockFn asks the MLP's first linear for the GELU of its output (``linear("mlp.fc", h,
+# post="gelu_tanh")``: cuBLASLt's GELU_AUX epilogue with the fp8_blocked GEMM, one pass writing
+# the GELU's output and input; elsewhere the same checkpointed GELU as off, the same bytes).
+# Read when a block is traced; bench_train_step's ':gelu-gemm' runs flip it.
+GELU_IN_GEMM = False
 
 
 def _linear(linear: Linear, name: str) -> Fn:
@@ -208,8 +218,14 @@ def _qkv(linear: Linear) -> Callable[[jax.Array], Any]:
     return _linear(linear, "attn.qkv")
 
 
+def _fc(linear: Linear) -> Fn:
+    if GELU_IN_GEMM:
+        return lambda h: linear("mlp.fc", h, post="gelu_tanh")
+    return _linear(linear, "mlp.fc")
+
+
 def _proj(linear: Linear) -> Fn:
-    if GELU_IN_LINEAR:
+    if GELU_IN_LINEAR and not GELU_IN_GEMM:
         return lambda h: linear("mlp.proj", h, pre=gelu_tanh)
     return _linear(linear, "mlp.proj")
 
@@ -224,7 +240,9 @@ class GPTBlockFn:
     ``params`` its LayerNorm parameters by block-relative name (``ln_1.weight``, ...) and
     ``linear(name, h)`` its four linears (``attn.qkv``, ``attn.proj``, ``mlp.fc``,
     ``mlp.proj``; the qkv one as ``linear("attn.qkv", h, parts=3)``: q, k and v; the MLP's
-    second as ``linear("mlp.proj", h, pre=gelu_tanh)``: the GELU applied by the linear)."""
+    second as ``linear("mlp.proj", h, pre=gelu_tanh)``: the GELU applied by the linear, or its
+    first as ``linear("mlp.fc", h, post="gelu_tanh")``: the GELU of its output, ``GELU_IN_GEMM``
+    taking precedence)."""
 
     cfg: GPTConfig
     activations: Activations
@@ -243,8 +261,9 @@ class GPTBlockFn:
                                      proj=_linear(linear, "attn.proj"),
                                      fused=self.fused_attention),
             ln_2=_norm(params, "ln_2", cfg.ln_eps),
-            mlp=lambda h: mlp(h, fc=_linear(linear, "mlp.fc"), proj=_proj(linear),
-                              gelu_in_proj=GELU_IN_LINEAR),
+            mlp=lambda h: mlp(h, fc=_fc(linear), proj=_proj(linear),
+                              gelu_in_proj=GELU_IN_LINEAR and not GELU_IN_GEMM,
+                              gelu_in_fc=GELU_IN_GEMM),
         )
 
 

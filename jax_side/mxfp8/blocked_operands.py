@@ -34,7 +34,7 @@ from jax import lax
 from common.formats import BLOCK_SIZE, Plane, PlaneData, round_up
 from common.gemm_roles import ROLES, GemmRole
 from common.kernels import Backend, GemmImpl
-from jax_side.mxfp8 import elementwise, reblock
+from jax_side.mxfp8 import elementwise, epilogue, reblock
 from jax_side.mxfp8.elementwise import Prologue
 from jax_side.mxfp8.gemm_impls import (
     b_tiles,
@@ -59,6 +59,7 @@ __all__ = [
     "blocked_gemm",
     "blocked_tokens",
     "forward",
+    "forward_gelu",
     "forward_parts",
     "from_planes",
     "quantize_operands",
@@ -344,6 +345,18 @@ def forward_parts(x2d: jax.Array, ws: tuple[Weight, ...], out_dtype: jnp.dtype,
     ys = tuple(blocked_gemm(_made(ops.rows), w, GemmRole.FORWARD, kernels, x2d.shape[0],
                             w.shape[0], gemm_dtype).astype(out_dtype) for w in ws)
     return ys, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
+
+
+def forward_gelu(x2d: jax.Array, w: Weight, keep: bool, kernels: ResolvedKernels,
+                 ) -> tuple[jax.Array, jax.Array, KeptTiles | None]:
+    """(GELU_tanh(y), y), bfloat16 (T, N), of y = x W^T with the GELU in the GEMM's epilogue
+    (``epilogue.blocked_product_gelu``: cuBLASLt's ``GELU_AUX`` on a GPU), and, if ``keep``,
+    x's tiles for wgrad: ``forward``'s operands, one GEMM writing both outputs."""
+    ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
+    g, h = epilogue.blocked_product_gelu(
+        _made(ops.rows), weight_tiles(w, GemmRole.FORWARD, kernels), x2d.shape[0], w.shape[0],
+        pallas=kernels.gemm is GemmImpl.FP8_BLOCKED_PALLAS)
+    return g, h, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
 
 
 def row_parts(w: Weight, parts: int) -> tuple[Weight, ...]:

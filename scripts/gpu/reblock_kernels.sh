@@ -7,7 +7,8 @@
 #          memory; the images kept as ZeRO-3's shards, bytes as copied; the refresh's one-pass
 #          kernel (amax and both planes from one read); q, k, v from three GEMMs within 1e-3;
 #          the GELU inside the quantize within a bf16 rounding of XLA's, the block within 1e-3;
-#          the transposed outputs from the colwise scale bytes the rows' call wrote)
+#          the transposed outputs from the colwise scale bytes the rows' call wrote; the GELU in
+#          the GEMM's epilogue within its bound, alone and in the GPT block)
 #   bench: benchmarks/bench_blocked_operands.py: the blocked-operand quantize's transposed outputs,
 #          banded, whole-block and packed, two outputs in one call (banded and whole-block), the
 #          GELU inside the kernel against XLA's GELU pass, the transposed write without the
@@ -16,10 +17,12 @@
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
 #          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-in compares the qkv
 #          linear as one GEMM and the GELU inside the linear; mxfp8:u4:packed the transposed
-#          outputs packed, mxfp8:u4:given their colwise scales made by the rows' call),
+#          outputs packed, mxfp8:u4:given their colwise scales made by the rows' call, mxfp8:u4:gelu-gemm the GELU
+#          in the MLP's first GEMM's epilogue),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
-#          fusion) are listed with the module that holds them (fusions.log)
+#          fusion) are listed with the module that holds them (fusions.log); TOP kernels listed
+#          per category (default 30)
 # Repo root, machine python3, no install; logs under $OUT. One part per device call: tests up to
 # 7 minutes (compiling; the blocked-operand byte test alone took 97 s on an H100, session 18),
 # bench about 2, step 2.5-3 per three runs.
@@ -37,7 +40,8 @@ for part in "${parts[@]}"; do
         tests/jax_side/mxfp8/test_blocked_operands.py tests/jax_side/test_linear_parts.py \
         tests/jax_side/test_linear_pre.py tests/bridge/test_mxfp8_slices.py \
         tests/torch_side/fsdp/test_group_buffers.py tests/jax_side/mxfp8/test_quantize_slice_into.py \
-        tests/jax_side/mxfp8/test_given_scales.py \
+        tests/jax_side/mxfp8/test_given_scales.py tests/jax_side/mxfp8/test_epilogue.py \
+        tests/jax_side/test_linear_post.py \
         > "$OUT/tests.log" 2>&1
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10 ;;
@@ -56,7 +60,7 @@ for part in "${parts[@]}"; do
       XLA_FLAGS="$flags" timeout 400 python3 -m benchmarks.bench_train_step --device cuda \
         --nproc 1 --config "${CONFIG:-gpt-1.3b}" --batch-size 8 --seq-len 1024 --steps 6 \
         --warmup 2 --gemm fp8_blocked --runs "${RUNS:-fsdp2,mxfp8:u4}" --profile \
-        --profile-top 30 --out "$OUT/step.json" > "$OUT/step.log" 2>&1
+        --profile-top "${TOP:-30}" --out "$OUT/step.json" > "$OUT/step.log" 2>&1
       echo "step: rc=$?"
       grep -A12 "^device cuda" "$OUT/step.log" | grep "^| "
       if [ "${DUMP:-0}" = 1 ]; then

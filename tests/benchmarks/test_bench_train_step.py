@@ -183,6 +183,39 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
 
 
+def test_the_gelu_gemm_run_fuses_the_gelu_and_trains_near_the_default(single_rank_world,
+                                                                      monkeypatch):
+    """``mxfp8:u2:gelu-gemm`` (the GELU in the MLP's first GEMM's epilogue) against
+    ``mxfp8:u2``: the fused linear ran in the switched run only, and the losses move by the
+    GELU's rounding only (within 1e-3; tests/jax_side/test_linear_post.py bounds the block)."""
+    import argparse
+
+    import jax
+
+    from jax_side import unit_program as U
+    from models import gpt_math
+
+    for knob, default in bench_train_step.KNOB_DEFAULTS.items():
+        monkeypatch.setattr(gpt_math, knob, default)  # restored after the test
+    ran: list[int] = []
+    real = U.unit_linear_post
+    monkeypatch.setattr(U, "unit_linear_post", lambda *a: ran.append(a[3]) or real(*a))
+    jax.clear_caches()
+    args = argparse.Namespace(device="cpu", precompile=False, batch_size=2, seq_len=64, warmup=1,
+                              steps=1, world_size=1, profile=False, pyprofile=0,
+                              gemm="fp8_blocked", shared_pool=False)
+    losses, calls = {}, {}
+    for run in ("mxfp8:u2", "mxfp8:u2:gelu-gemm"):
+        ran.clear()
+        losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
+        calls[run] = len(ran)
+    jax.clear_caches()
+    assert calls["mxfp8:u2"] == 0 and calls["mxfp8:u2:gelu-gemm"] > 0
+    base, fused = losses["mxfp8:u2"], losses["mxfp8:u2:gelu-gemm"]
+    assert len(base) == len(fused) == 2 and base != fused
+    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(fused, base, strict=True))
+
+
 def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monkeypatch):
     """``_apply_switches``: each knob off for its switch and back on without it, the pair
     entries (``PAIR_CHOICE``) set for ``:pairs`` and removed without it, and whether anything
@@ -195,7 +228,7 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
 
     monkeypatch.setattr(blocked_operands, "KERNEL_CONFIG",
                         dict(blocked_operands.KERNEL_CONFIG))  # restored after the test
-    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=False)
+    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=False, GELU_IN_GEMM=False)
     apply = bench_train_step._apply_switches
     assert not apply(frozenset(), knobs)
     assert apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)
@@ -207,6 +240,10 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert not apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)  # already so
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
     assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, True)
+    assert apply(frozenset({"GELU_IN_GEMM"}), knobs)  # ``:gelu-gemm`` flips its knob alone
+    flipped = not bench_train_step.KNOB_DEFAULTS["GELU_IN_GEMM"]
+    assert (knobs.GELU_IN_LINEAR, knobs.GELU_IN_GEMM) == (False, flipped)
+    assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
     assert [e for e in blocked_operands.KERNEL_CONFIG if "+" in e] == []
     config = blocked_operands.KERNEL_CONFIG  # ``:packed`` flips the transposed outputs' packing
     default = {e: config[e] for e in bench_train_step.TRANSPOSED}

@@ -9,6 +9,12 @@
 //   a second result, a uint8 buffer, is cuBLASLt's workspace (XLA allocates it, JAX drops it).
 // "mxfp8_fp8_blocked_gemm_into" (Mxfp8Fp8BlockedGemmInto): the same GEMM written into a flat
 //   buffer at an element offset (a weight gradient straight into its grad bucket).
+// "mxfp8_fp8_blocked_gemm_gelu_aux" (Mxfp8Fp8BlockedGemmGeluAux): the same GEMM with cuBLASLt's
+//   GELU_AUX epilogue: out = GELU_tanh(acc) and aux = acc, both bfloat16 (M, N) (an MLP's first
+//   linear: its GELU output and the pre-activation its backward needs).
+// "mxfp8_fp8_blocked_gemm_dgelu" (Mxfp8Fp8BlockedGemmDgelu): the same GEMM with the DGELU
+//   epilogue: out = acc * GELU_tanh'(aux), aux a bfloat16 (M, N) input (the MLP's second linear's
+//   dgrad straight into the gradient of the GELU's input).
 // "mxfp8_zeroed_gaps" (Mxfp8ZeroedGaps): a flat buffer whose given byte ranges are zeroed and
 //   whose other bytes are left as the allocator handed them over -- a grad bucket whose every
 //   other byte is then written by the GEMMs and updates of the same program.
@@ -47,9 +53,10 @@ std::string LtError(const char* what, cublasStatus_t s) {
 struct Handles {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> by_device;
-  // (device, M, N, K, out dtype) -> the heuristic's first algorithm (for the workspace size
-  // jax_side/mxfp8/cublaslt.py passes, which is fixed, and 256-byte aligned outputs)
-  std::map<std::tuple<int, int64_t, int64_t, int64_t, int>, cublasLtMatmulAlgo_t> algos;
+  // (device, M, N, K, out dtype, epilogue) -> the heuristic's first algorithm (for the
+  // workspace size jax_side/mxfp8/cublaslt.py passes, which is fixed, and 256-byte aligned
+  // outputs)
+  std::map<std::tuple<int, int64_t, int64_t, int64_t, int, int>, cublasLtMatmulAlgo_t> algos;
 };
 
 Handles& handles() {
@@ -71,12 +78,19 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-// The GEMM into `out_ptr` (M x N row-major of `out_elem`, leading dimension N): shared by both
-// handlers. `out_capacity`: elements available at out_ptr.
+// An epilogue and its bfloat16 (M x N row-major) auxiliary matrix: written by GELU_AUX, read by
+// DGELU, none for the plain GEMM.
+struct Epilogue {
+  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+  void* aux = nullptr;
+};
+
+// The GEMM into `out_ptr` (M x N row-major of `out_elem`, leading dimension N): shared by every
+// handler. `out_capacity`: elements available at out_ptr.
 ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                    ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
                    ffi::DataType out_elem, void* out_ptr, int64_t out_capacity,
-                   ffi::Result<ffi::AnyBuffer>& workspace) {
+                   ffi::Result<ffi::AnyBuffer>& workspace, Epilogue epi = Epilogue()) {
   if (a.element_type() != ffi::DataType::F8E4M3FN || b.element_type() != ffi::DataType::F8E4M3FN)
     return ffi::Error::InvalidArgument("mxfp8_fp8_blocked_gemm: a and b must be float8_e4m3fn");
   auto ad = a.dimensions(), bd = b.dimensions();
@@ -110,6 +124,12 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   // this call's result at an odd offset; the Python side asks the _into handler only for
   // 256-byte aligned offsets) is written to a 256-byte aligned stream-ordered scratch buffer and
   // copied into place.
+  if (epi.kind != CUBLASLT_EPILOGUE_DEFAULT &&
+      (out_elem != ffi::DataType::BF16 || reinterpret_cast<uintptr_t>(out_ptr) % 256 ||
+       reinterpret_cast<uintptr_t>(epi.aux) % 256))
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm: a GELU epilogue needs a bfloat16 output and 256-byte aligned "
+        "output and auxiliary buffers (XLA's own buffers are)");
   if (reinterpret_cast<uintptr_t>(out_ptr) % 256) {
     const size_t bytes = static_cast<size_t>(m * n) * (out_elem == ffi::DataType::F32 ? 4 : 2);
     void* tmp = nullptr;
@@ -149,6 +169,18 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                         sizeof(a_mode)));
   LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
                                         sizeof(b_mode)));
+  if (epi.kind != CUBLASLT_EPILOGUE_DEFAULT) {
+    const int64_t aux_ld = n;  // aux is (M, N) row-major, as D
+    const int32_t aux_type = CUDA_R_16BF;
+    LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi.kind,
+                                          sizeof(epi.kind)));
+    LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                          &epi.aux, sizeof(epi.aux)));
+    LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                          sizeof(aux_ld)));
+    LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                          &aux_type, sizeof(aux_type)));
+  }
   const void* a_scale_ptr = b_scale.typed_data();
   const void* b_scale_ptr = a_scale.typed_data();
   LT_TRY(cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
@@ -161,7 +193,8 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   LT_TRY(cublasLtMatrixLayoutCreate(&lb.d, CUDA_R_8F_E4M3, k, m, k));
   LT_TRY(cublasLtMatrixLayoutCreate(&ld.d, out_type, n, m, n));
 
-  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type));
+  auto key = std::make_tuple(device, m, n, k, static_cast<int>(out_type),
+                             static_cast<int>(epi.kind));
   auto found = h.algos.find(key);
   if (found == h.algos.end()) {
     Pref pref;
@@ -175,8 +208,11 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                           &returned));
     if (returned == 0)
       return ffi::Error::Internal(
-          "mxfp8_fp8_blocked_gemm: cuBLASLt has no block-scaled FP8 algorithm for this GEMM "
-          "on this GPU (it needs compute capability 9.x and CUDA >= 12.9)");
+          epi.kind == CUBLASLT_EPILOGUE_DEFAULT
+              ? "mxfp8_fp8_blocked_gemm: cuBLASLt has no block-scaled FP8 algorithm for this "
+                "GEMM on this GPU (it needs compute capability 9.x and CUDA >= 12.9)"
+              : "mxfp8_fp8_blocked_gemm: cuBLASLt has no block-scaled FP8 algorithm with this "
+                "GELU epilogue for this GEMM on this GPU");
     found = h.algos.emplace(key, result.algo).first;
   }
 
@@ -222,6 +258,43 @@ ffi::Error Fp8BlockedGemmInto(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
                  workspace);
 }
 
+// The GEMM with the GELU_AUX epilogue: out = GELU(acc), aux = acc (both bf16, M x N).
+ffi::Error Fp8BlockedGemmGeluAux(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                 ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
+                                 ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> aux,
+                                 ffi::Result<ffi::AnyBuffer> workspace) {
+  auto od = out->dimensions(), xd = aux->dimensions();
+  if (a.dimensions().size() != 2 || b.dimensions().size() != 2 || od.size() != 2 ||
+      od[0] != a.dimensions()[0] || od[1] != b.dimensions()[0] || xd.size() != 2 ||
+      xd[0] != od[0] || xd[1] != od[1] || aux->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm_gelu_aux: a, b 2-D; out and aux bf16 (M, N)");
+  Epilogue epi;
+  epi.kind = CUBLASLT_EPILOGUE_GELU_AUX;
+  epi.aux = aux->untyped_data();
+  return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), out->untyped_data(),
+                 static_cast<int64_t>(out->element_count()), workspace, epi);
+}
+
+// The GEMM with the DGELU epilogue: out = acc * GELU'(aux), aux a bf16 (M, N) input.
+ffi::Error Fp8BlockedGemmDgelu(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                               ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
+                               ffi::AnyBuffer aux, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> workspace) {
+  auto od = out->dimensions(), xd = aux.dimensions();
+  if (a.dimensions().size() != 2 || b.dimensions().size() != 2 || od.size() != 2 ||
+      od[0] != a.dimensions()[0] || od[1] != b.dimensions()[0] || xd.size() != 2 ||
+      xd[0] != od[0] || xd[1] != od[1] || aux.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(
+        "mxfp8_fp8_blocked_gemm_dgelu: a, b 2-D; out and aux bf16 (M, N)");
+  Epilogue epi;
+  epi.kind = CUBLASLT_EPILOGUE_DGELU;
+  epi.aux = aux.untyped_data();
+  return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), out->untyped_data(),
+                 static_cast<int64_t>(out->element_count()), workspace, epi);
+}
+
 // A buffer of which only the byte ranges (gaps[2i], gaps[2i + 1]) -- start, length -- are
 // zeroed (cudaMemsetAsync on the program's stream); every other byte is left unwritten for the
 // program to fill (unit_grads.flat_group: the ranges are the complement of the gradients' slots).
@@ -264,6 +337,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
                                   .Arg<ffi::AnyBuffer>()    // buf (aliased to out)
                                   .Attr<int64_t>("offset")
                                   .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
+                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmGeluAux, Fp8BlockedGemmGeluAux,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()    // out: GELU(acc)
+                                  .Ret<ffi::AnyBuffer>()    // aux: acc
+                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmDgelu, Fp8BlockedGemmDgelu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()    // aux: the GELU's input
+                                  .Ret<ffi::AnyBuffer>()    // out: acc * GELU'(aux)
                                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8ZeroedGaps, ZeroedGaps,
