@@ -1,26 +1,19 @@
 """The MLP's GELU in the ``fp8_blocked`` GEMM's epilogue (``jax_side.mxfp8.epilogue``, issue 33)
 against the GEMM and XLA's GELU pass, at the 350M and 1.3B GPTs' MLP shapes (8 x 1024 tokens).
 
-Per shape (M, K, N: out (M, N) = a (M, K) @ b (N, K)^T; the first linear's forward and the second
-linear's dgrad have the same dims), GPU kernel ms per call (torch.profiler, which sees XLA's
-kernels; no host dispatch):
+Per shape (M, K, N: out (M, N) = a (M, K) @ b (N, K)^T: the first linear's forward), GPU kernel
+ms per call (torch.profiler, which sees XLA's kernels; no host dispatch):
 
 - ``gemm``: the plain GEMM, bf16 out (cuBLASLt);
 - ``gemm+gelu``: the GEMM, then the GELU as the model runs it unfused (``gelu_tanh`` of the bf16
   output, its input kept): the forward today;
-- ``gelu_aux``: the GEMM with the ``GELU_AUX`` epilogue (GELU output and input in one pass);
-- ``gemm+dgelu``: the GEMM, then the GELU's backward as the model runs it unfused (the vjp of the
-  checkpointed ``gelu_tanh`` at the saved input, of the bf16 dgrad): the backward today;
-- ``dgelu``: the GEMM with the ``DGELU`` epilogue.
+- ``gelu_aux``: the GEMM with the ``GELU_AUX`` epilogue (GELU output and input in one pass).
 
-The backward variants take the plain GEMM's bf16 output as the GELU's input (a stand-in of the
-right shape and magnitude), and the unfused one the same output as the GELU's cotangent.
-
-And the numbers, each against its reference (``gelu_aux_reference`` / ``dgelu_reference`` of the
-same fp32 accumulator; ``*_max_ulps``: the largest difference in bf16 units in the last place
-of the reference's magnitude, ``*_differ``: the fraction of elements not bit-equal) and, for
-information, against today's unfused values (``*_vs_unfused_*``). ``aux_equal``: whether the
-epilogue's GELU input is byte-equal to the plain GEMM's bf16 output.
+And the numbers against the reference (``gelu_aux_reference`` of the same fp32 accumulator;
+``gelu_max_ulps``: the largest difference in bf16 units in the last place of the reference's
+magnitude, ``gelu_differ``: the fraction of elements not bit-equal) and, for information,
+against the unfused values (``gelu_vs_unfused_*``). ``aux_equal``: whether the epilogue's GELU
+input is byte-equal to the plain GEMM's bf16 output.
 
     python3 benchmarks/bench_gemm_epilogue.py --out epilogue.json   # GPU
     python3 benchmarks/bench_gemm_epilogue.py --smoke               # CPU: tiny, reference path
@@ -47,7 +40,7 @@ from jax_side.mxfp8.gemm_impls import blocked_product  # noqa: E402
 from jax_side.mxfp8.reblock import reblock_rows, reblock_tiles  # noqa: E402
 from models.gpt_math import gelu_tanh  # noqa: E402
 
-SHAPES = [(8192, 1024, 4096), (8192, 2048, 8192)]  # 350M and 1.3B: fc1 forward = fc2 dgrad
+SHAPES = [(8192, 1024, 4096), (8192, 2048, 8192)]  # the 350M and 1.3B first MLP linears
 
 
 def bf16_ulps(got: Any, ref: Any) -> np.ndarray:
@@ -57,25 +50,15 @@ def bf16_ulps(got: Any, ref: Any) -> np.ndarray:
     return np.abs(g - r) / 2.0 ** (exp - 7)
 
 
-def _unfused_backward(h: jax.Array, dg: jax.Array) -> jax.Array:
-    return jax.vjp(jax.checkpoint(gelu_tanh), h)[1](dg)[0]
-
-
-def _numbers(row: dict[str, Any], acc: jax.Array, h16: jax.Array, got: dict[str, Any]) -> None:
+def _numbers(row: dict[str, Any], acc: jax.Array, h16: jax.Array, got: Any) -> None:
     ref_g, ref_h = epilogue.gelu_aux_reference(acc)
-    g, h = got["gelu_aux"]
+    g, h = got
     row["aux_equal"] = bool(jnp.array_equal(h, h16))
     row["aux_vs_reference_max_ulps"] = float(bf16_ulps(h, ref_h).max())
-    for name, val, ref in (("gelu", g, ref_g), ("dgelu", got["dgelu"],
-                                                  epilogue.dgelu_reference(acc, h16))):
-        u = bf16_ulps(val, ref)
+    for name, ref in (("gelu", ref_g), ("gelu_vs_unfused", gelu_tanh(h16))):
+        u = bf16_ulps(g, ref)
         row[f"{name}_max_ulps"] = float(u.max())
         row[f"{name}_differ"] = float(np.mean(u > 0))
-    for name, val, ref in (("gelu", g, gelu_tanh(h16)),
-                           ("dgelu", got["dgelu"], _unfused_backward(h16, h16))):
-        u = bf16_ulps(val, ref)
-        row[f"{name}_vs_unfused_max_ulps"] = float(u.max())
-        row[f"{name}_vs_unfused_differ"] = float(np.mean(u > 0))
 
 
 def _fns(m: int, n: int) -> dict[str, Any]:
@@ -87,8 +70,6 @@ def _fns(m: int, n: int) -> dict[str, Any]:
         "gemm": jax.jit(gemm),
         "gemm+gelu": jax.jit(lambda x, y: (lambda h: (gelu_tanh(h), h))(gemm(x, y))),
         "gelu_aux": jax.jit(lambda x, y: epilogue.blocked_product_gelu(x, y, m, n)),
-        "gemm+dgelu": jax.jit(lambda x, y, h: _unfused_backward(h, gemm(x, y))),
-        "dgelu": jax.jit(lambda x, y, h: epilogue.blocked_product_dgelu(x, y, h, m, n)),
     }
 
 
@@ -101,15 +82,12 @@ def rows(shapes: list[tuple[int, int, int]], iters: int, timed: bool) -> list[di
         fns = _fns(m, n)
         acc = jax.jit(lambda x, y, m=m, n=n: blocked_product(x, y, m, n, jnp.float32))(ra, rb)
         h16 = fns["gemm"](ra, rb)
-        args = {name: (ra, rb, h16) if "dgelu" in name else (ra, rb) for name in fns}
         row: dict[str, Any] = {"shape": [m, k, n]}
-        got = {name: fns[name](*args[name]) for name in ("gelu_aux", "dgelu")}
-        _numbers(row, acc, h16, got)
+        _numbers(row, acc, h16, fns["gelu_aux"](ra, rb))
         if timed:
             for name, fn in fns.items():
-                row[f"{name}_ms"] = kernel_ms(lambda f=fn, a_=args[name]: f(*a_), iters)
-            row["forward_saved_ms"] = row["gemm+gelu_ms"] - row["gelu_aux_ms"]
-            row["backward_saved_ms"] = row["gemm+dgelu_ms"] - row["dgelu_ms"]
+                row[f"{name}_ms"] = kernel_ms(lambda f=fn, a=ra, b=rb: f(a, b), iters)
+            row["saved_ms"] = row["gemm+gelu_ms"] - row["gelu_aux_ms"]
         print(json.dumps(row), flush=True)
         out.append(row)
     return out

@@ -18,11 +18,10 @@ output lies: an output XLA places less aligned (its in-place dynamic-update-slic
 result at an odd offset) is written to an aligned stream-ordered scratch buffer and copied into
 place.
 
-``blocked_gemm_gelu(a, b)`` and ``blocked_gemm_dgelu(a, b, aux)`` run the same GEMM with cuBLASLt's
-GELU epilogues (``GELU_AUX``: the tanh GELU of the fp32 accumulator and the accumulator itself,
-both bfloat16; ``DGELU``: the accumulator times the GELU's derivative at a bfloat16 ``aux``): an
-MLP's first linear writes its GELU's output and input in one pass, and its second linear's dgrad
-writes the gradient of the GELU's input (``jax_side.mxfp8.epilogue`` states the numbers).
+``blocked_gemm_gelu(a, b)`` runs the same GEMM with cuBLASLt's ``GELU_AUX`` epilogue (a fourth
+handler): the tanh GELU of the fp32 accumulator and the accumulator itself, both bfloat16, so an
+MLP's first linear writes its GELU's output and input in one pass (``jax_side.mxfp8.epilogue``
+states the numbers).
 
 ``zeroed_gaps(numel, dtype, gaps)`` (another handler, ``Mxfp8ZeroedGaps``) makes a flat buffer
 whose given element ranges are zeroed (``cudaMemsetAsync``) and whose other elements are left as
@@ -74,9 +73,9 @@ from jax_side.compile_cache import check_private
 from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = [
-    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_DGELU",
-    "TARGET_GAPS", "TARGET_GELU_AUX", "TARGET_INTO", "WORKSPACE_BYTES", "Status", "blocked_gemm",
-    "blocked_gemm_dgelu", "blocked_gemm_gelu", "blocked_gemm_into",
+    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_GAPS",
+    "TARGET_GELU_AUX", "TARGET_INTO", "WORKSPACE_BYTES", "Status", "blocked_gemm",
+    "blocked_gemm_gelu", "blocked_gemm_into",
     "default_cache_dir", "raw_call", "raw_call_into", "status", "zeroed_gaps",
 ]
 
@@ -85,10 +84,8 @@ TARGET = "mxfp8_fp8_blocked_gemm"
 TARGET_INTO = "mxfp8_fp8_blocked_gemm_into"  # the same GEMM written into a flat buffer
 TARGET_GAPS = "mxfp8_zeroed_gaps"  # a flat buffer with only its gaps zeroed (zeroed_gaps)
 TARGET_GELU_AUX = "mxfp8_fp8_blocked_gemm_gelu_aux"  # the GEMM, its GELU and its input
-TARGET_DGELU = "mxfp8_fp8_blocked_gemm_dgelu"  # the GEMM times the GELU's derivative at aux
 _SYMBOLS = {TARGET: "Mxfp8Fp8BlockedGemm", TARGET_INTO: "Mxfp8Fp8BlockedGemmInto",
-            TARGET_GAPS: "Mxfp8ZeroedGaps", TARGET_GELU_AUX: "Mxfp8Fp8BlockedGemmGeluAux",
-            TARGET_DGELU: "Mxfp8Fp8BlockedGemmDgelu"}
+            TARGET_GAPS: "Mxfp8ZeroedGaps", TARGET_GELU_AUX: "Mxfp8Fp8BlockedGemmGeluAux"}
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w")
 
 
@@ -350,32 +347,11 @@ def _call_gelu(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale
     return out, aux
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
-def _call_dgelu(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale: jax.Array,
-                aux: jax.Array, *, layout: tuple[str, str]) -> jax.Array:
-    sa, sb = _scales(Reblocked(a_data, a_scale), Reblocked(b_data, b_scale), layout)
-    call = jax.ffi.ffi_call(TARGET_DGELU, (
-        jax.ShapeDtypeStruct((a_data.shape[0], b_data.shape[0]), jnp.bfloat16),
-        jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))
-    return call(a_data, b_data, sa, sb, aux)[0]
-
-
 def blocked_gemm_gelu(a: Reblocked, b: Reblocked) -> tuple[jax.Array, jax.Array]:
     """(GELU_tanh(acc), acc), both bfloat16 (M, N), acc = ``blocked_gemm``'s fp32 accumulator:
     cuBLASLt's ``GELU_AUX`` epilogue, one pass over the output. Shapes as ``blocked_gemm``."""
     layout = _checked_layout("blocked_gemm_gelu", a, b)
     return _call_gelu(a.data, a.scale, b.data, b.scale, layout=layout)
-
-
-def blocked_gemm_dgelu(a: Reblocked, b: Reblocked, aux: jax.Array) -> jax.Array:
-    """bfloat16 (M, N) acc * GELU_tanh'(aux), acc = ``blocked_gemm``'s fp32 accumulator, aux a
-    bfloat16 (M, N) array (the GELU's input): cuBLASLt's ``DGELU`` epilogue."""
-    layout = _checked_layout("blocked_gemm_dgelu", a, b)
-    m, n = a.data.shape[0], b.data.shape[0]
-    if tuple(aux.shape) != (m, n) or aux.dtype != jnp.bfloat16:
-        raise ValueError(f"blocked_gemm_dgelu: aux must be bfloat16 {(m, n)} (the output's "
-                         f"shape), got {aux.dtype}{list(aux.shape)}")
-    return _call_dgelu(a.data, a.scale, b.data, b.scale, aux, layout=layout)
 
 
 INTO_ALIGN_BYTES = 256  # where blocked_gemm_into may start writing (cuBLASLt's default for D)

@@ -1,22 +1,23 @@
 """The ``fp8_blocked`` GEMM with the MLP's GELU in its epilogue (issue 33): one pass over the output
 instead of a GEMM and an elementwise pass.
 
-- ``blocked_product_gelu(ra, rb, m, n)``: ``(GELU_tanh(acc), acc)`` rounded once each to
-  bfloat16, acc the GEMM's fp32 accumulator -- an MLP's first linear writes its GELU's output
-  (the second linear's input) and its input (the GELU's backward needs it) together.
-- ``blocked_product_dgelu(ra, rb, aux, m, n)``: ``acc * GELU_tanh'(aux)`` rounded once to
-  bfloat16, aux the bfloat16 GELU input -- the second linear's dgrad writes the gradient of the
-  GELU's input directly.
+``blocked_product_gelu(ra, rb, m, n)``: ``(GELU_tanh(acc), acc)`` rounded once each to bfloat16,
+acc the GEMM's fp32 accumulator -- an MLP's first linear writes its GELU's output (the second
+linear's input) and its input (the GELU's backward needs it) together. On a GPU with the
+``fp8_blocked`` GEMM this is cuBLASLt's ``GELU_AUX`` epilogue (``cublaslt.blocked_gemm_gelu``);
+elsewhere (the CPU, the Pallas GEMM) the fp32 GEMM followed by ``gelu_aux_reference``, the numbers
+the epilogue is held to: the same accumulator, the GELU in fp32, one rounding. They differ from
+the unfused path (``models.gpt_math.gelu_tanh`` of the bfloat16 GEMM output) by the rounding of
+the accumulator before the GELU: the fused values are the more exact ones. The GELU's input is
+the plain GEMM's bfloat16 output, byte for byte. cuBLASLt's own GELU arithmetic (its tanh) is
+not XLA's: ``tests/jax_side/mxfp8/test_epilogue.py`` bounds the kernel against the reference on
+the GPU (``EPILOGUE_BOUND_ULPS`` bfloat16 units in the last place, or 2^-16 of the accumulator
+where 1 + tanh cancels).
 
-On a GPU with the ``fp8_blocked`` GEMM these are cuBLASLt's ``GELU_AUX`` and ``DGELU``
-epilogues (``cublaslt.blocked_gemm_gelu`` / ``blocked_gemm_dgelu``); elsewhere (the CPU, the
-Pallas GEMM) the fp32 GEMM followed by ``gelu_aux_reference`` / ``dgelu_reference``, the numbers
-the epilogues are held to: the same accumulator, the GELU (or its derivative) in fp32, one
-rounding. These differ from the unfused path (``models.gpt_math.gelu_tanh`` of the bfloat16 GEMM
-output; the GELU's gradient from the bfloat16 dgrad) by the rounding of the accumulator before
-the GELU: the fused values are the more exact ones. cuBLASLt's own GELU arithmetic (its tanh) is
-not XLA's: ``tests/jax_side/mxfp8/test_epilogue.py`` bounds the kernel against the references
-on the GPU (``EPILOGUE_BOUND_ULPS`` bfloat16 units in the last place).
+cuBLASLt's ``DGELU`` epilogue (the second linear's dgrad times the GELU's derivative) was tried
+and dropped: its heuristic offers one algorithm for these GEMMs on the H100, 3.6-5.4x the plain
+GEMM's time, 2.2-2.7x the GEMM and XLA's GELU backward together (BENCHMARKS.md, session 20), so
+the backward keeps XLA's pass.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from jax import lax
 from jax_side.mxfp8 import cublaslt, reblock
 from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
 
-__all__ = ["EPILOGUES", "EPILOGUE_BOUND_ULPS", "blocked_product_dgelu", "blocked_product_gelu",
-           "check_post", "dgelu_reference", "gelu_aux_reference", "gelu_grad", "gelu_tanh"]
+__all__ = ["EPILOGUES", "EPILOGUE_BOUND_ULPS", "blocked_product_gelu", "check_post",
+           "gelu_aux_reference", "gelu_tanh"]
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 # The largest difference, in bfloat16 units in the last place of the reference's magnitude,
-# that the cuBLASLt epilogues may show against gelu_aux_reference / dgelu_reference (their GELU
-# and its derivative are evaluated with other fp32 arithmetic than XLA's).
+# that the cuBLASLt epilogue may show against gelu_aux_reference (its GELU is evaluated with
+# other fp32 arithmetic than XLA's)
 EPILOGUE_BOUND_ULPS = 2
 
 
@@ -59,23 +60,10 @@ def check_post(post: object, what: str) -> None:
                          f"linear's output yourself)")
 
 
-def gelu_grad(x: jax.Array) -> jax.Array:
-    """fp32 d GELU_tanh(x) / dx (``jax.nn.gelu(approximate=True)``'s derivative by autodiff)."""
-    xf = x.astype(_F32)
-    _, pull = jax.vjp(lambda v: jax.nn.gelu(v, approximate=True), xf)
-    return pull(jnp.ones_like(xf))[0]
-
-
 def gelu_aux_reference(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(bf16(GELU_tanh(acc)), bf16(acc)) of an fp32 accumulator: what ``GELU_AUX`` writes."""
     acc = acc.astype(_F32)
     return gelu_tanh(acc).astype(_BF16), acc.astype(_BF16)
-
-
-def dgelu_reference(acc: jax.Array, aux: jax.Array) -> jax.Array:
-    """bf16(acc * GELU_tanh'(aux)) of an fp32 accumulator and the GELU's bf16 input: what
-    ``DGELU`` writes."""
-    return (acc.astype(_F32) * gelu_grad(aux)).astype(_BF16)
 
 
 def _fp32(ra: reblock.Reblocked, rb: reblock.Reblocked, pallas: bool) -> jax.Array:
@@ -100,24 +88,3 @@ def blocked_product_gelu(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n
     else:
         g, h = exact(ra, rb)
     return g[:m, :n], h[:m, :n]
-
-
-def blocked_product_dgelu(ra: reblock.Reblocked, rb: reblock.Reblocked, aux: jax.Array, m: int,
-                          n: int, *, pallas: bool = False) -> jax.Array:
-    """bfloat16 (m, n) ``(ra @ rb^T) * GELU'(aux)`` (module docstring); ``aux``: the GELU's
-    bfloat16 (m, n) input."""
-    mp, np_ = ra.data.shape[0], rb.data.shape[0]
-    if aux.dtype != _BF16 or tuple(aux.shape) != (m, n):
-        raise ValueError(f"blocked_product_dgelu: aux must be bfloat16 {(m, n)}, got "
-                         f"{aux.dtype}{list(aux.shape)}")
-    auxp = jnp.pad(aux, ((0, mp - m), (0, np_ - n)))
-
-    def exact(ra: reblock.Reblocked, rb: reblock.Reblocked, auxp: jax.Array) -> jax.Array:
-        return dgelu_reference(_fp32(ra, rb, pallas), auxp)
-
-    if _on_cuda(pallas):
-        out = lax.platform_dependent(ra, rb, auxp, cuda=cublaslt.blocked_gemm_dgelu,
-                                     default=exact)
-    else:
-        out = exact(ra, rb, auxp)
-    return out[:m, :n]

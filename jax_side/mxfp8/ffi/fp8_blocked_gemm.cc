@@ -12,9 +12,6 @@
 // "mxfp8_fp8_blocked_gemm_gelu_aux" (Mxfp8Fp8BlockedGemmGeluAux): the same GEMM with cuBLASLt's
 //   GELU_AUX epilogue: out = GELU_tanh(acc) and aux = acc, both bfloat16 (M, N) (an MLP's first
 //   linear: its GELU output and the pre-activation its backward needs).
-// "mxfp8_fp8_blocked_gemm_dgelu" (Mxfp8Fp8BlockedGemmDgelu): the same GEMM with the DGELU
-//   epilogue: out = acc * GELU_tanh'(aux), aux a bfloat16 (M, N) input (the MLP's second linear's
-//   dgrad straight into the gradient of the GELU's input).
 // "mxfp8_zeroed_gaps" (Mxfp8ZeroedGaps): a flat buffer whose given byte ranges are zeroed and
 //   whose other bytes are left as the allocator handed them over -- a grad bucket whose every
 //   other byte is then written by the GEMMs and updates of the same program.
@@ -78,8 +75,8 @@ struct Pref {
   ~Pref() { if (d) cublasLtMatmulPreferenceDestroy(d); }
 };
 
-// An epilogue and its bfloat16 (M x N row-major) auxiliary matrix: written by GELU_AUX, read by
-// DGELU, none for the plain GEMM.
+// An epilogue and its bfloat16 (M x N row-major) auxiliary matrix (written by GELU_AUX; none
+// for the plain GEMM).
 struct Epilogue {
   cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
   void* aux = nullptr;
@@ -277,24 +274,6 @@ ffi::Error Fp8BlockedGemmGeluAux(cudaStream_t stream, ffi::AnyBuffer a, ffi::Any
                  static_cast<int64_t>(out->element_count()), workspace, epi);
 }
 
-// The GEMM with the DGELU epilogue: out = acc * GELU'(aux), aux a bf16 (M, N) input.
-ffi::Error Fp8BlockedGemmDgelu(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                               ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
-                               ffi::AnyBuffer aux, ffi::Result<ffi::AnyBuffer> out,
-                               ffi::Result<ffi::AnyBuffer> workspace) {
-  auto od = out->dimensions(), xd = aux.dimensions();
-  if (a.dimensions().size() != 2 || b.dimensions().size() != 2 || od.size() != 2 ||
-      od[0] != a.dimensions()[0] || od[1] != b.dimensions()[0] || xd.size() != 2 ||
-      xd[0] != od[0] || xd[1] != od[1] || aux.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument(
-        "mxfp8_fp8_blocked_gemm_dgelu: a, b 2-D; out and aux bf16 (M, N)");
-  Epilogue epi;
-  epi.kind = CUBLASLT_EPILOGUE_DGELU;
-  epi.aux = aux.untyped_data();
-  return RunGemm(stream, a, b, a_scale, b_scale, out->element_type(), out->untyped_data(),
-                 static_cast<int64_t>(out->element_count()), workspace, epi);
-}
-
 // A buffer of which only the byte ranges (gaps[2i], gaps[2i + 1]) -- start, length -- are
 // zeroed (cudaMemsetAsync on the program's stream); every other byte is left unwritten for the
 // program to fill (unit_grads.flat_group: the ranges are the complement of the gradients' slots).
@@ -348,17 +327,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmGeluAux, Fp8BlockedGemmGeluAux,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()    // out: GELU(acc)
                                   .Ret<ffi::AnyBuffer>()    // aux: acc
-                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmDgelu, Fp8BlockedGemmDgelu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()    // aux: the GELU's input
-                                  .Ret<ffi::AnyBuffer>()    // out: acc * GELU'(aux)
                                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8ZeroedGaps, ZeroedGaps,
