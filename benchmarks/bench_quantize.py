@@ -26,6 +26,14 @@ Tile sweep (same launch, a few large shapes to keep it short):
 ``default`` (the module's DEFAULT_TILES) or BMxBKxWARPS, then ``p`` for preload and ``cCK`` for
 the chunk width (``32x64x1pc64``).
 CPU smoke (interpret mode): ``python -m benchmarks.bench_quantize --interpret --shapes 64x64``.
+
+``--refresh``: the refresh's kernel instead (``slices.quantize_slice_into`` on the ``pallas``
+backend: both planes and both amax of a weight read where it lies in an fp32 main buffer, rounded
+to bf16 as loaded, written into a uint8 images buffer), at the 1.3B GPT's weight shapes by
+default, for each ``--tiles`` variant of its ``DEFAULT_TILES`` entry (fp32 input on the native
+path; ``default``: the entry as the module sets it), bytes checked against the default's; GB/s
+counts 4 B read and 2 B written per element, and ``copy_f32`` (read 4 B, write 2 B) beside.
+``python -m benchmarks.bench_quantize --refresh --tiles default,32x128x2pc128,...``
 """
 
 from __future__ import annotations
@@ -230,6 +238,64 @@ def bench_shape(shape, args, tiles_list, casts) -> list[dict]:
     return rows
 
 
+REFRESH_SHAPES = "6144x2048,2048x2048,8192x2048,2048x8192"  # the 1.3B GPT's block weights
+
+
+def _refresh_fn(shape, interpret: bool):
+    from jax_side.mxfp8.slices import quantize_slice_into
+
+    m, k = shape
+    n = m * k
+
+    def fn(flat, out):
+        return quantize_slice_into(out, (0, n), flat, (m, k), 0, backend="pallas", offset=0,
+                                   numel=n, read_as=jnp.bfloat16)
+    return jax.jit(fn, donate_argnums=(1,)) if not interpret else jax.jit(fn)
+
+
+def bench_refresh(shape, args, tiles_list) -> list[dict]:
+    """The refresh's kernel at each tiles variant (module note, ``--refresh``)."""
+    from jax_side.mxfp8.pallas_tiles import DEFAULT_TILES, TileKey
+
+    m, k = shape
+    n = m * k
+    flat = make_input(shape, seed=m + k).astype(jnp.float32).reshape(-1) * 1.0001
+    key = TileKey(KernelKind.QUANTIZE, "float32", pk.COMPILED_DEFAULT)
+    had = DEFAULT_TILES.get(key)
+    rows, want = [], None
+    try:
+        for t in tiles_list:
+            if t is None:
+                DEFAULT_TILES.pop(key, None)
+                if had is not None:
+                    DEFAULT_TILES[key] = had
+            else:
+                DEFAULT_TILES[key] = t
+            fn = _refresh_fn(shape, args.interpret)
+            got = np.asarray(fn(flat, jnp.zeros((2 * n,), jnp.uint8))[0])
+            if want is None:
+                want = got
+            elif not np.array_equal(got, want):
+                raise SystemExit(f"BYTE MISMATCH refresh tiles={tiles_name(t)} shape={shape}")
+            buf = [jnp.zeros((2 * n,), jnp.uint8)]
+
+            def call(v, fn=fn, buf=buf):
+                buf[0] = fn(v, buf[0])[0]
+                return buf[0]
+            sec = time_per_call(call, flat, calls=args.calls, reps=args.reps)
+            rows.append({"shape": f"{m}x{k}", "variant": f"refresh[{tiles_name(t)}]",
+                         "us": sec * 1e6, "GBps": 6 * n / sec / 1e9, "bytes": 6 * n})
+    finally:
+        DEFAULT_TILES.pop(key, None)
+        if had is not None:
+            DEFAULT_TILES[key] = had
+    copy = jax.jit(lambda v: v.astype(jnp.bfloat16))
+    sec = time_per_call(copy, flat, calls=args.calls, reps=args.reps)
+    rows.append({"shape": f"{m}x{k}", "variant": "copy_f32", "us": sec * 1e6,
+                 "GBps": 6 * n / sec / 1e9, "bytes": 6 * n})
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | variant | us | GB/s | % of copy |", "|---|---|---:|---:|---:|"]
     for r in rows:
@@ -259,7 +325,12 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true",
                         help="Pallas interpret mode (CPU smoke run; the numbers mean nothing)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--refresh", action="store_true",
+                        help="time the refresh's kernel (fp32 main read as bf16, written in "
+                             "place) at --shapes (default: the 1.3B weights) per --tiles")
     args = parser.parse_args()
+    if args.refresh and args.shapes == parser.get_default("shapes"):
+        args.shapes = REFRESH_SHAPES
     shapes = parse_shapes(args.shapes)
     tiles_list = parse_tiles(SWEEP_TILES if args.tiles == "sweep" else args.tiles)
     casts = [c for c in args.casts.split(",") if c]
@@ -271,7 +342,8 @@ def main() -> None:
     print(json.dumps(meta), flush=True)
     rows: list[dict] = []
     for shape in shapes:
-        shape_rows = bench_shape(shape, args, tiles_list, casts)
+        shape_rows = (bench_refresh(shape, args, tiles_list) if args.refresh
+                      else bench_shape(shape, args, tiles_list, casts))
         rows += shape_rows
         print(markdown(shape_rows), flush=True)
         if args.out:
