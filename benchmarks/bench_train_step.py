@@ -36,10 +36,11 @@ Runs (``--runs``):
   (``models.gpt_math.GELU_IN_LINEAR`` on), against the default's XLA pass of its own that
   writes GELU(h) first (docs/mxfp8_numerics.md, "The GELU inside the second MLP linear");
   only for this project's runs.
-- ``:gelu-gemm`` at the very end (e.g. ``mxfp8:u4:gelu-gemm``): the MLP's GELU written by its
-  first linear's GEMM epilogue with the GELU's input (``models.gpt_math.GELU_IN_GEMM`` flipped;
-  cuBLASLt's ``GELU_AUX`` with the ``fp8_blocked`` GEMM), against XLA's GELU pass after the
-  GEMM (docs/mxfp8_numerics.md, "The GELU in the GEMM's epilogue"); only for this project's runs.
+- ``:gelu-apart`` at the very end (e.g. ``mxfp8:u4:gelu-apart``): the MLP's GELU as XLA's pass
+  after its first linear's GEMM (``models.gpt_math.GELU_IN_GEMM`` off), against the default's
+  GELU written by that GEMM's epilogue with the GELU's input (cuBLASLt's ``GELU_AUX`` with the
+  ``fp8_blocked`` GEMM; docs/mxfp8_numerics.md, "The GELU in the GEMM's epilogue"); only for
+  this project's runs.
 - ``:pairs`` at the very end (e.g. ``mxfp8:u4:pairs``): ``blocked_operands.KERNEL_CONFIG``
   gets pair entries (``PAIR_CHOICE``: 128x128 blocks, 8 warps, ``whole=True``), so each
   linear's two operands of x and of dy come from one kernel call that reads x once, against
@@ -111,7 +112,7 @@ RUNS = ("mxfp8", "mxfp8-sync", "mxfp8-op", "mxfp8_bf16_gather", "bf16", "fsdp2",
 PEERS = ("fsdp2", "fsdp2-compile", "torchao")  # PyTorch's own runs (no unit count)
 QKV1 = ":qkv1"  # a run's suffix: the qkv linear as one GEMM (_whole_qkv)
 GELU_IN = ":gelu-in"  # a run's suffix: the GELU inside the MLP's second linear
-GELU_GEMM = ":gelu-gemm"  # a run's suffix: the GELU in the MLP's first GEMM's epilogue
+GELU_APART = ":gelu-apart"  # a run's suffix: the GELU as a pass of its own, not in the GEMM
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (KERNEL_CONFIG)
@@ -119,10 +120,10 @@ GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (K
 # it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
 # entries set to PAIR_CHOICE), "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
 # set to PACKED_PAIR_CHOICE) or "GIVEN" (the TRANSPOSED entries' ``given`` flipped)
-SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", GELU_GEMM: "GELU_IN_GEMM",
+SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", GELU_APART: "GELU_IN_GEMM",
             PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN"}
 TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``, ``:given`` flip
-KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False, "GELU_IN_GEMM": False}
+KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False, "GELU_IN_GEMM": True}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
 PAIR_CHOICE = (128, 128), 8, True  # (block, warps, whole): both from one loaded 128x128 block
 PACKED_PAIR_CHOICE = (128, 128), 8, False, True  # ... packed: both from row-strided quarters
@@ -312,8 +313,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
         raise ValueError(f"unknown run {run!r}: expected one of {RUNS}; this project's (not "
                          f"{PEERS}) optionally with ':u<N>' (N >= 1 blocks per FSDP unit), then "
                          f"':r' (activation recompute), then '{QKV1}' (the qkv linear as one "
-                         f"GEMM), '{GELU_IN}' (the GELU inside the linear), '{GELU_GEMM}' (the "
-                         f"GELU in the GEMM's epilogue), '{PAIRS}' (the "
+                         f"GEMM), '{GELU_IN}' (the GELU inside the linear), '{GELU_APART}' (the "
+                         f"GELU apart from the GEMM's epilogue), '{PAIRS}' (the "
                          f"quantize's outputs in pairs), '{PACKED}' (its transposed "
                          f"outputs' packing flipped) and/or '{GIVEN}' (their scales given by "
                          f"the rows' call), e.g. 'mxfp8:u4:r'")
@@ -328,8 +329,8 @@ def _switches(run: str) -> tuple[str, frozenset[str]]:
     asks its qkv linear for one output and splits it (``models.gpt_math.QKV_PARTS`` off), to
     compare with the default's three GEMMs in one launch; ``:gelu-in``, the MLP's GELU runs
     inside the second linear's quantize (``GELU_IN_LINEAR`` on), to compare with the default's
-    XLA pass of its own; ``:gelu-gemm``, the GELU in the first linear's GEMM epilogue
-    (``GELU_IN_GEMM`` flipped); ``:pairs``, the blocked-operand
+    XLA pass of its own; ``:gelu-apart``, the GELU as XLA's pass after the first linear
+    (``GELU_IN_GEMM`` off) against the default's GEMM epilogue; ``:pairs``, the blocked-operand
     quantize makes each linear's two operands of x (rows and x^T tiles) and of dy (rows and
     dy^T rows) in one kernel call (``PAIR_CHOICE``: both from one loaded block), to compare
     with the default's one call per output; ``:packed``, the transposed outputs' kernels

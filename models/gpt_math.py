@@ -204,8 +204,10 @@ GELU_IN_LINEAR = False
 # GPTBlockFn asks the MLP's first linear for the GELU of its output (``linear("mlp.fc", h,
 # post="gelu_tanh")``: cuBLASLt's GELU_AUX epilogue with the fp8_blocked GEMM, one pass writing
 # the GELU's output and input; elsewhere the same checkpointed GELU as off, the same bytes).
-# Read when a block is traced; bench_train_step's ':gelu-gemm' runs flip it.
-GELU_IN_GEMM = False
+# On: the 1.3B step's GPU time fell 0.2 ms on an H100 and 1.3 ms on an H200 (BENCHMARKS.md,
+# session 20). GELU_IN_LINEAR, when on, takes precedence. Read when a block is traced;
+# bench_train_step's ':gelu-apart' runs switch it off.
+GELU_IN_GEMM = True
 
 
 def _linear(linear: Linear, name: str) -> Fn:
@@ -219,13 +221,13 @@ def _qkv(linear: Linear) -> Callable[[jax.Array], Any]:
 
 
 def _fc(linear: Linear) -> Fn:
-    if GELU_IN_GEMM:
+    if GELU_IN_GEMM and not GELU_IN_LINEAR:
         return lambda h: linear("mlp.fc", h, post="gelu_tanh")
     return _linear(linear, "mlp.fc")
 
 
 def _proj(linear: Linear) -> Fn:
-    if GELU_IN_LINEAR and not GELU_IN_GEMM:
+    if GELU_IN_LINEAR:
         return lambda h: linear("mlp.proj", h, pre=gelu_tanh)
     return _linear(linear, "mlp.proj")
 
@@ -241,8 +243,8 @@ class GPTBlockFn:
     ``linear(name, h)`` its four linears (``attn.qkv``, ``attn.proj``, ``mlp.fc``,
     ``mlp.proj``; the qkv one as ``linear("attn.qkv", h, parts=3)``: q, k and v; the MLP's
     second as ``linear("mlp.proj", h, pre=gelu_tanh)``: the GELU applied by the linear, or its
-    first as ``linear("mlp.fc", h, post="gelu_tanh")``: the GELU of its output, ``GELU_IN_GEMM``
-    taking precedence)."""
+    first as ``linear("mlp.fc", h, post="gelu_tanh")``: the GELU of its output, the default;
+    ``GELU_IN_LINEAR`` takes precedence)."""
 
     cfg: GPTConfig
     activations: Activations
@@ -262,8 +264,8 @@ class GPTBlockFn:
                                      fused=self.fused_attention),
             ln_2=_norm(params, "ln_2", cfg.ln_eps),
             mlp=lambda h: mlp(h, fc=_fc(linear), proj=_proj(linear),
-                              gelu_in_proj=GELU_IN_LINEAR and not GELU_IN_GEMM,
-                              gelu_in_fc=GELU_IN_GEMM),
+                              gelu_in_proj=GELU_IN_LINEAR,
+                              gelu_in_fc=GELU_IN_GEMM and not GELU_IN_LINEAR),
         )
 
 

@@ -70,6 +70,11 @@ DEFAULT_TILES: dict[TileKey, Tiles] = {
     # the fastest of three tilings at 8192x8192, 4096x8192 and 50304x768 bf16 (BENCHMARKS.md)
     TileKey(_Q, "bfloat16", ElementPath.NATIVE): Tiles(block_m=32, block_k=128, num_warps=2,
                                                         preload=True, chunk_k=128),
+    # fp32 input on the native path (the refresh: FSDP's fp32 main read as bf16 where it lies):
+    # 32x128, two warps, 128-wide chunks was faster than the fp32 entry below at all four 1.3B
+    # weight shapes on an H100 (bench_quantize --refresh; BENCHMARKS.md, session 20)
+    TileKey(_Q, "float32", ElementPath.NATIVE): Tiles(block_m=32, block_k=128, num_warps=2,
+                                                       preload=True, chunk_k=128),
     # 32x64 measured fastest of 11 tilings at 8192x8192 bf16 on the H200 (BENCHMARKS.md), FLOAT
     TileKey(_Q, "bfloat16"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),
     TileKey(_Q, "float32"): Tiles(block_m=32, block_k=64, num_warps=1, preload=True),

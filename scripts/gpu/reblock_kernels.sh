@@ -17,8 +17,9 @@
 #   step:  the 1.3B step (batch 8 x 1024, fp8_blocked GEMMs), FSDP2 eager and mxfp8:u4 (RUNS;
 #          e.g. RUNS=fsdp2,mxfp8:u4,mxfp8:u4:qkv1,mxfp8:u4:gelu-in compares the qkv
 #          linear as one GEMM and the GELU inside the linear; mxfp8:u4:packed the transposed
-#          outputs packed, mxfp8:u4:given their colwise scales made by the rows' call, mxfp8:u4:gelu-gemm the GELU
-#          in the MLP's first GEMM's epilogue),
+#          outputs packed, mxfp8:u4:given their colwise scales made by the rows' call,
+#          mxfp8:u4:gelu-apart the GELU as XLA's pass instead of in the MLP's first GEMM's
+#          epilogue),
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log); TOP kernels listed

@@ -183,11 +183,12 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
     assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
 
 
-def test_the_gelu_gemm_run_fuses_the_gelu_and_trains_near_the_default(single_rank_world,
-                                                                      monkeypatch):
-    """``mxfp8:u2:gelu-gemm`` (the GELU in the MLP's first GEMM's epilogue) against
-    ``mxfp8:u2``: the fused linear ran in the switched run only, and the losses move by the
-    GELU's rounding only (within 1e-3; tests/jax_side/test_linear_post.py bounds the block)."""
+def test_the_gelu_apart_run_trains_near_the_default_gelu_in_the_gemm(single_rank_world,
+                                                                     monkeypatch):
+    """``mxfp8:u2`` (the GELU in the MLP's first GEMM's epilogue, the default) against
+    ``mxfp8:u2:gelu-apart`` (XLA's GELU pass): the fused linear ran in the default only, and the
+    losses move by the GELU's rounding only (within 1e-3; tests/jax_side/test_linear_post.py
+    bounds the block)."""
     import argparse
 
     import jax
@@ -205,15 +206,15 @@ def test_the_gelu_gemm_run_fuses_the_gelu_and_trains_near_the_default(single_ran
                               steps=1, world_size=1, profile=False, pyprofile=0,
                               gemm="fp8_blocked", shared_pool=False)
     losses, calls = {}, {}
-    for run in ("mxfp8:u2", "mxfp8:u2:gelu-gemm"):
+    for run in ("mxfp8:u2", "mxfp8:u2:gelu-apart"):
         ran.clear()
         losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
         calls[run] = len(ran)
     jax.clear_caches()
-    assert calls["mxfp8:u2"] == 0 and calls["mxfp8:u2:gelu-gemm"] > 0
-    base, fused = losses["mxfp8:u2"], losses["mxfp8:u2:gelu-gemm"]
-    assert len(base) == len(fused) == 2 and base != fused
-    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(fused, base, strict=True))
+    assert calls["mxfp8:u2"] > 0 and calls["mxfp8:u2:gelu-apart"] == 0
+    fused, apart = losses["mxfp8:u2"], losses["mxfp8:u2:gelu-apart"]
+    assert len(fused) == len(apart) == 2 and fused != apart
+    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(fused, apart, strict=True))
 
 
 def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monkeypatch):
@@ -228,7 +229,7 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
 
     monkeypatch.setattr(blocked_operands, "KERNEL_CONFIG",
                         dict(blocked_operands.KERNEL_CONFIG))  # restored after the test
-    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=False, GELU_IN_GEMM=False)
+    knobs = types.SimpleNamespace(QKV_PARTS=True, GELU_IN_LINEAR=False, GELU_IN_GEMM=True)
     apply = bench_train_step._apply_switches
     assert not apply(frozenset(), knobs)
     assert apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)
@@ -240,7 +241,7 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert not apply(frozenset({"PAIRS", "QKV_PARTS"}), knobs)  # already so
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)
     assert (knobs.QKV_PARTS, knobs.GELU_IN_LINEAR) == (True, True)
-    assert apply(frozenset({"GELU_IN_GEMM"}), knobs)  # ``:gelu-gemm`` flips its knob alone
+    assert apply(frozenset({"GELU_IN_GEMM"}), knobs)  # ``:gelu-apart`` flips its knob alone
     flipped = not bench_train_step.KNOB_DEFAULTS["GELU_IN_GEMM"]
     assert (knobs.GELU_IN_LINEAR, knobs.GELU_IN_GEMM) == (False, flipped)
     assert apply(frozenset({"GELU_IN_LINEAR"}), knobs)

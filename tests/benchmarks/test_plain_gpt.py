@@ -91,12 +91,12 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     assert _run_spec("mxfp8:u4:pairs") == ("mxfp8", 4, False)
     assert _switches("mxfp8:u4:packed:pairs") == ("mxfp8:u4", {"PAIRS", "PACKED"})
     assert _switches("mxfp8:u4:given") == ("mxfp8:u4", {"GIVEN"})
-    assert _switches("mxfp8:u4:gelu-gemm") == ("mxfp8:u4", {"GELU_IN_GEMM"})
-    assert _switches("mxfp8:u4:gelu-in:gelu-gemm") == ("mxfp8:u4",
-                                                       {"GELU_IN_LINEAR", "GELU_IN_GEMM"})
-    assert _run_spec("mxfp8:u4:r:gelu-gemm") == ("mxfp8", 4, True)
+    assert _switches("mxfp8:u4:gelu-apart") == ("mxfp8:u4", {"GELU_IN_GEMM"})
+    assert _switches("mxfp8:u4:gelu-in:gelu-apart") == ("mxfp8:u4",
+                                                        {"GELU_IN_LINEAR", "GELU_IN_GEMM"})
+    assert _run_spec("mxfp8:u4:r:gelu-apart") == ("mxfp8", 4, True)
     for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-in", "fsdp2:pairs", "fsdp2:given",
-                "fsdp2:gelu-gemm"):
+                "fsdp2:gelu-apart"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)
     for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",

@@ -90,7 +90,10 @@ def test_quantize_operands_with_pre_gives_the_operands_of_pre_first(backend, sha
 
 @pytest.fixture
 def gelu_in_linear(monkeypatch):
-    """``GELU_IN_LINEAR`` set per call (restored after the test) with the traces cleared."""
+    """``GELU_IN_LINEAR`` set per call (restored after the test) with the traces cleared; the
+    GELU in the first GEMM's epilogue off, so that "apart" is XLA's GELU pass."""
+    monkeypatch.setattr(gpt_math, "GELU_IN_GEMM", False)
+
     def use(on: bool) -> None:
         monkeypatch.setattr(gpt_math, "GELU_IN_LINEAR", on)
         jax.clear_caches()
