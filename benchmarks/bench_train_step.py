@@ -83,7 +83,9 @@ time on the CPU), bridge crossings per step and their host time, and the ratio t
 ``--profile`` adds torch.profiler tables of one warm step of every run (its top costs by device
 and by host time, and each category's kernels: the top 8, ``--profile-top N`` for more);
 ``--profile-copies`` adds its device copies grouped by what launched them
-(``benchmarks/trace_copies.py``).
+(``benchmarks/trace_copies.py``); ``--profile-gaps`` the GPU's idle time inside the step and its
+longest gaps, each with what launched the work after it and whether that launch came after the
+gap opened (the GPU waited for the host) or before (``benchmarks/trace_gaps.py``).
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
@@ -681,16 +683,28 @@ def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
     comm_us = sum(b - a for a, b in _union(comm))
     table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    copies = ""
-    if args.profile_copies:
-        from benchmarks.trace_copies import profile_copies
-
-        copies = "\n--- the same step, where its copies come from\n" + profile_copies(prof)
+    copies = _trace_sections(prof, args)
     return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
         + "\n--- the same step, top 25 by self host time\n" + host
         + "\n--- the same step, GPU ms by category and kernel\n"
         + _kernels_by_category(by_kernel, args.profile_top) + copies)
+
+
+def _trace_sections(prof, args) -> str:
+    """``--profile-copies``' and ``--profile-gaps``' sections of a profiled step (from its
+    trace: ``benchmarks/trace_copies.py``, ``benchmarks/trace_gaps.py``)."""
+    out = ""
+    if getattr(args, "profile_copies", False) or getattr(args, "profile_gaps", False):
+        from benchmarks.trace_copies import copy_sources, load_trace
+        from benchmarks.trace_gaps import idle_gaps
+
+        events = load_trace(prof)
+        if args.profile_copies:
+            out += "\n--- the same step, where its copies come from\n" + copy_sources(events)
+        if getattr(args, "profile_gaps", False):
+            out += "\n--- the same step, where the GPU stands idle\n" + idle_gaps(events)
+    return out
 
 
 def _kernels_by_category(by_kernel: dict[str, list], top: int = 8) -> str:
@@ -862,6 +876,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile-copies", action="store_true",
                    help="with --profile: the step's device copies grouped by what launched "
                         "them (benchmarks/trace_copies.py)")
+    p.add_argument("--profile-gaps", action="store_true",
+                   help="with --profile: the step's GPU idle time and its longest gaps, each "
+                        "with what launched the work after it and when "
+                        "(benchmarks/trace_gaps.py)")
     p.add_argument("--profile-top", type=int, default=8,
                    help="kernels listed per category in --profile's table")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")

@@ -67,8 +67,8 @@ def copy_sources(events: list[dict[str, Any]], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def profile_copies(prof: Any, top: int = 25) -> str:
-    """``copy_sources`` of a finished ``torch.profiler.profile``."""
+def load_trace(prof: Any) -> list[dict[str, Any]]:
+    """The ``traceEvents`` of a finished ``torch.profiler.profile`` (its Chrome trace)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -77,4 +77,9 @@ def profile_copies(prof: Any, top: int = 25) -> str:
             trace = json.load(f)
     finally:
         os.unlink(path)
-    return copy_sources(trace.get("traceEvents", []), top)
+    return trace.get("traceEvents", [])
+
+
+def profile_copies(prof: Any, top: int = 25) -> str:
+    """``copy_sources`` of a finished ``torch.profiler.profile``."""
+    return copy_sources(load_trace(prof), top)

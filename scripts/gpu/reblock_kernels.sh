@@ -23,7 +23,7 @@
 #          profiled; with DUMP=1 every XLA module's optimized HLO is dumped and the fusions
 #          named in FUSIONS (a regex; default: every loop convert, slice and concatenate
 #          fusion) are listed with the module that holds them (fusions.log); TOP kernels listed
-#          per category (default 30)
+#          per category (default 30); GAPS=1 adds where the GPU stands idle in the step
 # Repo root, machine python3, no install; logs under $OUT. One part per device call: tests up to
 # 7 minutes (compiling; the blocked-operand byte test alone took 97 s on an H100, session 18),
 # bench about 2, step 2.5-3 per three runs.
@@ -61,7 +61,8 @@ for part in "${parts[@]}"; do
       XLA_FLAGS="$flags" timeout 400 python3 -m benchmarks.bench_train_step --device cuda \
         --nproc 1 --config "${CONFIG:-gpt-1.3b}" --batch-size 8 --seq-len 1024 --steps 6 \
         --warmup 2 --gemm fp8_blocked --runs "${RUNS:-fsdp2,mxfp8:u4}" --profile \
-        --profile-top "${TOP:-30}" --out "$OUT/step.json" > "$OUT/step.log" 2>&1
+        --profile-top "${TOP:-30}" $([ "${GAPS:-0}" = 1 ] && echo --profile-gaps) --out "$OUT/step.json" \
+        > "$OUT/step.log" 2>&1
       echo "step: rc=$?"
       grep -A12 "^device cuda" "$OUT/step.log" | grep "^| "
       if [ "${DUMP:-0}" = 1 ]; then
