@@ -16,19 +16,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from benchmarks.bench_train_step import _union
 from benchmarks.trace_copies import _innermost, load_trace
 
 _DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _union(spans: list[tuple[float, float]]) -> list[list[float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
 
 
 def idle_gaps(events: list[dict[str, Any]], top: int = 12, min_us: float = 20.0) -> str:

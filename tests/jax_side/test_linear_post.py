@@ -27,6 +27,7 @@ from jax_side import unit_program as U
 from jax_side.mxfp8 import epilogue, resolve_kernels
 from models import gpt_math
 from tests.jax_side.test_linear_parts import _arrays, _inputs, _step, kept_and_recomputed
+from tests.jax_side.test_linear_pre import _spy as spy
 
 # How far the block's output and mlp.proj's dW may move when the GELU is of the fp32
 # accumulator rather than of its bf16 rounding: 1 bf16 ulp in about a quarter of the GELU's
@@ -47,10 +48,7 @@ def gelu_in_gemm(monkeypatch):
 
 
 def _spy(monkeypatch):
-    ran = []
-    real = U.unit_linear_post
-    monkeypatch.setattr(U, "unit_linear_post", lambda *a: ran.append(a[3]) or real(*a))
-    return ran
+    return spy(monkeypatch, "unit_linear_post")
 
 
 def _rels(inputs, got, want):

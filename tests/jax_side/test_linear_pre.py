@@ -102,10 +102,11 @@ def gelu_in_linear(monkeypatch):
     jax.clear_caches()
 
 
-def _spy(monkeypatch):
+def _spy(monkeypatch, name="unit_linear_pre"):
+    """The linear indices that ``jax_side.unit_program``'s ``name`` ran for, as they run."""
     ran = []
-    real = U.unit_linear_pre
-    monkeypatch.setattr(U, "unit_linear_pre", lambda *a: ran.append(a[3]) or real(*a))
+    real = getattr(U, name)
+    monkeypatch.setattr(U, name, lambda *a: ran.append(a[3]) or real(*a))
     return ran
 
 
