@@ -148,10 +148,11 @@ def test_a_finished_run_leaves_no_model_behind(single_rank_world, monkeypatch):
 
 def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch):
     """``mxfp8:u2:qkv1:gelu-in`` (the qkv linear as one GEMM and a split, the GELU inside the
-    MLP's second linear) against ``mxfp8:u2`` (q, k and v from three GEMMs, the GELU a pass of
-    its own: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole tiles): the same
-    losses, bit for bit on the CPU; the parts ran in the default only, the fused GELU in the
-    switched run only (each switch's parsing: tests/benchmarks/test_plain_gpt.py)."""
+    MLP's second linear) against ``mxfp8:u2:gelu-apart`` (q, k and v from three GEMMs, the GELU
+    a pass of its own: ``fp8_blocked`` on the small GPT, whose 128-wide parts are whole tiles):
+    the same losses, bit for bit on the CPU; the parts ran in the other run only, the fused
+    GELU in the switched run only (each switch's parsing: tests/benchmarks/test_plain_gpt.py;
+    the default's GELU in the GEMM's epilogue: the next test)."""
     import argparse
 
     import jax
@@ -173,14 +174,14 @@ def test_a_switched_run_trains_as_the_default_run(single_rank_world, monkeypatch
                               steps=1, world_size=1, profile=False, pyprofile=0,
                               gemm="fp8_blocked", shared_pool=False)
     losses, calls = {}, {}
-    switched = "mxfp8:u2:qkv1:gelu-in"
-    for run in ("mxfp8:u2", switched):
+    switched, apart = "mxfp8:u2:qkv1:gelu-in", "mxfp8:u2:gelu-apart"
+    for run in (apart, switched):
         ran.clear()
         losses[run] = bench_train_step._run_one(run, PRESETS["small"], args, rank=0).losses
         calls[run] = set(ran)
     jax.clear_caches()
-    assert calls[switched] == {"gelu"} and calls["mxfp8:u2"] == {"parts"}
-    assert len(losses["mxfp8:u2"]) == 2 and losses[switched] == losses["mxfp8:u2"]
+    assert calls[switched] == {"gelu"} and calls[apart] == {"parts"}
+    assert len(losses[apart]) == 2 and losses[switched] == losses[apart]
 
 
 def test_the_gelu_apart_run_trains_near_the_default_gelu_in_the_gemm(single_rank_world,
