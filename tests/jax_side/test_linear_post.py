@@ -31,8 +31,8 @@ from tests.jax_side.test_linear_pre import _spy as spy
 
 # How far the block's output and mlp.proj's dW may move when the GELU is of the fp32
 # accumulator rather than of its bf16 rounding: 1 bf16 ulp in about a quarter of the GELU's
-# outputs, which the FP8 quantize of the next linear's input re-rounds by one e4m3 step in about
-# 1 % of them (measured: 5.2e-3 and 1.3e-2 on the CPU)
+# outputs, some of which the FP8 quantize of the next linear's input then moves to the next
+# e4m3 step (measured: 5.2e-3 and 1.3e-2 on the CPU)
 GELU_MOVE = 2e-2
 
 
