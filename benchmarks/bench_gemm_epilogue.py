@@ -43,20 +43,13 @@ from models.gpt_math import gelu_tanh  # noqa: E402
 SHAPES = [(8192, 1024, 4096), (8192, 2048, 8192)]  # the 350M and 1.3B first MLP linears
 
 
-def bf16_ulps(got: Any, ref: Any) -> np.ndarray:
-    """|got - ref| in bf16 units in the last place of |ref| (the smallest normal's below it)."""
-    g, r = (np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in (got, ref))
-    exp = np.floor(np.log2(np.maximum(np.abs(r), 2.0 ** -126)))
-    return np.abs(g - r) / 2.0 ** (exp - 7)
-
-
 def _numbers(row: dict[str, Any], acc: jax.Array, h16: jax.Array, got: Any) -> None:
     ref_g, ref_h = epilogue.gelu_aux_reference(acc)
     g, h = got
     row["aux_equal"] = bool(jnp.array_equal(h, h16))
-    row["aux_vs_reference_max_ulps"] = float(bf16_ulps(h, ref_h).max())
+    row["aux_vs_reference_max_ulps"] = float(epilogue.bf16_ulps(h, ref_h).max())
     for name, ref in (("gelu", ref_g), ("gelu_vs_unfused", gelu_tanh(h16))):
-        u = bf16_ulps(g, ref)
+        u = epilogue.bf16_ulps(g, ref)
         row[f"{name}_max_ulps"] = float(u.max())
         row[f"{name}_differ"] = float(np.mean(u > 0))
 

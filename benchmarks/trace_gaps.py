@@ -37,24 +37,21 @@ def idle_gaps(events: list[dict[str, Any]], top: int = 12, min_us: float = 20.0)
             ops[(e.get("pid"), e.get("tid"))].append(e)
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in device])
     span = busy[-1][1] - busy[0][0]
-    host = [e["ts"] for e in events if e.get("cat") == "cpu_op"]
+    host = [op["ts"] for thread in ops.values() for op in thread]
     lead = f"; first device activity {(busy[0][0] - min(host)) / 1e3:.2f} ms after the first " \
         f"host op" if host else ""
     idle = span - sum(b - a for a, b in busy)
-    gaps = []
-    for (_, end), (start, _) in zip(busy[:-1], busy[1:], strict=True):
-        if start - end >= min_us:
-            before = max((e for e in device if e["ts"] + e["dur"] <= end + 1e-6),
-                         key=lambda e: e["ts"] + e["dur"])
-            after = next(e for e in device if e["ts"] >= start - 1e-6)
-            gaps.append((start - end, end, before, after))
-    gaps.sort(key=lambda g: -g[0])
+    gaps = sorted(((start - end, end, start) for (_, end), (start, _) in zip(
+        busy[:-1], busy[1:], strict=True) if start - end >= min_us), key=lambda g: -g[0])
     lines = [f"GPU span {span / 1e3:.2f} ms, busy {(span - idle) / 1e3:.2f} ms, idle "
              f"{idle / 1e3:.2f} ms; {len(gaps)} gaps of {min_us:g} us or more, "
              f"{sum(g[0] for g in gaps) / 1e3:.2f} ms (the longest: us, launched vs the gap's "
              f"start, Torch op around the launch, runtime call, device activity before -> "
              f"after){lead}"]
-    for us, at, before, after in gaps[:top]:
+    for us, at, until in gaps[:top]:  # only the listed gaps' neighbours are looked up
+        before = max((e for e in device if e["ts"] + e["dur"] <= at + 1e-6),
+                     key=lambda e: e["ts"] + e["dur"])
+        after = next(e for e in device if e["ts"] >= until - 1e-6)
         call = launches.get(after.get("args", {}).get("correlation"))
         if call is None:
             when, op, api = "?", "-", "?"

@@ -46,8 +46,8 @@ from jax_side.mxfp8 import MXFP8Tensor
 from jax_side.mxfp8.blocked_operands import (
     KeptTiles,
     WgradOperands,
-    forward_gelu,
     forward_parts,
+    forward_post,
     row_parts,
 )
 from jax_side.mxfp8.blocked_operands import forward as forward_blocked
@@ -209,24 +209,24 @@ def fuses_post(w_row: Any, kernels: ResolvedKernels, dtype: Any) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def unit_linear_post(x2d: jax.Array, w_row: Any, carrier: jax.Array, index: int,
                      kernels: ResolvedKernels, post: str) -> jax.Array:
-    """``EPILOGUES[post]`` of ``unit_linear``'s y (the GPT's GELU after its MLP's first linear)
+    """``EPILOGUES[post].fn`` of ``unit_linear``'s y (the GPT's GELU after its MLP's first linear)
     written by the GEMM's epilogue from the fp32 accumulator, with y itself, in one pass
-    (``blocked_operands.forward_gelu``; ``fuses_post`` says when). Residuals: x's tiles for
+    (``blocked_operands.forward_post``; ``fuses_post`` says when). Residuals: x's tiles for
     wgrad and y (what ``jax.checkpoint(post)`` keeps); the backward takes the cotangent of
     ``post(y)`` through ``jax.vjp(post, y)``, then ``unit_linear``'s rule. The values differ from
     ``jax.checkpoint(post)(unit_linear(...))`` by the rounding of the accumulator to bfloat16
     before the GELU (``jax_side.mxfp8.epilogue``)."""
-    return forward_gelu(x2d, w_row, False, kernels)[0]
+    return forward_post(x2d, w_row, post, False, kernels)[0]
 
 
 def _unit_linear_post_fwd(x2d, w_row, carrier, index, kernels, post):
-    g, h, kept = forward_gelu(x2d, w_row, True, kernels)
+    g, h, kept = forward_post(x2d, w_row, post, True, kernels)
     return g, (kept, h, jnp.zeros((), x2d.dtype), jnp.zeros((), carrier.dtype))
 
 
 def _unit_linear_post_bwd(index, kernels, post, res, dg):
     kept, h, x_dtype, dw_dtype = res
-    dh = jax.vjp(EPILOGUES[post], h)[1](dg)[0]
+    dh = jax.vjp(EPILOGUES[post].fn, h)[1](dg)[0]
     return _unit_linear_bwd(index, kernels, (kept, x_dtype, dw_dtype), dh)
 
 

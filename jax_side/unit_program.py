@@ -231,7 +231,7 @@ def _bound(spec: UnitSpec, row_planes: Rows, aux: tuple, stage: int | None = Non
                                      f"to one output, not to parts={parts}")
                 if not (name in index and pre is None and fuses_post(
                         row_planes[index[name]], spec.kernels, h.dtype)):
-                    return jax.checkpoint(epilogue.EPILOGUES[post])(linear(name, h, 1, pre))
+                    return jax.checkpoint(epilogue.EPILOGUES[post].fn)(linear(name, h, 1, pre))
             if parts != 1:
                 _check_parts(spec, name, parts, row_planes[index[name]].shape[0]
                              if name in index else params[f"{name}.weight"].shape[0]

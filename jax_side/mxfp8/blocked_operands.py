@@ -59,7 +59,7 @@ __all__ = [
     "blocked_gemm",
     "blocked_tokens",
     "forward",
-    "forward_gelu",
+    "forward_post",
     "forward_parts",
     "from_planes",
     "quantize_operands",
@@ -347,13 +347,13 @@ def forward_parts(x2d: jax.Array, ws: tuple[Weight, ...], out_dtype: jnp.dtype,
     return ys, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None
 
 
-def forward_gelu(x2d: jax.Array, w: Weight, keep: bool, kernels: ResolvedKernels,
+def forward_post(x2d: jax.Array, w: Weight, post: str, keep: bool, kernels: ResolvedKernels,
                  ) -> tuple[jax.Array, jax.Array, KeptTiles | None]:
-    """(GELU_tanh(y), y), bfloat16 (T, N), of y = x W^T with the GELU in the GEMM's epilogue
-    (``epilogue.blocked_product_gelu``: cuBLASLt's ``GELU_AUX`` on a GPU), and, if ``keep``,
-    x's tiles for wgrad: ``forward``'s operands, one GEMM writing both outputs."""
+    """(post(y), y), bfloat16 (T, N), of y = x W^T with ``epilogue.EPILOGUES[post]`` applied in
+    the GEMM's epilogue (the GELU: cuBLASLt's ``GELU_AUX`` on a GPU), and, if ``keep``, x's
+    tiles for wgrad: ``forward``'s operands, one GEMM writing both outputs."""
     ops = quantize_operands(x2d, rows=True, tiles_t=keep, kernels=kernels)
-    g, h = epilogue.blocked_product_gelu(
+    g, h = epilogue.EPILOGUES[post].product(
         _made(ops.rows), weight_tiles(w, GemmRole.FORWARD, kernels), x2d.shape[0], w.shape[0],
         pallas=kernels.gemm is GemmImpl.FP8_BLOCKED_PALLAS)
     return g, h, KeptTiles(_made(ops.tiles_t), x2d.shape[1]) if keep else None

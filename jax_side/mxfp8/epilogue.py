@@ -22,15 +22,19 @@ the backward keeps XLA's pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jax_side.mxfp8 import cublaslt, reblock
-from jax_side.mxfp8.fp8_blocked_kernel import blocked_matmul
+from jax_side.mxfp8.gemm_impls import blocked_product
 
-__all__ = ["EPILOGUES", "EPILOGUE_BOUND_ULPS", "blocked_product_gelu", "check_post",
-           "gelu_aux_reference", "gelu_tanh"]
+__all__ = ["EPILOGUES", "EPILOGUE_BOUND_ULPS", "Epilogue", "bf16_ulps", "blocked_product_gelu",
+           "check_post", "gelu_aux_reference", "gelu_tanh"]
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 # The largest difference, in bfloat16 units in the last place of the reference's magnitude,
@@ -46,10 +50,50 @@ def gelu_tanh(h: jax.Array) -> jax.Array:
     return jax.nn.gelu(h.astype(_F32), approximate=True).astype(h.dtype)
 
 
+def gelu_aux_reference(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(bf16(GELU_tanh(acc)), bf16(acc)) of an fp32 accumulator: what ``GELU_AUX`` writes."""
+    acc = acc.astype(_F32)
+    return gelu_tanh(acc).astype(_BF16), acc.astype(_BF16)
+
+
+def blocked_product_gelu(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n: int, *,
+                         pallas: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(GELU output, GELU input), bfloat16 (m, n), of ``ra @ rb^T`` (module docstring): on a
+    GPU with cuBLASLt's GEMM its ``GELU_AUX`` epilogue, elsewhere ``gemm_impls.blocked_product``
+    in fp32 (the exact dot, or the Pallas GEMM), then ``gelu_aux_reference``."""
+    mp, np_ = ra.data.shape[0], rb.data.shape[0]
+
+    def apart(ra: reblock.Reblocked, rb: reblock.Reblocked) -> tuple[jax.Array, jax.Array]:
+        return gelu_aux_reference(blocked_product(ra, rb, mp, np_, _F32, pallas=pallas))
+
+    if not pallas and jax.devices()[0].platform == "gpu":
+        g, h = lax.platform_dependent(ra, rb, cuda=cublaslt.blocked_gemm_gelu, default=apart)
+    else:
+        g, h = apart(ra, rb)
+    return g[:m, :n], h[:m, :n]
+
+
+def bf16_ulps(got: object, ref: object) -> np.ndarray:
+    """|got - ref| (float64) in bf16 units in the last place of |ref| (the smallest normal's
+    below it): how ``EPILOGUE_BOUND_ULPS`` is measured."""
+    g, r = (np.asarray(v).astype(np.float64) for v in (got, ref))
+    exp = np.floor(np.log2(np.maximum(np.abs(r), 2.0 ** -126)))
+    return np.abs(g - r) / 2.0 ** (exp - 7)
+
+
+class Epilogue(NamedTuple):
+    """A function a linear can apply to its output (``fn``: of the output, as after the
+    linear) and the GEMM that applies it in its epilogue (``product``: ``blocked_product_gelu``'s
+    signature, (fn's output, the linear's output))."""
+
+    fn: Callable[[jax.Array], jax.Array]
+    product: Callable[..., tuple[jax.Array, jax.Array]]
+
+
 # The functions a unit program's linear can apply to its output in the GEMM's epilogue
 # (``linear(name, x, post="gelu_tanh")``), by name; where it cannot (another GEMM, fp32
-# activations, column parts), the function runs after the linear, checkpointed.
-EPILOGUES = {"gelu_tanh": gelu_tanh}
+# activations), ``fn`` runs after the linear, checkpointed.
+EPILOGUES = {"gelu_tanh": Epilogue(gelu_tanh, blocked_product_gelu)}
 
 
 def check_post(post: object, what: str) -> None:
@@ -58,33 +102,3 @@ def check_post(post: object, what: str) -> None:
         raise ValueError(f"{what}: post={post!r} is not an epilogue the linear can apply; "
                          f"expected one of {sorted(EPILOGUES)} (apply other functions to the "
                          f"linear's output yourself)")
-
-
-def gelu_aux_reference(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(bf16(GELU_tanh(acc)), bf16(acc)) of an fp32 accumulator: what ``GELU_AUX`` writes."""
-    acc = acc.astype(_F32)
-    return gelu_tanh(acc).astype(_BF16), acc.astype(_BF16)
-
-
-def _fp32(ra: reblock.Reblocked, rb: reblock.Reblocked, pallas: bool) -> jax.Array:
-    if pallas and jax.devices()[0].platform == "gpu":
-        return lax.platform_dependent(ra, rb, cuda=lambda a, b: blocked_matmul(a, b),
-                                      default=reblock.blocked_dot_reference)
-    return reblock.blocked_dot_reference(ra, rb)
-
-
-def _on_cuda(pallas: bool) -> bool:
-    return not pallas and jax.devices()[0].platform == "gpu"
-
-
-def blocked_product_gelu(ra: reblock.Reblocked, rb: reblock.Reblocked, m: int, n: int, *,
-                         pallas: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(GELU output, GELU input), bfloat16 (m, n), of ``ra @ rb^T`` (module docstring)."""
-    def exact(ra: reblock.Reblocked, rb: reblock.Reblocked) -> tuple[jax.Array, jax.Array]:
-        return gelu_aux_reference(_fp32(ra, rb, pallas))
-
-    if _on_cuda(pallas):
-        g, h = lax.platform_dependent(ra, rb, cuda=cublaslt.blocked_gemm_gelu, default=exact)
-    else:
-        g, h = exact(ra, rb)
-    return g[:m, :n], h[:m, :n]

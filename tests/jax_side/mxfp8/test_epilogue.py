@@ -2,7 +2,7 @@
 
 The reference (``gelu_aux_reference``: the fp32 accumulator, the GELU in fp32, one rounding to
 bf16) against numpy in float64; the CPU path (the exact dot, then the reference) byte for byte;
-the linear's fused forward (``blocked_operands.forward_gelu``) against the plain fp32 forward and
+the linear's fused forward (``blocked_operands.forward_post``) against the plain fp32 forward and
 the reference; and, on the GPU, cuBLASLt's ``GELU_AUX`` epilogue within the stated bound of the
 reference, the GELU's input byte-equal to the plain GEMM's bf16 output.
 """
@@ -43,12 +43,6 @@ def _gelu64(x):
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-def _ulps(got, want):
-    g, w = np.asarray(jnp.asarray(got, jnp.float32), np.float64), np.asarray(want, np.float64)
-    exp = np.floor(np.log2(np.maximum(np.abs(w), 2.0 ** -126)))
-    return np.abs(g - w) / 2.0 ** (exp - 7)
-
-
 def test_the_reference_is_the_gelu_rounded_once():
     """Against float64 numpy: within one bf16 ulp (a rounding, either way where fp32 arithmetic
     lands near a tie), except where 1 + tanh cancels (large negative inputs, values near 0:
@@ -61,7 +55,7 @@ def test_the_reference_is_the_gelu_rounded_once():
     with np.errstate(all="ignore"):
         want = _gelu64(acc)
         err = np.abs(np.asarray(g, np.float64) - want)
-        ok = (_ulps(g, want) <= 1) | (err <= 2.0 ** -16 * np.abs(acc))
+        ok = (epilogue.bf16_ulps(g, want) <= 1) | (err <= 2.0 ** -16 * np.abs(acc))
         assert ok[finite].all(), np.abs(acc[finite & ~ok]).max()
     assert np.isnan(np.asarray(g, np.float32)[np.isnan(acc)]).all()
     assert (np.asarray(g, np.float32)[acc == np.inf] == np.inf).all()
@@ -100,10 +94,10 @@ def test_on_the_cpu_the_product_is_the_exact_dot_then_the_reference():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU path's bytes")
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_fused_forward_is_the_fp32_forward_then_the_reference(keep):
-    """``forward_gelu``: (GELU, input) of the fp32 GEMM output rounded once each (200 tokens:
-    padded to 256 and cut back), and the same wgrad tiles as ``forward``."""
+    """``forward_post(post="gelu_tanh")``: (GELU, input) of the fp32 GEMM output rounded once
+    each (200 tokens: padded to 256 and cut back), and the same wgrad tiles as ``forward``."""
     a, w, kernels = _operands()
-    g, h, kept = blocked_operands.forward_gelu(a, w, keep, kernels)
+    g, h, kept = blocked_operands.forward_post(a, w, "gelu_tanh", keep, kernels)
     y, kept_plain = blocked_operands.forward(a, w, jnp.float32, jnp.float32, keep, kernels)
     want_g, want_h = epilogue.gelu_aux_reference(y)
     assert g.shape == h.shape == (200, 384)
@@ -128,9 +122,10 @@ def _within_bound(got, want, acc):
     1 + tanh cancels; the largest excess as the message."""
     g, w = (np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in (got, want))
     err = np.abs(g - w)
-    ok = (_ulps(got, want) <= epilogue.EPILOGUE_BOUND_ULPS) | (
+    ulps = epilogue.bf16_ulps(got, want)
+    ok = (ulps <= epilogue.EPILOGUE_BOUND_ULPS) | (
         err <= 2.0 ** -16 * np.abs(np.asarray(acc, np.float64)))
-    return bool(ok.all()), float(_ulps(got, want)[~ok].max()) if not ok.all() else 0.0
+    return bool(ok.all()), float(ulps[~ok].max()) if not ok.all() else 0.0
 
 
 @pytest.mark.gpu
