@@ -105,6 +105,8 @@ import dataclasses
 import functools
 import gc
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -576,7 +578,7 @@ def _run_one(run, cfg, args, rank) -> RunResult:
         result.peak_torch_reserved_gib = torch.cuda.max_memory_reserved() / 2**30
     if args.device == "cuda":
         (result.gpu_ms, result.comm_ms, result.exposed_comm_ms, result.gpu_ms_by_category,
-         table) = _profile(step, cfg, args, rank)
+         table) = _profile(step, cfg, args, rank, run)
         if args.profile and rank == 0:
             print(f"=== {run}\n{table}", flush=True)
     if args.pyprofile and _parse_run(run)[0] == "mxfp8" and rank == 0:
@@ -654,17 +656,24 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in _CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def _profile(step, cfg, args, rank) -> tuple[float, float, float, dict, str]:
+def _profile(step, cfg, args, rank, run="") -> tuple[float, float, float, dict, str]:
     """(GPU kernel ms of one warm step, its NCCL kernel ms, the exposed part of those, kernel ms
     by category, the profiler's tables of its top costs). Each kernel is counted once: the
-    GPU-side user annotations (``Optimizer.step#AdamW.step`` ...) span kernels, left out."""
+    GPU-side user annotations (``Optimizer.step#AdamW.step`` ...) span kernels, left out. With
+    ``--profile-trace DIR`` the step is profiled with Python stacks and its Chrome trace saved
+    as ``DIR/<run>.rank<r>.trace.json.gz`` (the stacks add host time: its numbers run high)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     tokens, targets = _batch(cfg, args, rank, 10_000)
-    with profile(activities=acts) as prof:
+    trace_dir = getattr(args, "profile_trace", "")
+    with profile(activities=acts, with_stack=bool(trace_dir)) as prof:
         step(tokens, targets)
         _sync(args.device)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", run) or "run"
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.rank{rank}.trace.json.gz"))
     events = prof.key_averages()
     comm, compute = [], []
     by_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
@@ -880,6 +889,10 @@ def main(argv=None) -> int:
                    help="with --profile: the step's GPU idle time and its longest gaps, each "
                         "with what launched the work after it and when "
                         "(benchmarks/trace_gaps.py)")
+    p.add_argument("--profile-trace", default="", metavar="DIR",
+                   help="with --profile: profile with Python stacks and save each run's "
+                        "Chrome trace as DIR/<run>.rank<r>.trace.json.gz (for Perfetto or "
+                        "benchmarks/trace_gaps.py's functions)")
     p.add_argument("--profile-top", type=int, default=8,
                    help="kernels listed per category in --profile's table")
     p.add_argument("--pyprofile", type=int, default=0, help="cProfile N warm mxfp8 steps")

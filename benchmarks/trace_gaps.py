@@ -6,9 +6,12 @@ a dependency (an event, a synchronization). This reads the profile's trace: the 
 activity's union over the step, its span (first start to last end), the idle time inside the
 span, and the longest gaps, each with the device activity on either side, the runtime call that
 launched the one after (matched by correlation id) and the innermost Torch op around that call
-on its thread (``-`` where none: JAX's and XLA's own launches), and **when it was launched
-relative to the gap**: a launch after the gap opened means the GPU waited for the host; one
-before means it waited for something else (a dependency the launch had to wait for).
+on its thread (``-`` where none: JAX's and XLA's own launches), **when it was launched
+relative to the gap** (a launch after the gap opened means the GPU waited for the host; one
+before means it waited for something else, a dependency the launch had to wait for), and **what
+the host was doing when the gap opened**: the innermost op on the step's thread (the one with
+the most ops) at that moment -- a Python function where the trace has stacks
+(``bench_train_step --profile-trace``), e.g. a synchronization the host sat in.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def idle_gaps(events: list[dict[str, Any]], top: int = 12, min_us: float = 20.0)
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = e
-        elif e.get("cat") == "cpu_op":
+        elif e.get("cat") in ("cpu_op", "python_function"):
             ops[(e.get("pid"), e.get("tid"))].append(e)
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in device])
     span = busy[-1][1] - busy[0][0]
@@ -47,7 +50,8 @@ def idle_gaps(events: list[dict[str, Any]], top: int = 12, min_us: float = 20.0)
              f"{idle / 1e3:.2f} ms; {len(gaps)} gaps of {min_us:g} us or more, "
              f"{sum(g[0] for g in gaps) / 1e3:.2f} ms (the longest: us, launched vs the gap's "
              f"start, Torch op around the launch, runtime call, device activity before -> "
-             f"after){lead}"]
+             f"after; host at the gap's start){lead}"]
+    main = max(ops.values(), key=len) if ops else []
     for us, at, until in gaps[:top]:  # only the listed gaps' neighbours are looked up
         before = max((e for e in device if e["ts"] + e["dur"] <= at + 1e-6),
                      key=lambda e: e["ts"] + e["dur"])
@@ -61,7 +65,8 @@ def idle_gaps(events: list[dict[str, Any]], top: int = 12, min_us: float = 20.0)
             op = _innermost(ops[(call.get("pid"), call.get("tid"))], call["ts"])
             api = str(call["name"])
         lines.append(f"  {us:8.0f} us  {when:>10s}  {op[:36]:36s} {api[:22]:22s} "
-                     f"{str(before['name'])[:40]} -> {str(after['name'])[:40]}")
+                     f"{str(before['name'])[:40]} -> {str(after['name'])[:40]}; host: "
+                     f"{_innermost(main, at + 1)[:70]}")
     return "\n".join(lines)
 
 

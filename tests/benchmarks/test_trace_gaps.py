@@ -1,8 +1,11 @@
 """``benchmarks/trace_gaps.py``: a trace's GPU idle time inside the step and its longest gaps,
 each with what launched the device work after it (correlation id, the innermost Torch op on the
-launching thread) and when, relative to the gap's start."""
+launching thread), when, relative to the gap's start, and what the step's thread was in when the
+gap opened."""
 
 from __future__ import annotations
+
+import pytest
 
 from benchmarks.trace_gaps import idle_gaps
 
@@ -12,6 +15,9 @@ def _trace():
     return [
         dict(cat="cpu_op", name="step", ts=0, dur=2000, **cpu),
         dict(cat="cpu_op", name="FSDP::pre_forward", ts=900, dur=100, **cpu),
+        # with --profile-trace's stacks: where the host sat when the first gap opened
+        dict(cat="python_function", name="bucket_allocator.py(210): _retire", ts=340, dur=500,
+             **cpu),
         dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=50, dur=5,
              args=dict(correlation=1), **cpu),
         dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=60, dur=5,
@@ -37,9 +43,11 @@ def test_idle_time_and_the_longest_gaps_with_what_launched_the_work_after_them()
     assert lines[0].endswith("first device activity 0.10 ms after the first host op")
     first, second = lines[1].split(), lines[2].split()
     assert first[:4] == ["610", "us", "+600", "us"] and "FSDP::pre_forward" in lines[1]
-    assert lines[1].rstrip().endswith("gemm_overlap -> quant_b")
+    assert lines[1].rstrip().endswith("gemm_overlap -> quant_b; host: "
+                                      "bucket_allocator.py(210): _retire")
     assert second[:4] == ["300", "us", "-850", "us"] and second[4] == "-"
-    assert "cuLaunchKernelEx" in lines[2] and lines[2].rstrip().endswith("quant_b -> Memcpy DtoD")
+    assert "cuLaunchKernelEx" in lines[2]
+    assert lines[2].rstrip().endswith("quant_b -> Memcpy DtoD; host: step")
     assert len(lines) == 3
 
 
@@ -71,3 +79,29 @@ def test_bench_train_step_prints_the_gaps_and_the_copies_from_one_trace():
     assert "copies" not in gaps.split("idle\n")[0] and "GPU span" in gaps
     assert _trace_sections(Prof(), argparse.Namespace(profile_copies=False,
                                                       profile_gaps=False)) == ""
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
+def test_profile_trace_saves_the_step_trace_with_python_stacks(tmp_path):
+    """``--profile-trace DIR``: the profiled step's Chrome trace, gzipped, named by run and rank,
+    with Python frames (what ``idle_gaps`` reports the host in)."""
+    import argparse
+    import gzip
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.bench_train_step import _profile
+
+    args = argparse.Namespace(device="cpu", batch_size=2, seq_len=4, profile_trace=str(tmp_path),
+                              profile_copies=False, profile_gaps=False, profile_top=3)
+
+    def step(tokens, targets):
+        return (tokens.float() @ targets.float().T).sum()
+
+    _profile(step, SimpleNamespace(vocab_size=50), args, 1, "mxfp8:u4")
+    (path,) = tmp_path.iterdir()
+    assert path.name == "mxfp8_u4.rank1.trace.json.gz"
+    events = json.load(gzip.open(path))["traceEvents"]
+    cats = {e.get("cat") for e in events}
+    assert {"cpu_op", "python_function"} <= cats
+    assert any(e.get("name") == "aten::mm" for e in events)
