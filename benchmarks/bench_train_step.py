@@ -670,10 +670,12 @@ def _profile(step, cfg, args, rank, run="") -> tuple[float, float, float, dict, 
     with profile(activities=acts, with_stack=bool(trace_dir)) as prof:
         step(tokens, targets)
         _sync(args.device)
-    if trace_dir:
+    saved = ""
+    if trace_dir:  # (a profile exports its trace once: the sections below read this file)
         os.makedirs(trace_dir, exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", run) or "run"
-        prof.export_chrome_trace(os.path.join(trace_dir, f"{name}.rank{rank}.trace.json.gz"))
+        saved = os.path.join(trace_dir, f"{name}.rank{rank}.trace.json.gz")
+        prof.export_chrome_trace(saved)
     events = prof.key_averages()
     comm, compute = [], []
     by_cat = dict.fromkeys(CATEGORY_NAMES, 0.0)
@@ -692,7 +694,7 @@ def _profile(step, cfg, args, rank, run="") -> tuple[float, float, float, dict, 
     comm_us = sum(b - a for a, b in _union(comm))
     table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
     host = events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-    copies = _trace_sections(prof, args)
+    copies = _trace_sections(prof, args, saved)
     return gpu_us / 1e3, comm_us / 1e3, _exposed(comm, compute) / 1e3, by_cat, (
         "--- one warm step, top 25 by self device time\n" + table
         + "\n--- the same step, top 25 by self host time\n" + host
@@ -700,7 +702,7 @@ def _profile(step, cfg, args, rank, run="") -> tuple[float, float, float, dict, 
         + _kernels_by_category(by_kernel, args.profile_top) + copies)
 
 
-def _trace_sections(prof, args) -> str:
+def _trace_sections(prof, args, saved: str = "") -> str:
     """``--profile-copies``' and ``--profile-gaps``' sections of a profiled step (from its
     trace: ``benchmarks/trace_copies.py``, ``benchmarks/trace_gaps.py``)."""
     out = ""
@@ -708,7 +710,7 @@ def _trace_sections(prof, args) -> str:
         from benchmarks.trace_copies import copy_sources, load_trace
         from benchmarks.trace_gaps import idle_gaps
 
-        events = load_trace(prof)
+        events = load_trace(prof, saved)
         if args.profile_copies:
             out += "\n--- the same step, where its copies come from\n" + copy_sources(events)
         if getattr(args, "profile_gaps", False):

@@ -10,6 +10,7 @@ listed by their device time.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -67,8 +68,13 @@ def copy_sources(events: list[dict[str, Any]], top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def load_trace(prof: Any) -> list[dict[str, Any]]:
-    """The ``traceEvents`` of a finished ``torch.profiler.profile`` (its Chrome trace)."""
+def load_trace(prof: Any, saved: str = "") -> list[dict[str, Any]]:
+    """The ``traceEvents`` of a finished ``torch.profiler.profile`` (its Chrome trace), read
+    from ``saved`` where the trace was exported there already (a profile exports only once;
+    ``.gz``: gzipped)."""
+    if saved:
+        with (gzip.open(saved, "rt") if saved.endswith(".gz") else open(saved)) as f:
+            return json.load(f).get("traceEvents", [])
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

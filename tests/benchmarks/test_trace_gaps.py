@@ -84,7 +84,8 @@ def test_bench_train_step_prints_the_gaps_and_the_copies_from_one_trace():
 @pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")
 def test_profile_trace_saves_the_step_trace_with_python_stacks(tmp_path):
     """``--profile-trace DIR``: the profiled step's Chrome trace, gzipped, named by run and rank,
-    with Python frames (what ``idle_gaps`` reports the host in)."""
+    with Python frames (what ``idle_gaps`` reports the host in); ``--profile-gaps`` beside it
+    reads that file (a profile exports its trace only once: a second export raised)."""
     import argparse
     import gzip
     import json
@@ -93,12 +94,13 @@ def test_profile_trace_saves_the_step_trace_with_python_stacks(tmp_path):
     from benchmarks.bench_train_step import _profile
 
     args = argparse.Namespace(device="cpu", batch_size=2, seq_len=4, profile_trace=str(tmp_path),
-                              profile_copies=False, profile_gaps=False, profile_top=3)
+                              profile_copies=True, profile_gaps=True, profile_top=3)
 
     def step(tokens, targets):
         return (tokens.float() @ targets.float().T).sum()
 
-    _profile(step, SimpleNamespace(vocab_size=50), args, 1, "mxfp8:u4")
+    tables = _profile(step, SimpleNamespace(vocab_size=50), args, 1, "mxfp8:u4")[-1]
+    assert "where the GPU stands idle\nno device activity in the trace" in tables
     (path,) = tmp_path.iterdir()
     assert path.name == "mxfp8_u4.rank1.trace.json.gz"
     events = json.load(gzip.open(path))["traceEvents"]
