@@ -54,6 +54,10 @@ Runs (``--runs``):
   (``KERNEL_CONFIG["rows_t"]``, ``["tiles_t"]``) take their colwise scale bytes from the rows'
   call (``KernelChoice.given`` flipped from its default), so they read x once instead of twice
   (the same bytes); only for this project's runs.
+- ``:graphs`` at the very end (e.g. ``mxfp8:u4:graphs``): the unit programs call the cuBLASLt
+  handlers' twins that XLA records into its command buffers (CUDA graphs) with the kernels
+  around them (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on), against the default's handlers
+  launched one by one between graphs (the same bytes); only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -120,12 +124,14 @@ GELU_APART = ":gelu-apart"  # a run's suffix: the GELU as a pass of its own, not
 PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pairs (PAIR_CHOICE)
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (KERNEL_CONFIG)
+GRAPHS = ":graphs"  # a run's suffix: the cuBLASLt handlers in XLA's command buffers
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
 # it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
 # entries set to PAIR_CHOICE), "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
-# set to PACKED_PAIR_CHOICE) or "GIVEN" (the TRANSPOSED entries' ``given`` flipped)
+# set to PACKED_PAIR_CHOICE), "GIVEN" (the TRANSPOSED entries' ``given`` flipped) or
+# "COMMAND_BUFFERS" (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on)
 SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", GELU_APART: "GELU_IN_GEMM",
-            PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN"}
+            PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN", GRAPHS: "COMMAND_BUFFERS"}
 TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``, ``:given`` flip
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False, "GELU_IN_GEMM": True}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
@@ -310,7 +316,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
                          f"inside the linear, the quantize's outputs in pairs, packed or with "
-                         f"given scales); drop them from {name!r}")
+                         f"given scales, the GEMMs in command buffers); drop them from "
+                         f"{name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
     if base not in RUNS or (sep and (base in PEERS or not n.isdigit() or int(n) < 1)):
@@ -320,8 +327,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
                          f"GEMM), '{GELU_IN}' (the GELU inside the linear), '{GELU_APART}' (the "
                          f"GELU apart from the GEMM's epilogue), '{PAIRS}' (the "
                          f"quantize's outputs in pairs), '{PACKED}' (its transposed "
-                         f"outputs' packing flipped) and/or '{GIVEN}' (their scales given by "
-                         f"the rows' call), e.g. 'mxfp8:u4:r'")
+                         f"outputs' packing flipped), '{GIVEN}' (their scales given by "
+                         f"the rows' call) and/or '{GRAPHS}' (the cuBLASLt calls in XLA's "
+                         f"command buffers), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")
@@ -353,7 +361,7 @@ def _switches(run: str) -> tuple[str, frozenset[str]]:
 def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
     """Set ``gpt_math``'s knobs and ``KERNEL_CONFIG``'s pair entries for a run's switches;
     whether anything changed (the unit programs must then be traced anew)."""
-    from jax_side.mxfp8 import blocked_operands
+    from jax_side.mxfp8 import blocked_operands, cublaslt
 
     changed = False
     for knob, default in KNOB_DEFAULTS.items():
@@ -361,6 +369,9 @@ def _apply_switches(switched: frozenset[str], gpt_math: object) -> bool:
         if getattr(gpt_math, knob) != want:
             setattr(gpt_math, knob, want)
             changed = True
+    if cublaslt.COMMAND_BUFFERS != ("COMMAND_BUFFERS" in switched):
+        cublaslt.COMMAND_BUFFERS = "COMMAND_BUFFERS" in switched
+        changed = True
     config = blocked_operands.KERNEL_CONFIG
     packed = "PACKED" in switched
     for e in TRANSPOSED:

@@ -31,6 +31,18 @@ only in the padding between its slots, not a fill of the whole bucket first (a 8
 bucket of a 4-block 1.3B unit: an XLA fill kernel of about 0.14 ms per step and unit on the
 H200, BENCHMARKS.md, sessions 7 and 8).
 
+**Command buffers.** XLA records runs of its kernels into CUDA graphs (command buffers) and
+launches each graph at once; a custom call joins a graph only if its handler declares itself
+compatible, otherwise it splits the graph and is launched on its own, with XLA's host work and
+a launch gap around it. Each handler is built twice: as is, and as a twin (target name +
+``GRAPH_SUFFIX``, symbol + ``Graph``) that declares the trait, with the same code: under capture
+its host work (descriptors, the cached algorithm) runs once per recording and the kernel it
+enqueues is replayed; its only device memory is what XLA passes (the workspace). Programs
+traced while ``COMMAND_BUFFERS`` is on call the twins. The one thing the twins refuse is an
+output that is not 256-byte aligned (its scratch copy would be a stream-ordered allocation,
+which a recorded graph cannot hold): a clear error, never another algorithm. The bytes are the
+same either way (tested on the GPU, ``tests/jax_side/mxfp8/test_fp8_blocked.py``).
+
 **Building.** Nothing is compiled at install time. The first call in a process builds the handler
 (one ``g++`` run, about 5 s) against the installed jaxlib's FFI headers and the CUDA toolkit's
 (or the ``nvidia-*`` wheels') cuBLASLt and runtime headers, into a private cache directory
@@ -73,7 +85,8 @@ from jax_side.compile_cache import check_private
 from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = [
-    "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND", "SOURCE", "TARGET", "TARGET_GAPS",
+    "COMMAND_BUFFERS", "GRAPH_SUFFIX", "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND",
+    "SOURCE", "TARGET", "TARGET_GAPS",
     "TARGET_GELU_AUX", "TARGET_INTO", "WORKSPACE_BYTES", "Status", "blocked_gemm",
     "blocked_gemm_gelu", "blocked_gemm_into",
     "default_cache_dir", "raw_call", "raw_call_into", "status", "zeroed_gaps",
@@ -86,6 +99,11 @@ TARGET_GAPS = "mxfp8_zeroed_gaps"  # a flat buffer with only its gaps zeroed (ze
 TARGET_GELU_AUX = "mxfp8_fp8_blocked_gemm_gelu_aux"  # the GEMM, its GELU and its input
 _SYMBOLS = {TARGET: "Mxfp8Fp8BlockedGemm", TARGET_INTO: "Mxfp8Fp8BlockedGemmInto",
             TARGET_GAPS: "Mxfp8ZeroedGaps", TARGET_GELU_AUX: "Mxfp8Fp8BlockedGemmGeluAux"}
+GRAPH_SUFFIX = "_graph"  # each target's twin declared command-buffer compatible (``_target``)
+# Whether programs traced from now on call the handlers' command-buffer twins (module note,
+# "Command buffers"). Read when a program is traced: set it before the first trace, or call
+# ``jax.clear_caches()`` after changing it.
+COMMAND_BUFFERS = False
 _FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w")
 
 
@@ -228,8 +246,10 @@ def status(cache_dir: Path | None = None) -> Status:
                 lib = _build(cache_dir)
                 loaded = ctypes.cdll.LoadLibrary(str(lib))
                 for target, symbol in _SYMBOLS.items():
-                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(loaded, symbol)),
-                                                platform="CUDA")
+                    for suffix, twin in (("", ""), (GRAPH_SUFFIX, "Graph")):
+                        jax.ffi.register_ffi_target(
+                            target + suffix, jax.ffi.pycapsule(getattr(loaded, symbol + twin)),
+                            platform="CUDA")
                 # eagerly, also when the first use is inside a traced program (a jit's trace
                 # stages every jnp op; the check needs concrete numbers)
                 with jax.ensure_compile_time_eval():
@@ -267,7 +287,7 @@ def _self_check() -> tuple[tuple[str, str] | None, str]:
     errors = []
     for layout in LAYOUTS:
         got = np.asarray(_call(a.data, a.scale, b.data, b.scale, out_dtype=jnp.dtype(jnp.float32),
-                               layout=layout), np.float64)
+                               layout=layout, graphs=False), np.float64)
         rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
         errors.append(f"{layout[0]}/{layout[1]} {rel:.1e}")
         if rel <= SELF_CHECK_BOUND:
@@ -288,11 +308,17 @@ def _scales(a: Reblocked, b: Reblocked, layout: tuple[str, str]) -> tuple[jax.Ar
 WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace, cuBLAS's advice for Hopper
 
 
+def _target(base: str, graphs: bool | None = None) -> str:
+    """The FFI target a program traced now calls for ``base``: its command-buffer twin where
+    ``graphs`` (default: ``COMMAND_BUFFERS``) is on."""
+    return base + GRAPH_SUFFIX if (COMMAND_BUFFERS if graphs is None else graphs) else base
+
+
 def raw_call(a_data: jax.Array, b_data: jax.Array, a_scale: jax.Array, b_scale: jax.Array,
-             out_dtype: Any) -> jax.Array:
+             out_dtype: Any, graphs: bool | None = None) -> jax.Array:
     """The FFI call itself: e4m3 data and fp32 scales already in cuBLASLt's layouts (flat)."""
     m, n = a_data.shape[0], b_data.shape[0]
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((m, n), out_dtype),
+    call = jax.ffi.ffi_call(_target(TARGET, graphs), (jax.ShapeDtypeStruct((m, n), out_dtype),
                                      jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))
     return call(a_data, b_data, a_scale, b_scale)[0]
 
@@ -302,17 +328,17 @@ def raw_call_into(buf: jax.Array, start: int, a_data: jax.Array, b_data: jax.Arr
     """``buf`` (1-D, float32 or bfloat16) with a_data @ b_data^T written row-major at element
     ``start`` and nothing else changed; ``buf`` is aliased to the result (XLA writes in place
     where ``buf`` is not needed afterwards, else it copies it first)."""
-    call = jax.ffi.ffi_call(TARGET_INTO, (jax.ShapeDtypeStruct(buf.shape, buf.dtype),
-                                          jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)),
-                            input_output_aliases={4: 0})
+    call = jax.ffi.ffi_call(_target(TARGET_INTO), (
+        jax.ShapeDtypeStruct(buf.shape, buf.dtype),
+        jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)), input_output_aliases={4: 0})
     return call(a_data, b_data, a_scale, b_scale, buf, offset=np.int64(start))[0]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "layout"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "layout", "graphs"))
 def _call(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale: jax.Array, *,
-          out_dtype: Any, layout: tuple[str, str]) -> jax.Array:
+          out_dtype: Any, layout: tuple[str, str], graphs: bool) -> jax.Array:
     sa, sb = _scales(Reblocked(a_data, a_scale), Reblocked(b_data, b_scale), layout)
-    return raw_call(a_data, b_data, sa, sb, out_dtype)
+    return raw_call(a_data, b_data, sa, sb, out_dtype, graphs)
 
 
 def blocked_gemm(a: Reblocked, b: Reblocked, *, out_dtype: Any = jnp.float32) -> jax.Array:
@@ -320,7 +346,8 @@ def blocked_gemm(a: Reblocked, b: Reblocked, *, out_dtype: Any = jnp.float32) ->
     be multiples of 128 and M of 16 (the fp8_blocked GEMM pads). Raises with ``status()``'s
     reason where the kernel cannot run."""
     layout = _checked_layout("blocked_gemm", a, b)
-    return _call(a.data, a.scale, b.data, b.scale, out_dtype=jnp.dtype(out_dtype), layout=layout)
+    return _call(a.data, a.scale, b.data, b.scale, out_dtype=jnp.dtype(out_dtype), layout=layout,
+                 graphs=COMMAND_BUFFERS)
 
 
 def _checked_layout(name: str, a: Reblocked, b: Reblocked) -> tuple[str, str]:
@@ -336,13 +363,13 @@ def _checked_layout(name: str, a: Reblocked, b: Reblocked) -> tuple[str, str]:
     return st.layout
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
+@functools.partial(jax.jit, static_argnames=("layout", "graphs"))
 def _call_gelu(a_data: jax.Array, a_scale: jax.Array, b_data: jax.Array, b_scale: jax.Array, *,
-               layout: tuple[str, str]) -> tuple[jax.Array, jax.Array]:
+               layout: tuple[str, str], graphs: bool) -> tuple[jax.Array, jax.Array]:
     sa, sb = _scales(Reblocked(a_data, a_scale), Reblocked(b_data, b_scale), layout)
     shape = jax.ShapeDtypeStruct((a_data.shape[0], b_data.shape[0]), jnp.bfloat16)
-    call = jax.ffi.ffi_call(TARGET_GELU_AUX, (shape, shape, jax.ShapeDtypeStruct(
-        (WORKSPACE_BYTES,), jnp.uint8)))
+    call = jax.ffi.ffi_call(_target(TARGET_GELU_AUX, graphs), (
+        shape, shape, jax.ShapeDtypeStruct((WORKSPACE_BYTES,), jnp.uint8)))
     out, aux, _ = call(a_data, b_data, sa, sb)
     return out, aux
 
@@ -351,7 +378,7 @@ def blocked_gemm_gelu(a: Reblocked, b: Reblocked) -> tuple[jax.Array, jax.Array]
     """(GELU_tanh(acc), acc), both bfloat16 (M, N), acc = ``blocked_gemm``'s fp32 accumulator:
     cuBLASLt's ``GELU_AUX`` epilogue, one pass over the output. Shapes as ``blocked_gemm``."""
     layout = _checked_layout("blocked_gemm_gelu", a, b)
-    return _call_gelu(a.data, a.scale, b.data, b.scale, layout=layout)
+    return _call_gelu(a.data, a.scale, b.data, b.scale, layout=layout, graphs=COMMAND_BUFFERS)
 
 
 INTO_ALIGN_BYTES = 256  # where blocked_gemm_into may start writing (cuBLASLt's default for D)
@@ -390,5 +417,5 @@ def zeroed_gaps(numel: int, dtype: Any, gaps: tuple[tuple[int, int], ...]) -> ja
             raise ValueError(f"zeroed_gaps: the gap ({start}, {length}) lies outside the "
                              f"{numel}-element buffer")
         spans += [start * size, length * size]
-    call = jax.ffi.ffi_call(TARGET_GAPS, jax.ShapeDtypeStruct((numel,), jnp.dtype(dtype)))
+    call = jax.ffi.ffi_call(_target(TARGET_GAPS), jax.ShapeDtypeStruct((numel,), jnp.dtype(dtype)))
     return call(gaps=np.asarray(spans or [0, 0], np.int64))  # (0, 0): no gap, no empty array

@@ -237,3 +237,9 @@ def test_the_run_switches_set_the_knobs_and_the_pair_entries_for_their_run(monke
     assert not apply(frozenset({"GIVEN"}), knobs)  # already so
     assert apply(frozenset(), knobs)
     assert {e: config[e] for e in default} == default
+    from jax_side.mxfp8 import cublaslt  # ``:graphs``: the cuBLASLt calls in command buffers
+
+    monkeypatch.setattr(cublaslt, "COMMAND_BUFFERS", False)  # restored after the test
+    assert apply(frozenset({"COMMAND_BUFFERS"}), knobs) and cublaslt.COMMAND_BUFFERS
+    assert not apply(frozenset({"COMMAND_BUFFERS"}), knobs)  # already so
+    assert apply(frozenset(), knobs) and not cublaslt.COMMAND_BUFFERS

@@ -95,8 +95,9 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     assert _switches("mxfp8:u4:gelu-in:gelu-apart") == ("mxfp8:u4",
                                                         {"GELU_IN_LINEAR", "GELU_IN_GEMM"})
     assert _run_spec("mxfp8:u4:r:gelu-apart") == ("mxfp8", 4, True)
+    assert _switches("mxfp8:u4:graphs") == ("mxfp8:u4", {"COMMAND_BUFFERS"})
     for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-in", "fsdp2:pairs", "fsdp2:given",
-                "fsdp2:gelu-apart"):
+                "fsdp2:gelu-apart", "torchao:graphs"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)
     for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",

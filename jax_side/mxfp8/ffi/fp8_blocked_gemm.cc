@@ -128,6 +128,16 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
         "mxfp8_fp8_blocked_gemm: a GELU epilogue needs a bfloat16 output and 256-byte aligned "
         "output and auxiliary buffers (XLA's own buffers are)");
   if (reinterpret_cast<uintptr_t>(out_ptr) % 256) {
+    // Inside a CUDA graph (the *Graph handlers, captured into XLA's command buffers) the
+    // scratch buffer cannot be allocated: stream-ordered allocations cannot live in the child
+    // graph XLA records a custom call into. Refused, never run with another algorithm.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone)
+      return ffi::Error::InvalidArgument(
+          "mxfp8_fp8_blocked_gemm: an output that is not 256-byte aligned inside an XLA command "
+          "buffer (CUDA graph): its aligned scratch copy cannot be captured; set "
+          "jax_side.mxfp8.cublaslt.COMMAND_BUFFERS = False (the handlers outside graphs)");
     const size_t bytes = static_cast<size_t>(m * n) * (out_elem == ffi::DataType::F32 ? 4 : 2);
     void* tmp = nullptr;
     if (cudaMallocAsync(&tmp, bytes, stream) != cudaSuccess)
@@ -296,41 +306,51 @@ ffi::Error ZeroedGaps(cudaStream_t stream, ffi::Span<const int64_t> gaps,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemm, Fp8BlockedGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()    // out
-                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+// Each handler twice: as is, and as *Graph with the command-buffer trait, so XLA records it
+// into its CUDA graphs with the kernels around it (one graph launch instead of a launch per
+// thunk; jax_side.mxfp8.cublaslt.COMMAND_BUFFERS picks the targets). Both run the same code:
+// under capture the host-side work (descriptors, the algorithm cache) runs once per recording,
+// and every device allocation is one XLA passed in (the workspace), as the trait requires.
+#define MXFP8_HANDLERS(name, impl, binding)              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Graph, impl, binding, \
+                                {ffi::Traits::kCmdBufferCompatible})
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()    // buf (aliased to out)
-                                  .Attr<int64_t>("offset")
-                                  .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
-                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+MXFP8_HANDLERS(Mxfp8Fp8BlockedGemm, Fp8BlockedGemm,
+               ffi::Ffi::Bind()
+                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Ret<ffi::AnyBuffer>()    // out
+                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8Fp8BlockedGemmGeluAux, Fp8BlockedGemmGeluAux,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()    // out: GELU(acc)
-                                  .Ret<ffi::AnyBuffer>()    // aux: acc
-                                  .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+MXFP8_HANDLERS(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
+               ffi::Ffi::Bind()
+                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Arg<ffi::AnyBuffer>()    // buf (aliased to out)
+                   .Attr<int64_t>("offset")
+                   .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
+                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Mxfp8ZeroedGaps, ZeroedGaps,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Attr<ffi::Span<const int64_t>>("gaps")
-                                  .Ret<ffi::AnyBuffer>());  // the buffer
+MXFP8_HANDLERS(Mxfp8Fp8BlockedGemmGeluAux, Fp8BlockedGemmGeluAux,
+               ffi::Ffi::Bind()
+                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::AnyBuffer>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Arg<ffi::Buffer<ffi::F32>>()
+                   .Ret<ffi::AnyBuffer>()    // out: GELU(acc)
+                   .Ret<ffi::AnyBuffer>()    // aux: acc
+                   .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
+
+MXFP8_HANDLERS(Mxfp8ZeroedGaps, ZeroedGaps,
+               ffi::Ffi::Bind()
+                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                   .Attr<ffi::Span<const int64_t>>("gaps")
+                   .Ret<ffi::AnyBuffer>());  // the buffer

@@ -247,6 +247,57 @@ def test_cublaslt_kernel_equals_the_exact_dot_of_reblocked_values(out_dtype):
         f"largest error {err.max():.2e} of the sum of |products|")
 
 
+def _four_handlers(a_data, a_scale, b_data, b_scale):
+    """One program calling all four handlers with XLA's own kernels between them (so its
+    command buffers have something to hold); every output byte is written."""
+    from jax_side.mxfp8.reblock import Reblocked
+
+    ra, rb = Reblocked(a_data, a_scale), Reblocked(b_data, b_scale)
+    m, n = a_data.shape[0], b_data.shape[0]
+    y = cublaslt.blocked_gemm(ra, rb, out_dtype=jnp.bfloat16) * 2 + 1
+    g, h = cublaslt.blocked_gemm_gelu(ra, rb)
+    start, numel = 1024, 1024 + m * n + 512
+    buf = cublaslt.zeroed_gaps(numel, jnp.float32, ((0, start), (start + m * n, 512)))
+    buf = cublaslt.blocked_gemm_into(buf, start, ra, rb)
+    return y, jnp.tanh(g.astype(jnp.float32)) + h, buf * 0.5
+
+
+@pytest.mark.gpu
+def test_command_buffer_twins_give_the_same_bytes(monkeypatch):
+    """``cublaslt.COMMAND_BUFFERS``: programs call the handlers' twins declared compatible with
+    XLA's command buffers (captured into its CUDA graphs); the same bytes as the plain ones."""
+    assert cublaslt.status().ok, cublaslt.status().reason
+    ra, rb = _pair_blocked(512, 768, 1024, 5)
+    outs = {}
+    for graphs in (False, True):
+        monkeypatch.setattr(cublaslt, "COMMAND_BUFFERS", graphs)
+        fn = jax.jit(_four_handlers)
+        text = fn.lower(ra.data, ra.scale, rb.data, rb.scale).as_text()
+        assert (cublaslt.TARGET + cublaslt.GRAPH_SUFFIX in text) == graphs
+        outs[graphs] = [np.asarray(o).tobytes() for o in fn(ra.data, ra.scale, rb.data,
+                                                             rb.scale)]
+        outs[graphs] += [np.asarray(o).tobytes() for o in fn(ra.data, ra.scale, rb.data,
+                                                             rb.scale)]  # a replay
+    assert outs[True] == outs[False]
+
+
+def _pair_blocked(m, n, k, seed):
+    ad, as_ = _rowwise(_data((m, k), seed))
+    bd, bs = _rowwise(_data((n, k), seed + 1))
+    return reblock_rows(ad, as_), reblock_tiles(bd, bs)
+
+
+def test_command_buffer_targets_are_named_twins(monkeypatch):
+    """Which FFI target a program traced now calls: the twin (``GRAPH_SUFFIX``) with
+    ``COMMAND_BUFFERS`` on, the plain handler with it off (the default); ``graphs=`` overrides."""
+    assert cublaslt.COMMAND_BUFFERS is False
+    assert cublaslt._target(cublaslt.TARGET) == cublaslt.TARGET
+    assert cublaslt._target(cublaslt.TARGET, graphs=True) == "mxfp8_fp8_blocked_gemm_graph"
+    monkeypatch.setattr(cublaslt, "COMMAND_BUFFERS", True)
+    assert cublaslt._target(cublaslt.TARGET_INTO) == "mxfp8_fp8_blocked_gemm_into_graph"
+    assert cublaslt._target(cublaslt.TARGET_INTO, graphs=False) == cublaslt.TARGET_INTO
+
+
 def test_a_training_step_with_fp8_blocked_stays_near_the_exact_one(single_rank_world,
                                                                     monkeypatch):
     # the whole unit-program path (every role, padded token counts, the head) with the re-blocked
