@@ -88,8 +88,11 @@ time on the CPU), bridge crossings per step and their host time, and the ratio t
 and by host time, and each category's kernels: the top 8, ``--profile-top N`` for more);
 ``--profile-copies`` adds its device copies grouped by what launched them
 (``benchmarks/trace_copies.py``); ``--profile-gaps`` the GPU's idle time inside the step and its
-longest gaps, each with what launched the work after it and whether that launch came after the
-gap opened (the GPU waited for the host) or before (``benchmarks/trace_gaps.py``).
+longest gaps, each with what launched the work after it, whether that launch came after the
+gap opened (the GPU waited for the host) or before, and what the step's thread was in when it
+opened (``benchmarks/trace_gaps.py``); ``--profile-trace DIR`` profiles that step with Python
+stacks and saves its Chrome trace (``DIR/<run>.rank<r>.trace.json.gz``, for Perfetto or
+``trace_gaps.idle_gaps`` / ``trace_copies.copy_sources`` offline; the stacks add host time).
 
     python -m benchmarks.bench_train_step --device cpu --nproc 2 --config tiny --steps 2
     python -m benchmarks.bench_train_step --device cuda --nproc 1 --config gpt2-124m \\
