@@ -86,9 +86,8 @@ from jax_side.mxfp8.reblock import GROUP, Reblocked, scale_fp32
 
 __all__ = [
     "COMMAND_BUFFERS", "GRAPH_SUFFIX", "INTO_ALIGN_BYTES", "LAYOUTS", "SELF_CHECK_BOUND",
-    "SOURCE", "TARGET", "TARGET_GAPS",
-    "TARGET_GELU_AUX", "TARGET_INTO", "WORKSPACE_BYTES", "Status", "blocked_gemm",
-    "blocked_gemm_gelu", "blocked_gemm_into",
+    "SOURCE", "TARGET", "TARGET_GAPS", "TARGET_GELU_AUX", "TARGET_INTO", "WORKSPACE_BYTES",
+    "Status", "blocked_gemm", "blocked_gemm_gelu", "blocked_gemm_into",
     "default_cache_dir", "raw_call", "raw_call_into", "status", "zeroed_gaps",
 ]
 

@@ -131,8 +131,9 @@ ffi::Error RunGemm(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     // Inside a CUDA graph (the *Graph handlers, captured into XLA's command buffers) the
     // scratch buffer cannot be allocated: stream-ordered allocations cannot live in the child
     // graph XLA records a custom call into. Refused, never run with another algorithm.
+    // (A failed query falls through: under capture the allocation below then fails, and says so.)
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
         capture != cudaStreamCaptureStatusNone)
       return ffi::Error::InvalidArgument(
           "mxfp8_fp8_blocked_gemm: an output that is not 256-byte aligned inside an XLA command "

@@ -285,6 +285,38 @@ def test_the_handler_writes_at_an_output_aligned_less_than_256_bytes(start):
 
 
 @pytest.mark.gpu
+def test_an_unaligned_output_in_a_command_buffer_is_written_or_refused_never_wrong(monkeypatch):
+    """With ``cublaslt.COMMAND_BUFFERS`` on, an unaligned output inside a program with XLA's
+    kernels around the call (a command buffer can form): where XLA records the call into a CUDA
+    graph the twin refuses by name (its scratch allocation cannot be recorded), elsewhere it
+    writes the scratch path's bytes -- never other bytes."""
+    assert cublaslt.status().ok, cublaslt.status().reason
+    ra, rb = _pair(256, 384, 512, 4)
+    sa, sb = cublaslt._scales(ra, rb, cublaslt.status().layout)
+    start = 4
+    buf = jnp.full((start + 256 * 384 + 64,), 5, jnp.float32)
+
+    def program(b):
+        b = jnp.tanh(b * 0.5) + jnp.cos(b) * 2.0 - 1.0  # XLA's kernels before and after
+        b = cublaslt.raw_call_into(b, start, ra.data, rb.data, sa, sb)
+        return jnp.exp(b * 1e-3) * 3.0 - b
+
+    runs = {}
+    for graphs in (False, True):  # the plain handler's scratch path, then the twin
+        monkeypatch.setattr(cublaslt, "COMMAND_BUFFERS", graphs)
+        jax.clear_caches()  # the knob is read when a program is traced
+        try:
+            runs[graphs] = np.asarray(jax.jit(program)(buf)).tobytes()
+        except Exception as e:  # noqa: BLE001 -- XLA wraps the handler's error
+            assert graphs, str(e)
+            assert "command buffer" in str(e) and "COMMAND_BUFFERS = False" in str(e), str(e)
+    print("the twin", "wrote the bytes" if True in runs else "refused inside a graph")
+    if True in runs:
+        assert runs[True] == runs[False]
+    jax.clear_caches()
+
+
+@pytest.mark.gpu
 def test_the_unit_program_writes_each_wgrad_in_place_on_the_gpu():
     spec, params, rows, cols, x = _fp8_blocked_inputs()
     plain = _grads(spec, params, rows, cols, x)
