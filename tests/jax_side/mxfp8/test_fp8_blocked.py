@@ -279,6 +279,7 @@ def test_command_buffer_twins_give_the_same_bytes(monkeypatch):
                                                              rb.scale)]
         outs[graphs] += [np.asarray(o).tobytes() for o in fn(ra.data, ra.scale, rb.data,
                                                              rb.scale)]  # a replay
+    jax.clear_caches()  # no program traced with the twins outlives the test
     assert outs[True] == outs[False]
 
 
