@@ -220,8 +220,14 @@ def _qkv(linear: Linear) -> Callable[[jax.Array], Any]:
     return _linear(linear, "attn.qkv")
 
 
+def _gelu_in_fc() -> bool:
+    """Whether the MLP's first linear applies the GELU (``GELU_IN_GEMM``, unless
+    ``GELU_IN_LINEAR`` puts it in the second)."""
+    return GELU_IN_GEMM and not GELU_IN_LINEAR
+
+
 def _fc(linear: Linear) -> Fn:
-    if GELU_IN_GEMM and not GELU_IN_LINEAR:
+    if _gelu_in_fc():
         return lambda h: linear("mlp.fc", h, post="gelu_tanh")
     return _linear(linear, "mlp.fc")
 
@@ -265,7 +271,7 @@ class GPTBlockFn:
             ln_2=_norm(params, "ln_2", cfg.ln_eps),
             mlp=lambda h: mlp(h, fc=_fc(linear), proj=_proj(linear),
                               gelu_in_proj=GELU_IN_LINEAR,
-                              gelu_in_fc=GELU_IN_GEMM and not GELU_IN_LINEAR),
+                              gelu_in_fc=_gelu_in_fc()),
         )
 
 
