@@ -58,6 +58,10 @@ Runs (``--runs``):
   handlers' twins that XLA records into its command buffers (CUDA graphs) with the kernels
   around them (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on), against the default's handlers
   launched one by one between graphs (the same bytes); only for this project's runs.
+- ``:streams`` at the very end (e.g. ``mxfp8:u4:streams``): at world size 1 FSDP's gathers and
+  reductions -- copies there -- run on its communication streams beside the compute, as NCCL's
+  collectives do at any larger world size (``Overlap(streams_at_world_1=True)``), against the
+  default's copies on the current stream; only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -128,13 +132,16 @@ PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pa
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (KERNEL_CONFIG)
 GRAPHS = ":graphs"  # a run's suffix: the cuBLASLt handlers in XLA's command buffers
+STREAMS = ":streams"  # a run's suffix: world-size-1 copies on FSDP's communication streams
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
 # it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
 # entries set to PAIR_CHOICE), "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
 # set to PACKED_PAIR_CHOICE), "GIVEN" (the TRANSPOSED entries' ``given`` flipped) or
-# "COMMAND_BUFFERS" (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on)
+# "COMMAND_BUFFERS" (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on) or "COMM_STREAMS" (FSDP's
+# ``Overlap(streams_at_world_1=True)``: no unit program changes)
 SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", GELU_APART: "GELU_IN_GEMM",
-            PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN", GRAPHS: "COMMAND_BUFFERS"}
+            PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN", GRAPHS: "COMMAND_BUFFERS",
+            STREAMS: "COMM_STREAMS"}
 TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``, ``:given`` flip
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False, "GELU_IN_GEMM": True}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
@@ -253,7 +260,8 @@ def _build(run, cfg, args):
 
     from models import gpt_math
 
-    if _apply_switches(_switches(run)[1], gpt_math):
+    switched = _switches(run)[1]
+    if _apply_switches(switched, gpt_math):
         jax.clear_caches()  # trace this run's unit programs anew
     run, per_unit, recompute = _run_spec(run)
     mode = LinearMode.HIGH_PRECISION if run == "bf16" else LinearMode.MXFP8
@@ -266,6 +274,8 @@ def _build(run, cfg, args):
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
+    if "COMM_STREAMS" in switched:  # world-size-1 copies beside the compute, as NCCL's would be
+        overlap = dataclasses.replace(overlap, streams_at_world_1=True)
     freed = getattr(args, "freed_grad_buckets", None)  # (None: Overlap's default)
     if freed is not None:
         overlap = dataclasses.replace(overlap, freed_grad_buckets=freed)
@@ -319,7 +329,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
         raise ValueError(f"run {run!r}: {list(SWITCHES)} change how this project's unit "
                          f"programs run the GPT block (the qkv linear as one GEMM, the GELU "
                          f"inside the linear, the quantize's outputs in pairs, packed or with "
-                         f"given scales, the GEMMs in command buffers); drop them from "
+                         f"given scales, the GEMMs in command buffers, the world-size-1 copies "
+                         f"on FSDP's streams); drop them from "
                          f"{name!r}")
     name, recompute = (name[:-2], True) if name.endswith(":r") else (name, False)
     base, sep, n = name.partition(":u")
@@ -331,8 +342,9 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
                          f"GELU apart from the GEMM's epilogue), '{PAIRS}' (the "
                          f"quantize's outputs in pairs), '{PACKED}' (its transposed "
                          f"outputs' packing flipped), '{GIVEN}' (their scales given by "
-                         f"the rows' call) and/or '{GRAPHS}' (the cuBLASLt calls in XLA's "
-                         f"command buffers), e.g. 'mxfp8:u4:r'")
+                         f"the rows' call), '{GRAPHS}' (the cuBLASLt calls in XLA's "
+                         f"command buffers) and/or '{STREAMS}' (world-size-1 copies on the "
+                         f"communication streams), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")

@@ -88,6 +88,19 @@ def test_freed_grad_buckets_reaches_the_models_bucket_pool(single_rank_world):
         assert model.allocator.retiring_limit == want, (run, n)
 
 
+def test_the_streams_suffix_reaches_the_models_communicators(single_rank_world):
+    """``:streams`` sends the run's world-size-1 copies through FSDP's communication streams
+    (``Overlap.streams_at_world_1``), and touches no unit-program knob; the plain run keeps
+    them on the current stream."""
+    import argparse
+
+    args = argparse.Namespace(device="cpu", gemm="")
+    for run, want in (("mxfp8:u2:streams", True), ("mxfp8:u2", False)):
+        model = bench_train_step._build(run, PRESETS["tiny"], args)[0]
+        assert model.comms["dp"].streams_at_world_1 is want, run
+        assert model.state.overlap.streams_at_world_1 is want, run
+
+
 def test_fsdps_own_work_runs_on_the_models_kernels(single_rank_world):
     """``--gemm`` / ``--backend`` reach ``fully_shard`` as well as the model (as apps.training
     passes them): FSDP's refresh resolves the same kernels, so with an ``fp8_blocked`` GEMM its
