@@ -58,13 +58,10 @@ Runs (``--runs``):
   handlers' twins that XLA records into its command buffers (CUDA graphs) with the kernels
   around them (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on), against the default's handlers
   launched one by one between graphs (the same bytes); only for this project's runs.
-- ``:streams`` / ``:current`` at the very end (e.g. ``mxfp8:u4:streams``): at world size 1 every
-  one of FSDP's gathers and reductions -- copies there -- runs on its communication streams
-  beside the compute, as NCCL's collectives do at any larger world size
-  (``Overlap(streams_at_world_1=True)``), or every one on the current stream
-  (``world_1_stream_bytes=None``, the default before session 22), against the default's copies
-  of 64 MiB or more on the streams and smaller ones on the current stream; only for this
-  project's runs.
+- ``:streams`` at the very end (e.g. ``mxfp8:u4:streams``): at world size 1 FSDP's gathers and
+  reductions -- copies there -- run on its communication streams beside the compute, as NCCL's
+  collectives do at any larger world size (``Overlap(streams_at_world_1=True)``), against the
+  default's copies on the current stream; only for this project's runs.
 - ``:r`` after ``:u<N>`` (e.g. ``mxfp8:u4:r``, ``bf16:u4:r``, ``mxfp8:r``): the unit programs'
   activation recompute (``TorchGPT(recompute=True)``, training's ``Recompute.BLOCK``): each
   block unit's forward keeps only its inputs and its backward program runs the forward again
@@ -135,18 +132,16 @@ PAIRS = ":pairs"  # a run's suffix: the blocked-operand quantize's outputs in pa
 PACKED = ":packed"  # a run's suffix: the transposed outputs' ``packed`` flipped (KERNEL_CONFIG)
 GIVEN = ":given"  # a run's suffix: the transposed outputs' ``given`` flipped (KERNEL_CONFIG)
 GRAPHS = ":graphs"  # a run's suffix: the cuBLASLt handlers in XLA's command buffers
-STREAMS = ":streams"  # a run's suffix: every world-size-1 copy on FSDP's communication streams
-CURRENT = ":current"  # a run's suffix: every world-size-1 copy on the current stream
+STREAMS = ":streams"  # a run's suffix: world-size-1 copies on FSDP's communication streams
 # a run's trailing suffixes (any order, each once) -> what each changes: a models.gpt_math knob
 # it flips from its default (KNOB_DEFAULTS), "PAIRS" (blocked_operands.KERNEL_CONFIG's pair
 # entries set to PAIR_CHOICE), "PACKED" (the TRANSPOSED entries' packing flipped, pair entries
 # set to PACKED_PAIR_CHOICE), "GIVEN" (the TRANSPOSED entries' ``given`` flipped) or
-# "COMMAND_BUFFERS" (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on), "COMM_STREAMS" or
-# "COMM_CURRENT" (FSDP's ``Overlap(streams_at_world_1=True)`` or ``world_1_stream_bytes=None``:
-# no unit program changes)
+# "COMMAND_BUFFERS" (``jax_side.mxfp8.cublaslt.COMMAND_BUFFERS`` on) or "COMM_STREAMS" (FSDP's
+# ``Overlap(streams_at_world_1=True)``: no unit program changes)
 SWITCHES = {QKV1: "QKV_PARTS", GELU_IN: "GELU_IN_LINEAR", GELU_APART: "GELU_IN_GEMM",
             PAIRS: "PAIRS", PACKED: "PACKED", GIVEN: "GIVEN", GRAPHS: "COMMAND_BUFFERS",
-            STREAMS: "COMM_STREAMS", CURRENT: "COMM_CURRENT"}
+            STREAMS: "COMM_STREAMS"}
 TRANSPOSED = ("rows_t", "tiles_t")  # the KERNEL_CONFIG entries that ``:packed``, ``:given`` flip
 KNOB_DEFAULTS = {"QKV_PARTS": True, "GELU_IN_LINEAR": False, "GELU_IN_GEMM": True}
 PAIR_ENTRIES = ("rows+rows_t", "rows+tiles_t")
@@ -279,10 +274,8 @@ def _build(run, cfg, args):
     gather = GatherMode.BF16 if run == "mxfp8_bf16_gather" else GatherMode.MXFP8
     policy = MixedPrecisionPolicy(other_format=WeightFormat.BF16, gather=gather)
     overlap = Overlap.none() if run == "mxfp8-sync" else Overlap()
-    if "COMM_STREAMS" in switched:  # every world-size-1 copy beside the compute
+    if "COMM_STREAMS" in switched:  # world-size-1 copies beside the compute, as NCCL's would be
         overlap = dataclasses.replace(overlap, streams_at_world_1=True)
-    if "COMM_CURRENT" in switched:  # every one on the current stream (before session 22)
-        overlap = dataclasses.replace(overlap, world_1_stream_bytes=None)
     freed = getattr(args, "freed_grad_buckets", None)  # (None: Overlap's default)
     if freed is not None:
         overlap = dataclasses.replace(overlap, freed_grad_buckets=freed)
@@ -350,9 +343,8 @@ def _run_spec(run: str) -> tuple[str, int, bool]:
                          f"quantize's outputs in pairs), '{PACKED}' (its transposed "
                          f"outputs' packing flipped), '{GIVEN}' (their scales given by "
                          f"the rows' call), '{GRAPHS}' (the cuBLASLt calls in XLA's "
-                         f"command buffers), '{STREAMS}' or '{CURRENT}' (every world-size-1 "
-                         f"copy on the communication streams or on the current one), e.g. "
-                         f"'mxfp8:u4:r'")
+                         f"command buffers) and/or '{STREAMS}' (world-size-1 copies on the "
+                         f"communication streams), e.g. 'mxfp8:u4:r'")
     if recompute and base in (*PEERS, "mxfp8-op"):
         raise ValueError(f"run {run!r}: ':r' is the unit programs' activation recompute; "
                          f"{base} runs no unit programs, drop ':r' (or use mxfp8 / bf16)")

@@ -89,17 +89,16 @@ def test_freed_grad_buckets_reaches_the_models_bucket_pool(single_rank_world):
 
 
 def test_the_streams_suffix_reaches_the_models_communicators(single_rank_world):
-    """``:streams`` sends every world-size-1 copy of the run through FSDP's communication
-    streams (``Overlap.streams_at_world_1``), ``:current`` none (``world_1_stream_bytes=None``);
-    the plain run takes Overlap's default threshold."""
+    """``:streams`` sends the run's world-size-1 copies through FSDP's communication streams
+    (``Overlap.streams_at_world_1``), and touches no unit-program knob; the plain run keeps
+    them on the current stream."""
     import argparse
 
     args = argparse.Namespace(device="cpu", gemm="")
-    for run, every, least in (("mxfp8:u2:streams", True, 64 << 20), ("mxfp8:u2", False, 64 << 20),
-                              ("mxfp8:u2:current", False, None)):
+    for run, want in (("mxfp8:u2:streams", True), ("mxfp8:u2", False)):
         model = bench_train_step._build(run, PRESETS["tiny"], args)[0]
-        for got in (model.comms["dp"], model.state.overlap):
-            assert (got.streams_at_world_1, got.world_1_stream_bytes) == (every, least), run
+        assert model.comms["dp"].streams_at_world_1 is want, run
+        assert model.state.overlap.streams_at_world_1 is want, run
 
 
 def test_fsdps_own_work_runs_on_the_models_kernels(single_rank_world):

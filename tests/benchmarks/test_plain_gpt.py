@@ -98,9 +98,8 @@ def test_recompute_is_a_suffix_of_this_projects_runs_only():
     assert _switches("mxfp8:u4:graphs") == ("mxfp8:u4", {"COMMAND_BUFFERS"})
     assert _switches("mxfp8:u4:graphs:streams") == ("mxfp8:u4", {"COMMAND_BUFFERS",
                                                                  "COMM_STREAMS"})
-    assert _switches("mxfp8:u4:current") == ("mxfp8:u4", {"COMM_CURRENT"})
     for bad in ("fsdp2:qkv1", "mxfp8-op:qkv1", "torchao:gelu-in", "fsdp2:pairs", "fsdp2:given",
-                "fsdp2:gelu-apart", "torchao:graphs", "fsdp2:streams", "fsdp2:current"):
+                "fsdp2:gelu-apart", "torchao:graphs", "fsdp2:streams"):
         with pytest.raises(ValueError, match=re.escape(bad) + ".*drop them"):
             _run_spec(bad)
     for bad in ("mxfp8:r:u4", "mxfp8:u4:rr", "mxfp8:u:r", "fsdp2:u2:r", "nope:r",

@@ -31,12 +31,10 @@ reading the output, and keep the input unchanged until then. Where they run:
   gloo's thread has let go of the tensors (``_await_release``: the bucket pool reuses a bucket
   only once nothing else references it, so its memory bound rests on this wait).
 
-A synchronous collective runs on the current stream. At world size 1 a collective is a copy:
-one of at least ``world_1_stream_bytes`` runs on the communication streams as above (beside the
-compute: BENCHMARKS.md, "session 22"), a smaller one on the current stream, where a stream
-hand-off would only cost host time (BENCHMARKS.md, "Overlap"); ``streams_at_world_1`` sends
-every world-size-1 copy through the streams, so that one GPU tests the stream ordering
-(test_nccl.py). With a
+A synchronous collective runs on the current stream, and so does every collective at world size
+1, where it is a copy and a stream hand-off would only cost host time (measured on the H200:
+BENCHMARKS.md, "Overlap"); ``Overlap.streams_at_world_1`` sends world-size-1 copies through the
+communication streams anyway, so that one GPU tests the stream ordering (test_nccl.py). With a
 ``common.trace`` recorder active, each collective is recorded from issue to completion on the
 track of its stream (GPU times through CUDA events; on the CPU, gloo's completion callback).
 """
@@ -222,11 +220,10 @@ class Communicator:
     ``WIRE_LOG_LIMIT`` collectives; cleared by the caller). ``check``: run the
     collective-consistency check before each collective (module note). The ranks agree on it
     before the first collective (one rank asking turns it on for all), on that collective's
-    device, so building a communicator moves nothing; ``streams_at_world_1``,
-    ``world_1_stream_bytes``: module note."""
+    device, so building a communicator moves nothing; ``streams_at_world_1``: module note."""
 
     def __init__(self, group: dist.ProcessGroup | None, name: str, check: bool = False,
-                 streams_at_world_1: bool = False, world_1_stream_bytes: int | None = None):
+                 streams_at_world_1: bool = False):
         self.group = group
         self.name = name
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -234,7 +231,6 @@ class Communicator:
         self.records: collections.deque[WireRecord] = collections.deque(maxlen=WIRE_LOG_LIMIT)
         self.check = bool(check)
         self.streams_at_world_1 = bool(streams_at_world_1)
-        self.world_1_stream_bytes = world_1_stream_bytes
         self._agreed = self.world_size == 1
         key = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         self.ordinal = _ORDINALS[key] = _ORDINALS.get(key, -1) + 1
@@ -317,7 +313,7 @@ class Communicator:
         rec = trace.active()
         args: dict[str, Any] = {} if rec is None else {
             "phase": phase.value, "bytes": t.numel() * t.element_size()}
-        if not async_op or (self.world_size == 1 and not (t.is_cuda and self._streamed(t))):
+        if not async_op or (self.world_size == 1 and not (t.is_cuda and self.streams_at_world_1)):
             if rec is None:  # (the hot path: no trace names or arguments built)
                 self._run(op, phase, label, lambda: call(False))
             else:
@@ -350,13 +346,6 @@ class Communicator:
         if timing is not None:
             timing()
         return Handle(self, what, event=event)
-
-    def _streamed(self, t: torch.Tensor) -> bool:
-        """At world size 1: whether the copy over ``t`` goes through the streams (module note)."""
-        if self.streams_at_world_1:
-            return True
-        least = self.world_1_stream_bytes
-        return least is not None and t.numel() * t.element_size() >= least
 
     def _cuda_timing(self, rec: trace.Recorder | None, stream: torch.cuda.Stream, track: str,
                      name: str, args: dict) -> Callable[[], None] | None:

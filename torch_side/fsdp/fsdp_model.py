@@ -135,15 +135,15 @@ class FSDPModel(nn.Module):
             )
         overlap = Overlap() if overlap is None else overlap
         self.allocator = BucketAllocator(retiring_limit=overlap.freed_grad_buckets)
-        streams = (overlap.streams_at_world_1, overlap.world_1_stream_bytes)
-        self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), *streams)}
+        streams = overlap.streams_at_world_1
+        self.comms = {"dp": Communicator(group, "dp", bool(check_collectives), streams)}
         self.mesh_shape = groups.shape  # (replicas, shards): (1, DP size) without a mesh
         if groups.replicate is not None:  # HSDP (torch_side.fsdp.hybrid_mesh)
             self.comms["replicate"] = Communicator(groups.replicate, "replicate",
-                                                   bool(check_collectives), *streams)
+                                                   bool(check_collectives), streams)
         if expert_modules:
             self.comms["expert_dp"] = Communicator(expert_group, "expert_dp",
-                                                   bool(check_collectives), *streams)
+                                                   bool(check_collectives), streams)
         self.state = FSDPState(overlap)
         cfg = UnitConfig(
             policy, self.strategy, self.comms, self.allocator, self.grad_check, kernels

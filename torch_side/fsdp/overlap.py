@@ -9,16 +9,6 @@
   result is read (``grad_reducer``); ``reductions_in_flight`` bounds how many are in flight (each
   holds its unit's gradient bucket), the oldest settled first. With ``async_reduce=False`` each
   reduction completes before backward moves on.
-- ``streams_at_world_1``, ``world_1_stream_bytes`` (CUDA, world size 1, where every
-  "collective" is a copy): a copy of at least ``world_1_stream_bytes`` (64 MiB by default) runs
-  on the communication streams as NCCL's collectives do at any larger world size, so the
-  compute stream never carries it and the host never waits to queue it behind the compute;
-  smaller ones run on the current stream, where a stream hand-off (a wait, two events) costs
-  more host time than the copy takes. ``streams_at_world_1=True`` sends every copy through the
-  streams (how one GPU tests their ordering), ``world_1_stream_bytes=None`` none. Measured on
-  one H200 (1.3B, 4 blocks per unit, BENCHMARKS.md "session 22"): the step 128.8 -> 125.5 ms
-  with every copy on the streams; at GPT-2 124M (session of issue 20) the hand-offs cost 7.5-15
-  ms of host time a step on a host-bound step.
 - ``freed_grad_buckets`` (CUDA): a grad bucket a unit program handed over (JAX's memory,
   ``BucketAllocator.adopt``) is kept after its reduction until the work queued on its readers'
   stream has run; at most this many are kept at once -- beyond it the host waits for the oldest
@@ -71,10 +61,7 @@ class Overlap:
     # (torch_side.comm.collectives; the applications' MXFP8_FSDP_COMM_STREAMS=1): how one GPU tests
     # the stream ordering
     streams_at_world_1: bool = False
-    freed_grad_buckets: int = 2
-    # CUDA, world size 1: a copy of at least this many bytes runs on the communication streams,
-    # beside the compute (None: none does); smaller ones on the current stream (module note)
-    world_1_stream_bytes: int | None = 64 << 20  # (last: the fields before keep their positions)
+    freed_grad_buckets: int = 2  # (last: the fields before keep their positions)
 
     def __post_init__(self) -> None:
         for name, low in (("prefetch", 0), ("reductions_in_flight", 1),
@@ -90,13 +77,6 @@ class Overlap:
         for name in ("async_reduce", "streams_at_world_1"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Overlap: {name} must be a bool, got {getattr(self, name)!r}")
-        b = self.world_1_stream_bytes
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
-            raise ValueError(
-                f"Overlap: world_1_stream_bytes must be an int >= 0 or None, got {b!r} (the "
-                f"smallest world-size-1 copy sent through the communication streams; None "
-                f"keeps every one on the current stream, 0 sends every one)"
-            )
 
     @classmethod
     def none(cls) -> Overlap:

@@ -8,7 +8,6 @@ against the replicated reference (worlds 1-4) runs with the default overlap on."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.torch_side import cases_overlap as co
 from tests.torch_side.conftest import check_case
@@ -42,35 +41,11 @@ def test_overlap(case, world_size):
         ({"async_reduce": "yes"}, "async_reduce must be a bool"),
         ({"freed_grad_buckets": -1}, "freed_grad_buckets must be an int >= 0"),
         ({"freed_grad_buckets": 1.0}, "freed_grad_buckets must be an int >= 0"),
-        ({"world_1_stream_bytes": -1}, "world_1_stream_bytes must be an int >= 0 or None"),
-        ({"world_1_stream_bytes": True}, "world_1_stream_bytes must be an int >= 0 or None"),
-        ({"world_1_stream_bytes": 1e6}, "world_1_stream_bytes must be an int >= 0 or None"),
     ],
 )
 def test_bad_overlap_settings_are_refused_by_name(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Overlap(**kwargs)
-
-
-def test_world_size_1_copies_take_the_streams_from_the_threshold_up(single_rank_world):
-    """At world size 1 a copy of at least ``world_1_stream_bytes`` goes through the
-    communication streams, a smaller one stays on the current stream; ``streams_at_world_1``
-    sends every one, ``None`` none; each of the model's communicators takes the setting."""
-    from torch import nn
-
-    from torch_side import fully_shard
-
-    t = torch.empty(1 << 20)  # 4 MiB
-    for overlap, want in ((Overlap(), (False, False)),
-                          (Overlap(world_1_stream_bytes=4 << 20), (True, False)),
-                          (Overlap(world_1_stream_bytes=0), (True, True)),
-                          (Overlap(world_1_stream_bytes=None), (False, False)),
-                          (Overlap(streams_at_world_1=True, world_1_stream_bytes=None),
-                           (True, True))):
-        model = fully_shard(nn.Sequential(nn.Linear(8, 8, bias=False)), overlap=overlap)
-        comm = model.comms["dp"]
-        assert (comm._streamed(t), comm._streamed(t[:-1])) == want, overlap
-    assert Overlap().world_1_stream_bytes == 64 << 20
 
 
 def test_the_model_s_pool_keeps_at_most_freed_grad_buckets_handed_over_buckets(
