@@ -307,6 +307,16 @@ ffi::Error ZeroedGaps(cudaStream_t stream, ffi::Span<const int64_t> gaps,
 
 }  // namespace
 
+// The GEMM handlers' common binding: the stream, then a's and b's e4m3 data and fp32 scales.
+static auto GemmOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>();
+}
+
 // Each handler twice: as is, and as *Graph with the command-buffer trait, so XLA records it
 // into its CUDA graphs with the kernels around it (one graph launch instead of a launch per
 // thunk; jax_side.mxfp8.cublaslt.COMMAND_BUFFERS picks the targets). Both run the same code:
@@ -318,34 +328,19 @@ ffi::Error ZeroedGaps(cudaStream_t stream, ffi::Span<const int64_t> gaps,
                                 {ffi::Traits::kCmdBufferCompatible})
 
 MXFP8_HANDLERS(Mxfp8Fp8BlockedGemm, Fp8BlockedGemm,
-               ffi::Ffi::Bind()
-                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
+               GemmOperands()
                    .Ret<ffi::AnyBuffer>()    // out
                    .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
 MXFP8_HANDLERS(Mxfp8Fp8BlockedGemmInto, Fp8BlockedGemmInto,
-               ffi::Ffi::Bind()
-                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
+               GemmOperands()
                    .Arg<ffi::AnyBuffer>()    // buf (aliased to out)
                    .Attr<int64_t>("offset")
                    .Ret<ffi::AnyBuffer>()    // out: buf with the GEMM written
                    .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
 
 MXFP8_HANDLERS(Mxfp8Fp8BlockedGemmGeluAux, Fp8BlockedGemmGeluAux,
-               ffi::Ffi::Bind()
-                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::AnyBuffer>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
-                   .Arg<ffi::Buffer<ffi::F32>>()
+               GemmOperands()
                    .Ret<ffi::AnyBuffer>()    // out: GELU(acc)
                    .Ret<ffi::AnyBuffer>()    // aux: acc
                    .Ret<ffi::AnyBuffer>());  // workspace (uint8, discarded)
